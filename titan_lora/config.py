@@ -1,0 +1,143 @@
+"""TOML sections that titan_lora adds to torchtitan's JobConfig (`job.custom_config_module`).
+
+Each dataclass is one TOML section. `validate_*` functions run before any model is built, so a bad
+config fails in seconds with a message that names the key and the fix.
+"""
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+ADAPTER_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class LoRA:
+    """`[lora]`: the adapter applied by the `lora` model converter."""
+
+    rank: int = 16
+    alpha: float = 32.0
+    use_rslora: bool = False
+    """Scale by alpha / sqrt(rank) instead of alpha / rank."""
+    dropout: float = 0.0
+    target_modules: list[str] | str = "all-linear"
+    """Leaf names of the linears to adapt (e.g. ["wq", "wv"] or HF names ["q_proj"]), or "all-linear"."""
+    dtype: str = "float32"
+    """Dtype of lora_A / lora_B: float32, bfloat16 or float16."""
+    export_dir: str = ""
+    """Where to write a PEFT adapter at the end of training (and on every checkpoint); empty: none."""
+
+
+@dataclass
+class Model:
+    """Keys titan_lora adds to torchtitan's `[model]`."""
+
+    load_pretrained: bool = False
+    """Load SmolLM2-135M-Instruct's weights (flavor "135M"); false: random init (e.g. flavor "debug")."""
+
+
+@dataclass
+class Data:
+    """`[data]`: the supervised data for the SFT smoke job."""
+
+    path: str = "titan_lora/data/arith_sft.jsonl"
+    """JSONL with {"prompt", "completion"} per line."""
+    seed: int = 0
+
+
+@dataclass
+class WeightSync:
+    """`[weight_sync]`: keep an inference engine on the newest adapter after every optimizer step."""
+
+    enabled: bool = False
+    emitter: str = "vllm"
+    """vllm | sglang | disk."""
+    engine_url: str = ""
+    """Attach to a running engine at this address; empty: titan_lora starts an embedded engine."""
+    api_key: str = ""
+    lora_name: str = "policy"
+    bucket_mb: int = 32
+    keep_versions: int = 2
+    """Adapter versions kept live; must be >= max staleness + 1."""
+    timeout_s: float = 120.0
+    retries: int = 3
+    retire_timeout_s: float = 30.0
+    parity_every: int = 5
+    """Run the trainer-vs-engine log-prob probe every N syncs; 0: never."""
+    parity_tolerance: float = 1e-3
+    pause_mode: str = "none"
+    """SGLang only: none | abort | retract | in_place."""
+    disk_dir: str = ""
+    """Disk emitter: where PEFT directories are written; empty: a temporary directory."""
+    engine_max_model_len: int = 512
+    engine_kv_cache_gib: int = 2
+
+
+@dataclass
+class JobConfig:
+    """titan_lora's sections; torchtitan merges them into its JobConfig (`job.custom_config_module`)."""
+
+    model: Model = field(default_factory=Model)
+    lora: LoRA = field(default_factory=LoRA)
+    data: Data = field(default_factory=Data)
+    weight_sync: WeightSync = field(default_factory=WeightSync)
+
+
+def validate_lora(cfg: LoRA) -> None:
+    """Reject a `[lora]` section that cannot work."""
+    if cfg.rank <= 0:
+        raise ValueError(f"[lora] rank must be a positive integer, got {cfg.rank}; try rank = 16")
+    if cfg.alpha <= 0:
+        raise ValueError(f"[lora] alpha must be > 0, got {cfg.alpha}; a common choice is 2 * rank")
+    if not 0.0 <= cfg.dropout < 1.0:
+        raise ValueError(f"[lora] dropout must be in [0, 1), got {cfg.dropout}")
+    if cfg.dtype not in ADAPTER_DTYPES:
+        raise ValueError(f"[lora] dtype = {cfg.dtype!r} is not one of {', '.join(ADAPTER_DTYPES)}")
+    targets = cfg.target_modules
+    if isinstance(targets, str) and targets != "all-linear":
+        raise ValueError(
+            f'[lora] target_modules = {targets!r}: use a list of names such as ["wq", "wv"] '
+            'or the string "all-linear"'
+        )
+    if isinstance(targets, list) and not targets:
+        raise ValueError('[lora] target_modules is empty: name some linears or use "all-linear"')
+    if cfg.export_dir:
+        check_writable_dir(cfg.export_dir, "[lora] export_dir")
+
+
+def check_writable_dir(path: str, key: str) -> None:
+    """Fail early if `path` cannot be created or written."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe) or not os.access(probe, os.W_OK):
+        raise ValueError(
+            f"{key} = {path!r} cannot be written ({probe!r} is not a writable directory); "
+            "choose a path under a directory you own"
+        )
+
+
+def validate_weight_sync(cfg: WeightSync, lora: LoRA) -> None:
+    """Reject a `[weight_sync]` section that cannot work."""
+    if not cfg.enabled:
+        return
+    if cfg.keep_versions < 2:
+        raise ValueError(
+            f"[weight_sync] keep_versions = {cfg.keep_versions}: keep at least 2 (max staleness 1 "
+            "+ 1) so that rollouts pinned to the previous version can finish"
+        )
+    if cfg.bucket_mb <= 0:
+        raise ValueError(f"[weight_sync] bucket_mb must be > 0, got {cfg.bucket_mb}")
+    if cfg.timeout_s <= 0 or cfg.retries < 0:
+        raise ValueError("[weight_sync] timeout_s must be > 0 and retries >= 0")
+    if cfg.pause_mode not in ("none", "abort", "retract", "in_place"):
+        raise ValueError(
+            f"[weight_sync] pause_mode = {cfg.pause_mode!r}: use none, abort, retract or in_place"
+        )
+    if cfg.disk_dir:
+        check_writable_dir(cfg.disk_dir, "[weight_sync] disk_dir")
+
+
+def section_dict(obj: object) -> dict:
+    """A config section as a plain dict (for logging)."""
+    return dataclasses.asdict(obj)  # type: ignore[arg-type]

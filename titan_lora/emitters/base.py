@@ -1,0 +1,124 @@
+"""The emitter protocol: the trainer side of one weight transfer to one engine.
+
+An emitter moves tensors that rank 0 already holds into an inference engine and returns the
+engine's acknowledgement. Ordering (base before adapter), versioning and retention are decided by
+the syncer (`titan_lora.sync`), not here, so every emitter shares them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
+
+if TYPE_CHECKING:
+    from titan_lora.config import WeightSync
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterPayload:
+    """One adapter version, on rank 0, in PEFT naming (`base_model.model.<hf name>.lora_A.weight`)."""
+
+    name: str
+    version: int
+    tensors: Mapping[str, torch.Tensor]
+    peft_config: Mapping[str, Any]
+
+    @property
+    def num_tensors(self) -> int:
+        """Number of tensors in the adapter."""
+        return len(self.tensors)
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes of the adapter tensors."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineLimits:
+    """What the engine was started with, read at start-up to validate our adapter against it."""
+
+    max_lora_rank: int
+    max_loras: int
+    target_modules: frozenset[str] | None  # HF leaf names (q_proj, ...); None: any linear
+
+
+@dataclasses.dataclass(frozen=True)
+class Ack:
+    """What the engine reports it installed; the syncer compares it with what was sent."""
+
+    version: int
+    num_tensors: int
+    nbytes: int
+    phases_ms: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+
+class EmitterError(RuntimeError):
+    """A transfer failed in a way the trainer should report (not a bug in the caller)."""
+
+
+class EngineWeightsLost(EmitterError):
+    """The engine no longer holds the base weights (restart, or weights released): resend the base."""
+
+
+@runtime_checkable
+class Emitter(Protocol):
+    """Trainer side of a transfer to one engine. Only rank 0 calls it."""
+
+    def engine_limits(self) -> EngineLimits:
+        """Query the engine's LoRA limits (rank, slots, targets) for start-up validation."""
+        ...
+
+    def engine_incarnation(self) -> str:
+        """An id that changes whenever the engine restarts or loses its weights."""
+        ...
+
+    def send_base(self, tensors: Mapping[str, torch.Tensor], version: int) -> Ack:
+        """Install full base weights (HF names) in the engine."""
+        ...
+
+    def send_adapter(self, payload: AdapterPayload) -> Ack:
+        """Install an adapter under `payload.name`; the name must not be live yet."""
+        ...
+
+    def retire_adapter(self, name: str, timeout_s: float) -> bool:
+        """Unload a drained adapter, best effort; False when it did not finish within the timeout."""
+        ...
+
+    def close(self) -> None:
+        """Release transport resources (shared memory, sessions)."""
+        ...
+
+
+EmitterFactory = Callable[["WeightSync"], Emitter]
+_EMITTERS: dict[str, EmitterFactory] = {}
+
+
+def register_emitter(name: str) -> Callable[[EmitterFactory], EmitterFactory]:
+    """Register an emitter factory under `name` for `[weight_sync] emitter = name`."""
+
+    def wrap(factory: EmitterFactory) -> EmitterFactory:
+        if name in _EMITTERS:
+            raise ValueError(f"emitter {name!r} is already registered")
+        _EMITTERS[name] = factory
+        return factory
+
+    return wrap
+
+
+def build_emitter(cfg: WeightSync) -> Emitter:
+    """Build the emitter that `cfg.emitter` names."""
+    if cfg.emitter not in _EMITTERS:
+        known = ", ".join(sorted(_EMITTERS)) or "none"
+        raise ValueError(
+            f"[weight_sync] emitter = {cfg.emitter!r} is not registered; known emitters: {known}"
+        )
+    return _EMITTERS[cfg.emitter](cfg)
+
+
+def registered_emitters() -> list[str]:
+    """Names of the registered emitters."""
+    return sorted(_EMITTERS)

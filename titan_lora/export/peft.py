@@ -1,0 +1,91 @@
+"""Adapter tensors in torchtitan naming -> PEFT naming, and PEFT directories on disk.
+
+torchtitan's Llama uses interleaved RoPE and HF uses rotate-half, so the state-dict adapter permutes
+the rows of wq/wk. The adapter's output rows live in lora_B, so lora_B of wq/wk gets the same
+permutation; lora_A (input side) is unchanged. Module names come from the state-dict adapter's own
+map, so trainer, PEFT and engines agree on them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter
+
+from titan_lora.config import LoRA
+
+PEFT_PREFIX = "base_model.model."
+
+
+def hf_rope_permute(rows: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Reorder output rows from interleaved RoPE (torchtitan) to rotate-half (HF), per head."""
+    out_dim, in_dim = rows.shape
+    return rows.view(n_heads, out_dim // n_heads // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+
+
+def _hf_module_names(sd_adapter: Llama3StateDictAdapter) -> dict[str, str]:
+    # "layers.{}.attention.wq" -> "model.layers.{}.self_attn.q_proj", from the adapter's own map.
+    return {
+        titan.removesuffix(".weight"): hf.removesuffix(".weight")
+        for hf, titan in sd_adapter.from_hf_map.items()
+        if titan is not None and titan.endswith(".weight")
+    }
+
+
+def to_peft_names(
+    adapter: Mapping[str, torch.Tensor], sd_adapter: Llama3StateDictAdapter
+) -> dict[str, torch.Tensor]:
+    """Map {`layers.0.attention.wq.lora_B`: t} to {`base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight`: t'}.
+
+    t' is t with the RoPE row permutation for wq/wk lora_B. The order of `adapter` is kept.
+    """
+    names = _hf_module_names(sd_adapter)
+    args = sd_adapter.model_args
+    heads = {"attention.wq": args.n_heads, "attention.wk": args.n_kv_heads or args.n_heads}
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in adapter.items():
+        module, suffix = name.rsplit(".", 1)
+        abstract = re.sub(r"\d+", "{}", module, count=1)
+        layer = re.search(r"\d+", module)
+        hf_module = names[abstract].format(layer.group(0) if layer else "")
+        n_heads = heads.get(abstract.removeprefix("layers.{}."))
+        if suffix == "lora_B" and n_heads is not None:
+            tensor = hf_rope_permute(tensor, n_heads)
+        out[f"{PEFT_PREFIX}{hf_module}.{suffix}.weight"] = tensor
+    return out
+
+
+def peft_config(cfg: LoRA, hf_target_modules: list[str], base_model_path: str = "") -> dict[str, Any]:
+    """The `adapter_config.json` contents that PEFT, vLLM and SGLang read."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_path,
+        "r": cfg.rank,
+        "lora_alpha": cfg.alpha,
+        "use_rslora": cfg.use_rslora,
+        "lora_dropout": cfg.dropout,
+        "target_modules": hf_target_modules,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "modules_to_save": None,
+    }
+
+
+def save_peft_dir(
+    path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], config: Mapping[str, Any]
+) -> Path:
+    """Write `adapter_config.json` + `adapter_model.safetensors` (the layout PEFT and vLLM load)."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps(dict(config), indent=2))
+    return out

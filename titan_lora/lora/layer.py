@@ -1,0 +1,108 @@
+"""LoRA on an `nn.Linear` that stays an `nn.Linear`.
+
+torchtitan's `init_weights`, TP plans, float8 converters and state-dict adapters all read
+`linear.weight`, so a wrapper module would break them. Instead the linear's class is swapped for a
+subclass that owns two extra parameters, `lora_A` (rank x in) and `lora_B` (out x rank). They are
+created on the module before sharding, so `fully_shard` turns them into DTensors like any other param.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+ADAPTER_SUFFIXES = ("lora_A", "lora_B")
+
+
+class LoRALinear(nn.Linear):
+    """`nn.Linear` plus a low-rank update: y = x W^T + b + scale * dropout(x) A^T B^T."""
+
+    lora_A: nn.Parameter
+    lora_B: nn.Parameter
+    scale: float
+    lora_dropout: nn.Module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Base projection plus the scaled low-rank path."""
+        base = F.linear(x, self.weight, self.bias)
+        update = F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B)
+        return base + self.scale * update
+
+
+def lora_scale(rank: int, alpha: float, use_rslora: bool) -> float:
+    """The LoRA scaling factor: alpha / rank, or alpha / sqrt(rank) with rsLoRA."""
+    return alpha / math.sqrt(rank) if use_rslora else alpha / rank
+
+
+def convert_linear(
+    linear: nn.Linear, rank: int, scale: float, dropout: float, dtype: torch.dtype
+) -> LoRALinear:
+    """Turn `linear` into a LoRALinear in place (same object, same `.weight`/`.bias`)."""
+    device = linear.weight.device
+    linear.__class__ = LoRALinear
+    lora = linear  # the same object, now typed as LoRALinear
+    lora.lora_A = nn.Parameter(torch.empty(rank, linear.in_features, device=device, dtype=dtype))
+    lora.lora_B = nn.Parameter(torch.empty(linear.out_features, rank, device=device, dtype=dtype))
+    lora.scale = scale
+    lora.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+    return lora  # type: ignore[return-value]
+
+
+def clean_fqn(name: str) -> str:
+    """A parameter or module name without wrapper segments (activation checkpointing, compile)."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
+    """The LoRA linears of `model` with their clean qualified names, in module order."""
+    for name, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            yield clean_fqn(name), module
+
+
+def is_adapter_param(name: str) -> bool:
+    """True for a parameter name that belongs to an adapter (`...lora_A` / `...lora_B`)."""
+    return name.rsplit(".", 1)[-1] in ADAPTER_SUFFIXES
+
+
+def adapter_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The adapter parameters of `model`, in one fixed order (the same on every rank)."""
+    return [(clean_fqn(n), p) for n, p in model.named_parameters() if is_adapter_param(n)]
+
+
+def freeze_base(model: nn.Module) -> None:
+    """Make only the adapter parameters trainable."""
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_adapter_param(name))
+
+
+def fill_param(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a full tensor into `param`, keeping only this rank's shard if it is a DTensor."""
+    with torch.no_grad():
+        if isinstance(param, DTensor):
+            # src_data_rank=None: every rank holds `full`, so each slices its own shard, no comm.
+            shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+            param.to_local().copy_(shard.to_local())
+        else:
+            param.copy_(full)
+
+
+@torch.no_grad()
+def init_adapters(model: nn.Module, seed: int = 0) -> None:
+    """Kaiming-uniform A and zero B, so that step 0 equals the base model.
+
+    The full A of each module is drawn from a generator seeded by (seed, module index), so the
+    result is the same for any number of ranks and any sharding.
+    """
+    for index, (_, module) in enumerate(lora_modules(model)):
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
+        full_a = torch.empty(module.lora_A.shape, dtype=torch.float32)
+        bound = 1.0 / math.sqrt(module.in_features)  # kaiming_uniform_ with a=sqrt(5)
+        full_a.uniform_(-bound, bound, generator=gen)
+        fill_param(module.lora_A, full_a.to(module.lora_A.dtype))
+        fill_param(module.lora_B, torch.zeros(module.lora_B.shape, dtype=module.lora_B.dtype))

@@ -1,0 +1,87 @@
+"""Parallelize a LoRA Llama: torchtitan's TP plan, then adapter placements, then FSDP2.
+
+torchtitan's `parallelize_llama` applies TP and FSDP in one call, but the adapters need their own
+TP placements in between: ColwiseParallel shards every param of a linear on dim 0 (wrong for lora_A)
+and RowwiseParallel leaves unknown params as plain tensors (which cannot mix with DTensors).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.models.llama3.infra.parallelize import apply_fsdp, apply_tp
+
+from titan_lora.lora.layer import lora_modules
+
+
+def adapter_tp_placements(weight_placement: Shard) -> tuple[Replicate | Shard, Replicate | Shard]:
+    """(lora_A, lora_B) placements that follow the base weight's TP placement."""
+    if weight_placement.dim == 0:  # colwise: output dim sharded, so B's output dim is too
+        return Replicate(), Shard(0)
+    if weight_placement.dim == 1:  # rowwise: input dim sharded, so A's input dim is too
+        return Shard(1), Replicate()
+    raise ValueError(f"unsupported TP placement {weight_placement} for a LoRA base weight")
+
+
+def _replace_with_placement(module: nn.Module, name: str, mesh: DeviceMesh, placement) -> None:  # noqa: ANN001
+    # Runs on the meta-device model, before init_weights fills the adapters: only shapes matter.
+    param = getattr(module, name)
+    device = (param.to_local() if isinstance(param, DTensor) else param).device
+    empty = torch.empty(param.shape, dtype=param.dtype, device=device)
+    dist = distribute_tensor(empty, mesh, [placement], src_data_rank=None)
+    module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
+
+
+def place_adapters_for_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Give each adapter the TP placement its base weight's plan implies (meta-device model)."""
+    for _, module in lora_modules(model):
+        weight = module.weight
+        if not isinstance(weight, DTensor):
+            raise ValueError(
+                f"{type(module).__name__} has a LoRA adapter but no TP plan; "
+                "remove it from [lora] target_modules or add it to the TP plan"
+            )
+        (placement,) = weight.placements
+        a_place, b_place = adapter_tp_placements(placement)
+        _replace_with_placement(module, "lora_A", tp_mesh, a_place)
+        _replace_with_placement(module, "lora_B", tp_mesh, b_place)
+
+
+def parallelize_lora_llama(model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:  # noqa: ANN001
+    """TP (with adapter placements), activation checkpointing and FSDP2, as torchtitan does."""
+    if parallel_dims.cp_enabled or parallel_dims.pp_enabled:
+        raise ValueError(
+            "titan_lora supports data (FSDP/HSDP) and tensor parallelism; "
+            "set [parallelism] context_parallel_degree = 1 and pipeline_parallel_degree = 1"
+        )
+    if job_config.compile.enable:
+        raise ValueError("[compile] enable = true is not supported with LoRA yet; set it to false")
+    if parallel_dims.tp_enabled:
+        tp_mesh = parallel_dims.get_mesh("tp")
+        apply_tp(
+            model,
+            tp_mesh,
+            loss_parallel=not job_config.parallelism.disable_loss_parallel,
+            enable_float8_tensorwise_tp=False,
+        )
+        place_adapters_for_tp(model, tp_mesh)
+    if job_config.activation_checkpoint.mode != "none":
+        apply_ac(model, job_config.activation_checkpoint, base_folder=job_config.job.dump_folder)
+    if parallel_dims.fsdp_enabled:
+        names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
+        apply_fsdp(
+            model,
+            parallel_dims.get_mesh(names),
+            param_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_param],
+            reduce_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_reduce],
+            pp_enabled=False,
+            cpu_offload=job_config.training.enable_cpu_offload,
+            reshard_after_forward_policy=job_config.parallelism.fsdp_reshard_after_forward,
+        )
+    return model
+

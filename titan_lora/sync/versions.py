@@ -1,0 +1,114 @@
+"""The one source of truth for which adapter versions an engine holds and which one rollouts use.
+
+A name is published (becomes `active`) only after its load was acknowledged. Rollouts take a lease
+on the active name; a version is retired only once it is outside the retention window and has no
+lease left, so an unload never waits on an in-flight request (the SGLang unload hang).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Iterator
+
+
+def versioned_name(lora_name: str, version: int) -> str:
+    """The engine-side name of one adapter version: `<lora_name>-v<version>`."""
+    return f"{lora_name}-v{version}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Lease:
+    """A rollout's hold on one adapter version."""
+
+    name: str
+    version: int
+
+
+class AdapterVersions:
+    """Live adapter versions of one engine, the active one, and in-flight leases per version."""
+
+    def __init__(self, lora_name: str, keep_versions: int) -> None:
+        if keep_versions < 1:
+            raise ValueError(f"[weight_sync] keep_versions must be >= 1, got {keep_versions}")
+        self.lora_name = lora_name
+        self.keep_versions = keep_versions
+        self._live: dict[int, str] = {}  # version -> name, in load order
+        self._leases: dict[int, int] = {}
+        self._active: int | None = None
+        self._cond = threading.Condition()
+
+    @property
+    def active(self) -> Lease | None:
+        """The newest acknowledged version, or None before the first adapter load."""
+        with self._cond:
+            return None if self._active is None else Lease(self._live[self._active], self._active)
+
+    @property
+    def live(self) -> list[int]:
+        """Versions the engine holds (loaded and not yet retired), oldest first."""
+        with self._cond:
+            return list(self._live)
+
+    def publish(self, version: int) -> str:
+        """Record that `version` was acknowledged by the engine and make it the active one."""
+        with self._cond:
+            if self._active is not None and version <= self._active:
+                raise ValueError(
+                    f"adapter version {version} is not newer than the active {self._active}; "
+                    "versions are training steps and must grow"
+                )
+            self._live[version] = versioned_name(self.lora_name, version)
+            self._active = version
+            self._cond.notify_all()
+            return self._live[version]
+
+    def forget_all(self) -> None:
+        """Drop every record: the engine lost its adapters (restart)."""
+        with self._cond:
+            self._live.clear()
+            self._leases.clear()
+            self._active = None
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def lease(self) -> Iterator[Lease]:
+        """Hold the active version for the duration of one request."""
+        with self._cond:
+            if self._active is None:
+                raise RuntimeError("no adapter version is active yet: sync before the first rollout")
+            held = Lease(self._live[self._active], self._active)
+            self._leases[held.version] = self._leases.get(held.version, 0) + 1
+        try:
+            yield held
+        finally:
+            with self._cond:
+                self._leases[held.version] -= 1
+                if self._leases[held.version] == 0:
+                    del self._leases[held.version]
+                self._cond.notify_all()
+
+    def in_flight(self, version: int) -> int:
+        """Number of leases held on `version`."""
+        with self._cond:
+            return self._leases.get(version, 0)
+
+    def expired(self) -> list[Lease]:
+        """Versions outside the retention window (the newest `keep_versions` stay), oldest first."""
+        with self._cond:
+            versions = list(self._live)
+            old = versions[: max(0, len(versions) - self.keep_versions)]
+            return [Lease(self._live[v], v) for v in old]
+
+    def wait_drained(self, version: int, timeout_s: float) -> bool:
+        """Block until no lease holds `version`; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._leases.get(version, 0) == 0, timeout_s)
+
+    def mark_retired(self, version: int) -> None:
+        """Record that the engine unloaded `version`."""
+        with self._cond:
+            if version == self._active:
+                raise ValueError(f"refusing to retire the active adapter version {version}")
+            self._live.pop(version, None)

@@ -1,0 +1,57 @@
+"""Build the (LoRA, sharded, initialised, optionally pretrained) model the way torchtitan's Trainer does."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+import torch.nn as nn
+from torchtitan.distributed import ParallelDims
+from torchtitan.protocols.model_converter import build_model_converters
+from torchtitan.protocols.state_dict_adapter import StateDictAdapter
+from torchtitan.protocols.train_spec import TrainSpec, get_train_spec
+
+import titan_lora.lora.converter  # noqa: F401  (registers the "lora" converter)
+import titan_lora.model.smollm2  # noqa: F401  (registers the "smollm2" train spec)
+from titan_lora.model.load import load_base_weights
+from titan_lora.model.smollm2 import pretrained_dir
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class BuiltModel:
+    """The model and the torchtitan parts that describe it."""
+
+    model: nn.Module
+    train_spec: TrainSpec
+    sd_adapter: StateDictAdapter
+    hf_dir: str
+    """HF checkpoint directory (weights, config, tokenizer) of the base model."""
+
+
+def build_model(job_config, parallel_dims: ParallelDims, device: torch.device) -> BuiltModel:  # noqa: ANN001
+    """Meta-init, convert (LoRA), parallelize, materialise on `device`, init, load pretrained weights."""
+    spec = get_train_spec(job_config.model.name)
+    if job_config.model.flavor not in spec.model_args:
+        raise ValueError(
+            f"[model] flavor = {job_config.model.flavor!r} is unknown for {job_config.model.name!r}; "
+            f"choose one of {sorted(spec.model_args)}"
+        )
+    args = dataclasses.replace(spec.model_args[job_config.model.flavor])
+    args.update_from_config(job_config)
+    hf_dir = str(pretrained_dir())  # the tokenizer comes from here even for random-init flavors
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    build_model_converters(job_config, parallel_dims).convert(model)
+    model = spec.parallelize_fn(model, parallel_dims, job_config)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    sd_adapter = spec.state_dict_adapter(args, hf_dir)
+    if job_config.model.load_pretrained:
+        load_base_weights(model, hf_dir, sd_adapter)
+        logger.info("loaded pretrained weights from %s", hf_dir)
+    model.train()
+    return BuiltModel(model=model, train_spec=spec, sd_adapter=sd_adapter, hf_dir=hf_dir)

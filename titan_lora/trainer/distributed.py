@@ -1,0 +1,51 @@
+"""Process-group and device-mesh set-up that works on CPU (gloo) and GPU (NCCL) alike."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+import torchtitan.distributed.parallel_dims as titan_parallel_dims
+from torchtitan.distributed import ParallelDims
+
+
+def device_for_rank() -> torch.device:
+    """This rank's device: its GPU under torchrun when CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
+    """Start the default process group (NCCL on GPU, gloo on CPU); single process needs no launcher."""
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29571")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def build_parallel_dims(parallelism, world_size: int, device: torch.device) -> ParallelDims:  # noqa: ANN001
+    """torchtitan's ParallelDims from `[parallelism]`, with its mesh on `device`'s type."""
+    # torchtitan picks the mesh device type at import time and falls back to "cuda" when no
+    # accelerator is present; the mesh must be built on the device we actually run on.
+    titan_parallel_dims.device_type = device.type
+    dims = ParallelDims(
+        dp_shard=parallelism.data_parallel_shard_degree,
+        dp_replicate=parallelism.data_parallel_replicate_degree,
+        cp=parallelism.context_parallel_degree,
+        tp=parallelism.tensor_parallel_degree,
+        pp=parallelism.pipeline_parallel_degree,
+        ep=parallelism.expert_parallel_degree,
+        etp=parallelism.expert_tensor_parallel_degree,
+        world_size=world_size,
+    )
+    dims.build_mesh()
+    return dims

@@ -1,0 +1,55 @@
+"""Parse `--job.config_file x.toml` plus CLI overrides into torchtitan's JobConfig with our sections."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+
+from torchtitan.config import ConfigManager
+
+import titan_lora.lora.converter  # noqa: F401  (registers "lora" before converters are checked)
+from titan_lora import config as ours
+from torchtitan.protocols.model_converter import _registry_model_converter_cls
+
+CUSTOM_CONFIG_MODULE = "titan_lora.config"
+_OUR_SECTIONS = {"lora": ours.LoRA, "weight_sync": ours.WeightSync, "data": ours.Data}
+
+
+def _config_path(argv: list[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg.startswith("--job.config_file"):
+            return arg.split("=", 1)[1] if "=" in arg else argv[i + 1]
+    return None
+
+
+def _check_keys(section: str, given: dict, cls: type) -> None:
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in given:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(sorted(known))}"
+            raise ValueError(f"[{section}] has an unknown key {key!r}; {hint}")
+
+
+def check_toml(toml: dict) -> None:
+    """Reject unknown keys in our sections and unknown converters, naming the key and the fix."""
+    for section, cls in _OUR_SECTIONS.items():
+        _check_keys(section, toml.get(section, {}), cls)
+    for name in toml.get("model", {}).get("converters", []):
+        if name not in _registry_model_converter_cls:
+            known = ", ".join(sorted(_registry_model_converter_cls))
+            raise ValueError(f"[model] converters names {name!r}, which is not registered; known: {known}")
+
+
+def load_job_config(argv: list[str]):  # noqa: ANN201 (a dataclass type made at run time)
+    """The merged JobConfig; raises ValueError on a bad config before anything is built."""
+    path = _config_path(argv)
+    if path is not None:
+        with open(path, "rb") as f:
+            check_toml(tomllib.load(f))
+    args = [*argv, f"--job.custom_config_module={CUSTOM_CONFIG_MODULE}"]
+    job_config = ConfigManager().parse_args(args)
+    ours.validate_lora(job_config.lora)
+    ours.validate_weight_sync(job_config.weight_sync, job_config.lora)
+    return job_config
