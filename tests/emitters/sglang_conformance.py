@@ -24,11 +24,13 @@ import contextlib
 import dataclasses
 import hashlib
 import io
+import itertools
 import json
 import pickle
 import threading
 import time
 import urllib.parse
+import warnings
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
@@ -186,7 +188,7 @@ class ServerArgs:
     api_key: str | None = None
     weight_version: str = "default"
     remote: bool = True  # refuse shared-memory handles, as an engine on another host would fail
-    gen_delay_s: float = 0.0  # hold each /generate this long, so requests overlap syncs
+    gen_delays_s: tuple[float, ...] = (0.0,)  # how long each /generate holds its adapter, cycled
 
 
 _FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
@@ -217,6 +219,7 @@ class Engine:
         self.calls: list[tuple[str, dict]] = []
         self.running = self.loaded_high_water = self.lru_evictions = self.blocked_unloads = 0
         self.released: list[list[str] | None] = []
+        self._delays = itertools.cycle(args.gen_delays_s)
 
     def _decode(self, body: dict) -> dict[str, torch.Tensor]:
         try:
@@ -326,7 +329,8 @@ class Engine:
             self.blocked_unloads += self.counters[lora_id] > 0
             self.cond.wait_for(lambda: self.counters[lora_id] == 0)  # SGLang waits with no timeout
             del self.counters[lora_id]
-        with self.model_lock:
+        with self.model_lock, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # PEFT warns when the adapter it deletes was the active one
             self.peft.delete_adapter(name)
         self.pending_unloads.pop(name)
         return {"success": True, "error_message": "", "loaded_adapters": dict.fromkeys(self.registry, "__tensor__")}
@@ -360,13 +364,14 @@ class Engine:
         params = body.get("sampling_params") or {}
         ids, start = list(body["input_ids"]), body.get("logprob_start_len")
         with self.hold(body.get("lora_path")):
-            time.sleep(self.args.gen_delay_s)
+            time.sleep(next(self._delays))
             with self.model_lock, torch.no_grad(), self._adapter(body.get("lora_path")) as model:
                 prompt_lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
-                out: list[list] = []
+                lp, out = prompt_lp[-1], []
                 for _ in range(params.get("max_new_tokens", 128)):
-                    seq = ids + [e[1] for e in out]
-                    lp = torch.log_softmax(model(torch.tensor([seq])).logits[0, -1].float(), -1)
+                    if out:  # no KV cache: recompute the whole sequence (the model is tiny)
+                        seq = torch.tensor([ids + [e[1] for e in out]])
+                        lp = torch.log_softmax(model(seq).logits[0, -1].float(), -1)
                     tok = int(lp.argmax()) if params.get("temperature", 1.0) == 0 else int(torch.multinomial(lp.exp(), 1))
                     out.append([float(lp[tok]), tok, None])
         inputs = [[None if i == 0 else float(prompt_lp[i - 1, ids[i]]), ids[i], None] for i in range(len(ids))]
@@ -412,7 +417,8 @@ class ConformanceServer:
         self._http.daemon_threads = True
         self._http.conformance = self  # type: ignore[attr-defined]
         self.url = f"http://127.0.0.1:{self._http.server_address[1]}"
-        self._thread = threading.Thread(target=self._http.serve_forever, daemon=True)
+        # A short poll interval: shutdown() waits up to one interval.
+        self._thread = threading.Thread(target=self._http.serve_forever, args=(0.02,), daemon=True)
 
     def __enter__(self) -> ConformanceServer:
         self._thread.start()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
@@ -83,5 +84,10 @@ def parallelize_lora_llama(model: nn.Module, parallel_dims: ParallelDims, job_co
             cpu_offload=job_config.training.enable_cpu_offload,
             reshard_after_forward_policy=job_config.parallelism.fsdp_reshard_after_forward,
         )
+        if parallel_dims.get_mesh(names).device_type == "cpu":
+            # gloo has no PREMUL_SUM; plain sums with FSDP's own pre/post scaling are equivalent.
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_force_sum_reduction_for_comms(True)
     return model
 

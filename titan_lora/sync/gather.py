@@ -111,3 +111,7 @@ class AdapterGatherer:
             return None
         self._full.index_copy_(0, self._index, self._recv)
         return self.views
+
+    def all_finite(self) -> bool:
+        """Rank `dst`: True when the last gathered adapter has no NaN or Inf."""
+        return bool(torch.isfinite(self._full[: self.total_numel]).all())

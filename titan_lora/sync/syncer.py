@@ -1,0 +1,4 @@
+"""placeholder"""
+def build_syncer(run):  # noqa
+    raise NotImplementedError
+class WeightSyncer: ...

@@ -1,0 +1,133 @@
+"""Entry point: `torchrun --nproc_per_node=N -m titan_lora.train --job.config_file train_configs/x.toml`.
+
+Reuses torchtitan's parts (TrainSpec, ParallelDims, parallelize, optimizers, LR schedules, state-dict
+adapters) with a device-agnostic loop, so the same job runs on CPU (gloo) and GPU (NCCL).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torchtitan.distributed.utils import clip_grad_norm_
+
+from titan_lora.lora.layer import adapter_params
+from titan_lora.sync.adapter_source import AdapterSource
+from titan_lora.sync.syncer import build_syncer
+from titan_lora.trainer.build import build_model
+from titan_lora.trainer.checkpoint import AdapterCheckpointer
+from titan_lora.trainer.distributed import build_parallel_dims, device_for_rank, init_distributed
+from titan_lora.trainer.job_config import load_job_config
+from titan_lora.trainer.metrics import MetricsLogger, peak_memory_mib
+from titan_lora.trainer.objective import build_objective
+
+logger = logging.getLogger("titan_lora")
+
+
+class TrainingRun:
+    """Everything one job needs, built in data-flow order: config, model, optimizer, data, sync."""
+
+    def __init__(self, job_config) -> None:  # noqa: ANN001 (torchtitan's merged JobConfig)
+        self.cfg = job_config
+        self.device = device_for_rank()
+        init_distributed(self.device)
+        self.rank = dist.get_rank()
+        self.dims = build_parallel_dims(job_config.parallelism, dist.get_world_size(), self.device)
+        torch.manual_seed(job_config.debug.seed or 0)
+        self.built = build_model(job_config, self.dims, self.device)
+        self.model = self.built.model
+        spec = self.built.train_spec
+        self.optimizers = spec.build_optimizers_fn([self.model], job_config.optimizer, self.dims)
+        self.lr_schedulers = spec.build_lr_schedulers_fn(
+            self.optimizers, job_config.lr_scheduler, job_config.training.steps
+        )
+        dump = job_config.job.dump_folder
+        self.metrics = MetricsLogger(os.path.join(dump, "tb"), enabled=self.rank == 0)
+        self.checkpointer = AdapterCheckpointer(
+            os.path.join(dump, job_config.checkpoint.folder), self.model, self.optimizers,
+            self.lr_schedulers, job_config.checkpoint.interval if job_config.checkpoint.enable else 0,
+            max(job_config.checkpoint.keep_latest_k, 1),
+        )
+        self.adapter = AdapterSource(
+            self.model, self.built.sd_adapter, job_config.lora, job_config.weight_sync.lora_name,
+            self.built.hf_dir,
+        )
+        self.step = self.checkpointer.load_latest() if job_config.checkpoint.enable else 0
+        self.syncer = build_syncer(self) if job_config.weight_sync.enabled else None
+        self.objective = build_objective(self)
+        n_train = sum(p.numel() for _, p in adapter_params(self.model))
+        logger.info(
+            "rank %d/%d on %s: %s adapter params (%.3f%% of the model), starting at step %d",
+            self.rank, dist.get_world_size(), self.device, f"{n_train:,}",
+            100 * n_train / sum(p.numel() for p in self.model.parameters()), self.step,
+        )
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step; returns its metrics."""
+        self.optimizers.zero_grad()
+        loss, metrics = self.objective.loss(self.model, self.step)
+        loss.backward()
+        grad_norm = clip_grad_norm_(
+            [p for _, p in adapter_params(self.model)], self.cfg.training.max_norm, foreach=True
+        )
+        self.optimizers.step()
+        self.lr_schedulers.step()
+        return {**metrics, "grad_norm": float(grad_norm)}
+
+    def train(self) -> None:
+        """Run to `[training] steps`, logging, checkpointing and syncing along the way."""
+        last = self.cfg.training.steps
+        self.objective.before_training()
+        while self.step < last:
+            self.step += 1
+            started = time.perf_counter()
+            metrics = self.train_step()
+            metrics |= self.objective.after_step(self.step)
+            step_s = time.perf_counter() - started
+            metrics |= {
+                "step_time_s": step_s,
+                "lr": self.lr_schedulers.schedulers[0].get_last_lr()[0],
+                "memory_mib": peak_memory_mib(self.device),
+            }
+            self.metrics.log(self.step, {f"train/{k}": v for k, v in metrics.items()})
+            self.metrics.progress(self.step, last, self.objective.progress_fields(metrics))
+            if self.checkpointer.should_save(self.step, last):
+                self.checkpointer.save(self.step)
+        if self.cfg.lora.export_dir:
+            path = self.adapter.export(self.cfg.lora.export_dir)
+            if path is not None:
+                logger.info("exported the PEFT adapter to %s", path)
+
+    def close(self) -> None:
+        """Stop engines and flush logs."""
+        self.objective.close()
+        if self.syncer is not None:
+            self.syncer.close()
+        self.metrics.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse the config (failing fast on errors), then train."""
+    logging.basicConfig(
+        level=logging.INFO, format="[titan_lora %(asctime)s] %(message)s", datefmt="%H:%M:%S"
+    )
+    try:
+        job_config = load_job_config(sys.argv[1:] if argv is None else argv)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"titan_lora: config error: {err}", file=sys.stderr)
+        sys.exit(2)
+    run = TrainingRun(job_config)
+    try:
+        run.train()
+    finally:
+        run.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
