@@ -54,6 +54,8 @@ class WeightSync:
     """vllm | sglang | disk."""
     engine_url: str = ""
     """Attach to a running engine at this address; empty: titan_lora starts an embedded engine."""
+    engine_port: int = 0
+    """Port of the embedded engine; 0: any free port."""
     api_key: str = ""
     lora_name: str = "policy"
     bucket_mb: int = 32

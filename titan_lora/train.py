@@ -93,7 +93,7 @@ class TrainingRun:
                 "lr": self.lr_schedulers.schedulers[0].get_last_lr()[0],
                 "memory_mib": peak_memory_mib(self.device),
             }
-            self.metrics.log(self.step, {f"train/{k}": v for k, v in metrics.items()})
+            self.metrics.log(self.step, {k if "/" in k else f"train/{k}": v for k, v in metrics.items()})
             self.metrics.progress(self.step, last, self.objective.progress_fields(metrics))
             if self.checkpointer.should_save(self.step, last):
                 self.checkpointer.save(self.step)

@@ -1,18 +1,12 @@
 """A conformance server that plays SGLang 0.5.23's HTTP surface, for CPU tests of the SGLang emitter.
 
-Written from SGLang's source (http_server.py, io_struct.py, tokenizer_control_mixin.py, lora_registry.py,
-tp_worker.py, utils/common.py), independently of the client under test:
-- bodies are checked against the 0.5.23 structs: field names, types, required fields;
-- tensor payloads are base64-decoded and unpickled under SGLang's SafeUnpickler allow-list, then read in
-  the `flattened_bucket` or plain format, with `expected_checksums` checked as SGLang does;
-- the base goes into a HF LlamaForCausalLM, adapters go in through PEFT; `/generate` serves them;
-- LoRA semantics follow SGLang: one lora_update_lock for loads and unloads, an unload that first
-  unregisters the name then waits for the adapter's in-flight requests (so it blocks, and blocks later
-  loads too), LRU eviction beyond --max-loaded-loras, scaling lora_alpha / r (use_rslora ignored).
-Stricter than SGLang where a lax server would hide a client bug: unknown fields are refused (SGLang
-ignores them outside sampling_params), an adapter load before the base update is refused (an engine
-started with dummy weights would serve garbage), and shared-memory tensor handles are refused, as an
-engine on another host could not open them. `restart()` loses weights, adapters and weight_version.
+Written from SGLang's source, independently of the client under test. It checks bodies against the 0.5.23
+structs, decodes payloads under SGLang's SafeUnpickler allow-list, applies the base to a HF LlamaForCausalLM
+and adapters through PEFT (scale lora_alpha / r: SGLang ignores use_rslora) and serves /generate. Loads and
+unloads share one lock, and an unload waits for the adapter's in-flight requests: it blocks later loads too.
+It is stricter than SGLang where a lax server would hide a client bug: it refuses unknown fields (SGLang
+ignores them outside sampling_params), an adapter load before the base (a server started with dummy weights
+would serve garbage) and shared-memory tensor handles (an engine on another host could not open them).
 """
 
 from __future__ import annotations
@@ -31,8 +25,9 @@ import threading
 import time
 import urllib.parse
 import warnings
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
@@ -40,18 +35,18 @@ from torch.multiprocessing import reductions
 from transformers import LlamaConfig, LlamaForCausalLM
 
 
-class Refused(Exception):
-    """The request is answered with an error `body` and HTTP `status`."""
+class RefusedError(Exception):
+    """Answer the request with the error `body` and HTTP `status`."""
 
     def __init__(self, body: Any, status: int = 400) -> None:
         super().__init__(str(body))
         self.body, self.status = body, status
 
 
-# ---- request schemas (io_struct.py 0.5.23; BaseReq adds rid and http_worker_ipc) ------------------
+# ---- request schemas (io_struct.py 0.5.23; every BaseReq also has rid and http_worker_ipc) -----------
 
-def _int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+Check = Callable[[Any], bool]
+_int: Check = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
 
 
 def _b64(v: Any) -> bool:
@@ -61,77 +56,84 @@ def _b64(v: Any) -> bool:
         return False
 
 
-STR, BOOL, INT = (lambda v: isinstance(v, str)), (lambda v: isinstance(v, bool)), _int
-NUM = lambda v: _int(v) or isinstance(v, float)  # noqa: E731
+# Type checks, named like the types they check.
 OPT = lambda t: lambda v: v is None or t(v)  # noqa: E731
 LIST = lambda t: lambda v: isinstance(v, list) and all(t(x) for x in v)  # noqa: E731
-DICT = lambda t: lambda v: isinstance(v, dict) and all(isinstance(k, str) and t(x) for k, x in v.items())  # noqa: E731
+DICT = lambda t: lambda v: isinstance(v, dict) and all(isinstance(k, str) and t(x) for k, x in v.items())  # noqa: E731,E501
 LIT = lambda *ok: lambda v: v in ok  # noqa: E731
-SELECTOR = LIT("target", "draft", "all")
+ANY: Check = lambda v: True  # noqa: E731
+STR: Check = lambda v: isinstance(v, str)  # noqa: E731
+BOOL: Check = lambda v: isinstance(v, bool)  # noqa: E731
+NUM: Check = lambda v: _int(v) or isinstance(v, float)  # noqa: E731
+SELECTOR, TAGS = LIT("target", "draft", "all"), OPT(LIST(LIT("kv_cache", "weights", "cuda_graph")))
 BASE_REQ = {"rid": OPT(STR), "http_worker_ipc": OPT(STR)}
-SCHEMAS: dict[str, tuple[dict[str, Callable], dict[str, Callable]]] = {  # path: (required, optional)
+SCHEMAS: dict[str, tuple[dict[str, Check], dict[str, Check]]] = {  # path: (required, optional)
     "/begin_weight_update": ({}, {"selector": SELECTOR}),
     "/end_weight_update": ({}, {}),
     "/update_weights_from_tensor": ({"serialized_named_tensors": LIST(_b64)}, {
-        "load_format": OPT(STR), "flush_cache": BOOL, "abort_all_requests": BOOL, "weight_version": OPT(STR),
-        "selector": SELECTOR, "torch_empty_cache": BOOL}),
+        "load_format": OPT(STR), "flush_cache": BOOL, "abort_all_requests": BOOL,
+        "weight_version": OPT(STR), "selector": SELECTOR, "torch_empty_cache": BOOL}),
     "/load_lora_adapter_from_tensors": (
-        {"lora_name": STR, "config_dict": DICT(lambda v: True), "serialized_named_tensors": LIST(_b64)},
-        {"pinned": BOOL, "added_tokens_config": OPT(DICT(INT)), "lora_id": OPT(STR), "load_format": OPT(STR),
-         "expected_checksums": OPT(DICT(STR))}),
+        {"lora_name": STR, "config_dict": DICT(ANY), "serialized_named_tensors": LIST(_b64)},
+        {"pinned": BOOL, "added_tokens_config": OPT(DICT(_int)), "lora_id": OPT(STR),
+         "load_format": OPT(STR), "expected_checksums": OPT(DICT(STR))}),
     "/unload_lora_adapter": ({"lora_name": STR}, {"lora_id": OPT(STR)}),
     "/pause_generation": ({}, {"mode": LIT("abort", "retract", "in_place")}),
     "/continue_generation": ({}, {"torch_empty_cache": BOOL}),
-    "/release_memory_occupation": ({}, {"tags": OPT(LIST(LIT("kv_cache", "weights", "cuda_graph")))}),
-    "/resume_memory_occupation": ({}, {"tags": OPT(LIST(LIT("kv_cache", "weights", "cuda_graph")))}),
-    "/generate": ({}, {"text": OPT(STR), "input_ids": OPT(LIST(INT)), "sampling_params": OPT(DICT(lambda v: True)),
-                       "lora_path": OPT(STR), "return_logprob": OPT(BOOL), "logprob_start_len": OPT(INT),
-                       "stream": BOOL, "top_logprobs_num": OPT(INT), "return_text_in_logprobs": BOOL}),
+    "/release_memory_occupation": ({}, {"tags": TAGS}),
+    "/resume_memory_occupation": ({}, {"tags": TAGS}),
+    "/generate": ({}, {  # the GenerateReqInput fields a rollout uses
+        "text": OPT(STR), "input_ids": OPT(LIST(_int)), "sampling_params": OPT(DICT(ANY)),
+        "lora_path": OPT(STR), "return_logprob": OPT(BOOL), "logprob_start_len": OPT(_int),
+        "top_logprobs_num": OPT(_int), "return_text_in_logprobs": BOOL, "stream": BOOL}),
 }
-# api/v1 SamplingParams: SGLang itself rejects unknown keys here, with this serde-style message.
-SAMPLING = {"max_new_tokens": OPT(INT), "temperature": OPT(NUM), "top_p": OPT(NUM), "top_k": OPT(INT),
-            "min_p": OPT(NUM), "stop": lambda v: True, "stop_token_ids": OPT(LIST(INT)), "ignore_eos": OPT(BOOL),
-            "n": OPT(INT), "sampling_seed": OPT(INT), "min_new_tokens": OPT(INT), "repetition_penalty": OPT(NUM),
-            "frequency_penalty": OPT(NUM), "presence_penalty": OPT(NUM), "skip_special_tokens": OPT(BOOL)}
+# api/v1 SamplingParams, where SGLang itself rejects unknown keys (with this serde-style message).
+SAMPLING = {"max_new_tokens": OPT(_int), "temperature": OPT(NUM), "top_p": OPT(NUM), "top_k": OPT(_int),
+            "min_p": OPT(NUM), "stop": ANY, "stop_token_ids": OPT(LIST(_int)), "ignore_eos": OPT(BOOL),
+            "n": OPT(_int), "sampling_seed": OPT(_int), "min_new_tokens": OPT(_int),
+            "repetition_penalty": OPT(NUM), "frequency_penalty": OPT(NUM), "presence_penalty": OPT(NUM),
+            "skip_special_tokens": OPT(BOOL)}
 
 
 def validate(path: str, body: Any) -> None:
     """Refuse a body that does not match the 0.5.23 struct of `path` (400, SGLang's validation shape)."""
+    problems = [] if isinstance(body, dict) else ["the body is not a JSON object"]
+    body = body if isinstance(body, dict) else {}
     required, optional = SCHEMAS[path]
     fields = {**BASE_REQ, **required, **optional}
-    problems = [f"missing field `{k}`" for k in required if k not in body] if isinstance(body, dict) else ["not a JSON object"]
-    for key, value in (body.items() if isinstance(body, dict) else ()):
+    problems += [f"missing field `{k}`" for k in required if k not in body]
+    for key, value in body.items():
         if key not in fields:
             problems.append(f"unknown field `{key}` (SGLang 0.5.23 would silently ignore it)")
         elif not fields[key](value):
             problems.append(f"field `{key}` has the wrong type: {type(value).__name__}")
     for key, value in ((body.get("sampling_params") or {}) if not problems else {}).items():
         if key not in SAMPLING:
-            known = ", ".join(f"`{k}`" for k in SAMPLING)
-            problems.append(f"unknown field `{key}`, expected one of {known}")
+            problems.append(f"unknown field `{key}`, expected one of {', '.join(f'`{k}`' for k in SAMPLING)}")
         elif not SAMPLING[key](value):
             problems.append(f"invalid type for sampling param `{key}`")
     if problems:
-        raise Refused({"object": "error", "message": "; ".join(problems), "type": "Bad Request", "code": 400})
+        raise RefusedError({"object": "error", "message": "; ".join(problems), "type": "Bad Request",
+                            "code": 400})
 
 
-# ---- payload decoding (SafeUnpickler policy of sglang/srt/utils/common.py) ------------------------
+# ---- payload decoding (the SafeUnpickler policy of sglang/srt/utils/common.py) ---------------------
 
-_ALLOWED = {("builtins", n) for n in "dict list tuple set frozenset int float bool str bytes bytearray".split()} | {
-    ("collections", "OrderedDict"), ("copyreg", "__newobj__"), ("types", "SimpleNamespace"), ("torch", "Size"),
-    ("torch", "Tensor"), ("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_parameter"),
-    ("torch.nn.parameter", "Parameter"), ("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage"),
-    ("torch.multiprocessing.reductions", "rebuild_tensor"), ("torch.multiprocessing.reductions", "rebuild_typed_storage")}
-_SHARED_MEMORY = {("torch.multiprocessing.reductions", "rebuild_storage_fd"),
-                  ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
+_REDUCTIONS = "torch.multiprocessing.reductions"
+_ALLOWED = {("builtins", n) for n in "dict list tuple set frozenset int float bool str bytes".split()} | {
+    ("collections", "OrderedDict"), ("copyreg", "__newobj__"), ("types", "SimpleNamespace"),
+    ("torch", "Size"), ("torch", "Tensor"), ("torch._utils", "_rebuild_tensor_v2"),
+    ("torch._utils", "_rebuild_parameter"), ("torch.nn.parameter", "Parameter"),
+    ("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage"),
+    (_REDUCTIONS, "rebuild_tensor"), (_REDUCTIONS, "rebuild_typed_storage")}
+_SHARED_MEMORY = {(_REDUCTIONS, "rebuild_storage_fd"), (_REDUCTIONS, "rebuild_storage_filename"),
                   ("multiprocessing.resource_sharer", "DupFd")}
 
 
 def _rebuild_cuda_by_uuid(*args: Any) -> torch.Tensor:
-    """SGLang's patched rebuild_cuda_tensor: the sender names its GPU by UUID."""
-    dev = args[6]
-    if isinstance(dev, str):
-        dev = next(i for i in range(torch.cuda.device_count()) if str(torch.cuda.get_device_properties(i).uuid) == dev)
+    """SGLang's patched rebuild_cuda_tensor: the sender may name its GPU by UUID (argument 6)."""
+    uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+    dev = uuids.index(args[6]) if isinstance(args[6], str) else args[6]
     return reductions.rebuild_cuda_tensor(*args[:6], dev, *args[7:])
 
 
@@ -145,20 +147,20 @@ class SafeUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("torch.storage", "_load_from_bytes"):
             return lambda b: torch.load(io.BytesIO(b), weights_only=True)
-        if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"):
+        if (module, name) == (_REDUCTIONS, "rebuild_cuda_tensor"):
             return _rebuild_cuda_by_uuid
-        if (module, name) in _SHARED_MEMORY:
-            if self.remote:
-                raise pickle.UnpicklingError(f"payload holds a shared-memory handle ({module}.{name}) that an "
-                                             "engine on another host cannot open; send the tensor bytes")
-            return super().find_class(module, name)
-        if (module, name) in _ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+        if (module, name) in _SHARED_MEMORY and self.remote:
+            raise pickle.UnpicklingError(f"payload holds a shared-memory handle ({module}.{name}) that an "
+                                         "engine on another host cannot open; send the tensor bytes")
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) in _ALLOWED | _SHARED_MEMORY or dtype:
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"Blocked unsafe global ({module}.{name}) during pickle deserialization")
 
 
-def decode_tensors(payloads: list[str], tp_size: int, load_format: str | None, remote: bool) -> dict[str, torch.Tensor]:
-    """Rank 0's named tensors out of `serialized_named_tensors`, as tp_worker reads them."""
+def decode_tensors(payloads: list[str], tp_size: int, load_format: str | None,
+                   remote: bool) -> dict[str, torch.Tensor]:
+    """Rank 0's named tensors out of `serialized_named_tensors`, read as tp_worker reads them."""
     if len(payloads) != tp_size:
         raise ValueError(f"serialized_named_tensors has {len(payloads)} entries for tp_size={tp_size}")
     data = SafeUnpickler(base64.b64decode(payloads[0], validate=True), remote).load()
@@ -172,11 +174,11 @@ def decode_tensors(payloads: list[str], tp_size: int, load_format: str | None, r
     return {k: v.cpu() for k, v in named.items()}
 
 
-# ---- the engine ----------------------------------------------------------------------------------
+# ---- the engine ------------------------------------------------------------------------------------
 
 @dataclasses.dataclass
 class ServerArgs:
-    """The SGLang server flags the conformance server honours."""
+    """The SGLang server flags the conformance server honours, and two test knobs."""
 
     enable_lora: bool = True
     max_lora_rank: int | None = 16
@@ -196,49 +198,50 @@ _FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gat
 
 
 def _normalized(targets: Any) -> set[str]:
+    """sglang/srt/lora/utils.py get_normalized_target_modules: fused names, "all" for the shorthand."""
     return {"all"} if isinstance(targets, str) or "all" in targets else {_FUSED.get(t, t) for t in targets}
 
 
 class Engine:
-    """One engine incarnation: weights, adapters, LoRA registry, counters and a call log."""
+    """One engine incarnation: weights, adapters, LoRA registry, request counters and a call log."""
 
     def __init__(self, model_config: LlamaConfig, args: ServerArgs, seed: int) -> None:
         torch.manual_seed(seed)  # dummy weights, unlike the trainer's: the base must be sent
         self.args, self.model = args, LlamaForCausalLM(model_config).eval()
-        self.params = self.model.state_dict()  # aliases the live parameters; survives PEFT wrapping
+        self.params = self.model.state_dict()  # aliases the live parameters, also once PEFT wraps them
         self.base_missing = {n for n, _ in self.model.named_parameters()}
         self.peft: Any = None
-        self.weight_version = args.weight_version
-        self.session_open = False
-        self.paused: str | None = None
-        self.registry: collections.OrderedDict[str, str] = collections.OrderedDict()  # name -> lora_id, LRU order
-        self.counters: dict[str, int] = {}
-        self.pending_unloads: dict[str, str] = {}
+        self.weight_version, self.session_open, self.paused = args.weight_version, False, None
+        self.registry: collections.OrderedDict[str, str] = collections.OrderedDict()  # name -> id, LRU
+        self.counters: dict[str, int] = {}  # lora id -> in-flight requests
+        self.pending_unloads: dict[str, str] = {}  # name -> lora id of an unload still waiting
         self.cond = threading.Condition()
         self.lora_update_lock, self.model_lock = threading.Lock(), threading.Lock()
-        self.calls: list[tuple[str, dict]] = []
+        self.calls: list[tuple[str, dict]] = []  # (path, body without tensors), in arrival order
+        self.released: list[list[str] | None] = []  # tags of memory release/resume calls
         self.running = self.loaded_high_water = self.lru_evictions = self.blocked_unloads = 0
-        self.released: list[list[str] | None] = []
         self._delays = itertools.cycle(args.gen_delays_s)
 
     def _decode(self, body: dict) -> dict[str, torch.Tensor]:
         try:
-            return decode_tensors(body["serialized_named_tensors"], self.args.tp_size, body.get("load_format"),
-                                  self.args.remote)
-        except Exception as err:  # SGLang fails the call with the exception text
-            raise Refused({"success": False, "message": f"cannot decode tensors: {err}",
-                           "error_message": f"cannot decode tensors: {err}"}) from err
+            return decode_tensors(body["serialized_named_tensors"], self.args.tp_size,
+                                  body.get("load_format"), self.args.remote)
+        except Exception as err:  # SGLang fails the call with the exception's text
+            msg = f"cannot decode tensors: {err}"
+            raise RefusedError({"success": False, "message": msg, "error_message": msg}) from err
 
-    def begin(self, body: dict) -> dict:
-        if self.session_open:
-            return {"success": False, "message": "a weight-update session is already open; call end_weight_update() first"}
-        self.session_open = True
-        return {"success": True, "message": "Success"}
+    def _lora(self, error: str = "") -> dict:
+        """A LoRAUpdateOutput: success unless `error`, with the adapters loaded now."""
+        loaded = dict.fromkeys(self.registry, "__tensor__")
+        return {"success": not error, "error_message": error, "loaded_adapters": loaded}
 
-    def end(self, body: dict) -> dict:
-        if not self.session_open:
-            return {"success": False, "message": "no weight-update session is open; call begin_weight_update() first"}
-        self.session_open = False
+    def session(self, opening: bool) -> dict:
+        """/begin_weight_update (opening) and /end_weight_update."""
+        if self.session_open == opening:
+            return {"success": False, "message": "a weight-update session is already open; call "
+                    "end_weight_update() first" if opening else "no weight-update session is open; call "
+                    "begin_weight_update() first"}
+        self.session_open = opening
         return {"success": True, "message": "Success"}
 
     def update_base(self, body: dict) -> dict:
@@ -248,49 +251,46 @@ class Engine:
         tensors = self._decode(body)
         bad = [n for n, t in tensors.items() if n not in self.params or t.shape != self.params[n].shape]
         if bad:
-            return {"success": False, "message": f"Failed to update weights: unknown names or shapes {bad[:5]}"}
+            return {"success": False, "message": f"Failed to update weights: unknown names/shapes {bad[:5]}"}
         with self.model_lock, torch.no_grad():
             for name, t in tensors.items():
                 self.params[name].copy_(t)
                 self.base_missing.discard(name)
         if body.get("flush_cache", True) and self.running and self.paused not in ("abort", "retract"):
-            return {"success": False, "message": "Weights were updated, but the cache was not flushed because "
-                    "requests are still running or queued. Retract or finish them, then call /flush_cache."}
+            return {"success": False, "message": "Weights were updated, but the cache was not flushed "
+                    "because requests are still running or queued. Retract or finish them, then call "
+                    "/flush_cache."}
         if body.get("weight_version") is not None:
             self.weight_version = body["weight_version"]
         return {"success": True, "message": "Success"}
 
     def load_adapter(self, body: dict) -> dict:
         name, cfg = body["lora_name"], body["config_dict"]
-        fail = lambda msg: {"success": False, "error_message": msg, "loaded_adapters": dict.fromkeys(self.registry, "__tensor__")}  # noqa: E731
         if not self.args.enable_lora:
-            return fail("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
-        tensors = self._decode(body)
-        expected = body.get("expected_checksums")
+            return self._lora("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        tensors, expected = self._decode(body), body.get("expected_checksums")
         if expected is not None:
-            got = {n: hashlib.sha256(t.contiguous().flatten().view(torch.uint8).numpy().tobytes()).hexdigest()
+            got = {n: hashlib.sha256(t.contiguous().flatten().view(torch.uint8).numpy()).hexdigest()
                    for n, t in tensors.items()}
             if got != expected:
-                return fail(f"[LORA-CHECK] rank0 adapter sync MISMATCH of {len(expected)} expected")
+                return self._lora(f"[LORA-CHECK] rank0 adapter sync MISMATCH of {len(expected)} expected")
         with self.lora_update_lock:
-            if name in self.pending_unloads:
-                return fail(f"LoRA adapter '{name}' has an incomplete unload. Retry the unload before loading it again.")
-            if self.base_missing:
-                return fail(f"conformance: the base weights were never loaded into this engine (missing "
-                            f"{sorted(self.base_missing)[:3]}); call /update_weights_from_tensor first")
             served = _normalized(self.args.lora_target_modules or [])
-            if cfg.get("use_dora"):
-                return fail(f"Failed to load {name} because LoRA serving currently doesn't support DoRA adapters")
-            if cfg["r"] > self.args.max_lora_rank or not (_normalized(cfg["target_modules"]) <= served or "all" in served):
-                return fail(f"LoRA adapter {name} with rank {cfg['r']} is incompatible with the current LoRA memory "
-                            "pool configuration. Please ensure that the LoRA adapter's rank is within the configured "
-                            "`--max-lora-rank` and that the target modules are included in `--lora-target-modules`.")
+            fits = _normalized(cfg["target_modules"]) <= served or "all" in served
+            if self.base_missing:
+                return self._lora(f"conformance: the base weights were never loaded into this engine (e.g. "
+                                  f"{sorted(self.base_missing)[0]}); call /update_weights_from_tensor first")
+            if cfg["r"] > self.args.max_lora_rank or not fits:
+                return self._lora(
+                    f"LoRA adapter {name} with rank {cfg['r']} is incompatible with the current LoRA memory "
+                    "pool configuration. Please ensure that the LoRA adapter's rank is within the configured "
+                    "`--max-lora-rank` and that the target modules are included in `--lora-target-modules`.")
             if name in self.registry:
-                return fail(f"Failed to load LoRA adapter {name} because it is already loaded")
+                return self._lora(f"Failed to load LoRA adapter {name} because it is already loaded")
             try:
                 self._install(name, cfg, tensors)
-            except Exception as err:
-                return fail(str(err))
+            except ValueError as err:
+                return self._lora(str(err))
             with self.cond:
                 self.registry[name] = lora_id = f"{name}#{time.monotonic_ns()}"
                 self.counters[lora_id] = 0
@@ -298,7 +298,7 @@ class Engine:
             while self.args.max_loaded_loras is not None and len(self.registry) > self.args.max_loaded_loras:
                 self.lru_evictions += 1
                 self._unload_locked(next(iter(self.registry)))
-        return {"success": True, "error_message": "", "loaded_adapters": dict.fromkeys(self.registry, "__tensor__")}
+        return self._lora()
 
     def _install(self, name: str, cfg: dict, tensors: dict[str, torch.Tensor]) -> None:
         # SGLang's LoRAConfig reads only r, lora_alpha and target_modules (scaling = lora_alpha / r).
@@ -323,8 +323,8 @@ class Engine:
         with self.cond:
             lora_id = self.pending_unloads.get(name) or self.registry.pop(name, None)
             if lora_id is None:
-                return {"success": False, "error_message": f"LoRA with name {name} does not exist. Loaded LoRAs: "
-                        f"{list(self.registry)}", "loaded_adapters": dict.fromkeys(self.registry, "__tensor__")}
+                return self._lora(f"LoRA with name {name} does not exist. "
+                                  f"Loaded LoRAs: {list(self.registry)}")
             self.pending_unloads[name] = lora_id
             self.blocked_unloads += self.counters[lora_id] > 0
             self.cond.wait_for(lambda: self.counters[lora_id] == 0)  # SGLang waits with no timeout
@@ -333,20 +333,19 @@ class Engine:
             warnings.simplefilter("ignore")  # PEFT warns when the adapter it deletes was the active one
             self.peft.delete_adapter(name)
         self.pending_unloads.pop(name)
-        return {"success": True, "error_message": "", "loaded_adapters": dict.fromkeys(self.registry, "__tensor__")}
+        return self._lora()
 
     @contextlib.contextmanager
     def hold(self, name: str | None):
-        """Count a request on adapter `name` for the duration (what an in-flight /generate does)."""
+        """Count a request on adapter `name` while inside (what an in-flight /generate does)."""
         with self.cond:
             self.cond.wait_for(lambda: self.paused is None)  # a paused server holds new requests
-            lora_id = None
+            if name is not None and name not in self.registry:
+                raise RefusedError({"error": {"message": "The following requested LoRA adapters are not "
+                                              f"loaded: {name}\nLoaded adapters: {list(self.registry)}."}})
+            lora_id = None if name is None else self.registry[name]
             if name is not None:
-                if name not in self.registry:
-                    raise Refused({"error": {"message": f"The following requested LoRA adapters are not loaded: "
-                                             f"{name}\nLoaded adapters: {list(self.registry)}."}})
                 self.registry.move_to_end(name)
-                lora_id = self.registry[name]
                 self.counters[lora_id] += 1
             self.running += 1
         try:
@@ -360,9 +359,10 @@ class Engine:
 
     def generate(self, body: dict) -> dict:
         if body.get("input_ids") is None:
-            raise Refused({"error": {"message": "the conformance server has no tokenizer: send input_ids"}})
-        params = body.get("sampling_params") or {}
-        ids, start = list(body["input_ids"]), body.get("logprob_start_len")
+            raise RefusedError({"error": {"message": "the conformance server has no tokenizer: "
+                                                     "send input_ids"}})
+        params, ids = body.get("sampling_params") or {}, list(body["input_ids"])
+        start = -1 if body.get("logprob_start_len") is None else body["logprob_start_len"]  # SGLang's default
         with self.hold(body.get("lora_path")):
             time.sleep(next(self._delays))
             with self.model_lock, torch.no_grad(), self._adapter(body.get("lora_path")) as model:
@@ -372,13 +372,16 @@ class Engine:
                     if out:  # no KV cache: recompute the whole sequence (the model is tiny)
                         seq = torch.tensor([ids + [e[1] for e in out]])
                         lp = torch.log_softmax(model(seq).logits[0, -1].float(), -1)
-                    tok = int(lp.argmax()) if params.get("temperature", 1.0) == 0 else int(torch.multinomial(lp.exp(), 1))
+                    greedy = params.get("temperature", 1.0) == 0
+                    tok = int(lp.argmax()) if greedy else int(torch.multinomial(lp.exp(), 1))
                     out.append([float(lp[tok]), tok, None])
-        inputs = [[None if i == 0 else float(prompt_lp[i - 1, ids[i]]), ids[i], None] for i in range(len(ids))]
+        inputs = [[None if i == 0 else float(prompt_lp[i - 1, t]), t, None] for i, t in enumerate(ids)]
         meta = {"id": body.get("rid") or "req", "finish_reason": {"type": "length", "length": len(out)},
-                "prompt_tokens": len(ids), "completion_tokens": len(out), "weight_version": self.weight_version}
-        if body.get("return_logprob"):
-            meta |= {"output_token_logprobs": out, "input_token_logprobs": inputs[start:] if start is not None and start >= 0 else []}
+                "prompt_tokens": len(ids), "completion_tokens": len(out),
+                "weight_version": self.weight_version}
+        if body.get("return_logprob"):  # a start of -1 returns no prompt log-probs
+            meta |= {"output_token_logprobs": out,
+                     "input_token_logprobs": inputs[start:] if start >= 0 else []}
         return {"text": "", "output_ids": [e[1] for e in out], "meta_info": meta}
 
     @contextlib.contextmanager
@@ -392,23 +395,17 @@ class Engine:
             self.peft.set_adapter(name)
             yield self.peft
 
-    def pause(self, body: dict) -> dict:
+    def pause(self, mode: str | None) -> dict:
+        """/pause_generation (a mode) and /continue_generation (None); paused, new requests wait."""
         with self.cond:
-            self.paused = body.get("mode", "abort")
-        return {"message": "Generation paused successfully.", "status": "ok"}
-
-    def resume(self, body: dict) -> dict:
-        with self.cond:
-            self.paused = None
+            self.paused = mode
             self.cond.notify_all()
-        return {"message": "Generation continued successfully.", "status": "ok"}
+        return {"message": f"Generation {'paused' if mode else 'continued'} successfully.", "status": "ok"}
 
-    def release(self, body: dict) -> None:
-        self.released.append(body.get("tags"))
 
 
 class ConformanceServer:
-    """A real HTTP server on 127.0.0.1 playing SGLang 0.5.23; use as a context manager."""
+    """A real HTTP server on 127.0.0.1 playing SGLang 0.5.23; use it as a context manager."""
 
     def __init__(self, model_config: LlamaConfig, **args: Any) -> None:
         self.model_config, self.args = model_config, ServerArgs(**args)
@@ -440,7 +437,7 @@ class ConformanceServer:
                 "weight_version": a.weight_version, "startup_time": {}, "internal_states": []}
 
     def route(self, method: str, path: str, query: dict, body: Any, auth: str | None) -> tuple[int, Any]:
-        """Answer one request as SGLang would: (status, JSON body or text)."""
+        """Answer one request as SGLang would: (status, JSON-able body or text)."""
         if self.args.api_key and not path.startswith("/health") and auth != f"Bearer {self.args.api_key}":
             return 401, {"error": "Unauthorized"}
         e = self.engine
@@ -448,16 +445,19 @@ class ConformanceServer:
                 "/model_info": lambda: {"model_path": "conformance", "weight_version": e.weight_version}}
         if method == "GET" and path in gets:
             return 200, gets[path]()
-        if path == "/flush_cache":
-            deadline = time.monotonic() + float(query.get("timeout", ["0"])[0])
-            with e.cond:
-                idle = e.cond.wait_for(lambda: e.running == 0, max(deadline - time.monotonic(), 0))
+        if path == "/flush_cache":  # flush once idle, waiting up to ?timeout= seconds
             e.calls.append((path, {"timeout": query.get("timeout", ["0"])[0]}))
+            with e.cond:
+                idle = e.cond.wait_for(lambda: e.running == 0, float(query.get("timeout", ["0"])[0]))
             return (200, "Cache flushed.\n") if idle else (400, "Timed out waiting for idle state.")
-        posts = {"/begin_weight_update": e.begin, "/end_weight_update": e.end, "/update_weights_from_tensor": e.update_base,
-                 "/load_lora_adapter_from_tensors": e.load_adapter, "/unload_lora_adapter": e.unload_adapter,
-                 "/pause_generation": e.pause, "/continue_generation": e.resume, "/generate": e.generate,
-                 "/release_memory_occupation": e.release, "/resume_memory_occupation": e.release}
+        posts = {"/update_weights_from_tensor": e.update_base, "/unload_lora_adapter": e.unload_adapter,
+                 "/load_lora_adapter_from_tensors": e.load_adapter, "/generate": e.generate,
+                 "/begin_weight_update": lambda b: e.session(True),
+                 "/end_weight_update": lambda b: e.session(False),
+                 "/pause_generation": lambda b: e.pause(b.get("mode", "abort")),
+                 "/continue_generation": lambda b: e.pause(None),
+                 "/release_memory_occupation": lambda b: e.released.append(b.get("tags")),
+                 "/resume_memory_occupation": lambda b: e.released.append(b.get("tags"))}
         if method != "POST" or path not in posts:
             return 404, {"detail": "Not Found"}
         validate(path, body)
@@ -476,16 +476,17 @@ class _Handler(BaseHTTPRequestHandler):
             body = json.loads(raw) if raw else {}
             status, out = self.server.conformance.route(  # type: ignore[attr-defined]
                 method, url.path, urllib.parse.parse_qs(url.query), body, self.headers.get("Authorization"))
-        except Refused as err:
+        except RefusedError as err:
             status, out = err.status, err.body
-        except ValueError as err:
+        except json.JSONDecodeError as err:
             status, out = 400, {"object": "error", "message": f"invalid JSON: {err}", "code": 400}
         data = out.encode() if isinstance(out, str) else json.dumps(out).encode()
         self.send_response(status)
         self.send_header("Content-Type", "text/plain" if isinstance(out, str) else "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
-        self.wfile.write(data)
+        with contextlib.suppress(ConnectionError):  # the client timed out and left; drop the answer
+            self.wfile.write(data)
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
         self._serve("GET")

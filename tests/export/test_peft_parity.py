@@ -12,7 +12,7 @@ from model_helpers import SMOLLM2_LORA, build_from, job_config_from, randomize_a
 from titan_lora.export.peft import peft_config, save_peft_dir, to_peft_names
 from titan_lora.lora.layer import adapter_params, lora_modules
 from titan_lora.lora.targets import hf_leaf_names
-from titan_lora.sync.gather import AdapterGatherer
+from titan_lora.sync.gather import ShardGatherer
 
 TOKENS = torch.randint(0, 49152, (2, 48), generator=torch.Generator().manual_seed(0))
 
@@ -20,7 +20,7 @@ TOKENS = torch.randint(0, 49152, (2, 48), generator=torch.Generator().manual_see
 def _export_and_score(rank: int, world: int, out_dir: str, toml: str) -> None:
     built = build_from(toml)
     randomize_adapters(built.model)
-    gathered = AdapterGatherer(adapter_params(built.model)).gather()
+    gathered = ShardGatherer(adapter_params(built.model)).gather()
     with torch.no_grad():
         logits = built.model(TOKENS)
     if rank == 0:

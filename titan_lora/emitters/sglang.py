@@ -1,4 +1,4 @@
-"""The SGLang emitter: the base by `/update_weights_from_tensor`, adapters by `/load_lora_adapter_from_tensors`.
+"""The SGLang emitter: base by `/update_weights_from_tensor`, adapters by `/load_lora_adapter_from_tensors`.
 
 Payloads use SGLang's `flattened_bucket` load format: one flat uint8 tensor plus per-tensor metadata
 (name, shape, dtype, byte range), pickled once per engine TP rank and base64-encoded into the JSON.
@@ -32,14 +32,21 @@ import time
 import types
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
+from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.multiprocessing  # noqa: F401  (registers torch's reducers on ForkingPickler)
-from multiprocessing.reduction import ForkingPickler
 from torch.multiprocessing import reductions
 
-from titan_lora.emitters.base import Ack, AdapterPayload, EmitterError, EngineLimits, EngineWeightsLost, register_emitter
+from titan_lora.emitters.base import (
+    Ack,
+    AdapterPayload,
+    EmitterError,
+    EngineLimits,
+    EngineWeightsLost,
+    register_emitter,
+)
 from titan_lora.engines.sglang_client import (
     LoadLoRAAdapterFromTensorsReqInput,
     ServerInfo,
@@ -95,7 +102,7 @@ def pack_bucket(named: Sequence[tuple[str, torch.Tensor]]) -> Bucket:
                                               end_idx=offset + nbytes, numel=nbytes))
         offset += -(-nbytes // _ALIGN) * _ALIGN
     flat = torch.zeros(offset, dtype=torch.uint8, device=device)
-    for (_, t), m in zip(named, metadata):
+    for (_, t), m in zip(named, metadata, strict=True):
         src = t.detach().to(device).contiguous().reshape(-1)
         flat[m.start_idx:m.end_idx].copy_(src.view(torch.uint8))
     return Bucket(flat, metadata)
@@ -215,7 +222,8 @@ def check_server(info: ServerInfo, url: str, keep_versions: int) -> EngineLimits
                         ("--max-loras-per-batch", info.max_loras_per_batch)):
         if value is not None and value < slots:
             raise fail(f"holds {flag.strip('-').replace('-', '_')}={value} adapters, fewer than "
-                       f"keep_versions + 1 = {slots}", f"{flag} {slots} (or lower [weight_sync] keep_versions)")
+                       f"keep_versions + 1 = {slots}",
+                       f"{flag} {slots} (or lower [weight_sync] keep_versions)")
     caps = [v for v in (info.max_loaded_loras, info.max_loras_per_batch) if v is not None]
     return EngineLimits(info.max_lora_rank, min(caps), served_modules(info.lora_target_modules))
 
@@ -300,7 +308,8 @@ class SGLangEmitter:
             finally:
                 end = self.client.end_weight_update()
             if not end.success:
-                raise EmitterError(f"SGLang could not close the weight update of version {version}: {end.message}")
+                raise EmitterError(f"SGLang could not close the weight update of version {version}: "
+                                   f"{end.message}")
         if in_place and not self.client.flush_cache(wait_idle_s=self.client.timeout_s):
             logger.warning("SGLang kept its prefix cache after the base update (requests never drained); "
                            "cached prefixes computed with the old base may be reused")
@@ -323,7 +332,7 @@ class SGLangEmitter:
             raise EmitterError(f"SGLang could not open a weight-update session: {res.message}")
 
     def send_adapter(self, payload: AdapterPayload) -> Ack:
-        """Load `payload` under its versioned name; refuses (EngineWeightsLost) if our base is not served."""
+        """Load `payload` under its versioned name; EngineWeightsLost if our base is not served."""
         served = self.engine_incarnation()
         if self._installed is None or served != self._installed:
             raise EngineWeightsLost(f"SGLang at {self.client.url} serves weight_version {served!r}, not the "
@@ -337,7 +346,8 @@ class SGLangEmitter:
         t1 = time.perf_counter()
         req = LoadLoRAAdapterFromTensorsReqInput(
             lora_name=payload.name, config_dict=config,
-            serialized_named_tensors=serialize_for_ranks(bucket.payload(), self._info.tp_size, bucket.flat.is_cuda),
+            serialized_named_tensors=serialize_for_ranks(bucket.payload(), self._info.tp_size,
+                                                         bucket.flat.is_cuda),
             load_format=FLATTENED_BUCKET, expected_checksums=bucket.checksums() if self._verify else None)
         t2 = time.perf_counter()
         with self._paused():
@@ -348,11 +358,12 @@ class SGLangEmitter:
         if payload.name not in (res.loaded_adapters or {}):
             raise EmitterError(f"SGLang acknowledged adapter {payload.name} but does not list it as loaded "
                                f"(loaded: {sorted(res.loaded_adapters or {})})")
-        phases = {"pack_ms": (t1 - t0) * 1e3, "serialize_ms": (t2 - t1) * 1e3, "transfer_apply_ms": (t3 - t2) * 1e3}
+        phases = {"pack_ms": (t1 - t0) * 1e3, "serialize_ms": (t2 - t1) * 1e3,
+                  "transfer_apply_ms": (t3 - t2) * 1e3}
         return Ack(payload.version, payload.num_tensors, payload.nbytes, phases)
 
     def retire_adapter(self, name: str, timeout_s: float) -> bool:
-        """Unload a drained adapter within `timeout_s`; False if it did not finish (never raises for slowness)."""
+        """Unload a drained adapter within `timeout_s`; False if it did not finish (slowness never raises)."""
         try:
             res = self.client.unload_lora_adapter(name, timeout_s)
         except SGLangTimeout:
@@ -380,8 +391,9 @@ class SGLangEmitter:
 def build_sglang_emitter(cfg: WeightSync) -> SGLangEmitter:
     """The SGLang emitter for `[weight_sync] emitter = "sglang"`."""
     if not cfg.engine_url:
-        raise ValueError('[weight_sync] emitter = "sglang" needs engine_url = "http://host:port" of a running '
-                         "SGLang 0.5.23 server; titan_lora does not start SGLang itself")
-    client = SGLangClient(cfg.engine_url, api_key=cfg.api_key, timeout_s=cfg.timeout_s, retries=cfg.retries)
+        raise ValueError('[weight_sync] emitter = "sglang" needs engine_url = "http://host:port" of a '
+                         "running SGLang 0.5.23 server; titan_lora does not start SGLang itself")
+    client = SGLangClient(cfg.engine_url, api_key=cfg.api_key, timeout_s=cfg.timeout_s,
+                          retries=cfg.retries)
     return SGLangEmitter(client, keep_versions=cfg.keep_versions, pause_mode=cfg.pause_mode,
                          bucket_bytes=cfg.bucket_mb << 20)

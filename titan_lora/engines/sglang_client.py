@@ -15,7 +15,6 @@ import dataclasses
 import http.client
 import json
 import logging
-import socket
 import time
 import urllib.parse
 from collections.abc import Mapping, Sequence
@@ -252,7 +251,7 @@ class SGLangClient:
             conn.sock.settimeout(max(deadline - time.monotonic(), 1e-3))
             resp = conn.getresponse()
             return resp.status, resp.read()
-        except (TimeoutError, socket.timeout) as err:
+        except TimeoutError as err:  # socket.timeout is TimeoutError since Python 3.10
             raise SGLangTimeout(
                 f"SGLang at {self.url} did not answer {path} within {timeout_s:.1f}s; "
                 "raise [weight_sync] timeout_s if the server is just slow"

@@ -13,7 +13,7 @@ from titan_lora.emitters.base import AdapterPayload
 from titan_lora.export.peft import peft_config, save_peft_dir, to_peft_names
 from titan_lora.lora.layer import adapter_params, lora_modules
 from titan_lora.lora.targets import hf_leaf_names
-from titan_lora.sync.gather import AdapterGatherer
+from titan_lora.sync.gather import ShardGatherer
 from titan_lora.sync.versions import versioned_name
 
 
@@ -24,7 +24,7 @@ class AdapterSource:
         self, model: nn.Module, sd_adapter: Llama3StateDictAdapter, lora: LoRA, lora_name: str = "policy",
         base_model_path: str = "",
     ) -> None:
-        self.gatherer = AdapterGatherer(adapter_params(model))
+        self.gatherer = ShardGatherer(adapter_params(model))
         self.lora_name = lora_name
         self.sd_adapter = sd_adapter
         self.target_modules = hf_leaf_names([n for n, _ in lora_modules(model)])

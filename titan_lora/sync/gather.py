@@ -34,7 +34,7 @@ def _global_flat_index(param: torch.Tensor, offset: int) -> torch.Tensor:
     return shard.to_local().reshape(-1)
 
 
-class AdapterGatherer:
+class ShardGatherer:
     """Preallocated, single-collective gather of a fixed list of (possibly sharded) params to rank 0."""
 
     def __init__(

@@ -1,0 +1,123 @@
+"""The SGLang emitter against a live SGLang 0.5.23 server (opt-in: `pytest -m sglang`).
+
+Set TITAN_LORA_SGLANG_URL (the server root) and TITAN_LORA_SGLANG_MODEL (a local HF directory holding
+the server's --model-path, for the trainer-side reference); TITAN_LORA_SGLANG_API_KEY if the server was
+started with --api-key; TITAN_LORA_SGLANG_TOLERANCE to loosen the log-prob bound (default 1e-3, which
+needs a float32 server). docs/sglang.md gives the server command line.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+from test_sglang import PROMPT, Driver, Trainer, assert_parity
+from transformers import LlamaForCausalLM
+
+from titan_lora.config import WeightSync
+from titan_lora.emitters.base import EngineWeightsLost, build_emitter
+from titan_lora.engines.sglang_client import SGLangAuthError, SGLangClient, SGLangError
+from titan_lora.sync.retire import Retirer
+from titan_lora.sync.versions import AdapterVersions
+
+pytestmark = pytest.mark.sglang
+URL = os.environ.get("TITAN_LORA_SGLANG_URL", "")
+MODEL = os.environ.get("TITAN_LORA_SGLANG_MODEL", "")
+API_KEY = os.environ.get("TITAN_LORA_SGLANG_API_KEY", "")
+TOLERANCE = float(os.environ.get("TITAN_LORA_SGLANG_TOLERANCE", "1e-3"))
+if not (URL and MODEL):
+    pytest.skip("set TITAN_LORA_SGLANG_URL and TITAN_LORA_SGLANG_MODEL to run the live SGLang tests",
+                allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def trainer() -> Trainer:
+    """The trainer side: the server's own model in float32, with a rank-8 adapter."""
+    return Trainer(r=8, base=LlamaForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval())
+
+
+def live_emitter(**cfg):
+    """The registered SGLang emitter for the live server."""
+    cfg = {"enabled": True, "emitter": "sglang", "engine_url": URL, "api_key": API_KEY, "keep_versions": 2,
+           "timeout_s": 300.0, **cfg}
+    return build_emitter(WeightSync(**cfg))
+
+
+def test_limits_base_adapters_parity_and_incarnation(trainer: Trainer) -> None:
+    emitter = live_emitter()
+    limits = emitter.engine_limits()
+    assert limits.max_lora_rank >= 8 and limits.max_loras >= 3
+    with pytest.raises(EngineWeightsLost):  # this emitter has not sent its base yet
+        emitter.send_adapter(trainer.step(1))
+    versions = AdapterVersions("policy", keep_versions=2)
+    driver = Driver(emitter, versions)
+    for step in (1, 2):
+        driver.sync(trainer, step)
+        assert emitter.engine_incarnation() == driver.incarnation
+        assert_parity(emitter.client, trainer, versions.active.name, TOLERANCE)
+
+
+def test_retire_unloads_and_the_name_is_gone(trainer: Trainer) -> None:
+    emitter = live_emitter()
+    versions = AdapterVersions("policy", keep_versions=2)
+    driver = Driver(emitter, versions)
+    driver.sync(trainer, 10)
+    driver.sync(trainer, 11)
+    assert emitter.retire_adapter("policy-v10", timeout_s=60.0)
+    with pytest.raises(SGLangError, match="not loaded"):
+        emitter.client.generate(PROMPT, "policy-v10", {"max_new_tokens": 1})
+    assert emitter.retire_adapter("policy-v10", timeout_s=60.0)  # already gone counts as done
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place", "abort"])
+def test_pause_modes_are_accepted(trainer: Trainer, mode: str) -> None:
+    emitter = live_emitter(pause_mode=mode)
+    driver = Driver(emitter, AdapterVersions("policy", keep_versions=2))
+    driver.sync(trainer, 20)
+    driver.sync(trainer, 21)
+    for name in ("policy-v20", "policy-v21"):
+        assert emitter.retire_adapter(name, timeout_s=60.0)
+
+
+def test_syncs_with_rollouts_in_flight_keep_the_window(trainer: Trainer) -> None:
+    emitter = live_emitter()
+    versions = AdapterVersions("policy", keep_versions=2)
+    retirer = Retirer(versions, emitter.retire_adapter, timeout_s=30.0)
+    driver = Driver(emitter, versions, retirer)
+    driver.sync(trainer, 100)
+    stop, errors = threading.Event(), []
+
+    def rollouts() -> None:
+        while not stop.is_set():
+            with versions.lease() as lease:
+                try:
+                    emitter.client.generate(PROMPT, lease.name, {"max_new_tokens": 16})
+                except SGLangError as err:
+                    errors.append(err)
+
+    workers = [threading.Thread(target=rollouts, daemon=True) for _ in range(4)]
+    for w in workers:
+        w.start()
+    for step in range(101, 131):
+        driver.sync(trainer, step)
+        assert len(versions.live) <= 3
+        assert retirer.wait_idle(60.0)
+    stop.set()
+    for w in workers:
+        w.join(60.0)
+    assert not errors and retirer.failed == 0
+    retirer.close()
+
+
+def test_kv_cache_release_and_resume() -> None:
+    emitter = live_emitter()
+    emitter.release_kv_cache()
+    emitter.resume_kv_cache()
+
+
+@pytest.mark.skipif(not API_KEY, reason="the server has no --api-key")
+def test_wrong_api_key_is_refused() -> None:
+    with pytest.raises(SGLangAuthError, match="401"):
+        SGLangClient(URL, api_key=API_KEY + "-wrong").server_info()

@@ -1,0 +1,80 @@
+"""The bucket wire format, shared by the trainer side (pack) and the engine side (unpack).
+
+A bucket is a flat byte buffer holding whole tensors back to back, each aligned to 64 bytes, plus a
+JSON-able header of names, shapes, dtypes and offsets. No pickle crosses from one side to the other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import torch
+
+ALIGN = 64
+_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """Where one tensor lies in its bucket."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    offset: int
+    nbytes: int
+
+    def to_json(self) -> dict:
+        """The header form of this entry."""
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,
+                "offset": self.offset, "nbytes": self.nbytes}
+
+    @staticmethod
+    def from_json(row: Mapping) -> Entry:
+        """Parse one header row, rejecting dtypes we do not send."""
+        if row["dtype"] not in _DTYPES:
+            raise ValueError(f"unsupported dtype {row['dtype']!r} in bucket header")
+        return Entry(row["name"], tuple(row["shape"]), row["dtype"], int(row["offset"]), int(row["nbytes"]))
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def plan_buckets(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[list[Entry]]:
+    """Split tensors, in order, into buckets of at most `bucket_bytes` (a larger tensor gets its own)."""
+    buckets: list[list[Entry]] = [[]]
+    used = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if buckets[-1] and used + nbytes > bucket_bytes:
+            buckets.append([])
+            used = 0
+        dtype = str(t.dtype).removeprefix("torch.")
+        if dtype not in _DTYPES:
+            raise ValueError(f"{name}: dtype {t.dtype} cannot be sent; use float32, bfloat16 or float16")
+        buckets[-1].append(Entry(name, tuple(t.shape), dtype, used, nbytes))
+        used = _aligned(used + nbytes)
+    return buckets if buckets[0] else []
+
+
+def bucket_size(entries: Sequence[Entry]) -> int:
+    """Bytes a bucket occupies."""
+    return max((e.offset + e.nbytes for e in entries), default=0)
+
+
+def pack(buffer: torch.Tensor, entries: Sequence[Entry], tensors: Mapping[str, torch.Tensor]) -> None:
+    """Copy the bucket's tensors into `buffer` (a uint8 tensor on the tensors' device)."""
+    for e in entries:
+        src = tensors[e.name].detach().contiguous().view(-1).view(torch.uint8)
+        buffer[e.offset : e.offset + e.nbytes].copy_(src, non_blocking=True)
+
+
+def unpack(buffer: torch.Tensor, entries: Sequence[Entry]) -> dict[str, torch.Tensor]:
+    """Copy every tensor out of `buffer` into fresh storage the receiver owns."""
+    out = {}
+    for e in entries:
+        raw = buffer[e.offset : e.offset + e.nbytes]
+        out[e.name] = raw.view(_DTYPES[e.dtype]).view(e.shape).clone()
+    return out

@@ -1,0 +1,60 @@
+"""The disk emitter: write a PEFT directory, then have the engine load it with its own disk loader.
+
+It is the baseline the bucket path is measured against (what most frameworks do) and a fallback
+when no shared memory or IPC reaches the engine. Base weights still travel in buckets.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from titan_lora.config import WeightSync
+from titan_lora.emitters.base import AdapterPayload, Ack, register_emitter
+from titan_lora.emitters.vllm import VLLMBucketEmitter
+from titan_lora.engines.http import JsonClient
+from titan_lora.export.peft import save_peft_dir
+
+
+class DiskEmitter(VLLMBucketEmitter):
+    """Adapters through the filesystem (`adapter_config.json` + safetensors), base through buckets."""
+
+    def __init__(self, client: JsonClient, bucket_mb: int, directory: str) -> None:
+        super().__init__(client, bucket_mb)
+        self._tmp = None if directory else tempfile.TemporaryDirectory(prefix="titan_lora_disk_")
+        self.directory = Path(directory or self._tmp.name)
+
+    def send_adapter(self, payload: AdapterPayload) -> Ack:
+        """Save the adapter to `<directory>/<name>` and ask the engine to load that path."""
+        t0 = time.perf_counter()
+        path = save_peft_dir(self.directory / payload.name, payload.tensors, payload.peft_config)
+        t1 = time.perf_counter()
+        ack = self.client.post("/titan/adapter_from_path", {
+            "name": payload.name, "path": str(path.resolve()), "version": payload.version,
+        })
+        t2 = time.perf_counter()
+        return Ack(ack["version"], ack["tensors"], ack["bytes"],
+                   {"pack_ms": (t1 - t0) * 1e3, "transfer_ms": 0.0, "apply_ms": (t2 - t1) * 1e3})
+
+    def retire_adapter(self, name: str, timeout_s: float) -> bool:
+        """Unload in the engine, then delete the directory."""
+        done = super().retire_adapter(name, timeout_s)
+        if done:
+            shutil.rmtree(self.directory / name, ignore_errors=True)
+        return done
+
+    def close(self) -> None:
+        """Free buffers and the temporary directory."""
+        super().close()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+
+@register_emitter("disk")
+def build_disk_emitter(cfg: WeightSync) -> DiskEmitter:
+    """The disk emitter for `[weight_sync]`."""
+    if not cfg.engine_url:
+        raise ValueError("[weight_sync] engine_url is empty: leave it empty in the TOML to have titan_lora start an engine")
+    return DiskEmitter(JsonClient(cfg.engine_url, cfg.api_key, cfg.timeout_s), cfg.bucket_mb, cfg.disk_dir)

@@ -1,0 +1,92 @@
+"""Where buckets travel: shared memory on one host (CPU), CUDA IPC when the engine shares the GPU.
+
+The trainer owns the buffers; the engine opens them from a JSON descriptor, copies a bucket out and
+acknowledges. Descriptors are plain JSON (no pickle crosses from one side to the other).
+"""
+
+from __future__ import annotations
+
+import base64
+from multiprocessing import resource_tracker, shared_memory
+
+import torch
+import torch.multiprocessing.reductions as reductions
+
+
+class BucketBuffer:
+    """A trainer-owned byte buffer that an engine process can map."""
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        self.size = size
+        self.device = device
+        self._shm: shared_memory.SharedMemory | None = None
+        if device.type == "cpu":
+            self._shm = shared_memory.SharedMemory(create=True, size=size)
+            self.tensor = torch.frombuffer(self._shm.buf, dtype=torch.uint8)
+        elif device.type == "cuda":
+            self.tensor = torch.empty(size, dtype=torch.uint8, device=device)
+        else:
+            raise ValueError(f"no bucket transport for device type {device.type!r}")
+
+    def describe(self) -> dict:
+        """The JSON descriptor the engine opens the buffer with."""
+        if self._shm is not None:
+            return {"kind": "shm", "name": self._shm.name, "size": self.size}
+        _, args = reductions.reduce_tensor(self.tensor)
+        (_, size, stride, offset, _, _, device, handle, storage_bytes, storage_offset, _,
+         ref_handle, ref_offset, event_handle, event_sync) = args
+        b64 = lambda b: base64.b64encode(b).decode()  # noqa: E731
+        return {"kind": "cuda_ipc", "size": list(size), "stride": list(stride), "offset": offset,
+                "device": device, "handle": b64(handle), "storage_bytes": storage_bytes,
+                "storage_offset": storage_offset, "ref_handle": b64(ref_handle), "ref_offset": ref_offset,
+                "event_handle": b64(event_handle) if event_handle else "", "event_sync": event_sync}
+
+    def synchronize(self) -> None:
+        """Make packed bytes visible to the other process (packing may be asynchronous on GPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def close(self) -> None:
+        """Release the buffer; the shared-memory segment is removed."""
+        del self.tensor
+        if self._shm is not None:
+            self._shm.close()
+            self._shm.unlink()
+
+
+def make_buffers(n: int, size: int, device: torch.device) -> list[BucketBuffer]:
+    """`n` buffers of `size` bytes on `device`."""
+    return [BucketBuffer(size, device) for _ in range(n)]
+
+
+def _open(desc: dict) -> tuple[torch.Tensor, object]:
+    if desc["kind"] == "shm":
+        shm = shared_memory.SharedMemory(name=desc["name"])
+        # Attaching registers the segment with this process's resource tracker, which would unlink
+        # it at exit although the trainer owns it (CPython < 3.13).
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+        return torch.frombuffer(shm.buf, dtype=torch.uint8)[: desc["size"]], shm
+    if desc["kind"] == "cuda_ipc":
+        raw = lambda k: base64.b64decode(desc[k]) if desc[k] else b""  # noqa: E731
+        tensor = reductions.rebuild_cuda_tensor(
+            torch.Tensor, tuple(desc["size"]), tuple(desc["stride"]), desc["offset"],
+            torch.storage.UntypedStorage, torch.uint8, desc["device"], raw("handle"),
+            desc["storage_bytes"], desc["storage_offset"], False, raw("ref_handle"),
+            desc["ref_offset"], raw("event_handle"), desc["event_sync"],
+        )
+        return tensor, None
+    raise ValueError(f"unknown bucket transport {desc.get('kind')!r}")
+
+
+class BufferCache:
+    """Engine side: open each trainer buffer once and reuse the mapping."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, tuple[torch.Tensor, object]] = {}
+
+    def get(self, desc: dict) -> torch.Tensor:
+        """The uint8 tensor behind descriptor `desc`."""
+        key = desc.get("name") or desc["handle"]
+        if key not in self._open:
+            self._open[key] = _open(desc)
+        return self._open[key][0]

@@ -1,0 +1,95 @@
+"""Start and supervise an embedded titan_lora vLLM engine process (rank 0 only)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from titan_lora.emitters.base import EmitterError
+from titan_lora.engines.http import EngineUnreachable, JsonClient
+
+logger = logging.getLogger(__name__)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def free_port() -> int:
+    """A TCP port on localhost that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_lora_rank(rank: int) -> int:
+    """The smallest --max-lora-rank vLLM accepts that holds `rank`."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"[lora] rank = {rank} is above vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}")
+
+
+class EmbeddedEngine:
+    """A `python -m titan_lora.engines.vllm_server` child process; restarted if it dies."""
+
+    def __init__(self, model_dir: str, port: int, args: list[str], log_path: str, start_timeout_s: float = 600) -> None:
+        self.model_dir = model_dir
+        self.port = port
+        self.args = args
+        self.log_path = Path(log_path)
+        self.start_timeout_s = start_timeout_s
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    def start(self) -> None:
+        """Spawn the engine and wait until it answers (engine start takes ~25 s on CPU)."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "titan_lora.engines.vllm_server", "--model", self.model_dir,
+               "--port", str(self.port), *self.args]
+        logger.info("starting the vLLM engine (log: %s)", self.log_path)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+        self.starts += 1
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        client = JsonClient(self.url, os.environ.get("TITAN_LORA_API_KEY", ""), timeout_s=5)
+        deadline = time.monotonic() + self.start_timeout_s
+        started = time.monotonic()
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise EmitterError(f"the vLLM engine exited with code {self.proc.returncode} during start-up; "
+                                   f"last lines of {self.log_path}:\n{self.log_tail()}")
+            try:
+                client.post("/titan/info")
+                logger.info("vLLM engine ready at %s after %.0f s", self.url, time.monotonic() - started)
+                return
+            except EngineUnreachable:
+                time.sleep(1.0)
+        raise EmitterError(f"the vLLM engine did not become ready in {self.start_timeout_s:.0f} s; see {self.log_path}")
+
+    def log_tail(self, lines: int = 20) -> str:
+        """The end of the engine's log."""
+        if not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def ensure_running(self) -> None:
+        """Restart the engine if its process has died."""
+        if self.proc is None or self.proc.poll() is not None:
+            logger.warning("the vLLM engine is not running (exit code %s); restarting it",
+                           None if self.proc is None else self.proc.returncode)
+            self.start()
+
+    def stop(self) -> None:
+        """Terminate the engine process."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()

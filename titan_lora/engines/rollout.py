@@ -1,0 +1,52 @@
+"""The rollout side of an engine: sample completions and score sequences under a named adapter."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+from titan_lora.engines.http import JsonClient
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """One sampled completion and the log-prob the engine gave each of its tokens."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+
+
+class RolloutClient(Protocol):
+    """What the RL loop and the parity probe need from an engine."""
+
+    def generate(self, prompts: list[list[int]], adapter: str | None, max_tokens: int,
+                 temperature: float, seed: int | None, stop_token_ids: list[int]) -> list[Completion]:
+        """One completion per token-id prompt, sampled under `adapter` (None: the base)."""
+        ...
+
+    def score(self, sequences: list[list[int]], adapter: str | None) -> list[list[float]]:
+        """log p(token t | tokens < t) for every token after the first of each sequence."""
+        ...
+
+
+class VLLMRolloutClient:
+    """RolloutClient for a titan_lora vLLM engine."""
+
+    def __init__(self, client: JsonClient) -> None:
+        self.client = client
+
+    def generate(self, prompts: list[list[int]], adapter: str | None, max_tokens: int,
+                 temperature: float, seed: int | None, stop_token_ids: list[int]) -> list[Completion]:
+        """Sample completions through `/titan/generate`."""
+        reply = self.client.post("/titan/generate", {
+            "prompts": prompts, "adapter": adapter, "max_tokens": max_tokens,
+            "temperature": temperature, "seed": seed, "stop_token_ids": stop_token_ids,
+        })
+        if reply["adapter"] != adapter:
+            raise RuntimeError(f"asked for adapter {adapter!r}, the engine answered with {reply['adapter']!r}")
+        return [Completion(o["token_ids"], o["text"], o["logprobs"]) for o in reply["outputs"]]
+
+    def score(self, sequences: list[list[int]], adapter: str | None) -> list[list[float]]:
+        """Prompt log-probs through `/titan/score`."""
+        return self.client.post("/titan/score", {"sequences": sequences, "adapter": adapter})["logprobs"]

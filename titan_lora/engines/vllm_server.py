@@ -1,0 +1,237 @@
+"""The vLLM engine process: one vLLM engine, driven by one thread, behind a small JSON-over-HTTP API.
+
+    python -m titan_lora.engines.vllm_server --model DIR --port 8011 [--max-lora-rank 16 ...]
+
+One thread owns the engine and runs `step()`; adapter loads, base updates and unloads run on that
+thread *between* steps, so requests in flight (on any version) keep decoding while a new version
+loads. By default the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0: 10 s to start
+on CPU instead of 65 s); `--multiprocess` keeps vLLM's own process layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from titan_lora.engines.vllm_loop import EngineLoop
+
+logger = logging.getLogger("titan_lora.engine")
+EXTENSION = "titan_lora.engines.vllm_ext.TitanLoRAWorkerExtension"
+
+
+class EngineService:
+    """The API's behaviour, independent of HTTP: names, ids, leases and the engine loop."""
+
+    def __init__(self, loop: EngineLoop, model: str) -> None:
+        self.loop = loop
+        self.model = model
+        self.incarnation = uuid.uuid4().hex
+        self.base_version: int | None = None
+        self.adapters: dict[str, int] = {}  # versioned name -> vLLM int id
+        self._next_id = 1
+        self._lock = threading.Lock()
+
+    def info(self, _: dict) -> dict:
+        """Identity, base state, live adapters and LoRA limits."""
+        limits = self.loop.rpc("titan_lora_info")
+        return {"incarnation": self.incarnation, "model": self.model, "base_version": self.base_version,
+                "adapters": dict(self.adapters), "in_flight": self.loop.in_flight(), **limits}
+
+    def bucket(self, req: dict) -> dict:
+        """Copy one bucket out of shared memory (the ack means the trainer may reuse the buffer)."""
+        return self.loop.rpc("titan_receive_bucket", req["transfer_id"], req["segment"], req["header"])
+
+    def adapter(self, req: dict) -> dict:
+        """Install the staged transfer as adapter `name` under a fresh int id."""
+        name = req["name"]
+        with self._lock:
+            if name in self.adapters:
+                raise ValueError(f"adapter {name!r} is already loaded; versioned names must be new")
+            lora_id, self._next_id = self._next_id, self._next_id + 1
+        ack = self.loop.rpc("titan_commit_adapter", req["transfer_id"], lora_id, name, req["peft_config"])
+        self.adapters[name] = lora_id
+        return {**ack, "name": name, "version": req["version"]}
+
+    def adapter_from_path(self, req: dict) -> dict:
+        """vLLM's own disk path: load a PEFT directory as adapter `name` (the baseline)."""
+        from vllm.lora.request import LoRARequest
+
+        name = req["name"]
+        with self._lock:
+            lora_id, self._next_id = self._next_id, self._next_id + 1
+        self.loop.call(lambda llm: llm.llm_engine.add_lora(LoRARequest(name, lora_id, req["path"])))
+        self.adapters[name] = lora_id
+        return {**_describe_safetensors(os.path.join(req["path"], "adapter_model.safetensors")),
+                "name": name, "version": req["version"]}
+
+    def base(self, req: dict) -> dict:
+        """Install the staged transfer as the base weights."""
+        ack = self.loop.rpc("titan_commit_base", req["transfer_id"])
+        self.loop.call(lambda llm: llm.reset_prefix_cache())  # cached KV came from the old weights
+        self.base_version = req["version"]
+        return {**ack, "version": req["version"]}
+
+    def unload(self, req: dict) -> dict:
+        """Remove adapter `name` once no request uses it, waiting at most `timeout_s`."""
+        name = req["name"]
+        lora_id = self.adapters.get(name)
+        if lora_id is None:
+            return {"unloaded": True}
+        if not self.loop.wait_unused(name, float(req.get("timeout_s", 10))):
+            return {"unloaded": False, "in_flight": self.loop.in_flight().get(name, 0)}
+        self.loop.rpc("titan_remove_adapter", lora_id)
+        self.adapters.pop(name, None)
+        return {"unloaded": True}
+
+    def _lora(self, name: str | None):  # noqa: ANN202
+        from vllm.lora.request import LoRARequest
+
+        if name is None:
+            return None
+        if name not in self.adapters:
+            raise KeyError(f"adapter {name!r} is not loaded here; loaded: {sorted(self.adapters)}")
+        return LoRARequest(name, self.adapters[name], "titan-mem://" + name)
+
+    def generate(self, req: dict) -> dict:
+        """Sample completions for token-id prompts under adapter `adapter` (null: the base)."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(
+            n=1, max_tokens=int(req["max_tokens"]), temperature=float(req.get("temperature", 1.0)),
+            seed=req.get("seed"), logprobs=0, stop_token_ids=req.get("stop_token_ids"),
+        )
+        name = req.get("adapter")
+        outs = self.loop.generate(req["prompts"], params, self._lora(name), name)
+        return {"adapter": name, "outputs": [
+            {"token_ids": list(o.outputs[0].token_ids), "text": o.outputs[0].text,
+             "logprobs": [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]}
+            for o in outs]}
+
+    def score(self, req: dict) -> dict:
+        """Log-prob of every token after the first, for each sequence, under adapter `adapter`."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+        name = req.get("adapter")
+        # One sequence per engine batch: vLLM 0.32's CPU LoRA kernels fail on prompt log-probs of
+        # several LoRA sequences batched together (an einsum shape error).
+        outs = [self.loop.generate([ids], params, self._lora(name), name)[0] for ids in req["sequences"]]
+        return {"adapter": name, "logprobs": [
+            [o.prompt_logprobs[j][ids[j]].logprob for j in range(1, len(ids))]
+            for o, ids in zip(outs, req["sequences"])]}
+
+
+def _describe_safetensors(path: str) -> dict:
+    """Tensor count and bytes of a safetensors file, as the engine read it."""
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        sizes = [f.get_slice(k).get_shape() for k in f.keys()]
+        dtypes = [f.get_slice(k).get_dtype() for k in f.keys()]
+    width = {"F32": 4, "BF16": 2, "F16": 2}
+    return {"tensors": len(sizes), "bytes": sum(math.prod(s) * width[d] for s, d in zip(sizes, dtypes))}
+
+
+def make_handler(service: EngineService, api_key: str) -> type[BaseHTTPRequestHandler]:
+    """An HTTP handler class that routes POST /titan/<op> to `service.<op>`."""
+    routes = {op: getattr(service, op) for op in
+              ("info", "bucket", "adapter", "adapter_from_path", "base", "unload", "generate", "score")}
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, fmt: str, *args) -> None:  # noqa: ANN002
+            logger.debug(fmt, *args)
+
+        def _reply(self, code: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:  # noqa: N802
+            self._handle({})
+
+        def do_POST(self) -> None:  # noqa: N802
+            length = int(self.headers.get("Content-Length", 0))
+            self._handle(json.loads(self.rfile.read(length) or b"{}"))
+
+        def _handle(self, body: dict) -> None:
+            if api_key and self.headers.get("Authorization") != f"Bearer {api_key}":
+                return self._reply(401, {"error": "missing or wrong API key (Authorization: Bearer ...)"})
+            op = self.path.removeprefix("/titan/")
+            if op not in routes:
+                return self._reply(404, {"error": f"unknown route {self.path}"})
+            try:
+                self._reply(200, routes[op](body))
+            except (KeyError, ValueError) as err:
+                self._reply(400, {"error": f"{type(err).__name__}: {err}"})
+            except Exception as err:  # noqa: BLE001 (reported to the client, the server keeps serving)
+                logger.exception("%s failed", op)
+                self._reply(500, {"error": f"{type(err).__name__}: {err}"})
+
+    return Handler
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options of the engine process."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="HF checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8011)
+    p.add_argument("--api-key", default=os.environ.get("TITAN_LORA_API_KEY", ""))
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--max-lora-rank", type=int, default=16)
+    p.add_argument("--max-loras", type=int, default=3)
+    p.add_argument("--max-cpu-loras", type=int, default=4)
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--kv-cache-gib", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--multiprocess", action="store_true", help="keep vLLM's engine-core process")
+    return p.parse_args(argv)
+
+
+def build_llm(args: argparse.Namespace):  # noqa: ANN201
+    """The vLLM engine with LoRA and titan_lora's worker extension."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.multiprocess else "0"
+    from vllm import LLM
+
+    return LLM(
+        model=args.model, dtype=args.dtype, enforce_eager=True, seed=args.seed,
+        enable_lora=True, max_lora_rank=args.max_lora_rank, max_loras=args.max_loras,
+        max_cpu_loras=max(args.max_cpu_loras, args.max_loras), max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, worker_extension_cls=EXTENSION,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Start the engine, warm it up, then serve until killed."""
+    logging.basicConfig(level=logging.INFO, format="[titan_lora engine %(asctime)s] %(message)s",
+                        datefmt="%H:%M:%S")
+    args = parse_args(argv)
+    started = time.perf_counter()
+    loop = EngineLoop(build_llm(args))
+    loop.warm_up()
+    service = EngineService(loop, args.model)
+    server = ThreadingHTTPServer((args.host, args.port), make_handler(service, args.api_key))
+    logger.info("engine %s ready on http://%s:%d in %.1f s", service.incarnation[:8], args.host,
+                args.port, time.perf_counter() - started)
+    try:
+        server.serve_forever()
+    finally:
+        loop.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""Assemble a WeightSyncer for a training run: engine, emitter, base source, parity probe, hook."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+import titan_lora.emitters.disk  # noqa: F401  (registers "disk")
+import titan_lora.emitters.vllm  # noqa: F401  (registers "vllm")
+from titan_lora.emitters.base import build_emitter
+from titan_lora.engines.http import JsonClient
+from titan_lora.engines.launch import EmbeddedEngine, engine_lora_rank, free_port
+from titan_lora.engines.rollout import VLLMRolloutClient
+from titan_lora.lora.layer import clean_fqn, is_adapter_param
+from titan_lora.rl.tasks import chat_prompt, make_problems
+from titan_lora.sync.parity import ParityProbe
+from titan_lora.sync.syncer import WeightSyncer
+
+if TYPE_CHECKING:
+    from titan_lora.train import TrainingRun
+
+logger = logging.getLogger(__name__)
+
+
+def base_weights_source(model: nn.Module, sd_adapter, tied_embeddings: bool) -> Callable[[], Mapping[str, torch.Tensor] | None]:  # noqa: ANN001
+    """A collective that returns the full base weights in HF naming on rank 0 (None elsewhere).
+
+    It runs once per engine incarnation, so a per-parameter gather is fine here; the per-step
+    adapter path is the single-collective one.
+    """
+
+    def collect() -> Mapping[str, torch.Tensor] | None:
+        full = {}
+        for name, param in model.named_parameters():
+            if not is_adapter_param(name):  # every rank, same order: full_tensor is a collective
+                full[clean_fqn(name)] = param.full_tensor() if isinstance(param, DTensor) else param.detach()
+        if dist.get_rank() != 0:
+            return None
+        hf = sd_adapter.to_hf(full)
+        if tied_embeddings:  # the engine ties lm_head to the embedding itself
+            hf.pop("lm_head.weight", None)
+        return hf
+
+    return collect
+
+
+def probe_sequences(tokenizer, n: int = 4) -> list[list[int]]:  # noqa: ANN001
+    """A fixed batch of chat-formatted arithmetic prompts with their answers, as token ids."""
+    seqs = []
+    for p in make_problems(n, seed=4242):
+        text = chat_prompt(tokenizer, p.question) + str(p.answer) + tokenizer.eos_token
+        seqs.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return seqs
+
+
+def wire_syncer(run: TrainingRun) -> WeightSyncer:
+    """Start or attach the engine (rank 0), build the syncer, validate limits, hook the optimizer."""
+    from transformers import AutoTokenizer
+
+    cfg = run.cfg.weight_sync
+    rank0 = dist.get_rank() == 0
+    emitter, engine, rollouts = None, None, None
+    if rank0:
+        if not cfg.engine_url:
+            engine = EmbeddedEngine(run.built.hf_dir, cfg.engine_port or free_port(), [
+                "--max-lora-rank", str(engine_lora_rank(run.cfg.lora.rank)),
+                "--max-loras", str(cfg.keep_versions + 1), "--max-cpu-loras", str(cfg.keep_versions + 2),
+                "--max-model-len", str(cfg.engine_max_model_len), "--kv-cache-gib", str(cfg.engine_kv_cache_gib),
+                *(["--api-key", cfg.api_key] if cfg.api_key else []),
+            ], os.path.join(run.cfg.job.dump_folder, "engine.log"))
+            engine.start()
+            cfg = dataclasses.replace(cfg, engine_url=engine.url)
+        emitter = build_emitter(cfg)
+        rollouts = VLLMRolloutClient(JsonClient(cfg.engine_url, cfg.api_key, cfg.timeout_s))
+    tokenizer = AutoTokenizer.from_pretrained(run.built.hf_dir)
+    tied = json.loads((Path(run.built.hf_dir) / "config.json").read_text()).get("tie_word_embeddings", False)
+    probe = None
+    if cfg.parity_every:
+        probe = ParityProbe(run.model, probe_sequences(tokenizer), run.device,
+                            rollouts.score if rollouts else None, cfg.parity_tolerance)
+    syncer = WeightSyncer(
+        run.adapter, base_weights_source(run.model, run.built.sd_adapter, tied), emitter, cfg, run.device,
+        engine=engine, rollouts=rollouts, probe=probe,
+    )
+    syncer.check_engine()
+    syncer.resume_version = run.step
+    syncer.attach(run.optimizers, lambda: run.step)
+    return syncer
