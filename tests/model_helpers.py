@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import tempfile
-
 import torch
-import torch.distributed as dist
 
 from titan_lora.lora.layer import fill_param, lora_modules
-from titan_lora.trainer.build import BuiltModel, build_model
-from titan_lora.trainer.distributed import build_parallel_dims, init_distributed
-from titan_lora.trainer.job_config import load_job_config
+from titan_lora.trainer.build import BuiltModel, build_from_toml
+from titan_lora.trainer.job_config import job_config_from_toml
 
 SMOLLM2_LORA = """
 [model]
@@ -36,17 +32,12 @@ DEBUG_LORA = SMOLLM2_LORA.replace('flavor = "135M"', 'flavor = "debug"').replace
 
 def job_config_from(toml: str, *overrides: str):  # noqa: ANN201
     """Parse TOML text (plus CLI-style overrides) into the merged JobConfig."""
-    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
-        f.write(toml)
-    return load_job_config(["--job.config_file", f.name, *overrides])
+    return job_config_from_toml(toml, *overrides)
 
 
 def build_from(toml: str, *overrides: str) -> BuiltModel:
     """Build the model of `toml` on this rank's CPU, sharded over the current process group."""
-    cfg = job_config_from(toml, *overrides)
-    init_distributed(torch.device("cpu"))  # a no-op inside run_ranks; a 1-rank group otherwise
-    dims = build_parallel_dims(cfg.parallelism, dist.get_world_size(), torch.device("cpu"))
-    return build_model(cfg, dims, torch.device("cpu"))
+    return build_from_toml(toml, *overrides, device=torch.device("cpu"))
 
 
 @torch.no_grad()

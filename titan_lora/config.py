@@ -4,7 +4,6 @@ Each dataclass is one TOML section. `validate_*` functions run before any model 
 config fails in seconds with a message that names the key and the fix.
 """
 
-import dataclasses
 import os
 from dataclasses import dataclass, field
 
@@ -76,6 +75,34 @@ class WeightSync:
 
 
 @dataclass
+class GRPO:
+    """`[grpo]`: the RL objective. Defaults are near-on-policy, what LoRA RL needs to stay stable."""
+
+    enabled: bool = False
+    prompts_per_step: int = 8
+    group_size: int = 8
+    """Samples per prompt; advantages are normalised within each group."""
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    """Weight of the k3 KL to the base model (the adapter switched off); 0 skips that forward."""
+    max_staleness: int = 1
+    """Samples from adapter versions older than (current - max_staleness) are dropped and counted."""
+    reward: str = "exact_match"
+    """A registered reward name or `package.module:function`."""
+    task_digits: int = 1
+    task_ops: str = "+-"
+    train_size: int = 2000
+    eval_size: int = 100
+    eval_every: int = 5
+    """Greedy held-out accuracy every N steps (and before the first); 0: never."""
+    seed: int = 0
+    rollouts: bool = True
+    """false: no engine rollouts (GPU timing without an inference engine); samples come from the data."""
+
+
+@dataclass
 class JobConfig:
     """titan_lora's sections; torchtitan merges them into its JobConfig (`job.custom_config_module`)."""
 
@@ -83,6 +110,7 @@ class JobConfig:
     lora: LoRA = field(default_factory=LoRA)
     data: Data = field(default_factory=Data)
     weight_sync: WeightSync = field(default_factory=WeightSync)
+    grpo: GRPO = field(default_factory=GRPO)
 
 
 def validate_lora(cfg: LoRA) -> None:
@@ -140,6 +168,20 @@ def validate_weight_sync(cfg: WeightSync, lora: LoRA) -> None:
         check_writable_dir(cfg.disk_dir, "[weight_sync] disk_dir")
 
 
-def section_dict(obj: object) -> dict:
-    """A config section as a plain dict (for logging)."""
-    return dataclasses.asdict(obj)  # type: ignore[arg-type]
+def validate_grpo(cfg: GRPO, weight_sync: WeightSync) -> None:
+    """Reject a `[grpo]` section that cannot work."""
+    if not cfg.enabled:
+        return
+    if cfg.group_size < 2:
+        raise ValueError(f"[grpo] group_size = {cfg.group_size}: GRPO needs >= 2 samples per prompt")
+    if cfg.prompts_per_step < 1 or cfg.max_new_tokens < 1:
+        raise ValueError("[grpo] prompts_per_step and max_new_tokens must be >= 1")
+    if cfg.max_staleness < 0:
+        raise ValueError(f"[grpo] max_staleness must be >= 0, got {cfg.max_staleness}")
+    if cfg.rollouts and not weight_sync.enabled:
+        raise ValueError("[grpo] rollouts come from the engine: set [weight_sync] enabled = true "
+                         "(or [grpo] rollouts = false to time training without an engine)")
+    if weight_sync.enabled and weight_sync.keep_versions < cfg.max_staleness + 1:
+        raise ValueError(f"[weight_sync] keep_versions = {weight_sync.keep_versions} must be >= "
+                         f"[grpo] max_staleness + 1 = {cfg.max_staleness + 1}")
+

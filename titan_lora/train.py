@@ -81,7 +81,7 @@ class TrainingRun:
     def train(self) -> None:
         """Run to `[training] steps`, logging, checkpointing and syncing along the way."""
         last = self.cfg.training.steps
-        self.objective.before_training()
+        self.objective.before_training(self.step)
         while self.step < last:
             self.step += 1
             started = time.perf_counter()

@@ -24,6 +24,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from titan_lora.config import WeightSync
 from titan_lora.emitters.base import AdapterPayload, EmitterError, EngineWeightsLost, build_emitter
+from titan_lora.emitters.buckets import plan_buckets
 from titan_lora.emitters.sglang import pack_bucket, serialize_for_ranks, sglang_adapter_config
 from titan_lora.engines.sglang_client import LoadLoRAAdapterFromTensorsReqInput, SGLangClient, SGLangError
 from titan_lora.sync.retire import Retirer
@@ -136,7 +137,7 @@ def test_adapter_before_base_is_refused() -> None:
         assert calls(srv, "/load_lora_adapter_from_tensors") == []
         # And the engine side refuses a load that skips the base, whoever sends it.
         payload = trainer.step(1)
-        bucket = pack_bucket(list(payload.tensors.items()))
+        bucket = pack_bucket(plan_buckets(payload.tensors, 1 << 30)[0], payload.tensors)
         res = emitter.client.load_lora_adapter_from_tensors(LoadLoRAAdapterFromTensorsReqInput(
             payload.name, sglang_adapter_config(payload.peft_config),
             serialize_for_ranks(bucket.payload(), 1, cuda=False), load_format="flattened_bucket"))
@@ -159,6 +160,17 @@ def test_restart_makes_the_emitter_send_the_base_again_first() -> None:
         order = calls(srv, "/update_weights_from_tensor", "/load_lora_adapter_from_tensors")
         assert order == ["/update_weights_from_tensor", "/load_lora_adapter_from_tensors"]
         assert versions.live == [3]
+        assert_parity(emitter.client, trainer, versions.active.name)
+
+
+def test_a_new_run_replaces_a_stale_adapter_under_the_same_name() -> None:
+    with ConformanceServer(TINY, **SERVER) as srv:
+        Driver(emitter_for(srv), AdapterVersions("policy", 2)).sync(Trainer(seed=0), 1)
+        # The trainer restarts from an earlier checkpoint: same name, new weights, new emitter.
+        trainer, versions = Trainer(seed=1), AdapterVersions("policy", 2)
+        emitter = emitter_for(srv)
+        Driver(emitter, versions).sync(trainer, 1)
+        assert calls(srv, "/unload_lora_adapter") == ["/unload_lora_adapter"]
         assert_parity(emitter.client, trainer, versions.active.name)
 
 
@@ -282,11 +294,11 @@ def test_pause_mode_wraps_the_loads(mode: str, expected: list[str]) -> None:
 
 def test_cpu_payloads_carry_bytes_not_shared_memory_handles() -> None:
     # Odd sizes and mixed dtypes: every tensor must start where its dtype can be viewed.
-    named = [("a", torch.randn(3, 5)), ("b", torch.arange(7)), ("c", torch.randn(2).half())]
-    bucket = pack_bucket(named)
+    named = {"a": torch.randn(3, 5), "b": torch.randn(7).bfloat16(), "c": torch.randn(2)}
+    bucket = pack_bucket(plan_buckets(named, 1 << 30)[0], named)
     payloads = serialize_for_ranks(bucket.payload(), 2, cuda=False)
     got = decode_tensors(payloads, 2, "flattened_bucket", remote=True)
-    assert all(torch.equal(got[n], t) for n, t in named)
+    assert all(torch.equal(got[n], t) for n, t in named.items())
     buf = io.BytesIO()
     ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(bucket.payload())  # what a naive sender would do
     with pytest.raises(pickle.UnpicklingError, match="shared-memory handle"):

@@ -77,4 +77,6 @@ def unpack(buffer: torch.Tensor, entries: Sequence[Entry]) -> dict[str, torch.Te
     for e in entries:
         raw = buffer[e.offset : e.offset + e.nbytes]
         out[e.name] = raw.view(_DTYPES[e.dtype]).view(e.shape).clone()
+    if buffer.is_cuda:  # the copies must be done before the ack lets the trainer reuse the buffer
+        torch.cuda.current_stream(buffer.device).synchronize()
     return out

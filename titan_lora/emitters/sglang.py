@@ -28,6 +28,7 @@ import logging
 import math
 import pickle
 import re
+import sys
 import time
 import types
 import uuid
@@ -47,6 +48,7 @@ from titan_lora.emitters.base import (
     EngineWeightsLost,
     register_emitter,
 )
+from titan_lora.emitters.buckets import Entry, bucket_size, pack, plan_buckets
 from titan_lora.engines.sglang_client import (
     LoadLoRAAdapterFromTensorsReqInput,
     ServerInfo,
@@ -61,7 +63,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 FLATTENED_BUCKET = "flattened_bucket"
-_ALIGN = 64  # byte offset of every tensor in a bucket, so `.view(dtype)` works for any dtype
 _CUDA_DEVICE_ARG = 6  # index of the device in rebuild_cuda_tensor's args (sglang/srt/utils/patch_torch.py)
 # SGLang fuses these projections: a server target covers its whole group (sglang/srt/lora/utils.py).
 _FUSED = ({"q_proj", "k_proj", "v_proj", "qkv_proj"}, {"gate_proj", "up_proj", "gate_up_proj"})
@@ -90,21 +91,16 @@ class Bucket:
         return {m.name: hashlib.sha256(flat[m.start_idx:m.end_idx]).hexdigest() for m in self.metadata}
 
 
-def pack_bucket(named: Sequence[tuple[str, torch.Tensor]]) -> Bucket:
-    """Copy `named` into one fresh flat buffer on the first tensor's device."""
-    if not named:
-        raise EmitterError("cannot send an empty set of tensors")
-    device = named[0][1].device
-    metadata, offset = [], 0
-    for name, t in named:
-        nbytes = t.numel() * t.element_size()
-        metadata.append(types.SimpleNamespace(name=name, shape=t.shape, dtype=t.dtype, start_idx=offset,
-                                              end_idx=offset + nbytes, numel=nbytes))
-        offset += -(-nbytes // _ALIGN) * _ALIGN
-    flat = torch.zeros(offset, dtype=torch.uint8, device=device)
-    for (_, t), m in zip(named, metadata, strict=True):
-        src = t.detach().to(device).contiguous().reshape(-1)
-        flat[m.start_idx:m.end_idx].copy_(src.view(torch.uint8))
+def pack_bucket(entries: Sequence[Entry], tensors: Mapping[str, torch.Tensor]) -> Bucket:
+    """Pack one planned bucket (`buckets.plan_buckets`) into fresh memory on its first tensor's device."""
+    device = tensors[entries[0].name].device
+    # Fresh for every bucket, so the engine never reads memory we reuse; zeros, so padding carries no
+    # stale process memory to another host.
+    flat = torch.zeros(bucket_size(entries), dtype=torch.uint8, device=device)
+    pack(flat, entries, tensors)
+    metadata = [types.SimpleNamespace(name=e.name, shape=torch.Size(e.shape), dtype=getattr(torch, e.dtype),
+                                      start_idx=e.offset, end_idx=e.offset + e.nbytes, numel=e.nbytes)
+                for e in entries]
     return Bucket(flat, metadata)
 
 
@@ -121,33 +117,15 @@ def serialize_for_ranks(obj: Mapping[str, Any], tp_size: int, cuda: bool) -> lis
     if not cuda:
         buf = io.BytesIO()
         pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-        return [_b64(buf.getvalue())] * tp_size
+        return [base64.b64encode(buf.getvalue()).decode("ascii")] * tp_size
     out = []
     for _ in range(tp_size):  # a separate handle per rank: each rank's open consumes its own refcount
         buf = io.BytesIO()
         pickler = ForkingPickler(buf, pickle.HIGHEST_PROTOCOL)
         pickler.dispatch_table = {**pickler.dispatch_table, torch.Tensor: _reduce_cuda_by_uuid}
         pickler.dump(obj)
-        out.append(_b64(buf.getvalue()))
+        out.append(base64.b64encode(buf.getvalue()).decode("ascii"))
     return out
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
-def _chunks(tensors: Mapping[str, torch.Tensor], limit: int) -> list[list[tuple[str, torch.Tensor]]]:
-    """Split the base into buckets of about `limit` bytes (a bigger tensor gets its own bucket)."""
-    chunks: list[list[tuple[str, torch.Tensor]]] = [[]]
-    size = 0
-    for item in tensors.items():
-        nbytes = item[1].numel() * item[1].element_size()
-        if chunks[-1] and size + nbytes > limit:
-            chunks.append([])
-            size = 0
-        chunks[-1].append(item)
-        size += nbytes
-    return chunks
 
 
 # ---- adapter config and server limits ------------------------------------------------------------
@@ -284,19 +262,21 @@ class SGLangEmitter:
 
     def send_base(self, tensors: Mapping[str, torch.Tensor], version: int) -> Ack:
         """Install the full base (HF names), bucket by bucket in one weight-update session."""
+        if not tensors:
+            raise EmitterError(f"send_base of version {version} got no tensors")
         t0 = time.perf_counter()
         self._refresh()
         assert self._info is not None
         token = f"titan-lora-{self._token}-base-v{version}"
-        chunks = _chunks(tensors, self._bucket_bytes)
+        chunks = plan_buckets(tensors, self._bucket_bytes)
         # in_place keeps running requests and their KV, so the flush waits until they finish.
         in_place = self._pause_mode == "in_place"
         with self._paused():
             self._begin_session()
             try:
-                for i, chunk in enumerate(chunks):
+                for i, entries in enumerate(chunks):
                     last = i == len(chunks) - 1
-                    bucket = pack_bucket(chunk)
+                    bucket = pack_bucket(entries, tensors)
                     req = UpdateWeightsFromTensorReqInput(
                         serialize_for_ranks(bucket.payload(), self._info.tp_size, bucket.flat.is_cuda),
                         load_format=FLATTENED_BUCKET, flush_cache=last and not in_place,
@@ -342,7 +322,8 @@ class SGLangEmitter:
         config = sglang_adapter_config(payload.peft_config)
         check_adapter(limits, self.client.url, int(config["r"]), adapter_modules(list(payload.tensors)))
         t0 = time.perf_counter()
-        bucket = pack_bucket(list(payload.tensors.items()))
+        [entries] = plan_buckets(payload.tensors, sys.maxsize)  # one bucket: the load is all or nothing
+        bucket = pack_bucket(entries, payload.tensors)
         t1 = time.perf_counter()
         req = LoadLoRAAdapterFromTensorsReqInput(
             lora_name=payload.name, config_dict=config,
@@ -352,6 +333,12 @@ class SGLangEmitter:
         t2 = time.perf_counter()
         with self._paused():
             res = self.client.load_lora_adapter_from_tensors(req)
+            if not res.success and "already loaded" in res.message:
+                # A stale copy under this name: an attempt that timed out on our side but finished, or a
+                # previous run that reached this step. This run never published it: replace it.
+                logger.warning("SGLang already holds %s; replacing it", payload.name)
+                if self.retire_adapter(payload.name, self.client.timeout_s):
+                    res = self.client.load_lora_adapter_from_tensors(req)
         t3 = time.perf_counter()
         if not res.success:
             raise EmitterError(f"SGLang refused adapter {payload.name}: {res.message}")

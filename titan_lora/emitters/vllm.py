@@ -36,7 +36,8 @@ class VLLMBucketEmitter:
     def engine_limits(self) -> EngineLimits:
         """Rank, slots and target modules the engine was started with."""
         info = self._info()
-        return EngineLimits(info["max_lora_rank"], info["max_loras"], frozenset(info["target_modules"]))
+        targets = info["target_modules"]
+        return EngineLimits(info["max_lora_rank"], info["max_loras"], None if targets is None else frozenset(targets))
 
     def engine_incarnation(self) -> str:
         """The engine's id, suffixed while it holds no base from us."""

@@ -10,6 +10,15 @@ from typing import Any
 from titan_lora.emitters.base import EmitterError
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+        return None  # a redirect would send the body and the API key to a host the config did not name
+
+
+# No proxy and no redirects: requests go only to the address in the config.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect())
+
+
 class EngineUnreachable(EmitterError):
     """The engine did not answer (not started, restarting, or a wrong address)."""
 
@@ -32,7 +41,7 @@ class JsonClient:
         if self.api_key:
             req.add_header("Authorization", f"Bearer {self.api_key}")
         try:
-            with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as resp:
+            with _OPENER.open(req, timeout=timeout_s or self.timeout_s) as resp:
                 return json.loads(resp.read() or b"null")
         except urllib.error.HTTPError as err:
             detail = err.read().decode(errors="replace")[:2000]

@@ -269,13 +269,17 @@ class SGLangClient:
             try:
                 status, raw = self._once(method, path, data, timeout)
                 break
-            except (_NotDelivered, ConnectionError, http.client.HTTPException) as err:
-                if not (isinstance(err, _NotDelivered) or idempotent) or attempt == retries:
+            except _NotDelivered as err:
+                if attempt == retries:
                     raise SGLangError(
                         f"cannot reach SGLang at {self.url} for {path} ({err}) after {attempt + 1} "
                         "attempt(s): start the server or fix [weight_sync] engine_url"
                     ) from err
-                time.sleep(min(0.2 * 2**attempt, 2.0))
+            except (ConnectionError, http.client.HTTPException) as err:
+                if not idempotent or attempt == retries:
+                    raise SGLangError(f"the connection to SGLang at {self.url} broke during {path} ({err}); "
+                                      "the server may have crashed or restarted") from err
+            time.sleep(min(0.2 * 2**attempt, 2.0))
         try:
             payload = json.loads(raw) if raw else None
         except ValueError:

@@ -53,14 +53,18 @@ class EngineLoop:
         return self.call(lambda llm: llm.collective_rpc(method, args=args))[0]
 
     def generate(self, prompts: list[list[int]], params: Any, lora: Any, adapter: str | None) -> list[Any]:
-        """Run one request per token-id prompt to completion; outputs in prompt order."""
+        """Run one request per token-id prompt to completion; outputs in prompt order.
+
+        `params` is one SamplingParams for all prompts, or a list with one per prompt.
+        """
         batch = _Batch(len(prompts), adapter)
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
 
         def submit(llm: Any) -> None:
-            for i, ids in enumerate(prompts):
+            for i, (ids, p) in enumerate(zip(prompts, per_prompt)):
                 request_id = uuid.uuid4().hex
                 self._requests[request_id] = (batch, i)
-                llm.llm_engine.add_request(request_id, {"prompt_token_ids": ids}, params, lora_request=lora)
+                llm.llm_engine.add_request(request_id, {"prompt_token_ids": ids}, p, lora_request=lora)
 
         with self._cond:
             self._in_flight[adapter or ""] += len(prompts)

@@ -11,19 +11,20 @@ on CPU instead of 65 s); `--multiprocess` keeps vLLM's own process layout.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os
 import threading
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
+from titan_lora.engines.http_server import make_handler
 from titan_lora.engines.vllm_loop import EngineLoop
 
 logger = logging.getLogger("titan_lora.engine")
 EXTENSION = "titan_lora.engines.vllm_ext.TitanLoRAWorkerExtension"
+ROUTES = ("info", "bucket", "adapter", "adapter_from_path", "base", "unload", "generate", "score")
 
 
 class EngineService:
@@ -51,9 +52,9 @@ class EngineService:
     def adapter(self, req: dict) -> dict:
         """Install the staged transfer as adapter `name` under a fresh int id."""
         name = req["name"]
+        if name in self.adapters:  # a resumed trainer re-sends its last version: replace it
+            self.unload({"name": name, "timeout_s": 30})
         with self._lock:
-            if name in self.adapters:
-                raise ValueError(f"adapter {name!r} is already loaded; versioned names must be new")
             lora_id, self._next_id = self._next_id, self._next_id + 1
         ack = self.loop.rpc("titan_commit_adapter", req["transfer_id"], lora_id, name, req["peft_config"])
         self.adapters[name] = lora_id
@@ -103,10 +104,14 @@ class EngineService:
         """Sample completions for token-id prompts under adapter `adapter` (null: the base)."""
         from vllm import SamplingParams
 
-        params = SamplingParams(
-            n=1, max_tokens=int(req["max_tokens"]), temperature=float(req.get("temperature", 1.0)),
-            seed=req.get("seed"), logprobs=0, stop_token_ids=req.get("stop_token_ids"),
-        )
+        seed = req.get("seed")
+        params = [  # one seed per prompt, or a group of identical prompts would get identical samples
+            SamplingParams(
+                n=1, max_tokens=int(req["max_tokens"]), temperature=float(req.get("temperature", 1.0)),
+                seed=None if seed is None else seed + i, logprobs=0, stop_token_ids=req.get("stop_token_ids"),
+            )
+            for i in range(len(req["prompts"]))
+        ]
         name = req.get("adapter")
         outs = self.loop.generate(req["prompts"], params, self._lora(name), name)
         return {"adapter": name, "outputs": [
@@ -137,49 +142,6 @@ def _describe_safetensors(path: str) -> dict:
         dtypes = [f.get_slice(k).get_dtype() for k in f.keys()]
     width = {"F32": 4, "BF16": 2, "F16": 2}
     return {"tensors": len(sizes), "bytes": sum(math.prod(s) * width[d] for s, d in zip(sizes, dtypes))}
-
-
-def make_handler(service: EngineService, api_key: str) -> type[BaseHTTPRequestHandler]:
-    """An HTTP handler class that routes POST /titan/<op> to `service.<op>`."""
-    routes = {op: getattr(service, op) for op in
-              ("info", "bucket", "adapter", "adapter_from_path", "base", "unload", "generate", "score")}
-
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, fmt: str, *args) -> None:  # noqa: ANN002
-            logger.debug(fmt, *args)
-
-        def _reply(self, code: int, body: dict) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self) -> None:  # noqa: N802
-            self._handle({})
-
-        def do_POST(self) -> None:  # noqa: N802
-            length = int(self.headers.get("Content-Length", 0))
-            self._handle(json.loads(self.rfile.read(length) or b"{}"))
-
-        def _handle(self, body: dict) -> None:
-            if api_key and self.headers.get("Authorization") != f"Bearer {api_key}":
-                return self._reply(401, {"error": "missing or wrong API key (Authorization: Bearer ...)"})
-            op = self.path.removeprefix("/titan/")
-            if op not in routes:
-                return self._reply(404, {"error": f"unknown route {self.path}"})
-            try:
-                self._reply(200, routes[op](body))
-            except (KeyError, ValueError) as err:
-                self._reply(400, {"error": f"{type(err).__name__}: {err}"})
-            except Exception as err:  # noqa: BLE001 (reported to the client, the server keeps serving)
-                logger.exception("%s failed", op)
-                self._reply(500, {"error": f"{type(err).__name__}: {err}"})
-
-    return Handler
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -224,7 +186,8 @@ def main(argv: list[str] | None = None) -> None:
     loop = EngineLoop(build_llm(args))
     loop.warm_up()
     service = EngineService(loop, args.model)
-    server = ThreadingHTTPServer((args.host, args.port), make_handler(service, args.api_key))
+    routes = {op: getattr(service, op) for op in ROUTES}
+    server = ThreadingHTTPServer((args.host, args.port), make_handler(routes, args.api_key))
     logger.info("engine %s ready on http://%s:%d in %.1f s", service.incarnation[:8], args.host,
                 args.port, time.perf_counter() - started)
     try:

@@ -8,6 +8,7 @@ created on the module before sharding, so `fully_shard` turns them into DTensors
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator
 
@@ -106,3 +107,17 @@ def init_adapters(model: nn.Module, seed: int = 0) -> None:
         full_a.uniform_(-bound, bound, generator=gen)
         fill_param(module.lora_A, full_a.to(module.lora_A.dtype))
         fill_param(module.lora_B, torch.zeros(module.lora_B.shape, dtype=module.lora_B.dtype))
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Run the base model (every adapter's scale set to 0), e.g. for a KL reference, with no copy."""
+    modules = [m for _, m in lora_modules(model)]
+    scales = [m.scale for m in modules]
+    for m in modules:
+        m.scale = 0.0
+    try:
+        yield
+    finally:
+        for m, s in zip(modules, scales):
+            m.scale = s

@@ -13,7 +13,8 @@ import os
 import time
 from pathlib import Path
 
-from torchtitan.models.llama3 import TransformerModelArgs, get_train_spec as llama3_train_spec
+from torchtitan.models.llama3 import TransformerModelArgs, llama3_args
+from torchtitan.models.llama3 import get_train_spec as llama3_train_spec
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
 from torchtitan.protocols.train_spec import TrainSpec, register_train_spec
 
@@ -102,12 +103,12 @@ def _merge_into(tmp: Path, out: Path) -> None:
     tmp.rmdir()
 
 
-def smollm2_train_spec() -> TrainSpec:
-    """torchtitan's Llama3 TrainSpec with SmolLM2 flavors and LoRA-aware parallelization."""
+def lora_train_spec(flavors: dict[str, TransformerModelArgs]) -> TrainSpec:
+    """torchtitan's Llama3 TrainSpec with `flavors` and LoRA-aware parallelization."""
     base = llama3_train_spec()
     return TrainSpec(
         model_cls=base.model_cls,
-        model_args=FLAVORS,
+        model_args=flavors,
         parallelize_fn=parallelize_lora_llama,
         pipelining_fn=None,
         build_optimizers_fn=base.build_optimizers_fn,
@@ -119,4 +120,6 @@ def smollm2_train_spec() -> TrainSpec:
     )
 
 
-register_train_spec(MODEL_NAME, smollm2_train_spec())
+register_train_spec(MODEL_NAME, lora_train_spec(FLAVORS))
+# torchtitan's own Llama 3 shapes (8B, 70B, ...) with LoRA-aware parallelization, for benchmarks.
+register_train_spec("llama3_lora", lora_train_spec(llama3_args))

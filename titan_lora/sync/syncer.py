@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from titan_lora.config import WeightSync
-from titan_lora.emitters.base import Ack, Emitter, EmitterError, EngineLimits
+from titan_lora.emitters.base import Ack, Emitter, EmitterError, EngineLimits, EngineWeightsLost
 from titan_lora.sync.adapter_source import AdapterSource
 from titan_lora.sync.retire import Retirer
 from titan_lora.sync.versions import AdapterVersions
@@ -44,10 +44,10 @@ def check_engine_limits(limits: EngineLimits, rank: int, targets: list[str], kee
                 f"the engine cannot apply LoRA to {missing} (it supports {sorted(limits.target_modules)}); "
                 "narrow [lora] target_modules or restart the engine with those modules enabled"
             )
-    if limits.max_loras < keep_versions:
+    if limits.max_loras < keep_versions + 1:  # the window, plus the version being loaded
         raise EmitterError(
-            f"[weight_sync] keep_versions = {keep_versions} needs {keep_versions} adapter slots but the "
-            f"engine has {limits.max_loras}; restart it with --max-loras >= {keep_versions}"
+            f"[weight_sync] keep_versions = {keep_versions} needs {keep_versions + 1} adapter slots but the "
+            f"engine has {limits.max_loras}; restart it with --max-loras >= {keep_versions + 1}"
         )
 
 
@@ -56,6 +56,8 @@ def with_retries(fn: Callable[[], object], retries: int, what: str) -> object:
     for attempt in range(retries + 1):
         try:
             return fn()
+        except EngineWeightsLost:
+            raise  # retrying cannot help: the base has to go again first
         except EmitterError as err:
             if attempt == retries:
                 raise EmitterError(f"{what} failed after {retries + 1} attempts: {err}") from err
@@ -92,7 +94,6 @@ class WeightSyncer:
         self._base_incarnation: str | None = None
         self.counters = {"nonfinite_skipped": 0, "base_sends": 0, "syncs": 0}
         self.last_metrics: dict[str, float] = {}
-        self.resume_version = 0
 
     def check_engine(self) -> None:
         """Collective: rank 0 validates the engine's limits; every rank raises on a mismatch."""
@@ -186,8 +187,16 @@ class WeightSyncer:
             logger.error("adapter version %d has NaN/Inf values: not published; version %s stays live",
                          payload.version, self.versions.active)
             return {"version": payload.version, "published": 0}
-        ack = with_retries(lambda: self.emitter.send_adapter(payload), self.cfg.retries,
-                           f"sending adapter {payload.name}")
+        if len(self.versions.live) > self.versions.keep_versions:
+            # Retirements lag behind: give them a bounded chance, so live versions stay <= keep + 1.
+            self.retirer.wait_idle(self.cfg.retire_timeout_s)
+        try:
+            ack = with_retries(lambda: self.emitter.send_adapter(payload), self.cfg.retries,
+                               f"sending adapter {payload.name}")
+        except EngineWeightsLost as err:
+            self._base_incarnation = None  # the next sync sends the base first, then the newest adapter
+            logger.error("engine lost its base weights (%s): version %d not published", err, payload.version)
+            return {"version": payload.version, "published": 0}
         self._verify(ack, payload.version, payload.tensors, f"adapter {payload.name}")
         self.versions.publish(payload.version)
         self.retirer.schedule_expired()

@@ -16,6 +16,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 import titan_lora.emitters.disk  # noqa: F401  (registers "disk")
+import titan_lora.emitters.sglang  # noqa: F401  (registers "sglang")
 import titan_lora.emitters.vllm  # noqa: F401  (registers "vllm")
 from titan_lora.emitters.base import build_emitter
 from titan_lora.engines.http import JsonClient
@@ -93,6 +94,5 @@ def wire_syncer(run: TrainingRun) -> WeightSyncer:
         engine=engine, rollouts=rollouts, probe=probe,
     )
     syncer.check_engine()
-    syncer.resume_version = run.step
     syncer.attach(run.optimizers, lambda: run.step)
     return syncer

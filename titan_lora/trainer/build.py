@@ -6,6 +6,7 @@ import dataclasses
 import logging
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torchtitan.distributed import ParallelDims
 from torchtitan.protocols.model_converter import build_model_converters
@@ -15,7 +16,7 @@ from torchtitan.protocols.train_spec import TrainSpec, get_train_spec
 import titan_lora.lora.converter  # noqa: F401  (registers the "lora" converter)
 import titan_lora.model.smollm2  # noqa: F401  (registers the "smollm2" train spec)
 from titan_lora.model.load import load_base_weights
-from titan_lora.model.smollm2 import pretrained_dir
+from titan_lora.model.smollm2 import MODEL_NAME, pretrained_dir
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,8 @@ def build_model(job_config, parallel_dims: ParallelDims, device: torch.device) -
         )
     args = dataclasses.replace(spec.model_args[job_config.model.flavor])
     args.update_from_config(job_config)
-    hf_dir = str(pretrained_dir())  # the tokenizer comes from here even for random-init flavors
+    # SmolLM2's checkpoint dir also holds the tokenizer, even for random-init flavors.
+    hf_dir = str(pretrained_dir()) if job_config.model.name == MODEL_NAME else job_config.model.hf_assets_path
     with torch.device("meta"):
         model = spec.model_cls(args)
     build_model_converters(job_config, parallel_dims).convert(model)
@@ -55,3 +57,15 @@ def build_model(job_config, parallel_dims: ParallelDims, device: torch.device) -
         logger.info("loaded pretrained weights from %s", hf_dir)
     model.train()
     return BuiltModel(model=model, train_spec=spec, sd_adapter=sd_adapter, hf_dir=hf_dir)
+
+
+def build_from_toml(toml: str, *overrides: str, device: torch.device | None = None) -> BuiltModel:
+    """Build the model a TOML text describes on this process group (started if needed: 1 rank)."""
+    from titan_lora.trainer.distributed import build_parallel_dims, device_for_rank, init_distributed
+    from titan_lora.trainer.job_config import job_config_from_toml
+
+    cfg = job_config_from_toml(toml, *overrides)
+    device = device or device_for_rank()
+    init_distributed(device)
+    dims = build_parallel_dims(cfg.parallelism, dist.get_world_size(), device)
+    return build_model(cfg, dims, device)

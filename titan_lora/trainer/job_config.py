@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
+import tempfile
 import tomllib
 
 from torchtitan.config import ConfigManager
@@ -13,7 +15,7 @@ from titan_lora import config as ours
 from torchtitan.protocols.model_converter import _registry_model_converter_cls
 
 CUSTOM_CONFIG_MODULE = "titan_lora.config"
-_OUR_SECTIONS = {"lora": ours.LoRA, "weight_sync": ours.WeightSync, "data": ours.Data}
+_OUR_SECTIONS = {"lora": ours.LoRA, "weight_sync": ours.WeightSync, "data": ours.Data, "grpo": ours.GRPO}
 
 
 def _config_path(argv: list[str]) -> str | None:
@@ -52,4 +54,15 @@ def load_job_config(argv: list[str]):  # noqa: ANN201 (a dataclass type made at 
     job_config = ConfigManager().parse_args(args)
     ours.validate_lora(job_config.lora)
     ours.validate_weight_sync(job_config.weight_sync, job_config.lora)
+    ours.validate_grpo(job_config.grpo, job_config.weight_sync)
     return job_config
+
+
+def job_config_from_toml(toml: str, *overrides: str):  # noqa: ANN201
+    """Parse TOML text (plus CLI-style overrides) into the merged JobConfig (notebooks, tests, benchmarks)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
+        f.write(toml)
+    try:
+        return load_job_config(["--job.config_file", f.name, *overrides])
+    finally:
+        os.unlink(f.name)

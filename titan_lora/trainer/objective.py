@@ -14,8 +14,8 @@ if TYPE_CHECKING:
 class Objective(Protocol):
     """What the training loop asks of an objective."""
 
-    def before_training(self) -> None:
-        """Work before the first step (e.g. push the adapter and measure the base accuracy)."""
+    def before_training(self, step: int) -> None:
+        """Work before the first step `step + 1` (e.g. push the adapter, measure the base accuracy)."""
         ...
 
     def loss(self, model: nn.Module, step: int) -> tuple[torch.Tensor, dict[str, float]]:
@@ -46,6 +46,10 @@ def build_objective(run: TrainingRun) -> Objective:
     cfg = run.cfg
     tokenizer = AutoTokenizer.from_pretrained(run.built.hf_dir)
     dp = data_parallel_info(run.dims)
+    if cfg.grpo.enabled:
+        from titan_lora.rl.objective import GRPOObjective
+
+        return GRPOObjective(cfg.grpo, tokenizer, run.syncer, dp, run.device, run.metrics)
     global_batch = cfg.training.global_batch_size
     if global_batch <= 0:
         global_batch = cfg.training.local_batch_size * dp.size

@@ -29,10 +29,10 @@ class SFTObjective:
         self.device = device
         self.syncer = syncer
 
-    def before_training(self) -> None:
+    def before_training(self, step: int) -> None:
         """Bring the engine (if any) to the current adapter before the first step."""
         if self.syncer is not None:
-            self.syncer.sync(version=self.syncer.resume_version)
+            self.syncer.sync(version=step)
 
     def loss(self, model: nn.Module, step: int) -> tuple[torch.Tensor, dict[str, float]]:
         """(loss to backpropagate, metrics) for global batch `step`."""

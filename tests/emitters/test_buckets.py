@@ -1,0 +1,102 @@
+"""The bucket wire format: plan, pack, unpack and the JSON header (no engine needed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from titan_lora.emitters.buckets import ALIGN, Entry, bucket_size, pack, plan_buckets, unpack
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "a.f32": torch.randn(3, 5, generator=g),  # 60 bytes: not a multiple of ALIGN
+        "b.bf16": torch.randn(7, generator=g).to(torch.bfloat16),  # 14 bytes
+        "c.f16": torch.randn(2, 3, 4, generator=g).to(torch.float16),
+        "d.big": torch.randn(64, 64, generator=g),  # 16 KiB: larger than the bucket below
+        "e.transposed": torch.randn(6, 4, generator=g).t(),  # non-contiguous source
+        "f.scalar": torch.tensor(3.5),
+        "g.f32": torch.randn(10, generator=g),
+    }
+
+
+def _round_trip(tensors: dict[str, torch.Tensor], bucket_bytes: int) -> tuple[list[list[Entry]], dict]:
+    plan = plan_buckets(tensors, bucket_bytes)
+    received: dict[str, torch.Tensor] = {}
+    for entries in plan:
+        # The receiver reads the header as JSON, as it does across the process boundary.
+        header = json.loads(json.dumps([e.to_json() for e in entries]))
+        buffer = torch.empty(bucket_size(entries), dtype=torch.uint8)
+        pack(buffer, entries, tensors)
+        got = unpack(buffer, [Entry.from_json(row) for row in header])
+        buffer.fill_(0xFF)  # the sender reuses the buffer: what was unpacked must not change
+        received.update(got)
+    return plan, received
+
+
+def test_round_trip_mixed_dtypes_big_tensor_and_alignment() -> None:
+    tensors = _tensors()
+    bucket_bytes = 1024
+    plan, received = _round_trip(tensors, bucket_bytes)
+
+    assert list(received) == list(tensors), "every tensor arrives once, in order"
+    for name, sent in tensors.items():
+        got = received[name]
+        assert got.dtype == sent.dtype and got.shape == sent.shape, name
+        assert torch.equal(got, sent), f"{name} changed in transit"
+
+    names = [e.name for entries in plan for e in entries]
+    assert names == list(tensors), "buckets keep the tensors' order and hold each exactly once"
+    for entries in plan:
+        assert all(e.offset % ALIGN == 0 for e in entries), "every tensor starts on an ALIGN boundary"
+        spans = sorted((e.offset, e.offset + e.nbytes) for e in entries)
+        assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:])), "tensors overlap"
+        if len(entries) > 1:
+            assert bucket_size(entries) <= bucket_bytes, "a shared bucket stays within bucket_bytes"
+    big = [entries for entries in plan if any(e.name == "d.big" for e in entries)]
+    assert len(big) == 1 and len(big[0]) == 1, "a tensor larger than a bucket gets a bucket of its own"
+    assert bucket_size(big[0]) == 64 * 64 * 4
+    assert len(plan) >= 3
+
+
+def test_one_bucket_when_everything_fits() -> None:
+    tensors = _tensors()
+    plan, received = _round_trip(tensors, 1 << 20)
+    assert len(plan) == 1
+    assert all(torch.equal(received[k], v) for k, v in tensors.items())
+
+
+def test_exact_fit_does_not_spill() -> None:
+    # Two 64-byte tensors fill a 128-byte bucket exactly; a third goes to the next bucket.
+    tensors = {f"t{i}": torch.full((16,), float(i)) for i in range(3)}
+    plan = plan_buckets(tensors, 128)
+    assert [[e.name for e in b] for b in plan] == [["t0", "t1"], ["t2"]]
+    assert [e.offset for e in plan[0]] == [0, 64]
+
+
+def test_empty_input_has_no_buckets() -> None:
+    assert plan_buckets({}, 1024) == []
+
+
+def test_header_json_round_trip() -> None:
+    entry = Entry("base_model.model.x.lora_A.weight", (8, 576), "bfloat16", 128, 8 * 576 * 2)
+    row = json.loads(json.dumps(entry.to_json()))
+    assert row == {"name": entry.name, "shape": [8, 576], "dtype": "bfloat16", "offset": 128,
+                   "nbytes": 9216}
+    assert Entry.from_json(row) == entry
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int64, torch.uint8])
+def test_unsupported_dtype_is_refused_when_planning(dtype: torch.dtype) -> None:
+    tensors = {"ok": torch.zeros(4), "bad.tensor": torch.zeros(4, dtype=dtype)}
+    with pytest.raises(ValueError, match=r"bad\.tensor.*" + str(dtype).removeprefix("torch.")):
+        plan_buckets(tensors, 1024)
+
+
+def test_unsupported_dtype_is_refused_in_a_header() -> None:
+    row = Entry("x", (2,), "float32", 0, 8).to_json() | {"dtype": "float64"}
+    with pytest.raises(ValueError, match="unsupported dtype 'float64'"):
+        Entry.from_json(row)

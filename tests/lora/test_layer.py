@@ -1,0 +1,185 @@
+"""LoRALinear: still an nn.Linear, exact at step 0, scaled as configured, only adapters trainable."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from dist_helpers import free_port, run_ranks
+from model_helpers import DEBUG_LORA, build_from, randomize_adapters
+from torch.distributed.tensor import DTensor
+
+from titan_lora.lora.layer import (
+    LoRALinear,
+    adapter_params,
+    convert_linear,
+    freeze_base,
+    is_adapter_param,
+    lora_modules,
+    lora_scale,
+)
+
+TOKENS = torch.randint(0, 49152, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_rank_group() -> None:
+    """build_from starts a 1-rank gloo group in this process; give it a port nobody else uses."""
+    if not dist.is_initialized():
+        os.environ["MASTER_PORT"] = str(free_port())
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+# ---------------------------------------------------------------- the layer itself
+
+
+def test_convert_keeps_the_same_linear_weight_and_bias() -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(5, 3, bias=True)
+    weight, bias = linear.weight, linear.bias
+    lora = convert_linear(linear, rank=2, scale=0.5, dropout=0.1, dtype=torch.float32)
+    assert lora is linear, "converted in place, so every reference to the module stays valid"
+    assert isinstance(lora, LoRALinear) and isinstance(lora, nn.Linear)
+    assert lora.weight is weight and lora.bias is bias
+    assert (lora.in_features, lora.out_features) == (5, 3)
+    assert lora.lora_A.shape == (2, 5) and lora.lora_B.shape == (3, 2)
+    assert set(dict(lora.named_parameters())) == {"weight", "bias", "lora_A", "lora_B"}
+    assert isinstance(lora.lora_dropout, nn.Dropout) and lora.lora_dropout.p == 0.1
+
+
+def test_forward_is_base_plus_scaled_low_rank_update() -> None:
+    torch.manual_seed(0)
+    linear = convert_linear(nn.Linear(6, 4, bias=True), rank=3, scale=0.75, dropout=0.0, dtype=torch.float32)
+    with torch.no_grad():
+        linear.lora_A.normal_()
+        linear.lora_B.normal_()
+    x = torch.randn(2, 7, 6)
+    expected = x @ linear.weight.T + linear.bias + 0.75 * (x @ linear.lora_A.T @ linear.lora_B.T)
+    torch.testing.assert_close(linear(x), expected, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        linear.lora_B.zero_()
+    assert torch.equal(linear(x), F.linear(x, linear.weight, linear.bias)), "B = 0 must be the base, exactly"
+
+
+def test_dropout_only_acts_on_the_adapter_path_in_training() -> None:
+    torch.manual_seed(0)
+    linear = convert_linear(nn.Linear(8, 8), rank=4, scale=1.0, dropout=0.5, dtype=torch.float32)
+    with torch.no_grad():
+        linear.lora_A.normal_()
+        linear.lora_B.normal_()
+    x = torch.randn(4, 8)
+    linear.eval()
+    no_drop = x @ linear.weight.T + linear.bias + x @ linear.lora_A.T @ linear.lora_B.T
+    torch.testing.assert_close(linear(x), no_drop)
+    linear.train()
+    assert not torch.allclose(linear(x), no_drop), "dropout of 0.5 in training should change the output"
+
+
+@pytest.mark.parametrize(
+    ("rank", "alpha", "rslora", "expected"),
+    [(8, 16, False, 2.0), (16, 16, False, 1.0), (16, 8, True, 2.0), (4, 4, True, 2.0), (1, 3, True, 3.0)],
+)
+def test_lora_scale(rank: int, alpha: float, rslora: bool, expected: float) -> None:
+    assert lora_scale(rank, alpha, rslora) == pytest.approx(expected)
+
+
+def test_is_adapter_param() -> None:
+    assert is_adapter_param("layers.0.attention.wq.lora_A")
+    assert is_adapter_param("layers.0.attention.wq.lora_B")
+    assert not is_adapter_param("layers.0.attention.wq.weight")
+    assert not is_adapter_param("layers.0.attention.lora_A_norm.weight")
+
+
+def test_freeze_base_leaves_only_adapters_trainable() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))
+    convert_linear(model[0], 2, 1.0, 0.0, torch.float32)
+    freeze_base(model)
+    trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    assert trainable == ["0.lora_A", "0.lora_B"]
+
+
+# ---------------------------------------------------------------- on the built model
+
+
+def test_built_model_scale_follows_the_config() -> None:
+    plain = build_from(DEBUG_LORA)  # rank 8, alpha 16
+    rs = build_from(DEBUG_LORA.replace("alpha = 16", "alpha = 8\nuse_rslora = true"))
+    assert {m.scale for _, m in lora_modules(plain.model)} == {2.0}
+    assert [m.scale for _, m in lora_modules(rs.model)] == pytest.approx([8 / 8**0.5] * 14)
+    # The scale is what the forward applies: a non-zero adapter moves the output by scale * x A^T B^T.
+    randomize_adapters(rs.model)
+    wq = rs.model.layers["0"].attention.wq
+    x = torch.randn(3, wq.in_features)
+    with torch.no_grad():
+        delta = wq(x) - F.linear(x, wq.weight)
+    torch.testing.assert_close(delta, (8 / 8**0.5) * (x @ wq.lora_A.T @ wq.lora_B.T), rtol=1e-5, atol=1e-6)
+
+
+def test_step_zero_equals_the_base_model() -> None:
+    torch.manual_seed(0)
+    base = build_from(DEBUG_LORA.replace('converters = ["lora"]', "converters = []")).model
+    torch.manual_seed(0)
+    built = build_from(DEBUG_LORA)
+    lora = built.model
+    assert not any(isinstance(m, LoRALinear) for m in base.modules())
+    assert len(list(lora_modules(lora))) == 14
+
+    # Same base weights (the converter does not disturb the base init) ...
+    base_sd = {k: v for k, v in base.state_dict().items()}
+    for name, value in lora.state_dict().items():
+        if not is_adapter_param(name):
+            assert torch.equal(value, base_sd[name]), name
+    # ... kaiming A, zero B ...
+    for name, module in lora_modules(lora):
+        assert torch.count_nonzero(module.lora_B) == 0, name
+        bound = 1 / module.in_features**0.5
+        assert module.lora_A.abs().max() <= bound and module.lora_A.std() > bound / 4, name
+    # ... so the outputs are the base's, bit for bit.
+    with torch.no_grad():
+        assert torch.equal(lora(TOKENS), base(TOKENS))
+        randomize_adapters(lora)
+        moved = (lora(TOKENS) - base(TOKENS)).abs().max().item()
+    assert moved > 1e-2, "a non-zero adapter must change the logits, or the check above proves nothing"
+
+
+def test_only_adapters_require_and_receive_grad() -> None:
+    built = build_from(DEBUG_LORA)
+    model = built.model
+    randomize_adapters(model)  # B != 0, so A gets a gradient too
+    for name, p in model.named_parameters():
+        assert p.requires_grad == is_adapter_param(name), name
+    model(TOKENS).float().logsumexp(-1).mean().backward()
+    for name, p in model.named_parameters():
+        if is_adapter_param(name):
+            assert p.grad is not None and p.grad.abs().sum() > 0, f"{name} got no gradient"
+        else:
+            assert p.grad is None, f"a gradient reached the base weight {name}"
+    n_adapter = sum(p.numel() for _, p in adapter_params(model))
+    # debug flavor, rank 8, 2 layers: wq/wo 64x64, wk/wv 32x64, w1/w3 192x64, w2 64x192
+    per_layer = 8 * ((64 + 64) * 2 + (64 + 32) * 2 + (64 + 192) * 3)
+    assert n_adapter == 2 * per_layer
+
+
+def _init_on_ranks(rank: int, world: int, out: str) -> None:
+    built = build_from(DEBUG_LORA)
+    full = {n: _full(p) for n, p in adapter_params(built.model)}  # collective, same order on every rank
+    assert all(isinstance(p, DTensor) for _, p in adapter_params(built.model)), "FSDP should shard adapters"
+    if rank == 0:
+        torch.save(full, out)
+
+
+def test_init_is_identical_for_one_and_two_ranks(tmp_path) -> None:
+    run_ranks(2, _init_on_ranks, str(tmp_path / "two.pt"))
+    two = torch.load(tmp_path / "two.pt")
+    one = {n: _full(p) for n, p in adapter_params(build_from(DEBUG_LORA).model)}
+    assert list(one) == list(two)
+    for name in one:
+        assert torch.equal(one[name], two[name]), f"{name} initialised differently on 2 ranks"
+    assert any(torch.count_nonzero(t) for n, t in one.items() if n.endswith("lora_A"))

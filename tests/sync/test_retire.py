@@ -1,0 +1,191 @@
+"""Retirer: expired versions are unloaded off the training path, only once drained, bounded in time."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from titan_lora.sync.retire import Retirer
+from titan_lora.sync.versions import AdapterVersions
+
+
+class FakeUnload:
+    """Records unload calls; behaves as told (succeed, fail, raise, or block)."""
+
+    def __init__(self, behaviour: str = "ok", block: threading.Event | None = None) -> None:
+        self.behaviour = behaviour
+        self.block = block
+        self.calls: list[tuple[str, float]] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, name: str, timeout_s: float) -> bool:
+        with self.lock:
+            self.calls.append((name, timeout_s))
+        if self.behaviour == "raise":
+            raise ConnectionError("engine went away")
+        if self.behaviour == "slow":  # an engine that honours the timeout, then gives up
+            time.sleep(timeout_s)
+            return False
+        if self.behaviour == "hang" and self.block is not None:  # an unload that never returns
+            self.block.wait(60)
+            return False
+        return self.behaviour == "ok"
+
+    @property
+    def names(self) -> list[str]:
+        with self.lock:
+            return [n for n, _ in self.calls]
+
+
+def _versions(*steps: int, keep: int = 2) -> AdapterVersions:
+    v = AdapterVersions("policy", keep)
+    for s in steps:
+        v.publish(s)
+    return v
+
+
+def test_expired_versions_are_unloaded_and_marked_retired() -> None:
+    v = _versions(1, 2, 3, 4)
+    unload = FakeUnload()
+    r = Retirer(v, unload, timeout_s=5)
+    r.schedule_expired()
+    assert r.wait_idle(5)
+    assert unload.names == ["policy-v1", "policy-v2"]
+    assert all(t == 5 for _, t in unload.calls), "the unload is given the retire timeout"
+    assert v.live == [3, 4] and r.retired == 2 and r.failed == 0
+    r.schedule_expired()  # nothing left outside the window: no further unloads
+    assert r.wait_idle(5) and unload.names == ["policy-v1", "policy-v2"]
+    r.close()
+
+
+def test_scheduling_twice_queues_a_version_once() -> None:
+    v = _versions(1, 2, 3)
+    gate = threading.Event()
+    unload = FakeUnload("hang", block=gate)
+    r = Retirer(v, unload, timeout_s=5)
+    r.schedule_expired()
+    r.schedule_expired()
+    gate.set()
+    assert r.wait_idle(5)
+    assert unload.names == ["policy-v1"]
+    r.close()
+
+
+def test_a_leased_version_is_unloaded_only_after_it_drained() -> None:
+    v = _versions(1)
+    entered, release, done = threading.Event(), threading.Event(), threading.Event()
+
+    def rollout() -> None:
+        with v.lease():
+            entered.set()
+            release.wait(10)
+        done.set()
+
+    t = threading.Thread(target=rollout)
+    t.start()
+    assert entered.wait(5)
+    v.publish(2)
+    v.publish(3)  # version 1 is now outside the window, but a request still uses it
+    unload = FakeUnload()
+    r = Retirer(v, unload, timeout_s=10)
+    r.schedule_expired()
+    time.sleep(0.3)
+    assert unload.calls == [], "unloading a version with a request in flight"
+    assert v.live == [1, 2, 3]
+    release.set()
+    assert r.wait_idle(5)
+    assert done.is_set() and unload.names == ["policy-v1"]
+    assert v.live == [2, 3] and r.retired == 1
+    t.join(5)
+    r.close()
+
+
+def test_a_version_that_never_drains_costs_the_timeout_and_is_counted() -> None:
+    v = _versions(1)
+    release = threading.Event()
+    entered = threading.Event()
+
+    def rollout() -> None:
+        with v.lease():
+            entered.set()
+            release.wait(10)
+
+    t = threading.Thread(target=rollout)
+    t.start()
+    assert entered.wait(5)
+    v.publish(2)
+    v.publish(3)
+    unload = FakeUnload()
+    r = Retirer(v, unload, timeout_s=0.3)
+    started = time.monotonic()
+    r.schedule_expired()
+    assert time.monotonic() - started < 0.1, "schedule_expired must not wait for the drain"
+    assert r.wait_idle(5)
+    assert 0.25 <= time.monotonic() - started < 2.0
+    assert unload.calls == [] and r.failed == 1 and r.retired == 0
+    assert v.live == [1, 2, 3], "a version that did not drain stays loaded"
+    release.set()
+    t.join(5)
+    r.schedule_expired()  # retried on the next sync, now drained
+    assert r.wait_idle(5) and unload.names == ["policy-v1"] and v.live == [2, 3]
+    r.close()
+
+
+def test_a_slow_unload_costs_only_its_timeout_and_is_counted() -> None:
+    v = _versions(1, 2, 3)
+    unload = FakeUnload("slow")
+    r = Retirer(v, unload, timeout_s=0.3)
+    started = time.monotonic()
+    r.schedule_expired()
+    assert time.monotonic() - started < 0.1, "the trainer's thread never waits on an unload"
+    assert r.wait_idle(5)
+    assert time.monotonic() - started < 2.0
+    assert r.failed == 1 and r.retired == 0 and v.live == [1, 2, 3]
+    r.close()
+
+
+def test_an_unload_that_raises_never_reaches_the_caller() -> None:
+    v = _versions(1, 2, 3)
+    unload = FakeUnload("raise")
+    r = Retirer(v, unload, timeout_s=1)
+    r.schedule_expired()  # must not raise
+    assert r.wait_idle(5)
+    assert r.failed == 1 and r.retired == 0 and v.live == [1, 2, 3]
+    unload.behaviour = "ok"  # the engine is back: the next sync's schedule retries
+    r.schedule_expired()
+    assert r.wait_idle(5) and v.live == [2, 3] and r.retired == 1
+    r.close()
+
+
+def test_an_unload_refused_by_the_engine_is_counted() -> None:
+    v = _versions(1, 2, 3)
+    r = Retirer(v, FakeUnload("refuse"), timeout_s=1)
+    r.schedule_expired()
+    assert r.wait_idle(5)
+    assert r.failed == 1 and r.retired == 0 and v.live == [1, 2, 3]
+    r.close()
+
+
+def test_an_unload_that_hangs_costs_only_its_timeout_and_later_versions_still_retire() -> None:
+    # The SGLang failure mode: /unload_lora_adapter never returns. The retirer must give up on it
+    # after its timeout, count it, and keep retiring later versions (else memory creeps).
+    v = _versions(1, 2, 3)
+    gate = threading.Event()
+    unload = FakeUnload("hang", block=gate)
+    r = Retirer(v, unload, timeout_s=0.3)
+    try:
+        r.schedule_expired()
+        deadline = time.monotonic() + 3.0
+        while r.failed == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert r.failed == 1, "a hanging unload was not counted within a few times its timeout"
+        unload.behaviour = "ok"
+        v.publish(4)  # version 2 expires too
+        r.schedule_expired()
+        deadline = time.monotonic() + 3.0
+        while "policy-v2" not in unload.names and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "policy-v2" in unload.names, "a hung unload blocked every later retirement"
+    finally:
+        gate.set()
+        r.close()

@@ -1,0 +1,32 @@
+"""GRPO's pure pieces: group-normalised advantages, the clipped policy loss and the k3 KL estimate."""
+
+from __future__ import annotations
+
+import torch
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+    """(r - mean of its group) / (std of its group + eps), for rewards laid out group after group."""
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    grouped = rewards.view(-1, group_size)
+    mean = grouped.mean(dim=1, keepdim=True)
+    std = grouped.std(dim=1, keepdim=True, unbiased=False)
+    return ((grouped - mean) / (std + eps)).view(-1)
+
+
+def clipped_policy_loss(
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, clip_eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token PPO-clip loss and a mask of where the clip was active. Shapes: [N, T] and [N]."""
+    ratio = torch.exp(logp - old_logp)
+    adv = advantages[:, None]
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
+    return -torch.minimum(unclipped, clipped), (clipped < unclipped)
+
+
+def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token KL(pi || ref) estimate exp(ref - logp) - (ref - logp) - 1 (always >= 0)."""
+    delta = ref_logp - logp
+    return torch.exp(delta) - delta - 1.0

@@ -1,0 +1,187 @@
+"""The GRPO objective: rollouts from the live engine, group advantages, clipped loss, optional KL."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from titan_lora.config import GRPO
+from titan_lora.lora.layer import adapters_disabled
+from titan_lora.rl.grpo import clipped_policy_loss, k3_kl
+from titan_lora.rl.rewards import get_reward
+from titan_lora.rl.rollout import Sample, greedy_accuracy, sample_groups, share
+from titan_lora.rl.tasks import chat_prompt, train_and_heldout
+from titan_lora.sync.syncer import WeightSyncer
+from titan_lora.trainer.parallel import DataParallelInfo
+
+logger = logging.getLogger(__name__)
+
+
+def completion_batch(samples: list[Sample], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(inputs [N, T], labels [N, T], mask [N, T]) with mask 1 where a label is a completion token."""
+    seqs = [s.prompt_ids + s.completion_ids for s in samples]
+    width = max(len(q) for q in seqs) - 1
+    inputs = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width)
+    for i, (q, s) in enumerate(zip(seqs, samples)):
+        inputs[i, : len(q) - 1] = torch.tensor(q[:-1])
+        labels[i, : len(q) - 1] = torch.tensor(q[1:])
+        mask[i, len(s.prompt_ids) - 1 : len(q) - 1] = 1.0
+    return inputs, labels, mask
+
+
+def token_logprobs(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log p(label) at every position, [N, T]."""
+    logits = model(inputs).float()
+    return torch.gather(F.log_softmax(logits, dim=-1), -1, labels[..., None]).squeeze(-1)
+
+
+class GRPOObjective:
+    """One GRPO step per optimizer step, near-on-policy by default (staleness <= 1, one minibatch)."""
+
+    def __init__(self, cfg: GRPO, tokenizer, syncer: WeightSyncer | None, dp: DataParallelInfo,  # noqa: ANN001
+                 device: torch.device, metrics_logger) -> None:  # noqa: ANN001
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.syncer = syncer
+        self.dp = dp
+        self.device = device
+        self.metrics_logger = metrics_logger
+        self.reward = get_reward(cfg.reward)
+        self.train_problems, self.heldout = train_and_heldout(
+            cfg.train_size, cfg.eval_size, cfg.seed, cfg.task_digits, cfg.task_ops)
+        self.encode = lambda p: tokenizer(chat_prompt(tokenizer, p.question), add_special_tokens=False)["input_ids"]
+        self.heldout_ids = [self.encode(p) for p in self.heldout]
+        self.stop_ids = [tokenizer.eos_token_id]
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.dropped_stale = 0
+        if not cfg.rollouts:
+            logger.warning("[grpo] rollouts = false: this job runs NO rollouts; samples are the data's own "
+                           "answers and scrambled ones, for timing the train + sync step only")
+
+    def _problems_at(self, step: int) -> list:
+        rng = random.Random(self.cfg.seed * 100_003 + step)  # data position = step: resumable
+        return rng.sample(self.train_problems, self.cfg.prompts_per_step)
+
+    def _evaluate(self, step: int) -> dict[str, float]:
+        if self.syncer is None or self.syncer.rollouts is None or not self.cfg.eval_every:
+            return {}
+        active = self.syncer.versions.active
+        acc = greedy_accuracy(self.syncer.rollouts, active.name if active else None, self.heldout,
+                              self.heldout_ids, self.cfg.max_new_tokens, self.stop_ids, self.reward)
+        logger.info("held-out accuracy at step %d (adapter %s): %.3f", step, active.name if active else "base", acc)
+        return {"eval/accuracy": acc}
+
+    def before_training(self, step: int) -> None:
+        """Push the current adapter to the engine, then measure held-out accuracy before any update."""
+        if self.syncer is not None:
+            self.syncer.sync(version=step)
+        if dist.get_rank() == 0 and (evaluated := self._evaluate(step)):
+            self.metrics_logger.log(step, evaluated)
+
+    def _samples(self, step: int) -> list[Sample]:
+        problems = self._problems_at(step)
+        if dist.get_rank() != 0:
+            return share(None)
+        if not self.cfg.rollouts:
+            return share(self._offline_samples(problems, step))
+        ids = [self.encode(p) for p in problems]
+        return share(sample_groups(
+            self.syncer.rollouts, self.syncer.versions, problems, ids, self.cfg.group_size,
+            self.cfg.max_new_tokens, self.cfg.temperature, self.cfg.seed * 1_000_003 + step * 1_009,
+            self.stop_ids, self.reward))
+
+    def _offline_samples(self, problems: list, step: int) -> list[Sample]:
+        from titan_lora.rl.grpo import group_advantages
+
+        out = []
+        for p in problems:
+            prompt = self.encode(p)
+            for g in range(self.cfg.group_size):
+                answer = str(p.answer if g % 2 == 0 else p.answer + g)
+                ids = self.tokenizer(answer + self.tokenizer.eos_token, add_special_tokens=False)["input_ids"]
+                out.append(Sample(prompt, ids, [0.0] * len(ids), float(g % 2 == 0), 0.0, step - 1, answer))
+        adv = group_advantages(torch.tensor([s.reward for s in out]), self.cfg.group_size)
+        for s, a in zip(out, adv.tolist()):
+            s.advantage = a
+        return out
+
+    def loss(self, model: nn.Module, step: int) -> tuple[torch.Tensor, dict[str, float]]:
+        """The GRPO loss on this rank's share of the step's samples, normalised by global tokens."""
+        samples = self._samples(step)
+        current = step - 1  # the version the engine serves when step `step` starts
+        fresh = [s for s in samples if s.version >= current - self.cfg.max_staleness]
+        self.dropped_stale += len(samples) - len(fresh)
+        share_n = len(fresh) // self.dp.size
+        mine = fresh[self.dp.rank * share_n : (self.dp.rank + 1) * share_n]
+        inputs, labels, mask = (t.to(self.device) for t in completion_batch(mine, self.pad_id))
+        adv = torch.tensor([s.advantage for s in mine], device=self.device)
+        logp = token_logprobs(model, inputs, labels)
+        if all(s.version == current for s in mine):
+            old = logp.detach()  # the sampling policy is the current one: recomputing gives the same
+        else:
+            with torch.no_grad():
+                old = token_logprobs(model, inputs, labels)
+        per_token, clipped = clipped_policy_loss(logp, old, adv, self.cfg.clip_eps)
+        kl = torch.zeros_like(per_token)
+        if self.cfg.kl_coef > 0:
+            with torch.no_grad(), adapters_disabled(model):
+                ref = token_logprobs(model, inputs, labels)
+            kl = k3_kl(logp, ref)
+            per_token = per_token + self.cfg.kl_coef * kl
+        gap = self._engine_gap(mine, old, mask)
+        sums = torch.stack([mask.sum(), (per_token * mask).sum().detach(), (kl * mask).sum(),
+                            (clipped * mask).sum(), gap[0], gap[1], gap[2]])
+        if self.dp.group is not None:
+            dist.all_reduce(sums[:5], group=self.dp.group)
+            dist.all_reduce(sums[5:6], op=dist.ReduceOp.MAX, group=self.dp.group)
+            dist.all_reduce(sums[6:], group=self.dp.group)
+        tokens = float(sums[0])
+        loss = (per_token * mask).sum() / tokens
+        rewards = torch.tensor([s.reward for s in fresh])
+        return loss, {
+            "loss": float(sums[1]) / tokens, "rl/reward_mean": float(rewards.mean()),
+            "rl/reward_std": float(rewards.std(unbiased=False)), "rl/kl": float(sums[2]) / tokens,
+            "rl/clip_frac": float(sums[3]) / tokens,
+            "rl/response_len": sum(len(s.completion_ids) for s in fresh) / max(len(fresh), 1),
+            "rl/logprob_gap_mean": float(sums[4]) / max(float(sums[6]), 1.0), "rl/logprob_gap_max": float(sums[5]),
+            "rl/dropped_stale": self.dropped_stale, "rl/samples": len(fresh),
+            "rl/sample_version": float(min(s.version for s in fresh)),
+        }
+
+    def _engine_gap(self, mine: list[Sample], old: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """(sum, max, count) of |trainer - engine| log-probs over the completion tokens."""
+        engine = torch.zeros_like(old)
+        for i, s in enumerate(mine):
+            start = len(s.prompt_ids) - 1
+            engine[i, start : start + len(s.engine_logprobs)] = torch.tensor(s.engine_logprobs)
+        if not self.cfg.rollouts:
+            return torch.zeros(3, device=old.device)
+        diff = (old - engine).abs() * mask
+        return torch.stack([diff.sum(), diff.max(), mask.sum()])
+
+    def after_step(self, step: int) -> dict[str, float]:
+        """Sync metrics of this step, and held-out accuracy every `eval_every` steps."""
+        out = {} if self.syncer is None else dict(self.syncer.last_metrics)
+        if self.cfg.eval_every and step % self.cfg.eval_every == 0 and dist.get_rank() == 0:
+            out |= self._evaluate(step)
+        return out
+
+    def progress_fields(self, metrics: dict[str, float]) -> dict[str, str]:
+        """Reward, accuracy (when measured), step and sync times."""
+        fields = {"reward": f"{metrics['rl/reward_mean']:.3f}", "loss": f"{metrics['loss']:+.4f}",
+                  "len": f"{metrics['rl/response_len']:.1f}", "step_s": f"{metrics['step_time_s']:.1f}"}
+        if "sync/total_ms" in metrics:
+            fields["sync_ms"] = f"{metrics['sync/total_ms']:.0f}"
+        if "eval/accuracy" in metrics:
+            fields["heldout_acc"] = f"{metrics['eval/accuracy']:.3f}"
+        return fields
+
+    def close(self) -> None:
+        """Nothing to release: the syncer belongs to the run."""
