@@ -53,6 +53,8 @@ class WeightSync:
     """vllm | sglang | disk."""
     engine_url: str = ""
     """Attach to a running engine at this address; empty: titan_lora starts an embedded engine."""
+    engine: str = "vllm"
+    """Embedded engine when engine_url is empty: "vllm", or "receiver" (no inference: timing only)."""
     engine_port: int = 0
     """Port of the embedded engine; 0: any free port."""
     api_key: str = ""
@@ -164,6 +166,8 @@ def validate_weight_sync(cfg: WeightSync, lora: LoRA) -> None:
         raise ValueError(
             f"[weight_sync] pause_mode = {cfg.pause_mode!r}: use none, abort, retract or in_place"
         )
+    if cfg.engine not in ("vllm", "receiver"):
+        raise ValueError(f'[weight_sync] engine = {cfg.engine!r}: use "vllm" or "receiver"')
     if cfg.disk_dir:
         check_writable_dir(cfg.disk_dir, "[weight_sync] disk_dir")
 
@@ -178,6 +182,8 @@ def validate_grpo(cfg: GRPO, weight_sync: WeightSync) -> None:
         raise ValueError("[grpo] prompts_per_step and max_new_tokens must be >= 1")
     if cfg.max_staleness < 0:
         raise ValueError(f"[grpo] max_staleness must be >= 0, got {cfg.max_staleness}")
+    if cfg.rollouts and weight_sync.enabled and not weight_sync.engine_url and weight_sync.engine == "receiver":
+        raise ValueError('[weight_sync] engine = "receiver" runs no inference: set [grpo] rollouts = false')
     if cfg.rollouts and not weight_sync.enabled:
         raise ValueError("[grpo] rollouts come from the engine: set [weight_sync] enabled = true "
                          "(or [grpo] rollouts = false to time training without an engine)")

@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 from torchtitan.distributed.utils import clip_grad_norm_
 
-from titan_lora.lora.layer import adapter_params
 from titan_lora.sync.adapter_source import AdapterSource
 from titan_lora.sync.syncer import build_syncer
 from titan_lora.trainer.build import build_model
@@ -52,16 +51,18 @@ class TrainingRun:
             self.lr_schedulers, job_config.checkpoint.interval if job_config.checkpoint.enable else 0,
             max(job_config.checkpoint.keep_latest_k, 1),
         )
+        # Full fine-tuning (no "lora" converter) trains and checkpoints nothing here but runs.
         self.adapter = AdapterSource(
             self.model, self.built.sd_adapter, job_config.lora, job_config.weight_sync.lora_name,
             self.built.hf_dir,
-        )
+        ) if "lora" in job_config.model.converters else None
         self.step = self.checkpointer.load_latest() if job_config.checkpoint.enable else 0
         self.syncer = build_syncer(self) if job_config.weight_sync.enabled else None
         self.objective = build_objective(self)
-        n_train = sum(p.numel() for _, p in adapter_params(self.model))
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        n_train = sum(p.numel() for p in self.trainable)
         logger.info(
-            "rank %d/%d on %s: %s adapter params (%.3f%% of the model), starting at step %d",
+            "rank %d/%d on %s: %s trainable params (%.3f%% of the model), starting at step %d",
             self.rank, dist.get_world_size(), self.device, f"{n_train:,}",
             100 * n_train / sum(p.numel() for p in self.model.parameters()), self.step,
         )
@@ -71,9 +72,7 @@ class TrainingRun:
         self.optimizers.zero_grad()
         loss, metrics = self.objective.loss(self.model, self.step)
         loss.backward()
-        grad_norm = clip_grad_norm_(
-            [p for _, p in adapter_params(self.model)], self.cfg.training.max_norm, foreach=True
-        )
+        grad_norm = clip_grad_norm_(self.trainable, self.cfg.training.max_norm, foreach=True)
         self.optimizers.step()
         self.lr_schedulers.step()
         return {**metrics, "grad_norm": float(grad_norm)}
@@ -97,7 +96,7 @@ class TrainingRun:
             self.metrics.progress(self.step, last, self.objective.progress_fields(metrics))
             if self.checkpointer.should_save(self.step, last):
                 self.checkpointer.save(self.step)
-        if self.cfg.lora.export_dir:
+        if self.cfg.lora.export_dir and self.adapter is not None:
             path = self.adapter.export(self.cfg.lora.export_dir)
             if path is not None:
                 logger.info("exported the PEFT adapter to %s", path)

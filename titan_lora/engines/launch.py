@@ -1,4 +1,4 @@
-"""Start and supervise an embedded titan_lora vLLM engine process (rank 0 only)."""
+"""Start and supervise an embedded engine process (rank 0 only): the vLLM engine or the receiver."""
 
 from __future__ import annotations
 
@@ -33,10 +33,10 @@ def engine_lora_rank(rank: int) -> int:
 
 
 class EmbeddedEngine:
-    """A `python -m titan_lora.engines.vllm_server` child process; restarted if it dies."""
+    """An engine child process (`python -m <module> --port N ...`); restarted if it dies."""
 
-    def __init__(self, model_dir: str, port: int, args: list[str], log_path: str, start_timeout_s: float = 600) -> None:
-        self.model_dir = model_dir
+    def __init__(self, module: str, port: int, args: list[str], log_path: str, start_timeout_s: float = 600) -> None:
+        self.module = module
         self.port = port
         self.args = args
         self.log_path = Path(log_path)
@@ -46,11 +46,10 @@ class EmbeddedEngine:
         self.starts = 0
 
     def start(self) -> None:
-        """Spawn the engine and wait until it answers (engine start takes ~25 s on CPU)."""
+        """Spawn the engine and wait until it answers (the vLLM engine takes ~25 s on CPU)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "titan_lora.engines.vllm_server", "--model", self.model_dir,
-               "--port", str(self.port), *self.args]
-        logger.info("starting the vLLM engine (log: %s)", self.log_path)
+        cmd = [sys.executable, "-m", self.module, "--port", str(self.port), *self.args]
+        logger.info("starting %s (log: %s)", self.module, self.log_path)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
         self.starts += 1
@@ -62,15 +61,15 @@ class EmbeddedEngine:
         started = time.monotonic()
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
-                raise EmitterError(f"the vLLM engine exited with code {self.proc.returncode} during start-up; "
+                raise EmitterError(f"{self.module} exited with code {self.proc.returncode} during start-up; "
                                    f"last lines of {self.log_path}:\n{self.log_tail()}")
             try:
                 client.post("/titan/info")
-                logger.info("vLLM engine ready at %s after %.0f s", self.url, time.monotonic() - started)
+                logger.info("%s ready at %s after %.0f s", self.module, self.url, time.monotonic() - started)
                 return
             except EngineUnreachable:
                 time.sleep(1.0)
-        raise EmitterError(f"the vLLM engine did not become ready in {self.start_timeout_s:.0f} s; see {self.log_path}")
+        raise EmitterError(f"{self.module} did not become ready in {self.start_timeout_s:.0f} s; see {self.log_path}")
 
     def log_tail(self, lines: int = 20) -> str:
         """The end of the engine's log."""
@@ -81,7 +80,7 @@ class EmbeddedEngine:
     def ensure_running(self) -> None:
         """Restart the engine if its process has died."""
         if self.proc is None or self.proc.poll() is not None:
-            logger.warning("the vLLM engine is not running (exit code %s); restarting it",
+            logger.warning("%s is not running (exit code %s); restarting it", self.module,
                            None if self.proc is None else self.proc.returncode)
             self.start()
 

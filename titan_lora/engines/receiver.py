@@ -39,7 +39,7 @@ class ReceiverService:
         self.buffers = BufferCache()
         self.staging: dict[str, dict[str, torch.Tensor]] = {}
         self.adapters: dict[str, dict[str, torch.Tensor]] = {}
-        self.base: dict[str, torch.Tensor] | None = None
+        self.base_weights: dict[str, torch.Tensor] | None = None
         self.base_version: int | None = None
         self._lock = threading.Lock()
 
@@ -70,9 +70,9 @@ class ReceiverService:
 
     def base(self, req: dict) -> dict:
         """Keep the staged transfer as the base."""
-        self.base = self._take(req["transfer_id"])
+        self.base_weights = self._take(req["transfer_id"])
         self.base_version = req["version"]
-        return {**_size(self.base), "version": req["version"]}
+        return {**_size(self.base_weights), "version": req["version"]}
 
     def unload(self, req: dict) -> dict:
         """Drop adapter `name`."""

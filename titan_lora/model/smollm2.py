@@ -56,12 +56,15 @@ def gguf_path() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
 
 
-def pretrained_dir(name: str = PRETRAINED_ID) -> Path:
-    """HF safetensors directory of a pretrained model, converting it once if needed."""
-    if name != PRETRAINED_ID:
-        raise ValueError(f"[model] pretrained = {name!r} is unknown; the known model is {PRETRAINED_ID!r}")
-    out = cache_root() / name
-    if not (out / "model.safetensors").exists():
+def pretrained_dir(need_weights: bool = True) -> Path:
+    """SmolLM2's HF directory (config, tokenizer, weights), converting the GGUF once if needed.
+
+    With `need_weights=False` a directory holding only config and tokenizer is enough (random-init
+    runs on machines where the weights are not installed, e.g. GPU benchmark hosts).
+    """
+    out = cache_root() / PRETRAINED_ID
+    wanted = "model.safetensors" if need_weights else "tokenizer.json"
+    if not (out / wanted).exists():
         convert_gguf_to_safetensors(gguf_path(), out)
     return out
 

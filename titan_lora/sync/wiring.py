@@ -64,6 +64,21 @@ def probe_sequences(tokenizer, n: int = 4) -> list[list[int]]:  # noqa: ANN001
     return seqs
 
 
+def embedded_engine(run: TrainingRun, cfg) -> EmbeddedEngine:  # noqa: ANN001
+    """The engine process titan_lora starts itself: the vLLM engine, or the receiver (timing only)."""
+    log = os.path.join(run.cfg.job.dump_folder, "engine.log")
+    port = cfg.engine_port or free_port()
+    key = ["--api-key", cfg.api_key] if cfg.api_key else []
+    if cfg.engine == "receiver":
+        device = ["--device", str(run.device)] if run.device.type == "cuda" else []
+        return EmbeddedEngine("titan_lora.engines.receiver", port, [*device, *key], log)
+    return EmbeddedEngine("titan_lora.engines.vllm_server", port, [
+        "--model", run.built.hf_dir, "--max-lora-rank", str(engine_lora_rank(run.cfg.lora.rank)),
+        "--max-loras", str(cfg.keep_versions + 1), "--max-cpu-loras", str(cfg.keep_versions + 2),
+        "--max-model-len", str(cfg.engine_max_model_len), "--kv-cache-gib", str(cfg.engine_kv_cache_gib), *key,
+    ], log)
+
+
 def wire_syncer(run: TrainingRun) -> WeightSyncer:
     """Start or attach the engine (rank 0), build the syncer, validate limits, hook the optimizer."""
     from transformers import AutoTokenizer
@@ -73,16 +88,12 @@ def wire_syncer(run: TrainingRun) -> WeightSyncer:
     emitter, engine, rollouts = None, None, None
     if rank0:
         if not cfg.engine_url:
-            engine = EmbeddedEngine(run.built.hf_dir, cfg.engine_port or free_port(), [
-                "--max-lora-rank", str(engine_lora_rank(run.cfg.lora.rank)),
-                "--max-loras", str(cfg.keep_versions + 1), "--max-cpu-loras", str(cfg.keep_versions + 2),
-                "--max-model-len", str(cfg.engine_max_model_len), "--kv-cache-gib", str(cfg.engine_kv_cache_gib),
-                *(["--api-key", cfg.api_key] if cfg.api_key else []),
-            ], os.path.join(run.cfg.job.dump_folder, "engine.log"))
+            engine = embedded_engine(run, cfg)
             engine.start()
             cfg = dataclasses.replace(cfg, engine_url=engine.url)
         emitter = build_emitter(cfg)
-        rollouts = VLLMRolloutClient(JsonClient(cfg.engine_url, cfg.api_key, cfg.timeout_s))
+        if cfg.engine == "vllm" or cfg.engine_url:
+            rollouts = VLLMRolloutClient(JsonClient(cfg.engine_url, cfg.api_key, cfg.timeout_s))
     tokenizer = AutoTokenizer.from_pretrained(run.built.hf_dir)
     tied = json.loads((Path(run.built.hf_dir) / "config.json").read_text()).get("tie_word_embeddings", False)
     probe = None

@@ -43,7 +43,8 @@ def build_model(job_config, parallel_dims: ParallelDims, device: torch.device) -
     args = dataclasses.replace(spec.model_args[job_config.model.flavor])
     args.update_from_config(job_config)
     # SmolLM2's checkpoint dir also holds the tokenizer, even for random-init flavors.
-    hf_dir = str(pretrained_dir()) if job_config.model.name == MODEL_NAME else job_config.model.hf_assets_path
+    load = job_config.model.load_pretrained
+    hf_dir = str(pretrained_dir(load)) if job_config.model.name == MODEL_NAME else job_config.model.hf_assets_path
     with torch.device("meta"):
         model = spec.model_cls(args)
     build_model_converters(job_config, parallel_dims).convert(model)
@@ -52,7 +53,7 @@ def build_model(job_config, parallel_dims: ParallelDims, device: torch.device) -
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     sd_adapter = spec.state_dict_adapter(args, hf_dir)
-    if job_config.model.load_pretrained:
+    if load:
         load_base_weights(model, hf_dir, sd_adapter)
         logger.info("loaded pretrained weights from %s", hf_dir)
     model.train()

@@ -1,0 +1,87 @@
+"""`[lora] target_modules`: all-linear, HF names, the output head, and names that match nothing."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from dist_helpers import free_port
+from model_helpers import DEBUG_LORA, build_from
+
+from titan_lora.lora.layer import LoRALinear, lora_modules
+from titan_lora.lora.targets import hf_leaf_names, resolve_targets
+
+ALL_LINEAR_LEAVES = ["w1", "w2", "w3", "wk", "wo", "wq", "wv"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_rank_group() -> None:
+    if not dist.is_initialized():
+        os.environ["MASTER_PORT"] = str(free_port())
+
+
+class Tiny(nn.Module):
+    """A model with attention/FFN linears, an output head and an embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(10, 4)
+        self.block = nn.ModuleDict({"wq": nn.Linear(4, 4), "w2": nn.Linear(4, 4)})
+        self.norm = nn.LayerNorm(4)
+        self.output = nn.Linear(4, 10)
+
+
+def _targets(toml: str) -> list[str]:
+    return [name for name, _ in lora_modules(build_from(toml).model)]
+
+
+def _with_targets(value: str) -> str:
+    return DEBUG_LORA.replace('target_modules = "all-linear"', f"target_modules = {value}")
+
+
+def test_all_linear_excludes_the_output_head_and_embeddings() -> None:
+    assert resolve_targets(Tiny(), "all-linear") == ["block.wq", "block.w2"]
+    names = _targets(DEBUG_LORA)
+    assert sorted({n.rsplit(".", 1)[-1] for n in names}) == ALL_LINEAR_LEAVES
+    assert len(names) == 2 * 7, "every linear of both transformer blocks"
+    assert "output" not in names
+
+
+@pytest.mark.parametrize("head", ["output", "lm_head"])
+def test_the_output_head_is_adapted_when_named(head: str) -> None:
+    assert resolve_targets(Tiny(), [head]) == ["output"]
+    model = build_from(_with_targets(f'["{head}", "wq"]')).model
+    assert isinstance(model.output, LoRALinear)
+    assert model.output.lora_B.shape == (49152, 8) and model.output.lora_A.shape == (8, 64)
+    assert [n for n, _ in lora_modules(model)] == ["layers.0.attention.wq", "layers.1.attention.wq", "output"]
+    with torch.no_grad():
+        assert model(torch.zeros(1, 4, dtype=torch.long)).shape == (1, 4, 49152)
+
+
+def test_hf_names_are_accepted_and_mean_the_same_linears() -> None:
+    hf = _targets(_with_targets('["q_proj", "v_proj", "down_proj"]'))
+    titan = _targets(_with_targets('["wq", "wv", "w2"]'))
+    assert hf == titan == [
+        "layers.0.attention.wq", "layers.0.attention.wv", "layers.0.feed_forward.w2",
+        "layers.1.attention.wq", "layers.1.attention.wv", "layers.1.feed_forward.w2",
+    ]
+    assert _targets(_with_targets('["q_proj", "wv"]')) == [n for n in hf if not n.endswith("w2")], "mixed naming"
+    assert hf_leaf_names(hf) == ["down_proj", "q_proj", "v_proj"]
+
+
+def test_hf_leaf_names_of_all_linear() -> None:
+    assert hf_leaf_names(_targets(DEBUG_LORA)) == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+
+
+def test_a_target_that_matches_nothing_names_the_key_and_the_choices() -> None:
+    with pytest.raises(ValueError) as err:
+        resolve_targets(Tiny(), ["wq", "qproj"])
+    message = str(err.value)
+    assert "[lora] target_modules" in message and "'qproj'" in message
+    assert "wq" in message and "w2" in message, "the message lists the linears the model has"
+    assert "all-linear" in message

@@ -1,0 +1,125 @@
+"""TP=2 x FSDP=2 on 4 gloo CPU ranks: adapter placements follow the base's TP plan, and the
+sharded model computes what the 1-rank model computes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_helpers import free_port, run_ranks
+from model_helpers import DEBUG_LORA, build_from, randomize_adapters
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from titan_lora.lora.layer import adapter_params, fill_param, lora_modules
+from titan_lora.sync.gather import ShardGatherer
+
+TP2_FSDP2 = ("--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=2")
+COLWISE = {"wq", "wk", "wv", "w1", "w3"}
+ROWWISE = {"wo", "w2"}
+TOKENS = torch.randint(0, 49152, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _check_placements(model: torch.nn.Module) -> None:
+    seen = set()
+    for name, module in lora_modules(model):
+        leaf = name.rsplit(".", 1)[-1]
+        seen.add(leaf)
+        a, b, w = module.lora_A, module.lora_B, module.weight
+        for t in (a, b, w):
+            assert isinstance(t, DTensor), name
+            assert t.device_mesh.mesh_dim_names == ("fsdp", "tp"), t.device_mesh.mesh_dim_names
+        tp = a.device_mesh.mesh_dim_names.index("tp")
+        fsdp = a.device_mesh.mesh_dim_names.index("fsdp")
+        if leaf in COLWISE:
+            assert w.placements[tp] == Shard(0), f"{name}: the base plan is not colwise"
+            assert a.placements[tp] == Replicate(), f"{name}.lora_A: {a.placements}"
+            assert b.placements[tp] == Shard(0), f"{name}.lora_B: {b.placements}"
+            a_split, b_split = 2, 4  # A: fsdp only; B: fsdp and tp both on the output dim
+        elif leaf in ROWWISE:
+            assert w.placements[tp] == Shard(1), f"{name}: the base plan is not rowwise"
+            assert a.placements[tp] == Shard(1), f"{name}.lora_A: {a.placements}"
+            assert b.placements[tp] == Replicate(), f"{name}.lora_B: {b.placements}"
+            a_split, b_split = 4, 2  # A: fsdp on rank dim, tp on the input dim; B: fsdp only
+        else:
+            raise AssertionError(f"unexpected LoRA target {name}")
+        for t in (a, b):  # FSDP shards dim 0 (plain or strided, when TP already split dim 0)
+            assert getattr(t.placements[fsdp], "dim", None) == 0, f"{name}: fsdp placement {t.placements}"
+            assert t.requires_grad
+        assert a.to_local().numel() * a_split == a.numel(), f"{name}.lora_A local {a.to_local().shape}"
+        assert b.to_local().numel() * b_split == b.numel(), f"{name}.lora_B local {b.to_local().shape}"
+    assert seen == COLWISE | ROWWISE
+
+
+def _tp_ranks(rank: int, world: int, ref_path: str, out_path: str) -> None:
+    built = build_from(DEBUG_LORA, *TP2_FSDP2)
+    model = built.model
+    _check_placements(model)
+    ref = torch.load(ref_path)
+    named = adapter_params(model)
+    init = {n: _full(p) for n, p in named}
+    # Same weights as the 1-rank reference, then the same randomized adapters.
+    for name, param in model.named_parameters():
+        fill_param(param, ref["state"][name])
+    randomize_adapters(model)
+    with torch.no_grad():
+        logits = model(TOKENS)
+    logits = _full(logits)  # vocab-sharded under loss parallel: collective over tp
+    gathered = ShardGatherer(named).gather()
+    full = {n: _full(p) for n, p in named}
+    if rank == 0:
+        torch.save({"init": init, "logits": logits, "gathered": {k: v.clone() for k, v in gathered.items()},
+                    "full": full}, out_path)
+    else:
+        assert gathered is None
+    dist.barrier()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_rank_group() -> None:
+    if not dist.is_initialized():
+        os.environ["MASTER_PORT"] = str(free_port())
+
+
+def test_tp2_fsdp2_placements_and_parity(tmp_path) -> None:
+    torch.manual_seed(0)
+    reference = build_from(DEBUG_LORA).model  # 1 rank, no sharding
+    init = {n: p.detach().clone() for n, p in adapter_params(reference)}
+    state = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    randomize_adapters(reference)
+    with torch.no_grad():
+        ref_logits = reference(TOKENS)
+    ref_adapters = {n: p.detach().clone() for n, p in adapter_params(reference)}
+    torch.save({"state": state}, tmp_path / "ref.pt")
+
+    run_ranks(4, _tp_ranks, str(tmp_path / "ref.pt"), str(tmp_path / "tp.pt"))
+    tp = torch.load(tmp_path / "tp.pt")
+
+    for name, value in init.items():  # kaiming A / zero B do not depend on the sharding
+        assert torch.equal(tp["init"][name], value), f"{name} initialised differently under TP x FSDP"
+    assert list(tp["gathered"]) == list(ref_adapters)
+    for name, value in ref_adapters.items():
+        assert torch.equal(tp["full"][name], value), f"{name}: full_tensor() differs from the 1-rank adapter"
+        assert torch.equal(tp["gathered"][name], tp["full"][name]), f"{name}: ShardGatherer != full_tensor()"
+    diff = (tp["logits"] - ref_logits).abs().max().item()
+    effect = (ref_logits - _base_logits(reference)).abs().max().item()
+    print(f"TP2xFSDP2 vs 1 rank: max |logit diff| = {diff:.2e} (adapter effect {effect:.2f})")
+    assert effect > 1e-2, "the adapter must change the logits, or parity proves nothing about it"
+    assert diff <= 1e-4
+
+
+@torch.no_grad()
+def _base_logits(model: torch.nn.Module) -> torch.Tensor:
+    saved = {n: p.detach().clone() for n, p in adapter_params(model)}
+    for _, p in adapter_params(model):
+        if _.endswith("lora_B"):
+            p.zero_()
+    out = model(TOKENS)
+    for n, p in adapter_params(model):
+        p.copy_(saved[n])
+    return out

@@ -1,0 +1,93 @@
+"""ShardGatherer: one collective brings every adapter shard to rank 0, exactly as full_tensor() would."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_helpers import run_ranks
+from model_helpers import DEBUG_LORA, build_from, randomize_adapters
+from torch.distributed.tensor import DTensor
+
+from titan_lora.lora.layer import adapter_params
+from titan_lora.sync.gather import ShardGatherer
+
+# rank 3 does not split evenly over 2 FSDP ranks: every lora_A (3 x in) is sharded 2 + 1 rows.
+RANK3 = DEBUG_LORA.replace("rank = 8", "rank = 3")
+
+
+def _full(named) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in named}
+
+
+def _gather_on_ranks(rank: int, world: int) -> None:
+    model = build_from(RANK3).model
+    randomize_adapters(model, seed=3)
+    named = adapter_params(model)
+    assert all(isinstance(p, DTensor) for _, p in named)
+    local_rows = [p.to_local().shape[0] for n, p in named if n.endswith("lora_A")]
+    assert set(local_rows) == {2 if rank == 0 else 1}, "the test needs uneven shards"
+
+    gatherer = ShardGatherer(named)
+    assert gatherer.nbytes == sum(p.numel() for _, p in named) * 4
+    got = gatherer.gather()
+    want = _full(named)  # the per-parameter reference (a collective on every rank, same order)
+    if rank != 0:
+        assert got is None, "only rank 0 receives the gathered adapter"
+    else:
+        assert list(got) == [n for n, _ in named], "names in the one fixed order"
+        for name, tensor in want.items():
+            assert got[name].shape == tensor.shape, name
+            assert torch.equal(got[name], tensor), f"{name} gathered wrong"
+        assert gatherer.all_finite()
+
+    # An optimizer step updates the shards in place; the next gather must see the new values.
+    with torch.no_grad():
+        for i, (_, p) in enumerate(named):
+            p.to_local().mul_(-2.0).add_(0.01 * i)
+    got = gatherer.gather()
+    want = _full(named)
+    if rank == 0:
+        assert all(torch.equal(got[n], want[n]) for n in want), "a second gather returned stale values"
+        assert gatherer.all_finite()
+
+    # A NaN (then an Inf) in a shard that lives only on rank 1 is seen on rank 0.
+    name, param = named[2]  # wk.lora_A: its last row lives on rank 1
+    for bad in (float("nan"), float("inf")):
+        saved = param.to_local().clone()
+        with torch.no_grad():
+            if rank == 1:
+                param.to_local()[-1, -1] = bad
+        gatherer.gather()
+        if rank == 0:
+            assert not gatherer.all_finite(), f"{bad} on rank 1 went unnoticed"
+        with torch.no_grad():
+            param.to_local().copy_(saved)
+        gatherer.gather()
+        if rank == 0:
+            assert gatherer.all_finite()
+    dist.barrier()
+
+
+def test_gather_equals_full_tensor_on_two_ranks_with_uneven_shards() -> None:
+    run_ranks(2, _gather_on_ranks)
+
+
+def test_single_process_gather_is_the_params_themselves() -> None:
+    g = torch.Generator().manual_seed(0)
+    named = [("a.lora_A", torch.randn(3, 5, generator=g)), ("a.lora_B", torch.randn(7, 3, generator=g))]
+    gatherer = ShardGatherer(named)
+    got = gatherer.gather()
+    assert list(got) == ["a.lora_A", "a.lora_B"]
+    assert all(torch.equal(got[n], p) for n, p in named)
+    assert gatherer.all_finite()
+    named[1][1][0, 0] = float("-inf")
+    gatherer.gather()
+    assert not gatherer.all_finite()
+
+
+def test_mixed_dtypes_and_empty_lists_are_refused() -> None:
+    with pytest.raises(ValueError, match="one dtype"):
+        ShardGatherer([("a", torch.zeros(2)), ("b", torch.zeros(2, dtype=torch.bfloat16))])
+    with pytest.raises(ValueError, match="converter"):
+        ShardGatherer([])

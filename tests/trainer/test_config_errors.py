@@ -1,0 +1,76 @@
+"""Bad configs fail while the config is read, before any model is built, naming the key and the fix."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from model_helpers import DEBUG_LORA, job_config_from
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _lora(extra: str) -> str:
+    return DEBUG_LORA.replace("[lora]\n", f"[lora]\n{extra}\n")
+
+
+def test_the_reference_config_is_valid(tmp_path) -> None:
+    cfg = job_config_from(_lora(f'export_dir = "{tmp_path}/not/yet/there"'))
+    assert (cfg.lora.rank, cfg.lora.alpha, cfg.lora.target_modules) == (8, 16, "all-linear")
+    assert cfg.model.converters == ["lora"]
+    assert cfg.lora.export_dir == f"{tmp_path}/not/yet/there"
+
+
+def test_hf_target_names_are_valid() -> None:
+    cfg = job_config_from(DEBUG_LORA.replace('"all-linear"', '["q_proj", "wv"]'))
+    assert cfg.lora.target_modules == ["q_proj", "wv"]
+
+
+BAD = {
+    "rank zero": (DEBUG_LORA.replace("rank = 8", "rank = 0"), ["[lora] rank", "got 0", "rank = 16"]),
+    "rank negative": (DEBUG_LORA.replace("rank = 8", "rank = -4"), ["[lora] rank", "got -4"]),
+    "unknown lora key": (DEBUG_LORA.replace("rank = 8", "rnak = 8"), ["[lora]", "'rnak'", "did you mean 'rank'"]),
+    "unknown converter": (
+        DEBUG_LORA.replace('converters = ["lora"]', 'converters = ["lroa"]'),
+        ["[model] converters", "'lroa'", "lora"],
+    ),
+    "empty target list": (DEBUG_LORA.replace('"all-linear"', "[]"), ["[lora] target_modules", "all-linear"]),
+    "target string other than all-linear": (
+        DEBUG_LORA.replace('"all-linear"', '"all_linear"'), ["[lora] target_modules", "'all_linear'", "all-linear"],
+    ),
+    "dropout": (_lora("dropout = 1.0"), ["[lora] dropout", "[0, 1)"]),
+    "adapter dtype": (_lora('dtype = "float64"'), ["[lora] dtype", "'float64'", "bfloat16"]),
+    "export_dir below a file": (_lora(f'export_dir = "{__file__}/adapter"'), ["[lora] export_dir", __file__]),
+    "target modules matching nothing": (
+        DEBUG_LORA.replace('"all-linear"', '["wq", "qproj"]'), ["[lora] target_modules", "'qproj'", "all-linear"],
+    ),
+    "export_dir under /proc": (_lora('export_dir = "/proc/titan_lora_export"'), ["[lora] export_dir", "/proc"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_config_is_rejected_when_read(case: str) -> None:
+    toml, must_mention = BAD[case]
+    with pytest.raises(ValueError) as err:
+        job_config_from(toml)
+    message = str(err.value)
+    for fragment in must_mention:
+        assert fragment in message, f"{case}: {fragment!r} missing from {message!r}"
+
+
+def test_cli_exits_2_with_the_message_on_stderr(tmp_path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text(DEBUG_LORA.replace("rank = 8", "rank = 0"))
+    dump = tmp_path / "dump"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "titan_lora.train", "--job.config_file", str(bad), "--job.dump_folder", str(dump)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "config error: [lora] rank must be a positive integer, got 0; try rank = 16" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not dump.exists(), "nothing should be built or written for a bad config"
