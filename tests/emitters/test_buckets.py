@@ -100,3 +100,44 @@ def test_unsupported_dtype_is_refused_in_a_header() -> None:
     row = Entry("x", (2,), "float32", 0, 8).to_json() | {"dtype": "float64"}
     with pytest.raises(ValueError, match="unsupported dtype 'float64'"):
         Entry.from_json(row)
+
+
+def _views_of_one_storage(sizes: list[int], gaps: list[int]) -> dict[str, torch.Tensor]:
+    """fp32 tensors that are views into one flat storage, `gaps[i]` floats before tensor i."""
+    flat = torch.randn(sum(sizes) + sum(gaps), generator=torch.Generator().manual_seed(1))
+    out, pos = {}, 0
+    for i, (n, gap) in enumerate(zip(sizes, gaps)):
+        pos += gap
+        out[f"v{i}"] = flat[pos : pos + n].view(n // 2, 2) if n % 2 == 0 else flat[pos : pos + n]
+        pos += n
+    return out
+
+
+def test_round_trip_of_views_at_the_bucket_offsets() -> None:
+    # Laid out exactly as plan_buckets places them (ALIGN-aligned, as the gatherer's output is):
+    # the packer may copy the whole run at once; the bytes must still arrive exactly.
+    sizes = [10, 16, 3, 32]  # floats; 40, 64, 12, 128 bytes
+    gaps = [0, (64 - 40) // 4, 0, (64 - 12) // 4]
+    tensors = _views_of_one_storage(sizes, gaps)
+    plan = plan_buckets(tensors, 1 << 20)
+    assert [e.offset for e in plan[0]] == [0, 64, 128, 192]
+    _, received = _round_trip(tensors, 1 << 20)
+    assert all(torch.equal(received[k], v) for k, v in tensors.items())
+
+
+def test_round_trip_of_views_not_at_the_bucket_offsets() -> None:
+    # One storage, but packed back to back (no alignment): the bucket offsets differ from the
+    # storage offsets, so a whole-run copy would scramble them.
+    tensors = _views_of_one_storage([10, 16, 3, 32], [0, 0, 0, 0])
+    for bucket_bytes in (1 << 20, 100):  # one bucket, and several
+        _, received = _round_trip(tensors, bucket_bytes)
+        assert all(torch.equal(received[k], v) for k, v in tensors.items()), bucket_bytes
+
+
+def test_round_trip_of_a_later_bucket_of_one_storage() -> None:
+    # Views at aligned offsets split over several buckets: each bucket's own offsets restart at 0.
+    sizes = [16, 16, 16, 16, 16]  # 64 bytes each, so aligned back to back
+    tensors = _views_of_one_storage(sizes, [0] * 5)
+    plan, received = _round_trip(tensors, 128)
+    assert [[e.offset for e in b] for b in plan] == [[0, 64], [0, 64], [0]]
+    assert all(torch.equal(received[k], v) for k, v in tensors.items())

@@ -7,6 +7,7 @@ JSON-able header of names, shapes, dtypes and offsets. No pickle crosses from on
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -64,8 +65,28 @@ def bucket_size(entries: Sequence[Entry]) -> int:
     return max((e.offset + e.nbytes for e in entries), default=0)
 
 
+def _as_one_run(entries: Sequence[Entry], tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+    """The bucket's bytes as one view when its tensors already lie in one storage at the bucket's
+    offsets (the gatherer's output does), else None."""
+    first = tensors[entries[0].name]
+    storage = first.untyped_storage()
+    base = first.data_ptr()
+    for e in entries:
+        t = tensors[e.name]
+        if not t.is_contiguous() or t.untyped_storage().data_ptr() != storage.data_ptr() \
+                or t.data_ptr() - base != e.offset:
+            return None
+    start = base - storage.data_ptr()
+    run = torch.empty(0, dtype=torch.uint8, device=first.device)
+    return run.set_(storage, start, (bucket_size(entries),))
+
+
 def pack(buffer: torch.Tensor, entries: Sequence[Entry], tensors: Mapping[str, torch.Tensor]) -> None:
     """Copy the bucket's tensors into `buffer` (a uint8 tensor on the tensors' device)."""
+    run = _as_one_run(entries, tensors)
+    if run is not None:  # one copy for the whole bucket
+        buffer[: run.numel()].copy_(run, non_blocking=True)
+        return
     for e in entries:
         src = tensors[e.name].detach().contiguous().view(-1).view(torch.uint8)
         buffer[e.offset : e.offset + e.nbytes].copy_(src, non_blocking=True)
@@ -73,10 +94,35 @@ def pack(buffer: torch.Tensor, entries: Sequence[Entry], tensors: Mapping[str, t
 
 def unpack(buffer: torch.Tensor, entries: Sequence[Entry]) -> dict[str, torch.Tensor]:
     """Copy every tensor out of `buffer` into fresh storage the receiver owns."""
+    owned = buffer[: bucket_size(entries)].clone()  # one copy; the tensors are views of it
     out = {}
     for e in entries:
-        raw = buffer[e.offset : e.offset + e.nbytes]
-        out[e.name] = raw.view(_DTYPES[e.dtype]).view(e.shape).clone()
+        out[e.name] = owned[e.offset : e.offset + e.nbytes].view(_DTYPES[e.dtype]).view(e.shape)
     if buffer.is_cuda:  # the copies must be done before the ack lets the trainer reuse the buffer
         torch.cuda.current_stream(buffer.device).synchronize()
     return out
+
+
+class UnknownLayout(KeyError):
+    """The receiver has not seen this bucket layout yet (e.g. it restarted): send the header."""
+
+
+class LayoutCache:
+    """Receiver side: bucket headers by layout id, so a repeated layout travels as its id alone."""
+
+    def __init__(self) -> None:
+        self._layouts: dict[str, list[Entry]] = {}
+
+    def resolve(self, layout: str, header: list[dict] | None) -> list[Entry]:
+        """The entries of `layout`, parsing and remembering `header` when it is given."""
+        if header is not None:
+            self._layouts[layout] = [Entry.from_json(row) for row in header]
+        if layout not in self._layouts:
+            raise UnknownLayout(f"unknown bucket layout {layout}")
+        return self._layouts[layout]
+
+
+def layout_id(entries: Sequence[Entry]) -> str:
+    """A stable id of a bucket layout (names, shapes, dtypes, offsets)."""
+    text = "|".join(f"{e.name}:{e.shape}:{e.dtype}:{e.offset}" for e in entries)
+    return hashlib.sha1(text.encode()).hexdigest()[:16]

@@ -16,9 +16,9 @@ import torch
 
 from titan_lora.config import WeightSync
 from titan_lora.emitters.base import AdapterPayload, Ack, EmitterError, EngineLimits, register_emitter
-from titan_lora.emitters.buckets import bucket_size, pack, plan_buckets
+from titan_lora.emitters.buckets import bucket_size, layout_id, pack, plan_buckets
 from titan_lora.emitters.transport import BucketBuffer, make_buffers
-from titan_lora.engines.http import JsonClient
+from titan_lora.engines.http import JsonClient, LayoutUnknownToEngine
 
 
 class VLLMBucketEmitter:
@@ -29,6 +29,7 @@ class VLLMBucketEmitter:
         self.bucket_bytes = bucket_mb * 2**20
         self._buffers: list[BucketBuffer] = []
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="titan-bucket")
+        self._sent_layouts: set[str] = set()
 
     def _info(self) -> dict:
         return self.client.post("/titan/info")
@@ -70,11 +71,7 @@ class VLLMBucketEmitter:
             pack(buf.tensor, entries, tensors)
             buf.synchronize()
             pack_s += time.perf_counter() - t0
-            header = [e.to_json() for e in entries]
-            in_flight[slot] = self._pool.submit(
-                self.client.post, "/titan/bucket",
-                {"transfer_id": transfer_id, "segment": buf.describe(), "header": header},
-            )
+            in_flight[slot] = self._pool.submit(self._post_bucket, transfer_id, buf, entries)
         for fut in in_flight:
             if fut is not None:
                 ack = fut.result()
@@ -82,6 +79,19 @@ class VLLMBucketEmitter:
         total_s = time.perf_counter() - started
         phases = {"pack_ms": pack_s * 1e3, "transfer_ms": (total_s - pack_s) * 1e3, "buckets": len(buckets)}
         return transfer_id, phases, acked_tensors, acked_bytes
+
+    def _post_bucket(self, transfer_id: str, buf: BucketBuffer, entries: list) -> dict:
+        """Send one bucket; its header goes only the first time the engine sees its layout."""
+        layout = layout_id(entries)
+        body = {"transfer_id": transfer_id, "segment": buf.describe(), "layout": layout}
+        if layout not in self._sent_layouts:
+            body["header"] = [e.to_json() for e in entries]
+        try:
+            ack = self.client.post("/titan/bucket", body)
+        except LayoutUnknownToEngine:  # the engine restarted and forgot it
+            ack = self.client.post("/titan/bucket", {**body, "header": [e.to_json() for e in entries]})
+        self._sent_layouts.add(layout)
+        return ack
 
     def _check(self, what: str, sent: Mapping[str, torch.Tensor], tensors: int, nbytes: int) -> None:
         want_bytes = sum(t.numel() * t.element_size() for t in sent.values())

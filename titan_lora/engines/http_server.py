@@ -7,6 +7,8 @@ import logging
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler
 
+from titan_lora.emitters.buckets import UnknownLayout
+
 logger = logging.getLogger("titan_lora.engine")
 
 
@@ -42,6 +44,8 @@ def make_handler(routes: dict[str, Callable[[dict], dict]], api_key: str) -> typ
                 return self._reply(404, {"error": f"unknown route {self.path}"})
             try:
                 self._reply(200, routes[op](body))
+            except UnknownLayout as err:
+                self._reply(409, {"error": f"UnknownLayout: {err}"})
             except (KeyError, ValueError) as err:
                 self._reply(400, {"error": f"{type(err).__name__}: {err}"})
             except Exception as err:  # noqa: BLE001 (reported to the client; the server keeps serving)

@@ -18,7 +18,7 @@ from http.server import ThreadingHTTPServer
 
 import torch
 
-from titan_lora.emitters.buckets import Entry, unpack
+from titan_lora.emitters.buckets import LayoutCache, unpack
 from titan_lora.emitters.transport import BufferCache
 from titan_lora.engines.http_server import make_handler
 
@@ -37,6 +37,7 @@ class ReceiverService:
         self.max_lora_rank = max_lora_rank
         self.max_loras = max_loras
         self.buffers = BufferCache()
+        self.layouts = LayoutCache()
         self.staging: dict[str, dict[str, torch.Tensor]] = {}
         self.adapters: dict[str, dict[str, torch.Tensor]] = {}
         self.base_weights: dict[str, torch.Tensor] | None = None
@@ -50,7 +51,7 @@ class ReceiverService:
 
     def bucket(self, req: dict) -> dict:
         """Copy one bucket out, then acknowledge it."""
-        entries = [Entry.from_json(r) for r in req["header"]]
+        entries = self.layouts.resolve(req["layout"], req.get("header"))
         tensors = unpack(self.buffers.get(req["segment"]), entries)
         with self._lock:
             self.staging.setdefault(req["transfer_id"], {}).update(tensors)

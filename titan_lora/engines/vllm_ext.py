@@ -19,7 +19,7 @@ from vllm.lora.peft_helper import PEFTHelper
 from vllm.lora.request import LoRARequest
 from vllm.lora.utils import parse_fine_tuned_lora_name
 
-from titan_lora.emitters.buckets import Entry, unpack
+from titan_lora.emitters.buckets import LayoutCache, unpack
 from titan_lora.emitters.transport import BufferCache
 
 ADAPTER_SCHEME = "titan-mem://"
@@ -31,7 +31,7 @@ class TitanLoRAWorkerExtension:
     def _titan_state(self) -> dict:
         state = self.__dict__.get("_titan")
         if state is None:
-            state = {"buffers": BufferCache(), "staging": {}, "adapters": {}}
+            state = {"buffers": BufferCache(), "layouts": LayoutCache(), "staging": {}, "adapters": {}}
             self.__dict__["_titan"] = state
             manager = self.model_runner.lora_manager
             original = manager._load_adapter
@@ -63,10 +63,10 @@ class TitanLoRAWorkerExtension:
             skip_prefixes=getattr(models.model, "lora_skip_prefixes", None),
         )
 
-    def titan_receive_bucket(self, transfer_id: str, segment: dict, header: list[dict]) -> dict:
+    def titan_receive_bucket(self, transfer_id: str, segment: dict, layout: str, header: list[dict] | None) -> dict:
         """Copy one bucket out of the trainer's buffer; the return value is the ack."""
         state = self._titan_state()
-        entries = [Entry.from_json(row) for row in header]
+        entries = state["layouts"].resolve(layout, header)
         tensors = unpack(state["buffers"].get(segment), entries)
         state["staging"].setdefault(transfer_id, {}).update(tensors)
         return {"tensors": len(tensors), "bytes": sum(e.nbytes for e in entries)}

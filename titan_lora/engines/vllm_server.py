@@ -47,7 +47,8 @@ class EngineService:
 
     def bucket(self, req: dict) -> dict:
         """Copy one bucket out of shared memory (the ack means the trainer may reuse the buffer)."""
-        return self.loop.rpc("titan_receive_bucket", req["transfer_id"], req["segment"], req["header"])
+        return self.loop.rpc("titan_receive_bucket", req["transfer_id"], req["segment"], req["layout"],
+                             req.get("header"))
 
     def adapter(self, req: dict) -> dict:
         """Install the staged transfer as adapter `name` under a fresh int id."""

@@ -30,6 +30,12 @@ def hf_rope_permute(rows: torch.Tensor, n_heads: int) -> torch.Tensor:
     return rows.view(n_heads, out_dim // n_heads // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
 
 
+def titan_rope_permute(rows: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The inverse of `hf_rope_permute`: rotate-half (HF) rows back to interleaved (torchtitan)."""
+    out_dim, in_dim = rows.shape
+    return rows.view(n_heads, 2, out_dim // n_heads // 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+
+
 def _hf_module_names(sd_adapter: Llama3StateDictAdapter) -> dict[str, str]:
     # "layers.{}.attention.wq" -> "model.layers.{}.self_attn.q_proj", from the adapter's own map.
     return {
@@ -39,6 +45,23 @@ def _hf_module_names(sd_adapter: Llama3StateDictAdapter) -> dict[str, str]:
     }
 
 
+def peft_name_and_heads(name: str, sd_adapter: Llama3StateDictAdapter) -> tuple[str, int | None]:
+    """PEFT name of adapter tensor `name`, and the head count whose RoPE permutation its rows need.
+
+    `layers.0.attention.wq.lora_B` -> (`base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight`,
+    n_heads); lora_A, and projections other than wq/wk, need no permutation (None).
+    """
+    names = _hf_module_names(sd_adapter)
+    args = sd_adapter.model_args
+    heads = {"attention.wq": args.n_heads, "attention.wk": args.n_kv_heads or args.n_heads}
+    module, suffix = name.rsplit(".", 1)
+    abstract = re.sub(r"\d+", "{}", module, count=1)
+    layer = re.search(r"\d+", module)
+    hf_module = names[abstract].format(layer.group(0) if layer else "")
+    n_heads = heads.get(abstract.removeprefix("layers.{}.")) if suffix == "lora_B" else None
+    return f"{PEFT_PREFIX}{hf_module}.{suffix}.weight", n_heads
+
+
 def to_peft_names(
     adapter: Mapping[str, torch.Tensor], sd_adapter: Llama3StateDictAdapter
 ) -> dict[str, torch.Tensor]:
@@ -46,19 +69,10 @@ def to_peft_names(
 
     t' is t with the RoPE row permutation for wq/wk lora_B. The order of `adapter` is kept.
     """
-    names = _hf_module_names(sd_adapter)
-    args = sd_adapter.model_args
-    heads = {"attention.wq": args.n_heads, "attention.wk": args.n_kv_heads or args.n_heads}
     out: dict[str, torch.Tensor] = {}
     for name, tensor in adapter.items():
-        module, suffix = name.rsplit(".", 1)
-        abstract = re.sub(r"\d+", "{}", module, count=1)
-        layer = re.search(r"\d+", module)
-        hf_module = names[abstract].format(layer.group(0) if layer else "")
-        n_heads = heads.get(abstract.removeprefix("layers.{}."))
-        if suffix == "lora_B" and n_heads is not None:
-            tensor = hf_rope_permute(tensor, n_heads)
-        out[f"{PEFT_PREFIX}{hf_module}.{suffix}.weight"] = tensor
+        peft_name, n_heads = peft_name_and_heads(name, sd_adapter)
+        out[peft_name] = tensor if n_heads is None else hf_rope_permute(tensor, n_heads)
     return out
 
 

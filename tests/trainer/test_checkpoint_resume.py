@@ -1,0 +1,83 @@
+"""Adapter checkpoints: a run resumed from step 2 reproduces steps 3 and 4 of the uninterrupted run."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from dist_helpers import run_ranks
+from model_helpers import DEBUG_LORA, job_config_from
+from torch.distributed.tensor import DTensor
+
+from titan_lora.lora.layer import adapter_params
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = DEBUG_LORA + """
+[optimizer]
+name = "AdamW"
+lr = 1e-2
+weight_decay = 0.0
+[lr_scheduler]
+warmup_steps = 1
+[checkpoint]
+enable = true
+folder = "checkpoint"
+interval = 2
+keep_latest_k = 5
+"""
+
+
+def _train(rank: int, world: int, dump: str, out: str) -> None:
+    from titan_lora.train import TrainingRun
+
+    cfg = job_config_from(
+        TRAIN, f"--job.dump_folder={dump}", "--training.steps=4", "--training.global_batch_size=8",
+        "--training.local_batch_size=4", f"--data.path={REPO / 'titan_lora/data/arith_sft.jsonl'}",
+    )
+    run = TrainingRun(cfg)
+    start = run.step
+    losses: dict[int, float] = {}
+    lrs: dict[int, float] = {}
+    log = run.metrics.log
+
+    def record(step: int, scalars) -> None:  # noqa: ANN001
+        losses[step] = scalars["train/loss"]
+        lrs[step] = scalars["train/lr"]
+        log(step, scalars)
+
+    run.metrics.log = record
+    try:
+        run.train()
+        final = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                 for n, p in adapter_params(run.model)}
+    finally:
+        run.close()
+    if rank == 0:
+        torch.save({"start": start, "losses": losses, "lrs": lrs, "final": final}, out)
+
+
+def test_resume_from_step_2_reproduces_steps_3_and_4(tmp_path) -> None:
+    first, second = tmp_path / "first", tmp_path / "second"
+    run_ranks(2, _train, str(first), str(tmp_path / "first.pt"))
+    full = torch.load(tmp_path / "first.pt")
+    assert full["start"] == 0 and sorted(full["losses"]) == [1, 2, 3, 4]
+    saved = sorted(p.name for p in (first / "checkpoint").iterdir())
+    assert saved == ["step-2", "step-4"], f"interval 2 over 4 steps should save steps 2 and 4, got {saved}"
+    losses = full["losses"]
+    assert len({round(v, 6) for v in losses.values()}) == 4, f"losses should move step to step: {losses}"
+
+    # Start the second run from the step-2 checkpoint alone.
+    shutil.copytree(first / "checkpoint" / "step-2", second / "checkpoint" / "step-2")
+    run_ranks(2, _train, str(second), str(tmp_path / "second.pt"))
+    resumed = torch.load(tmp_path / "second.pt")
+
+    assert resumed["start"] == 2, "the resumed run must continue at the checkpoint's step"
+    assert sorted(resumed["losses"]) == [3, 4], "a resumed run trains only the remaining steps"
+    print("uninterrupted:", {k: f"{v:.7f}" for k, v in losses.items()},
+          "resumed:", {k: f"{v:.7f}" for k, v in resumed["losses"].items()})
+    for step in (3, 4):
+        assert resumed["losses"][step] == losses[step], f"step {step}: {resumed['losses'][step]} != {losses[step]}"
+        assert resumed["lrs"][step] == full["lrs"][step], f"step {step}: the LR schedule was not restored"
+    for name, value in full["final"].items():
+        assert torch.equal(resumed["final"][name], value), f"{name} differs after the resumed run"

@@ -1,0 +1,103 @@
+"""One SFT step on 1 rank and on 2 FSDP ranks: same loss, same gradients, same updated adapter;
+the base gets no gradient and does not move; the optimizer holds only the adapter."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from dist_helpers import run_ranks
+from model_helpers import DEBUG_LORA, job_config_from, randomize_adapters
+from torch.distributed.tensor import DTensor
+
+from titan_lora.lora.layer import adapter_params, fill_param, is_adapter_param
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = DEBUG_LORA + """
+[optimizer]
+name = "AdamW"
+lr = 1e-3
+weight_decay = 0.0
+[lr_scheduler]
+warmup_steps = 0
+[checkpoint]
+enable = false
+"""
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+@torch.no_grad()
+def _seeded_base(model: torch.nn.Module) -> None:
+    """The same base weights for any sharding (torchtitan's random init depends on the sharding)."""
+    for i, (name, param) in enumerate(model.named_parameters()):
+        if not is_adapter_param(name):
+            g = torch.Generator().manual_seed(1000 + i)
+            full = torch.ones(param.shape) if "norm" in name else torch.randn(param.shape, generator=g) * 0.05
+            fill_param(param, full)
+
+
+def _one_step(rank: int, world: int, dump: str, out: str) -> None:
+    from titan_lora.train import TrainingRun
+
+    cfg = job_config_from(
+        TRAIN, f"--job.dump_folder={dump}", "--training.global_batch_size=8",
+        f"--training.local_batch_size={8 // world}", "--training.steps=1",
+        f"--data.path={REPO / 'titan_lora/data/arith_sft.jsonl'}",
+    )
+    run = TrainingRun(cfg)
+    try:
+        model = run.model
+        _seeded_base(model)
+        randomize_adapters(model, seed=5)  # B != 0, so lora_A gets a gradient as well
+        named = adapter_params(model)
+        before = {n: _full(p) for n, p in named}
+        base_before = {n: _full(p) for n, p in model.named_parameters() if not is_adapter_param(n)}
+
+        in_optimizer = {id(p) for opt in run.optimizers.optimizers for g in opt.param_groups for p in g["params"]}
+        assert in_optimizer == {id(p) for _, p in named}, "the optimizer must hold exactly the adapter params"
+
+        run.step = 1
+        metrics = run.train_step()
+
+        grads = {n: _full(p.grad) for n, p in named}
+        after = {n: _full(p) for n, p in named}
+        for n, p in model.named_parameters():
+            if not is_adapter_param(n):
+                assert not p.requires_grad and p.grad is None, f"a gradient reached the base weight {n}"
+        base_after = {n: _full(p) for n, p in model.named_parameters() if not is_adapter_param(n)}
+        if rank == 0:
+            torch.save({"loss": metrics["loss"], "tokens": metrics["tokens"], "grad_norm": metrics["grad_norm"],
+                        "before": before, "after": after, "grads": grads,
+                        "base_unchanged": all(torch.equal(base_before[n], base_after[n]) for n in base_before)},
+                       out)
+    finally:
+        run.close()
+
+
+def test_one_step_on_one_and_two_ranks_is_the_same(tmp_path) -> None:
+    run_ranks(1, _one_step, str(tmp_path / "d1"), str(tmp_path / "one.pt"))
+    run_ranks(2, _one_step, str(tmp_path / "d2"), str(tmp_path / "two.pt"))
+    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+
+    assert one["base_unchanged"] and two["base_unchanged"], "a base weight changed during the step"
+    assert one["tokens"] == two["tokens"] > 0, "both runs must see the same global batch"
+    print(f"loss 1 rank {one['loss']:.8f}, 2 ranks {two['loss']:.8f}; "
+          f"grad norm {one['grad_norm']:.6f} vs {two['grad_norm']:.6f}")
+    assert abs(one["loss"] - two["loss"]) <= 1e-5
+    assert abs(one["grad_norm"] - two["grad_norm"]) <= 1e-5 * max(1.0, one["grad_norm"])
+    assert list(one["after"]) == list(two["after"])
+    worst_grad = worst_param = 0.0
+    for name in one["after"]:
+        assert torch.equal(one["before"][name], two["before"][name]), f"{name} started differently"
+        g1, g2 = one["grads"][name], two["grads"][name]
+        assert g1.abs().sum() > 0, f"{name} got no gradient"
+        worst_grad = max(worst_grad, (g1 - g2).abs().max().item() / g1.abs().max().item())
+        worst_param = max(worst_param, (one["after"][name] - two["after"][name]).abs().max().item())
+        moved = (one["after"][name] - one["before"][name]).abs().max().item()
+        assert moved > 1e-4, f"{name} did not move: the comparison would prove nothing"
+    print(f"max relative grad diff {worst_grad:.2e}; max |updated adapter diff| {worst_param:.2e}")
+    assert worst_grad <= 1e-4, "gradients differ between 1 and 2 ranks"
+    assert worst_param <= 1e-5, "updated adapters differ between 1 and 2 ranks"
