@@ -21,8 +21,8 @@ class RolloutClient(Protocol):
     """What the RL loop and the parity probe need from an engine."""
 
     def generate(self, prompts: list[list[int]], adapter: str | None, max_tokens: int,
-                 temperature: float, seed: int | None, stop_token_ids: list[int], n: int = 1) -> list[Completion]:
-        """`n` completions per token-id prompt (prompt-major), sampled under `adapter` (None: the base)."""
+                 temperature: float, seed: int | None, stop_token_ids: list[int]) -> list[Completion]:
+        """One completion per token-id prompt, sampled under `adapter` (None: the base)."""
         ...
 
     def score(self, sequences: list[list[int]], adapter: str | None) -> list[list[float]]:
@@ -37,12 +37,14 @@ class VLLMRolloutClient:
         self.client = client
 
     def generate(self, prompts: list[list[int]], adapter: str | None, max_tokens: int,
-                 temperature: float, seed: int | None, stop_token_ids: list[int], n: int = 1) -> list[Completion]:
-        """Sample completions through `/titan/generate` (the `n` samples of a prompt share its prefill)."""
+                 temperature: float, seed: int | None, stop_token_ids: list[int]) -> list[Completion]:
+        """Sample completions through `/titan/generate`."""
         reply = self.client.post("/titan/generate", {
-            "prompts": prompts, "adapter": adapter, "max_tokens": max_tokens, "n": n,
+            "prompts": prompts, "adapter": adapter, "max_tokens": max_tokens,
             "temperature": temperature, "seed": seed, "stop_token_ids": stop_token_ids,
         })
+        if len(reply["outputs"]) != len(prompts):
+            raise RuntimeError(f"asked for {len(prompts)} completions, the engine returned {len(reply['outputs'])}")
         if reply["adapter"] != adapter:
             raise RuntimeError(f"asked for adapter {adapter!r}, the engine answered with {reply['adapter']!r}")
         return [Completion(o["token_ids"], o["text"], o["logprobs"]) for o in reply["outputs"]]

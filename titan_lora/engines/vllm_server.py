@@ -102,13 +102,13 @@ class EngineService:
         return LoRARequest(name, self.adapters[name], "titan-mem://" + name)
 
     def generate(self, req: dict) -> dict:
-        """`n` completions per token-id prompt under adapter `adapter` (null: the base), prompt by prompt."""
+        """One completion per token-id prompt under adapter `adapter` (null: the base)."""
         from vllm import SamplingParams
 
-        seed, n = req.get("seed"), int(req.get("n", 1))
-        params = [  # `n` samples share one prefill; one seed per prompt keeps runs reproducible
+        seed = req.get("seed")
+        params = [  # one seed per prompt: a group of identical prompts gets distinct, reproducible samples
             SamplingParams(
-                n=n, max_tokens=int(req["max_tokens"]), temperature=float(req.get("temperature", 1.0)),
+                n=1, max_tokens=int(req["max_tokens"]), temperature=float(req.get("temperature", 1.0)),
                 seed=None if seed is None else seed + i, logprobs=0, stop_token_ids=req.get("stop_token_ids"),
             )
             for i in range(len(req["prompts"]))
@@ -116,9 +116,9 @@ class EngineService:
         name = req.get("adapter")
         outs = self.loop.generate(req["prompts"], params, self._lora(name), name)
         return {"adapter": name, "outputs": [
-            {"token_ids": list(c.token_ids), "text": c.text,
-             "logprobs": [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)]}
-            for o in outs for c in sorted(o.outputs, key=lambda c: c.index)]}
+            {"token_ids": list(o.outputs[0].token_ids), "text": o.outputs[0].text,
+             "logprobs": [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]}
+            for o in outs]}
 
     def score(self, req: dict) -> dict:
         """Log-prob of every token after the first, for each sequence, under adapter `adapter`."""

@@ -35,8 +35,7 @@ def sample_groups(
     """Rank 0: `group_size` completions per prompt under the active version, scored and normalised."""
     prompts = [ids for ids in prompt_ids for _ in range(group_size)]
     with versions.lease() as lease:  # the version cannot be retired while these requests run
-        completions = client.generate(list(prompt_ids), lease.name, max_tokens, temperature, seed,
-                                      stop_token_ids, n=group_size)
+        completions = client.generate(prompts, lease.name, max_tokens, temperature, seed, stop_token_ids)
     rewards = torch.tensor([reward(c.text, problems[i // group_size]) for i, c in enumerate(completions)])
     advantages = group_advantages(rewards, group_size)
     return [

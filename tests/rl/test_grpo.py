@@ -1,0 +1,54 @@
+"""GRPO's pure pieces, the task and the reward registry."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from titan_lora.rl.grpo import clipped_policy_loss, group_advantages, k3_kl
+from titan_lora.rl.rewards import get_reward, register_reward
+from titan_lora.rl.tasks import Problem, exact_match, make_problems, parse_answer, train_and_heldout
+
+
+def test_group_advantages_normalise_within_each_group():
+    adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0]), group_size=4)
+    assert torch.allclose(adv[:4], torch.tensor([3.0, -1.0, -1.0, -1.0]) / 3**0.5, atol=1e-4)
+    assert torch.equal(adv[4:], torch.zeros(4)), "a group with one reward value carries no signal"
+    with pytest.raises(ValueError, match="groups of 3"):
+        group_advantages(torch.ones(4), group_size=3)
+
+
+def test_clipped_loss_matches_ppo_clip():
+    logp = torch.log(torch.tensor([[1.5, 0.5]]))  # ratios 1.5 and 0.5 against old = 0
+    old = torch.zeros(1, 2)
+    loss, clipped = clipped_policy_loss(logp, old, torch.tensor([1.0]), clip_eps=0.2)
+    assert torch.allclose(loss, torch.tensor([[-1.2, -0.5]]))  # positive advantage: ratio capped at 1.2
+    assert clipped.tolist() == [[True, False]]
+    loss, _ = clipped_policy_loss(logp, old, torch.tensor([-1.0]), clip_eps=0.2)
+    assert torch.allclose(loss, torch.tensor([[1.5, 0.8]]))  # negative advantage: ratio floored at 0.8
+
+
+def test_k3_kl_is_zero_at_equality_and_positive_elsewhere():
+    logp = torch.tensor([-1.0, -2.0])
+    assert torch.equal(k3_kl(logp, logp), torch.zeros(2))
+    assert (k3_kl(logp, logp + 0.3) > 0).all()
+
+
+def test_tasks_are_seeded_and_heldout_is_disjoint():
+    assert make_problems(5, seed=3) == make_problems(5, seed=3)
+    train, held = train_and_heldout(100, 30, seed=0, max_digits=2)
+    assert not {p.question for p in train} & {p.question for p in held}
+    assert parse_answer("12 + 7 = 19.") == 19 and parse_answer("minus -3") == -3 and parse_answer("none") is None
+    assert exact_match("The answer is 8", Problem("What is 5 + 3?", 8)) == 1.0
+    assert exact_match("8, or 9", Problem("What is 5 + 3?", 8)) == 0.0
+
+
+def test_reward_registry_and_import_paths():
+    assert get_reward("exact_match") is exact_match
+    register_reward("always_one", lambda text, problem: 1.0)
+    assert get_reward("always_one")("x", Problem("q", 0)) == 1.0
+    assert get_reward("titan_lora.rl.tasks:exact_match") is exact_match
+    with pytest.raises(ValueError, match="unknown"):
+        get_reward("nope")
+    with pytest.raises(ValueError, match="cannot be imported"):
+        get_reward("titan_lora.rl.tasks:nope")
