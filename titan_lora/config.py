@@ -5,6 +5,7 @@ config fails in seconds with a message that names the key and the fix.
 """
 
 import os
+import tempfile
 from dataclasses import dataclass, field
 
 ADAPTER_DTYPES = ("float32", "bfloat16", "float16")
@@ -139,14 +140,16 @@ def validate_lora(cfg: LoRA) -> None:
 
 def check_writable_dir(path: str, key: str) -> None:
     """Fail early if `path` cannot be created or written."""
-    probe = os.path.abspath(path)
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    if not os.path.isdir(probe) or not os.access(probe, os.W_OK):
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    try:  # really create something: os.access says yes to root even under /proc
+        os.rmdir(tempfile.mkdtemp(dir=parent, prefix=".titan_lora_probe_"))
+    except OSError as err:
         raise ValueError(
-            f"{key} = {path!r} cannot be written ({probe!r} is not a writable directory); "
+            f"{key} = {path!r} cannot be written ({parent!r}: {err.strerror}); "
             "choose a path under a directory you own"
-        )
+        ) from None
 
 
 def validate_weight_sync(cfg: WeightSync, lora: LoRA) -> None:

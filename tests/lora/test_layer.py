@@ -51,7 +51,8 @@ def test_convert_keeps_the_same_linear_weight_and_bias() -> None:
     assert (lora.in_features, lora.out_features) == (5, 3)
     assert lora.lora_A.shape == (2, 5) and lora.lora_B.shape == (3, 2)
     assert set(dict(lora.named_parameters())) == {"weight", "bias", "lora_A", "lora_B"}
-    assert isinstance(lora.lora_dropout, nn.Dropout) and lora.lora_dropout.p == 0.1
+    assert lora.lora_dropout_p == 0.1
+    assert list(lora.children()) == [], "TP styles read .weight of every child of a linear"
 
 
 def test_forward_is_base_plus_scaled_low_rank_update() -> None:

@@ -18,9 +18,14 @@ from vllm.lora.lora_model import LoRAModel
 from vllm.lora.peft_helper import PEFTHelper
 from vllm.lora.request import LoRARequest
 from vllm.lora.utils import parse_fine_tuned_lora_name
+from vllm.platforms import current_platform
 
 from titan_lora.emitters.buckets import LayoutCache, unpack
 from titan_lora.emitters.transport import BufferCache
+from titan_lora.engines import vllm_cpu_lora
+
+if current_platform.is_cpu():  # runs in every worker process: the extension is imported there
+    vllm_cpu_lora.install()
 
 ADAPTER_SCHEME = "titan-mem://"
 

@@ -26,12 +26,14 @@ class LoRALinear(nn.Linear):
     lora_A: nn.Parameter
     lora_B: nn.Parameter
     scale: float
-    lora_dropout: nn.Module
+    # A float, not an nn.Dropout child: TP styles visit every child of a linear and read `.weight`.
+    lora_dropout_p: float
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Base projection plus the scaled low-rank path."""
         base = F.linear(x, self.weight, self.bias)
-        update = F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B)
+        dropped = F.dropout(x, self.lora_dropout_p, self.training) if self.lora_dropout_p else x
+        update = F.linear(F.linear(dropped, self.lora_A), self.lora_B)
         return base + self.scale * update
 
 
@@ -50,7 +52,7 @@ def convert_linear(
     lora.lora_A = nn.Parameter(torch.empty(rank, linear.in_features, device=device, dtype=dtype))
     lora.lora_B = nn.Parameter(torch.empty(linear.out_features, rank, device=device, dtype=dtype))
     lora.scale = scale
-    lora.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+    lora.lora_dropout_p = dropout
     return lora  # type: ignore[return-value]
 
 

@@ -32,6 +32,7 @@ class Retirer:
         self._queue: queue.Queue[Lease | None] = queue.Queue()
         self._pending: set[int] = set()
         self._lock = threading.Lock()
+        self._stuck: set[int] = set()
         self.retired = 0
         self.failed = 0
         self._thread = threading.Thread(target=self._run, name="titan-lora-retirer", daemon=True)
@@ -59,21 +60,35 @@ class Retirer:
         if not self._versions.wait_drained(lease.version, self._timeout_s):
             self.failed += 1
             logger.warning(
-                "adapter %s still has %d request(s) in flight after %.0fs; it stays loaded",
+                "adapter %s still has %d request(s) in flight after %.1f s; it stays loaded",
                 lease.name, self._versions.in_flight(lease.version), self._timeout_s,
             )
             return
-        try:
-            done = self._unload(lease.name, self._timeout_s)
-        except Exception as err:  # an unload failure must never reach the trainer
-            logger.warning("unloading adapter %s failed: %s", lease.name, err)
-            done = False
-        if done:
+        if lease.version in self._stuck:
+            return  # its earlier unload call never returned; do not pile up more on the engine
+        outcome: list[bool] = []
+        # The unload runs on its own daemon thread, so a call that never returns (SGLang's leaked
+        # usage counter) costs this queue only the timeout; the next versions still retire.
+        call = threading.Thread(target=self._call_unload, args=(lease.name, outcome), daemon=True)
+        call.start()
+        call.join(self._timeout_s)
+        if call.is_alive():
+            self._stuck.add(lease.version)
+            self.failed += 1
+            logger.warning("unloading adapter %s did not return within %.1f s; leaving it", lease.name, self._timeout_s)
+        elif outcome and outcome[0]:
             self._versions.mark_retired(lease.version)
             self.retired += 1
         else:
             self.failed += 1
-            logger.warning("unloading adapter %s did not finish in %.0fs", lease.name, self._timeout_s)
+            logger.warning("unloading adapter %s failed or timed out in the engine", lease.name)
+
+    def _call_unload(self, name: str, outcome: list[bool]) -> None:
+        try:
+            outcome.append(bool(self._unload(name, self._timeout_s)))
+        except Exception as err:  # noqa: BLE001 (an unload failure must never reach the trainer)
+            logger.warning("unloading adapter %s failed: %s", name, err)
+            outcome.append(False)
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait until queued retirements have finished (tests and shutdown); False on timeout."""

@@ -83,10 +83,12 @@ class AdapterVersions:
         try:
             yield held
         finally:
-            with self._cond:
-                self._leases[held.version] -= 1
-                if self._leases[held.version] == 0:
-                    del self._leases[held.version]
+            with self._cond:  # forget_all() may have dropped the count meanwhile (engine restart)
+                left = self._leases.get(held.version, 0) - 1
+                if left > 0:
+                    self._leases[held.version] = left
+                else:
+                    self._leases.pop(held.version, None)
                 self._cond.notify_all()
 
     def in_flight(self, version: int) -> int:

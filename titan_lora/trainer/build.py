@@ -34,12 +34,7 @@ class BuiltModel:
 
 def build_model(job_config, parallel_dims: ParallelDims, device: torch.device) -> BuiltModel:  # noqa: ANN001
     """Meta-init, convert (LoRA), parallelize, materialise on `device`, init, load pretrained weights."""
-    spec = get_train_spec(job_config.model.name)
-    if job_config.model.flavor not in spec.model_args:
-        raise ValueError(
-            f"[model] flavor = {job_config.model.flavor!r} is unknown for {job_config.model.name!r}; "
-            f"choose one of {sorted(spec.model_args)}"
-        )
+    spec = get_train_spec(job_config.model.name)  # the flavor was checked with the config
     args = dataclasses.replace(spec.model_args[job_config.model.flavor])
     args.update_from_config(job_config)
     # SmolLM2's checkpoint dir also holds the tokenizer, even for random-init flavors.
