@@ -169,6 +169,9 @@ def validate_weight_sync(cfg: WeightSync, lora: LoRA) -> None:
         raise ValueError(
             f"[weight_sync] pause_mode = {cfg.pause_mode!r}: use none, abort, retract or in_place"
         )
+    if cfg.emitter == "sglang" and not cfg.engine_url:
+        raise ValueError("[weight_sync] emitter = \"sglang\" attaches to a running SGLang server: set "
+                         "engine_url = \"http://host:port\" (titan_lora starts only vLLM engines itself)")
     if cfg.engine not in ("vllm", "receiver"):
         raise ValueError(f'[weight_sync] engine = {cfg.engine!r}: use "vllm" or "receiver"')
     if cfg.disk_dir:
@@ -187,6 +190,9 @@ def validate_grpo(cfg: GRPO, weight_sync: WeightSync) -> None:
         raise ValueError(f"[grpo] max_staleness must be >= 0, got {cfg.max_staleness}")
     if cfg.rollouts and weight_sync.enabled and not weight_sync.engine_url and weight_sync.engine == "receiver":
         raise ValueError('[weight_sync] engine = "receiver" runs no inference: set [grpo] rollouts = false')
+    if cfg.rollouts and weight_sync.emitter == "sglang":
+        raise ValueError('[grpo] rollouts come from titan_lora\'s vLLM engine; with emitter = "sglang" '
+                         "set [grpo] rollouts = false (SGLang rollouts are not wired into the loop yet)")
     if cfg.rollouts and not weight_sync.enabled:
         raise ValueError("[grpo] rollouts come from the engine: set [weight_sync] enabled = true "
                          "(or [grpo] rollouts = false to time training without an engine)")

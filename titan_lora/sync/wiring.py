@@ -92,7 +92,7 @@ def wire_syncer(run: TrainingRun) -> WeightSyncer:
             engine.start()
             cfg = dataclasses.replace(cfg, engine_url=engine.url)
         emitter = build_emitter(cfg)
-        if cfg.engine == "vllm" or cfg.engine_url:
+        if cfg.emitter != "sglang" and (cfg.engine == "vllm" or engine is None):
             rollouts = VLLMRolloutClient(JsonClient(cfg.engine_url, cfg.api_key, cfg.timeout_s))
     tokenizer = AutoTokenizer.from_pretrained(run.built.hf_dir)
     tied = json.loads((Path(run.built.hf_dir) / "config.json").read_text()).get("tie_word_embeddings", False)
