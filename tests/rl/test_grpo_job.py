@@ -33,7 +33,7 @@ def short_config(tmp: Path, steps: int) -> Path:
         (r"eval_every = \d+", "eval_every = 2"), (r"parity_every = \d+", "parity_every = 1"),
         (r"steps = \d+", f"steps = {steps}"), (r"interval = \d+", "interval = 1"),
     ]:
-        text, n = re.subn(old, new, text)
+        text, n = re.subn(rf"^{old}", new, text, flags=re.M)
         assert n == 1, f"{old} not found once in the shipped config"
     path = tmp / f"grpo_{steps}.toml"
     path.write_text(text)
