@@ -48,6 +48,18 @@ def launch(config: Path, log: Path) -> subprocess.Popen:
                             start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and every descendant, as an OOM killer or a lost node would."""
+    import psutil
+
+    parent = psutil.Process(pid)
+    for proc in [*parent.children(recursive=True), parent]:
+        try:
+            proc.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+
+
 def scalars(tb: Path) -> dict[str, dict[int, float]]:
     from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
 
@@ -73,7 +85,7 @@ def test_grpo_job_kill_and_resume(tmp_path, smollm2_dir):
         assert job.poll() is None, f"job ended early:\n{log1.read_text()[-3000:]}"
         assert time.monotonic() < deadline, "no step-2 checkpoint in 15 minutes"
         time.sleep(1)
-    os.killpg(job.pid, signal.SIGKILL)
+    kill_tree(job.pid)  # torchrun's workers and the engine run in their own process groups
     job.wait()
 
     log2 = tmp_path / "run2.log"

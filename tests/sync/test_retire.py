@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
+from lease_helpers import hold_lease
+
 from titan_lora.sync.retire import Retirer
 from titan_lora.sync.versions import AdapterVersions
 
@@ -102,17 +104,7 @@ def test_a_leased_version_is_unloaded_only_after_it_drained() -> None:
 
 def test_a_version_that_never_drains_costs_the_timeout_and_is_counted() -> None:
     v = _versions(1)
-    release = threading.Event()
-    entered = threading.Event()
-
-    def rollout() -> None:
-        with v.lease():
-            entered.set()
-            release.wait(10)
-
-    t = threading.Thread(target=rollout)
-    t.start()
-    assert entered.wait(5)
+    t, release = hold_lease(v)
     v.publish(2)
     v.publish(3)
     unload = FakeUnload()

@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+from lease_helpers import hold_lease
 
 from titan_lora.sync.versions import AdapterVersions, Lease, versioned_name
 
@@ -85,16 +86,7 @@ def test_lease_is_released_when_the_request_fails() -> None:
 def test_wait_drained_blocks_until_the_last_lease_is_released() -> None:
     v = AdapterVersions("policy", 2)
     v.publish(1)
-    entered, release = threading.Event(), threading.Event()
-
-    def rollout() -> None:
-        with v.lease():
-            entered.set()
-            release.wait(10)
-
-    t = threading.Thread(target=rollout)
-    t.start()
-    assert entered.wait(5)
+    t, release = hold_lease(v)
     started = time.monotonic()
     assert v.wait_drained(1, 0.2) is False
     assert 0.15 <= time.monotonic() - started < 2.0, "a timed-out wait takes about its timeout"

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -32,6 +34,12 @@ def engine_lora_rank(rank: int) -> int:
     raise ValueError(f"[lora] rank = {rank} is above vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}")
 
 
+def _die_with_parent() -> None:
+    # Linux: a trainer killed with SIGKILL (OOM, lost node) must not leave its engine running.
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class EmbeddedEngine:
     """An engine child process (`python -m <module> --port N ...`); restarted if it dies."""
 
@@ -51,7 +59,8 @@ class EmbeddedEngine:
         cmd = [sys.executable, "-m", self.module, "--port", str(self.port), *self.args]
         logger.info("starting %s (log: %s)", self.module, self.log_path)
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ},
+                                         preexec_fn=_die_with_parent)
         self.starts += 1
         self._wait_ready()
 
