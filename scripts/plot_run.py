@@ -18,7 +18,9 @@ def read_scalars(log_dir: str) -> dict[str, list[tuple[int, float]]]:
 
     acc = EventAccumulator(log_dir, size_guidance={"scalars": 0})
     acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    # A resumed run appends a second event file that repeats the steps after its checkpoint: the
+    # later value of a step wins.
+    return {tag: sorted({e.step: e.value for e in acc.Scalars(tag)}.items()) for tag in acc.Tags()["scalars"]}
 
 
 def plot(series: dict[str, list[tuple[int, float]]], out: Path, title: str) -> None:

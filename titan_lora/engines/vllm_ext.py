@@ -51,15 +51,19 @@ class TitanLoRAWorkerExtension:
     def _titan_build(self, lora_int_id: int, peft_config: dict, tensors: dict) -> LoRAModel:
         manager = self.model_runner.lora_manager
         models = manager._adapter_manager
-        helper = PEFTHelper.from_dict(
-            {**peft_config, "vllm_max_position_embeddings": manager.max_position_embeddings}
-        )
+        rank, alpha = peft_config["r"], peft_config["lora_alpha"]
+        scale = alpha / rank**0.5 if peft_config.get("use_rslora") else alpha / rank
+        # vLLM folds the scale into lora_B *in place*; with the scale folded here (into a new B) and
+        # a scale of 1 declared, it leaves the stored tensors untouched and A needs no copy.
+        helper = PEFTHelper.from_dict({
+            **peft_config, "lora_alpha": rank, "use_rslora": False,
+            "vllm_max_position_embeddings": manager.max_position_embeddings,
+        })
         helper.validate_legal(manager.lora_config)
         mapper = getattr(models.model, "hf_to_vllm_mapper", None)
         return LoRAModel.from_lora_tensors(
             lora_model_id=lora_int_id,
-            # vLLM scales lora_B in place: give it copies so the store stays exact.
-            tensors={k: v.clone() for k, v in tensors.items()},
+            tensors={k: v * scale if ".lora_B." in k else v for k, v in tensors.items()},
             peft_helper=helper,
             device="cpu",  # the LRU cache keeps adapters on the host; slots live on the device
             dtype=manager.lora_config.lora_dtype,
