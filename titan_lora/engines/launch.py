@@ -43,8 +43,10 @@ def _die_with_parent() -> None:
 class EmbeddedEngine:
     """An engine child process (`python -m <module> --port N ...`); restarted if it dies."""
 
-    def __init__(self, module: str, port: int, args: list[str], log_path: str, start_timeout_s: float = 600) -> None:
+    def __init__(self, module: str, port: int, args: list[str], log_path: str, start_timeout_s: float = 600,
+                 api_key: str = "") -> None:
         self.module = module
+        self.api_key = api_key
         self.port = port
         self.args = args
         self.log_path = Path(log_path)
@@ -65,7 +67,7 @@ class EmbeddedEngine:
         self._wait_ready()
 
     def _wait_ready(self) -> None:
-        client = JsonClient(self.url, os.environ.get("TITAN_LORA_API_KEY", ""), timeout_s=5)
+        client = JsonClient(self.url, self.api_key, timeout_s=5)
         deadline = time.monotonic() + self.start_timeout_s
         started = time.monotonic()
         while time.monotonic() < deadline:

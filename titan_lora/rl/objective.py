@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from titan_lora.config import GRPO
 from titan_lora.lora.layer import adapters_disabled
-from titan_lora.rl.grpo import clipped_policy_loss, k3_kl
+from titan_lora.rl.grpo import clipped_policy_loss, group_advantages, k3_kl
 from titan_lora.rl.rewards import get_reward
 from titan_lora.rl.rollout import Sample, greedy_accuracy, sample_groups, share
 from titan_lora.rl.tasks import chat_prompt, train_and_heldout
@@ -98,8 +98,6 @@ class GRPOObjective:
             self.stop_ids, self.reward))
 
     def _offline_samples(self, problems: list, step: int) -> list[Sample]:
-        from titan_lora.rl.grpo import group_advantages
-
         out = []
         for p in problems:
             prompt = self.encode(p)

@@ -71,12 +71,12 @@ def embedded_engine(run: TrainingRun, cfg) -> EmbeddedEngine:  # noqa: ANN001
     key = ["--api-key", cfg.api_key] if cfg.api_key else []
     if cfg.engine == "receiver":
         device = ["--device", str(run.device)] if run.device.type == "cuda" else []
-        return EmbeddedEngine("titan_lora.engines.receiver", port, [*device, *key], log)
+        return EmbeddedEngine("titan_lora.engines.receiver", port, [*device, *key], log, api_key=cfg.api_key)
     return EmbeddedEngine("titan_lora.engines.vllm_server", port, [
         "--model", run.built.hf_dir, "--max-lora-rank", str(engine_lora_rank(run.cfg.lora.rank)),
         "--max-loras", str(cfg.keep_versions + 1), "--max-cpu-loras", str(cfg.keep_versions + 2),
         "--max-model-len", str(cfg.engine_max_model_len), "--kv-cache-gib", str(cfg.engine_kv_cache_gib), *key,
-    ], log)
+    ], log, api_key=cfg.api_key)
 
 
 def wire_syncer(run: TrainingRun) -> WeightSyncer:
