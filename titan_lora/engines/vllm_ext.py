@@ -90,7 +90,7 @@ class TitanLoRAWorkerExtension:
         """Install the staged tensors as adapter `lora_int_id`; returns what was installed."""
         state = self._titan_state()
         tensors = self._titan_take(transfer_id)
-        supported = self.titan_lora_info()["target_modules"]
+        supported = self.titan_lora_info()["target_modules"]  # cheap: no engine state is read
         for name in tensors:
             module, _ = parse_fine_tuned_lora_name(name)
             if module.rsplit(".", 1)[-1] not in supported:
@@ -128,5 +128,4 @@ class TitanLoRAWorkerExtension:
             "max_loras": models.lora_slots,
             "max_cpu_loras": models.capacity,
             "target_modules": sorted(targets),
-            "loaded": sorted(self.model_runner.lora_manager.list_adapters()),
         }

@@ -38,12 +38,13 @@ class EngineService:
         self.adapters: dict[str, int] = {}  # versioned name -> vLLM int id
         self._next_id = 1
         self._lock = threading.Lock()
+        # Fixed at engine start; reading them through the engine thread would wait for a step boundary.
+        self.limits = loop.rpc("titan_lora_info")
 
     def info(self, _: dict) -> dict:
-        """Identity, base state, live adapters and LoRA limits."""
-        limits = self.loop.rpc("titan_lora_info")
+        """Identity, base state, live adapters and LoRA limits (asked before every sync: no engine call)."""
         return {"incarnation": self.incarnation, "model": self.model, "base_version": self.base_version,
-                "adapters": dict(self.adapters), "in_flight": self.loop.in_flight(), **limits}
+                "adapters": dict(self.adapters), "in_flight": self.loop.in_flight(), **self.limits}
 
     def bucket(self, req: dict) -> dict:
         """Copy one bucket out of shared memory (the ack means the trainer may reuse the buffer)."""
