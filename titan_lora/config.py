@@ -152,7 +152,7 @@ def check_writable_dir(path: str, key: str) -> None:
         ) from None
 
 
-def validate_weight_sync(cfg: WeightSync, lora: LoRA) -> None:
+def validate_weight_sync(cfg: WeightSync) -> None:
     """Reject a `[weight_sync]` section that cannot work."""
     if not cfg.enabled:
         return

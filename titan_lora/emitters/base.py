@@ -118,7 +118,3 @@ def build_emitter(cfg: WeightSync) -> Emitter:
         )
     return _EMITTERS[cfg.emitter](cfg)
 
-
-def registered_emitters() -> list[str]:
-    """Names of the registered emitters."""
-    return sorted(_EMITTERS)

@@ -70,7 +70,7 @@ def load_job_config(argv: list[str]):  # noqa: ANN201 (a dataclass type made at 
     job_config = ConfigManager().parse_args(args)
     ours.validate_lora(job_config.lora)
     check_targets(job_config)
-    ours.validate_weight_sync(job_config.weight_sync, job_config.lora)
+    ours.validate_weight_sync(job_config.weight_sync)
     ours.validate_grpo(job_config.grpo, job_config.weight_sync)
     return job_config
 
