@@ -46,6 +46,20 @@ def timed(fn: Callable[[], object], iters: int, sync: Callable[[], None] = lambd
     return times
 
 
+def alternating(fns: list[Callable[[], object]], iters: int, between: Callable[[], object], warmup: int = 2) -> list[list[float]]:
+    """Wall times in ms of each of `fns`, called in turn (`between` untimed after each call)."""
+    out: list[list[float]] = [[] for _ in fns]
+    for i in range(warmup + iters):
+        for times, fn in zip(out, fns):
+            t0 = time.perf_counter()
+            fn()
+            elapsed = (time.perf_counter() - t0) * 1e3
+            between()
+            if i >= warmup:
+                times.append(elapsed)
+    return out
+
+
 def p(times: list[float], q: float) -> float:
     """The q-quantile of `times`."""
     return statistics.quantiles(times, n=100, method="inclusive")[int(q * 100) - 1] if len(times) > 1 else times[0]
@@ -92,11 +106,24 @@ def cpu_bench(iters: int) -> None:
         disk = DiskEmitter(client, WeightSync.bucket_mb, "")
         base = base_weights_source(built.model, built.sd_adapter, tied_embeddings=True)()
         version = iter(range(1, 10_000))
+        live: list[str] = []
+        phases: dict[str, list[dict[str, float]]] = {}
 
         def sync_with(emitter):  # noqa: ANN001, ANN202
-            def run() -> None:  # retirement runs off the training path (a background thread), so not here
-                emitter.send_adapter(source.snapshot(next(version)))
+            def run() -> None:
+                t0 = time.perf_counter()
+                payload = source.snapshot(next(version))
+                gather_ms = (time.perf_counter() - t0) * 1e3
+                ack = emitter.send_adapter(payload)
+                phases.setdefault(type(emitter).__name__, []).append({"gather_ms": gather_ms, **ack.phases_ms})
+                live.append(payload.name)
             return run
+
+        def retire_with(emitter):  # noqa: ANN001, ANN202
+            def retire() -> None:  # as training does, off the timed path: keep the newest keep_versions
+                while len(live) > WeightSync.keep_versions:
+                    emitter.retire_adapter(live.pop(0), timeout_s=30)
+            return retire
 
         payload = source.snapshot(0)
         nbytes = payload.nbytes
@@ -104,12 +131,18 @@ def cpu_bench(iters: int) -> None:
               f"{sum(t.numel() * t.element_size() for t in base.values()) / 2**20:.0f} MiB")
         src, dst = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
         floor = statistics.median(timed(lambda: dst.copy_(src), 20))
+        # Alternate the two emitters, so that drifting load on the machine hits both alike.
+        bucket_ms, disk_ms = alternating([sync_with(bucket), sync_with(disk)], iters, between=retire_with(bucket))
         rows = [
-            ("adapter sync, bucket emitter (shm)", timed(sync_with(bucket), iters)),
-            ("adapter sync, disk emitter (baseline)", timed(sync_with(disk), iters)),
+            ("adapter sync, bucket emitter (shm)", bucket_ms),
+            ("adapter sync, disk emitter (baseline)", disk_ms),
             ("full base-weight update (buckets)", timed(lambda: bucket.send_base(base, 0), max(2, iters // 4), warmup=1)),
         ]
         report(rows, floor, "adapter sync, disk emitter (baseline)")
+        print("\nphase medians, ms (disk: pack = write the PEFT dir, apply = vLLM loads it)")
+        for emitter, rows_ in phases.items():
+            keys = [k for k in rows_[0] if k.endswith("_ms")]
+            print(f"  {emitter:20s} " + "  ".join(f"{k[:-3]} {statistics.median(r[k] for r in rows_):6.1f}" for k in keys))
         bucket.close()
         disk.close()
     finally:

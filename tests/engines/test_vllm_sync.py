@@ -2,7 +2,8 @@
 
 One engine serves the whole module (start-up takes ~25-30 s on 2 cores); the tests run in file order
 and build on each other's versions: v1, v2 (parity), v3 (a request pinned to v2 runs through its
-load), v4 (v2 retired), disk-v4, a NaN v5 that is never published, then v6 after an engine restart.
+load), v4 (v2 retired), disk-v4, a NaN v5 that is never published, v6 and v7 after an engine restart,
+then v8 after a base reload that kept v6 and v7.
 """
 
 from __future__ import annotations
@@ -309,3 +310,22 @@ def test_after_an_engine_restart_the_base_goes_again_then_the_newest_adapter(ctx
     ctx.sync(7)
     assert syncer.counters["base_sends"] == base_sends + 1, "the restarted engine got its base once"
     assert syncer.versions.live == [6, 7]
+
+
+def test_a_base_update_keeps_the_live_adapters_and_the_next_sync_exact(ctx: Ctx) -> None:
+    # Reloading the base makes vLLM re-add every live adapter through its own path (which folds the
+    # LoRA scale into lora_B); versions built by titan_lora's recorded plan keep the scale apart
+    # until then. Both must serve the same log-probs before and after, and the next sync too.
+    live = [f"policy-v{v}" for v in ctx.syncer.versions.live]
+    before = {name: ctx.engine_logprobs(name) for name in live}
+    ack = ctx.syncer.emitter.send_base(ctx.syncer.base_weights(), version=7)
+    assert ack.version == 7
+    for name in live:
+        assert max_abs_diff(ctx.engine_logprobs(name), before[name]) <= 1e-5, f"{name} changed with the base reload"
+    assert max_abs_diff(ctx.trainer_logprobs(), ctx.engine_logprobs(live[-1])) <= PARITY_TOL
+
+    randomize_adapters(ctx.built.model, seed=8, std=0.05)
+    ctx.sync(8)
+    diff = max_abs_diff(ctx.trainer_logprobs(), ctx.engine_logprobs("policy-v8"))
+    FIGURES["parity_max_abs"].append(diff)
+    assert diff <= PARITY_TOL, f"v8 after a base reload: trainer vs engine log-probs differ by {diff:.2e}"

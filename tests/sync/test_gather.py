@@ -20,7 +20,7 @@ def _full(named) -> dict[str, torch.Tensor]:  # noqa: ANN001
     return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in named}
 
 
-def _gather_on_ranks(rank: int, world: int) -> None:
+def _gather_on_ranks(rank: int, world: int, scatter: str) -> None:
     model = build_from(RANK3).model
     randomize_adapters(model, seed=3)
     named = adapter_params(model)
@@ -28,7 +28,7 @@ def _gather_on_ranks(rank: int, world: int) -> None:
     local_rows = [p.to_local().shape[0] for n, p in named if n.endswith("lora_A")]
     assert set(local_rows) == {2 if rank == 0 else 1}, "the test needs uneven shards"
 
-    gatherer = ShardGatherer(named)
+    gatherer = ShardGatherer(named, scatter=scatter)
     assert gatherer.nbytes == sum(p.numel() for _, p in named) * 4
     got = gatherer.gather()
     want = _full(named)  # the per-parameter reference (a collective on every rank, same order)
@@ -69,8 +69,9 @@ def _gather_on_ranks(rank: int, world: int) -> None:
     dist.barrier()
 
 
-def test_gather_equals_full_tensor_on_two_ranks_with_uneven_shards() -> None:
-    run_ranks(2, _gather_on_ranks)
+@pytest.mark.parametrize("scatter", ["runs", "index"])  # CPU default, GPU default
+def test_gather_equals_full_tensor_on_two_ranks_with_uneven_shards(scatter: str) -> None:
+    run_ranks(2, _gather_on_ranks, scatter)
 
 
 def test_single_process_gather_is_the_params_themselves() -> None:

@@ -65,7 +65,7 @@ def bucket_size(entries: Sequence[Entry]) -> int:
     return max((e.offset + e.nbytes for e in entries), default=0)
 
 
-def _as_one_run(entries: Sequence[Entry], tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+def one_run(entries: Sequence[Entry], tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
     """The bucket's bytes as one view when its tensors already lie in one storage at the bucket's
     offsets (the gatherer's output does), else None."""
     first = tensors[entries[0].name]
@@ -81,9 +81,11 @@ def _as_one_run(entries: Sequence[Entry], tensors: Mapping[str, torch.Tensor]) -
     return run.set_(storage, start, (bucket_size(entries),))
 
 
-def pack(buffer: torch.Tensor, entries: Sequence[Entry], tensors: Mapping[str, torch.Tensor]) -> None:
-    """Copy the bucket's tensors into `buffer` (a uint8 tensor on the tensors' device)."""
-    run = _as_one_run(entries, tensors)
+def pack(buffer: torch.Tensor, entries: Sequence[Entry], tensors: Mapping[str, torch.Tensor],
+         run: torch.Tensor | None = None) -> None:
+    """Copy the bucket's tensors into `buffer` (a uint8 tensor on the tensors' device); `run` is
+    `one_run(entries, tensors)` when the caller already has it."""
+    run = one_run(entries, tensors) if run is None else run
     if run is not None:  # one copy for the whole bucket
         buffer[: run.numel()].copy_(run, non_blocking=True)
         return
@@ -92,12 +94,15 @@ def pack(buffer: torch.Tensor, entries: Sequence[Entry], tensors: Mapping[str, t
         buffer[e.offset : e.offset + e.nbytes].copy_(src, non_blocking=True)
 
 
+def tensor_views(storage: torch.Tensor, entries: Sequence[Entry]) -> dict[str, torch.Tensor]:
+    """Each entry's tensor as a view of `storage` (uint8, laid out as the bucket)."""
+    return {e.name: storage[e.offset : e.offset + e.nbytes].view(_DTYPES[e.dtype]).view(e.shape) for e in entries}
+
+
 def unpack(buffer: torch.Tensor, entries: Sequence[Entry]) -> dict[str, torch.Tensor]:
     """Copy every tensor out of `buffer` into fresh storage the receiver owns."""
     owned = buffer[: bucket_size(entries)].clone()  # one copy; the tensors are views of it
-    out = {}
-    for e in entries:
-        out[e.name] = owned[e.offset : e.offset + e.nbytes].view(_DTYPES[e.dtype]).view(e.shape)
+    out = tensor_views(owned, entries)
     if buffer.is_cuda:  # the copies must be done before the ack lets the trainer reuse the buffer
         torch.cuda.current_stream(buffer.device).synchronize()
     return out

@@ -7,6 +7,7 @@ race of verl #5934 cannot happen). The engine side is `titan_lora.engines.vllm_e
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Mapping
@@ -16,9 +17,33 @@ import torch
 
 from titan_lora.config import WeightSync
 from titan_lora.emitters.base import AdapterPayload, Ack, EmitterError, EngineLimits, register_emitter
-from titan_lora.emitters.buckets import bucket_size, layout_id, pack, plan_buckets
+from titan_lora.emitters.buckets import Entry, bucket_size, layout_id, one_run, pack, plan_buckets
 from titan_lora.emitters.transport import BucketBuffer, make_buffers
 from titan_lora.engines.http import JsonClient, LayoutUnknownToEngine
+
+
+@dataclasses.dataclass(frozen=True)
+class _PlannedBucket:
+    entries: list[Entry]
+    run: torch.Tensor | None  # the bucket's bytes as one view of the source, when they are contiguous
+    layout: str
+    size: int
+
+
+@dataclasses.dataclass
+class _Streamed:
+    """What the engine acknowledged of one transfer."""
+
+    transfer_id: str
+    tensors: int = 0
+    bytes: int = 0
+    commit: dict | None = None
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def add(self, ack: dict) -> None:
+        self.tensors += ack["tensors"]
+        self.bytes += ack["bytes"]
+        self.commit = ack.get("commit", self.commit)
 
 
 class VLLMBucketEmitter:
@@ -30,6 +55,8 @@ class VLLMBucketEmitter:
         self._buffers: list[BucketBuffer] = []
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="titan-bucket")
         self._sent_layouts: set[str] = set()
+        self._plan_key: tuple = ()
+        self._plan: list[_PlannedBucket] = []
 
     def _info(self) -> dict:
         return self.client.post("/titan/info")
@@ -52,45 +79,56 @@ class VLLMBucketEmitter:
             buf.close()
         self._buffers = make_buffers(2, max(need, self.bucket_bytes), device)
 
-    def _stream(self, tensors: Mapping[str, torch.Tensor]) -> tuple[str, dict[str, float], int, int]:
-        """Send every tensor in buckets; returns (transfer id, phase times, tensors acked, bytes acked)."""
+    def _plan_for(self, tensors: Mapping[str, torch.Tensor]) -> list[_PlannedBucket]:
+        """Buckets for `tensors`, reused while names, shapes, dtypes and storage stay the same (the
+        gatherer hands out the same views every sync)."""
+        key = tuple((name, t.data_ptr(), t.shape, t.dtype) for name, t in tensors.items())
+        if key != self._plan_key:
+            self._plan = [_PlannedBucket(b, one_run(b, tensors), layout_id(b), bucket_size(b))
+                          for b in plan_buckets(tensors, self.bucket_bytes)]
+            self._plan_key = key
+        return self._plan
+
+    def _stream(self, tensors: Mapping[str, torch.Tensor], kind: str, commit: dict | None = None) -> _Streamed:
+        """Send every tensor in buckets (`kind`: "adapter" or "base"); `commit` rides on the last one."""
         transfer_id = uuid.uuid4().hex
-        buckets = plan_buckets(tensors, self.bucket_bytes)
+        buckets = self._plan_for(tensors)
         device = next(iter(tensors.values())).device
-        self._ensure_buffers(max(bucket_size(b) for b in buckets), device)
+        self._ensure_buffers(max(b.size for b in buckets), device)
         in_flight: list[Future | None] = [None, None]
+        out = _Streamed(transfer_id)
         pack_s, started = 0.0, time.perf_counter()
-        acked_tensors = acked_bytes = 0
-        for k, entries in enumerate(buckets):
+        for k, bucket in enumerate(buckets):
             slot = k % 2
             if in_flight[slot] is not None:  # the engine must have copied this buffer out
-                ack = in_flight[slot].result()
-                acked_tensors, acked_bytes = acked_tensors + ack["tensors"], acked_bytes + ack["bytes"]
+                out.add(in_flight[slot].result())
             t0 = time.perf_counter()
             buf = self._buffers[slot]
-            pack(buf.tensor, entries, tensors)
+            pack(buf.tensor, bucket.entries, tensors, bucket.run)
             buf.synchronize()
             pack_s += time.perf_counter() - t0
-            in_flight[slot] = self._pool.submit(self._post_bucket, transfer_id, buf, entries)
-        for fut in in_flight:
-            if fut is not None:
-                ack = fut.result()
-                acked_tensors, acked_bytes = acked_tensors + ack["tensors"], acked_bytes + ack["bytes"]
+            last = commit if k == len(buckets) - 1 else None
+            in_flight[slot] = self._pool.submit(self._post_bucket, transfer_id, kind, buf, bucket, last)
+        for k in (len(buckets), len(buckets) + 1):  # the older in-flight bucket first: the last one commits
+            if in_flight[k % 2] is not None:
+                out.add(in_flight[k % 2].result())
         total_s = time.perf_counter() - started
-        phases = {"pack_ms": pack_s * 1e3, "transfer_ms": (total_s - pack_s) * 1e3, "buckets": len(buckets)}
-        return transfer_id, phases, acked_tensors, acked_bytes
+        out.phases = {"pack_ms": pack_s * 1e3, "transfer_ms": (total_s - pack_s) * 1e3, "buckets": len(buckets)}
+        return out
 
-    def _post_bucket(self, transfer_id: str, buf: BucketBuffer, entries: list) -> dict:
+    def _post_bucket(self, transfer_id: str, kind: str, buf: BucketBuffer, bucket: _PlannedBucket,
+                     commit: dict | None) -> dict:
         """Send one bucket; its header goes only the first time the engine sees its layout."""
-        layout = layout_id(entries)
-        body = {"transfer_id": transfer_id, "segment": buf.describe(), "layout": layout}
-        if layout not in self._sent_layouts:
-            body["header"] = [e.to_json() for e in entries]
+        body = {"transfer_id": transfer_id, "kind": kind, "segment": buf.describe(), "layout": bucket.layout}
+        if commit is not None:
+            body["commit"] = commit
+        if bucket.layout not in self._sent_layouts:
+            body["header"] = [e.to_json() for e in bucket.entries]
         try:
             ack = self.client.post("/titan/bucket", body)
         except LayoutUnknownToEngine:  # the engine restarted and forgot it
-            ack = self.client.post("/titan/bucket", {**body, "header": [e.to_json() for e in entries]})
-        self._sent_layouts.add(layout)
+            ack = self.client.post("/titan/bucket", {**body, "header": [e.to_json() for e in bucket.entries]})
+        self._sent_layouts.add(bucket.layout)
         return ack
 
     def _check(self, what: str, sent: Mapping[str, torch.Tensor], tensors: int, nbytes: int) -> None:
@@ -103,23 +141,23 @@ class VLLMBucketEmitter:
 
     def send_base(self, tensors: Mapping[str, torch.Tensor], version: int) -> Ack:
         """Stream the full base weights, then have the engine load them."""
-        transfer_id, phases, n, nbytes = self._stream(tensors)
-        self._check("base weights", tensors, n, nbytes)
+        streamed = self._stream(tensors, "base")
+        self._check("base weights", tensors, streamed.tensors, streamed.bytes)
         t0 = time.perf_counter()
-        ack = self.client.post("/titan/base", {"transfer_id": transfer_id, "version": version})
-        phases["apply_ms"] = (time.perf_counter() - t0) * 1e3
+        ack = self.client.post("/titan/base", {"transfer_id": streamed.transfer_id, "version": version})
+        phases = {**streamed.phases, "apply_ms": (time.perf_counter() - t0) * 1e3}
         return Ack(ack["version"], ack["tensors"], ack["bytes"], phases)
 
     def send_adapter(self, payload: AdapterPayload) -> Ack:
-        """Stream the adapter, then have the engine register it under `payload.name`."""
-        transfer_id, phases, n, nbytes = self._stream(payload.tensors)
-        self._check(f"adapter {payload.name}", payload.tensors, n, nbytes)
-        t0 = time.perf_counter()
-        ack = self.client.post("/titan/adapter", {
-            "transfer_id": transfer_id, "name": payload.name, "version": payload.version,
-            "peft_config": dict(payload.peft_config),
-        })
-        phases["apply_ms"] = (time.perf_counter() - t0) * 1e3
+        """Stream the adapter; the last bucket asks the engine to register it under `payload.name`."""
+        commit = {"name": payload.name, "version": payload.version, "peft_config": dict(payload.peft_config)}
+        streamed = self._stream(payload.tensors, "adapter", commit)
+        self._check(f"adapter {payload.name}", payload.tensors, streamed.tensors, streamed.bytes)
+        ack = streamed.commit
+        if ack is None:
+            raise EmitterError(f"the engine did not acknowledge the commit of adapter {payload.name}")
+        apply_ms = float(ack["apply_ms"])  # the engine's own time: the commit shares the last round trip
+        phases = {**streamed.phases, "transfer_ms": streamed.phases["transfer_ms"] - apply_ms, "apply_ms": apply_ms}
         return Ack(ack["version"], ack["tensors"], ack["bytes"], phases)
 
     def retire_adapter(self, name: str, timeout_s: float) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import threading
+import time
 import uuid
 from http.server import ThreadingHTTPServer
 
@@ -55,7 +56,10 @@ class ReceiverService:
         tensors = unpack(self.buffers.get(req["segment"]), entries)
         with self._lock:
             self.staging.setdefault(req["transfer_id"], {}).update(tensors)
-        return {"tensors": len(entries), "bytes": sum(e.nbytes for e in entries)}
+        ack = {"tensors": len(entries), "bytes": sum(e.nbytes for e in entries)}
+        if "commit" in req:  # an adapter's last bucket carries its commit
+            ack["commit"] = self.adapter({**req["commit"], "transfer_id": req["transfer_id"]})
+        return ack
 
     def _take(self, transfer_id: str) -> dict[str, torch.Tensor]:
         with self._lock:
@@ -65,9 +69,11 @@ class ReceiverService:
 
     def adapter(self, req: dict) -> dict:
         """Keep the staged transfer as adapter `name`."""
+        started = time.perf_counter()
         tensors = self._take(req["transfer_id"])
         self.adapters[req["name"]] = tensors
-        return {**_size(tensors), "name": req["name"], "version": req["version"]}
+        return {**_size(tensors), "name": req["name"], "version": req["version"],
+                "apply_ms": (time.perf_counter() - started) * 1e3}
 
     def base(self, req: dict) -> dict:
         """Keep the staged transfer as the base."""
@@ -95,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.device:
         torch.cuda.set_device(torch.device(args.device))
     service = ReceiverService(args.max_lora_rank, args.max_loras)
-    routes = {op: getattr(service, op) for op in ("info", "bucket", "adapter", "base", "unload")}
+    routes = {op: getattr(service, op) for op in ("info", "bucket", "base", "unload")}
     server = ThreadingHTTPServer((args.host, args.port), make_handler(routes, args.api_key))
     logger.info("receiver %s ready on http://%s:%d", service.incarnation[:8], args.host, args.port)
     server.serve_forever()

@@ -5,12 +5,18 @@ strings, ints and JSON-able headers, so they cross vLLM's msgpack hop in multi-p
 bytes come through a trainer-owned buffer (shared memory or CUDA IPC) that each worker copies out
 before acknowledging.
 
-vLLM 0.32 has no LoRA-from-tensors API. Adapters are built with `LoRAModel.from_lora_tensors` and
-kept in an in-memory store that the worker's LoRA manager consults instead of the disk, so an LRU
-eviction or a base reload can rebuild them (a disk lookup for an unknown id kills the engine).
+vLLM 0.32 has no LoRA-from-tensors API. The first adapter of a run is built with vLLM's own
+`LoRAModel.from_lora_tensors`; later ones with the same tensor names reuse what that build resolved
+(`vllm_fastpath`). Built adapters stay in an in-memory store that the worker's LoRA manager consults
+instead of the disk, so an LRU eviction or a base reload re-adds them (a disk lookup for an unknown id
+kills the engine). Adapter bytes land in reusable host slabs: a fresh multi-MB allocation page-faults
+on every first touch, which cost more than the copy itself.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import json
 
 import torch
 from vllm.config import set_current_vllm_config
@@ -20,50 +26,115 @@ from vllm.lora.request import LoRARequest
 from vllm.lora.utils import parse_fine_tuned_lora_name
 from vllm.platforms import current_platform
 
-from titan_lora.emitters.buckets import LayoutCache, unpack
+from titan_lora.emitters.buckets import Entry, LayoutCache, bucket_size, tensor_views, unpack
 from titan_lora.emitters.transport import BufferCache
 from titan_lora.engines import vllm_cpu_lora
+from titan_lora.engines.vllm_fastpath import AdapterPlan, install_slot_writer, register
+from titan_lora.host_copy import copy_flat
 
 if current_platform.is_cpu():  # runs in every worker process: the extension is imported there
     vllm_cpu_lora.install()
 
 ADAPTER_SCHEME = "titan-mem://"
+SLABS_KEPT_PER_LAYOUT = 2
+
+
+@dataclasses.dataclass
+class _Slab:
+    """Host bytes of one adapter bucket, with its tensor views made once."""
+
+    data: torch.Tensor
+    views: dict[str, torch.Tensor]
+
+
+class _SlabPool:
+    """Free adapter slabs by bucket layout (a layout fixes size and views)."""
+
+    def __init__(self) -> None:
+        self._free: dict[str, list[_Slab]] = {}
+
+    def take(self, layout: str, entries: list[Entry]) -> _Slab:
+        free = self._free.get(layout)
+        if free:
+            return free.pop()
+        data = torch.empty(bucket_size(entries), dtype=torch.uint8)
+        return _Slab(data, tensor_views(data, entries))
+
+    def give(self, layout: str, slab: _Slab) -> None:
+        free = self._free.setdefault(layout, [])
+        if len(free) < SLABS_KEPT_PER_LAYOUT:
+            free.append(slab)
+
+
+@dataclasses.dataclass
+class _Staged:
+    """A transfer's tensors between its buckets and its commit."""
+
+    tensors: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    slabs: list[tuple[str, _Slab]] = dataclasses.field(default_factory=list)
+    nbytes: int = 0
+
+
+@dataclasses.dataclass
+class _Stored:
+    """An installed adapter and the slabs its tensors live in."""
+
+    model: LoRAModel
+    slabs: list[tuple[str, _Slab]]
+
+
+@dataclasses.dataclass
+class _State:
+    buffers: BufferCache = dataclasses.field(default_factory=BufferCache)
+    layouts: LayoutCache = dataclasses.field(default_factory=LayoutCache)
+    slabs: _SlabPool = dataclasses.field(default_factory=_SlabPool)
+    staging: dict[str, _Staged] = dataclasses.field(default_factory=dict)
+    adapters: dict[int, _Stored] = dataclasses.field(default_factory=dict)
+    plans: dict[str, AdapterPlan | None] = dataclasses.field(default_factory=dict)
 
 
 class TitanLoRAWorkerExtension:
     """Receive buckets, then install them as a LoRA adapter or as the base weights."""
 
-    def _titan_state(self) -> dict:
+    def _titan_state(self) -> _State:
         state = self.__dict__.get("_titan")
         if state is None:
-            state = {"buffers": BufferCache(), "layouts": LayoutCache(), "staging": {}, "adapters": {}}
-            self.__dict__["_titan"] = state
+            state = self.__dict__["_titan"] = _State()
             manager = self.model_runner.lora_manager
             original = manager._load_adapter
 
-            def load_adapter(request: LoRARequest):  # noqa: ANN202
-                stored = state["adapters"].get(request.lora_int_id)
-                return original(request) if stored is None else self._titan_build(request.lora_int_id, *stored)
+            def load_adapter(request: LoRARequest) -> LoRAModel:
+                stored = state.adapters.get(request.lora_int_id)
+                return original(request) if stored is None else stored.model
 
             manager._load_adapter = load_adapter  # instance attribute shadows the disk loader
+            install_slot_writer(manager._adapter_manager, lambda lora_id: lora_id in state.adapters)
         return state
 
-    def _titan_build(self, lora_int_id: int, peft_config: dict, tensors: dict) -> LoRAModel:
+    def _titan_check_targets(self, tensors: dict[str, torch.Tensor]) -> None:
+        supported = self.titan_lora_info()["target_modules"]
+        for name in tensors:
+            module, _ = parse_fine_tuned_lora_name(name)
+            if module.rsplit(".", 1)[-1] not in supported:
+                raise ValueError(f"adapter tensor {name} targets a module this engine cannot adapt ({supported})")
+
+    def _titan_build(self, lora_int_id: int, peft_config: dict, tensors: dict[str, torch.Tensor]) -> tuple[LoRAModel, bool]:
+        """The adapter as vLLM's LoRA manager takes it, and whether a recorded plan built it (vLLM
+        builds the first one with these names)."""
+        plans = self._titan_state().plans
+        key = json.dumps(peft_config, sort_keys=True) + "\n" + "\n".join(tensors)
+        plan = plans.get(key)
+        if plan is not None:
+            return plan.build(lora_int_id, tensors), True
+        self._titan_check_targets(tensors)
         manager = self.model_runner.lora_manager
         models = manager._adapter_manager
-        rank, alpha = peft_config["r"], peft_config["lora_alpha"]
-        scale = alpha / rank**0.5 if peft_config.get("use_rslora") else alpha / rank
-        # vLLM folds the scale into lora_B *in place*; with the scale folded here (into a new B) and
-        # a scale of 1 declared, it leaves the stored tensors untouched and A needs no copy.
-        helper = PEFTHelper.from_dict({
-            **peft_config, "lora_alpha": rank, "use_rslora": False,
-            "vllm_max_position_embeddings": manager.max_position_embeddings,
-        })
+        helper = PEFTHelper.from_dict({**peft_config, "vllm_max_position_embeddings": manager.max_position_embeddings})
         helper.validate_legal(manager.lora_config)
         mapper = getattr(models.model, "hf_to_vllm_mapper", None)
-        return LoRAModel.from_lora_tensors(
+        model = LoRAModel.from_lora_tensors(
             lora_model_id=lora_int_id,
-            tensors={k: v * scale if ".lora_B." in k else v for k, v in tensors.items()},
+            tensors=tensors,
             peft_helper=helper,
             device="cpu",  # the LRU cache keeps adapters on the host; slots live on the device
             dtype=manager.lora_config.lora_dtype,
@@ -71,17 +142,33 @@ class TitanLoRAWorkerExtension:
             weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
             skip_prefixes=getattr(models.model, "lora_skip_prefixes", None),
         )
+        scalings = AdapterPlan.scalings(model, tensors)
+        models._create_merged_loras_inplace(model)  # what registering does next; a no-op the second time
+        plans[key] = None if scalings is None else AdapterPlan.derive(model, tensors, scalings)
+        return model, False
 
-    def titan_receive_bucket(self, transfer_id: str, segment: dict, layout: str, header: list[dict] | None) -> dict:
+    def titan_receive_bucket(self, transfer_id: str, segment: dict, layout: str, header: list[dict] | None,
+                             kind: str = "adapter") -> dict:
         """Copy one bucket out of the trainer's buffer; the return value is the ack."""
+        if kind not in ("adapter", "base"):
+            raise ValueError(f"bucket kind must be 'adapter' or 'base', got {kind!r}")
         state = self._titan_state()
-        entries = state["layouts"].resolve(layout, header)
-        tensors = unpack(state["buffers"].get(segment), entries)
-        state["staging"].setdefault(transfer_id, {}).update(tensors)
-        return {"tensors": len(tensors), "bytes": sum(e.nbytes for e in entries)}
+        entries = state.layouts.resolve(layout, header)
+        buffer = state.buffers.get(segment)
+        staged = state.staging.setdefault(transfer_id, _Staged())
+        if kind == "adapter":  # into a reusable host slab (vLLM keeps adapters on the host)
+            slab = state.slabs.take(layout, entries)
+            copy_flat(slab.data, buffer[: slab.data.numel()])
+            staged.tensors.update(slab.views)
+            staged.slabs.append((layout, slab))
+        else:
+            staged.tensors.update(unpack(buffer, entries))
+        nbytes = sum(e.nbytes for e in entries)
+        staged.nbytes += nbytes
+        return {"tensors": len(entries), "bytes": nbytes}
 
-    def _titan_take(self, transfer_id: str) -> dict[str, torch.Tensor]:
-        staged = self._titan_state()["staging"].pop(transfer_id, None)
+    def _titan_take(self, transfer_id: str) -> _Staged:
+        staged = self._titan_state().staging.pop(transfer_id, None)
         if staged is None:
             raise ValueError(f"transfer {transfer_id!r} has no buckets: send them before the commit")
         return staged
@@ -89,34 +176,40 @@ class TitanLoRAWorkerExtension:
     def titan_commit_adapter(self, transfer_id: str, lora_int_id: int, lora_name: str, peft_config: dict) -> dict:
         """Install the staged tensors as adapter `lora_int_id`; returns what was installed."""
         state = self._titan_state()
-        tensors = self._titan_take(transfer_id)
-        supported = self.titan_lora_info()["target_modules"]  # cheap: no engine state is read
-        for name in tensors:
-            module, _ = parse_fine_tuned_lora_name(name)
-            if module.rsplit(".", 1)[-1] not in supported:
-                raise ValueError(f"adapter tensor {name} targets a module this engine cannot adapt ({supported})")
-        state["adapters"][lora_int_id] = (dict(peft_config), tensors)
+        staged = self._titan_take(transfer_id)
+        model, planned = self._titan_build(lora_int_id, peft_config, staged.tensors)
+        state.adapters[lora_int_id] = _Stored(model, staged.slabs)
         manager = self.model_runner.lora_manager
-        manager.add_adapter(LoRARequest(lora_name, lora_int_id, ADAPTER_SCHEME + lora_name))
-        return {"tensors": len(tensors), "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+        try:
+            if planned:
+                register(manager._adapter_manager, model)
+            else:
+                manager.add_adapter(LoRARequest(lora_name, lora_int_id, ADAPTER_SCHEME + lora_name))
+        except Exception:
+            state.adapters.pop(lora_int_id)
+            raise
+        return {"tensors": len(staged.tensors), "bytes": staged.nbytes}
 
     def titan_commit_base(self, transfer_id: str) -> dict:
         """Load the staged tensors (HF names) as the base weights; adapters are re-installed."""
         state = self._titan_state()
-        tensors = self._titan_take(transfer_id)
+        tensors = self._titan_take(transfer_id).tensors
         with set_current_vllm_config(self.vllm_config):
             # reload_weights re-runs the CPU/GPU weight repacking that a plain load_weights skips.
             self.model_runner.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
         manager = self.model_runner.lora_manager
-        for lora_int_id in list(state["adapters"]):  # reload_weights dropped every adapter
+        for lora_int_id in list(state.adapters):  # reload_weights dropped every adapter
             manager.add_adapter(LoRARequest(f"id{lora_int_id}", lora_int_id, ADAPTER_SCHEME))
         return {"tensors": len(tensors), "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
 
     def titan_remove_adapter(self, lora_int_id: int) -> bool:
         """Forget adapter `lora_int_id` (the server only asks once no request uses it)."""
-        self._titan_state()["adapters"].pop(lora_int_id, None)
-        return bool(self.model_runner.lora_manager.remove_adapter(lora_int_id))
-
+        state = self._titan_state()
+        removed = bool(self.model_runner.lora_manager.remove_adapter(lora_int_id))
+        stored = state.adapters.pop(lora_int_id, None)
+        for layout, slab in stored.slabs if stored is not None else ():
+            state.slabs.give(layout, slab)  # vLLM holds no view of it any more
+        return removed
     def titan_lora_info(self) -> dict:
         """The engine's LoRA limits and the leaf module names it can adapt (packed names expanded)."""
         models = self.model_runner.lora_manager._adapter_manager

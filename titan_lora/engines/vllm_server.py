@@ -24,7 +24,7 @@ from titan_lora.engines.vllm_loop import EngineLoop
 
 logger = logging.getLogger("titan_lora.engine")
 EXTENSION = "titan_lora.engines.vllm_ext.TitanLoRAWorkerExtension"
-ROUTES = ("info", "bucket", "adapter", "adapter_from_path", "base", "unload", "generate", "score")
+ROUTES = ("info", "bucket", "adapter_from_path", "base", "unload", "generate", "score")
 
 
 class EngineService:
@@ -47,9 +47,13 @@ class EngineService:
                 "adapters": dict(self.adapters), "in_flight": self.loop.in_flight(), **self.limits}
 
     def bucket(self, req: dict) -> dict:
-        """Copy one bucket out of shared memory (the ack means the trainer may reuse the buffer)."""
-        return self.loop.rpc("titan_receive_bucket", req["transfer_id"], req["segment"], req["layout"],
-                             req.get("header"))
+        """Copy one bucket out of shared memory (the ack means the trainer may reuse the buffer); an
+        adapter's last bucket carries its commit, saving a round trip."""
+        ack = self.loop.rpc("titan_receive_bucket", req["transfer_id"], req["segment"], req["layout"],
+                            req.get("header"), req.get("kind", "adapter"))
+        if "commit" in req:
+            ack["commit"] = self.adapter({**req["commit"], "transfer_id": req["transfer_id"]})
+        return ack
 
     def adapter(self, req: dict) -> dict:
         """Install the staged transfer as adapter `name` under a fresh int id."""
@@ -58,9 +62,10 @@ class EngineService:
             self.unload({"name": name, "timeout_s": 30})
         with self._lock:
             lora_id, self._next_id = self._next_id, self._next_id + 1
+        started = time.perf_counter()
         ack = self.loop.rpc("titan_commit_adapter", req["transfer_id"], lora_id, name, req["peft_config"])
         self.adapters[name] = lora_id
-        return {**ack, "name": name, "version": req["version"]}
+        return {**ack, "name": name, "version": req["version"], "apply_ms": (time.perf_counter() - started) * 1e3}
 
     def adapter_from_path(self, req: dict) -> dict:
         """vLLM's own disk path: load a PEFT directory as adapter `name` (the baseline)."""

@@ -4,24 +4,28 @@ A per-parameter `full_tensor()` loop costs one collective per tensor (448 for an
 on all linears), and a naive coalesced gather spends its time on `torch.cat`, a size exchange and host
 syncs. Here all shapes and shard layouts are fixed at construction, so each sync is:
 one copy of the local shards into a preallocated send buffer, one `dist.gather` into a preallocated
-receive buffer, and one `index_copy_` that scatters every element to its place in the full tensors.
+receive buffer, and a scatter of every element to its place in the full tensors.
 
 The scatter index is built once, from each param's own DTensor placements (a sharded arange), so it
-holds for any mix of FSDP and TP placements, uneven shards included. Every rank must call `gather`
-in the same order: it is a collective.
+holds for any mix of FSDP and TP placements, uneven shards included. On GPU the scatter is one
+`index_copy_` kernel. On CPU an element-wise index copy runs at a fraction of memory speed, so the
+index is cut, once, into runs of consecutive elements: one batched `_foreach_copy_` moves the runs
+(rank 0's own shards straight from the params, with no send copy), and only what lies in short runs
+(rows that a layout permutes) goes through `index_copy_`. Every rank must call `gather` in the same
+order: it is a collective.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-
 import math
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titan_lora.emitters.buckets import ALIGN
+from titan_lora.host_copy import balanced_cut, in_two
 
 # Maps a tensor of output positions, laid out as the output wants the param, into the trainer's
 # layout of that param (e.g. undoing a row permutation), so the scatter writes the output layout.
@@ -44,6 +48,69 @@ def _global_flat_index(param: torch.Tensor, offset: int, layout: Layout | None) 
     return shard.to_local().reshape(-1)
 
 
+# Runs shorter than this are scattered element-wise: a batched copy of tiny pieces costs more.
+MIN_RUN = 64
+
+
+class _RunPlan:
+    """The CPU scatter: long runs as (source view, output view) pairs; the elements of short runs are
+    staged side by side and placed with a single `index_copy_`."""
+
+    def __init__(self, out: torch.Tensor) -> None:
+        self.out = out
+        self.srcs: list[torch.Tensor] = []
+        self.dsts: list[torch.Tensor] = []
+        self._short: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []  # source, picks, out index
+        self.cut = 0  # where the batched copy splits over two threads
+        self._stage = self._stage_index = torch.empty(0)
+        self._whole: list[torch.Tensor] = []
+        self._whole_numel = 0
+        self._picked: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def add(self, source: torch.Tensor, index: torch.Tensor) -> None:
+        """Plan moving source[i] to out[index[i]] for every i (index == out.numel() - 1 is padding)."""
+        if index.numel() == 0:
+            return
+        breaks = torch.nonzero(index[1:] - index[:-1] != 1).flatten() + 1
+        starts = torch.cat([torch.zeros(1, dtype=torch.int64), breaks])
+        lengths = torch.diff(starts, append=torch.tensor([index.numel()]))
+        real = index[starts] != self.out.numel() - 1
+        long = real & (lengths >= MIN_RUN)
+        for start, length in zip(starts[long].tolist(), lengths[long].tolist()):
+            first = int(index[start])
+            self.srcs.append(source[start : start + length])
+            self.dsts.append(self.out[first : first + length])
+        picks = torch.nonzero(torch.repeat_interleave(real & (lengths < MIN_RUN), lengths)).flatten()
+        if picks.numel():
+            whole = picks.numel() == source.numel()  # e.g. a row-permuted param: no pick needed
+            self._short.append((source, None if whole else picks, index[picks]))
+
+    def finish(self) -> _RunPlan:
+        """Fix the staging layout and the thread split once every source is added."""
+        self.cut = balanced_cut(self.dsts)
+        self._whole = [src for src, picks, _ in self._short if picks is None]
+        picked = [(src, picks, idx) for src, picks, idx in self._short if picks is not None]
+        indices = [idx for _, picks, idx in self._short if picks is None] + [idx for _, _, idx in picked]
+        self._stage_index = torch.cat(indices) if indices else torch.empty(0, dtype=torch.int64)
+        self._stage = self.out.new_empty(self._stage_index.numel())
+        offset = self._whole_numel = sum(src.numel() for src in self._whole)
+        for src, picks, _ in picked:
+            self._picked.append((src, picks, self._stage[offset : offset + picks.numel()]))
+            offset += picks.numel()
+        return self
+
+    def run(self) -> None:
+        """Move every planned element into the output."""
+        in_two(torch._foreach_copy_, self.dsts, self.srcs, cut=self.cut)
+        if not self._stage.numel():
+            return
+        if self._whole:
+            torch.cat(self._whole, out=self._stage[: self._whole_numel])
+        for src, picks, stage in self._picked:
+            torch.index_select(src, 0, picks, out=stage)
+        self.out.index_copy_(0, self._stage_index, self._stage)
+
+
 def aligned_offsets(numels: Sequence[int], element_size: int, align: int = ALIGN) -> list[int]:
     """Element offsets of tensors laid out back to back, each starting on an `align`-byte boundary."""
     step = max(align // element_size, 1)
@@ -62,7 +129,9 @@ class ShardGatherer:
         group: dist.ProcessGroup | None = None,
         dst: int = 0,
         layouts: Sequence[Layout | None] | None = None,
+        scatter: str | None = None,
     ) -> None:
+        """`scatter`: "runs" or "index"; by default runs on CPU and one index_copy_ elsewhere."""
         if not named_params:
             raise ValueError("no adapter parameters to gather: is the `lora` converter enabled?")
         dtypes = {p.dtype for _, p in named_params}
@@ -82,9 +151,8 @@ class ShardGatherer:
         # Outputs start on bucket-aligned boundaries, so the buffer is already a bucket's layout.
         offsets = aligned_offsets([p.numel() for _, p in named_params], self._locals[0].element_size())
         self.total_numel = offsets[-1]
-        local_index = torch.cat([
-            _global_flat_index(p, o, lay) for (_, p), o, lay in zip(named_params, offsets, layouts)
-        ])
+        local_indices = [_global_flat_index(p, o, lay) for (_, p), o, lay in zip(named_params, offsets, layouts)]
+        local_index = torch.cat(local_indices)
         self.local_numel = local_index.numel()
         self.max_local = self._max_over_ranks(self.local_numel, device)
 
@@ -94,7 +162,11 @@ class ShardGatherer:
         # One extra slot at the end soaks up the padding of ranks whose shard is smaller. Zeros: the
         # alignment gaps between tensors are never written and must stay finite.
         self._full = torch.zeros(self.total_numel + 1 if is_dst else 0, dtype=self.dtype, device=device)
-        self._index = self._gather_index(local_index.to(device), device)
+        scatter = scatter or ("runs" if device.type == "cpu" else "index")
+        if scatter not in ("runs", "index"):
+            raise ValueError(f"scatter must be 'runs' or 'index', got {scatter!r}")
+        index = self._gather_index(local_index.to(device), device)
+        self._index, self._runs = (index, None) if scatter == "index" else (None, self._run_plan(index, local_indices))
         self.views = {
             name: self._full[offsets[i] : offsets[i] + math.prod(shape)].view(shape)
             for i, (name, shape) in enumerate(zip(self.names, self.shapes))
@@ -112,6 +184,18 @@ class ShardGatherer:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return int(t.item())
 
+    def _run_plan(self, index: torch.Tensor | None, local_indices: list[torch.Tensor]) -> _RunPlan | None:
+        """On rank `dst`: runs from its own params and from the other ranks' parts of the receive buffer."""
+        if index is None:
+            return None
+        plan = _RunPlan(self._full)
+        for local, own in zip(self._locals, local_indices):
+            plan.add(local, own)
+        for r, (chunk, chunk_index) in enumerate(zip(self._recv.chunk(self.world), index.chunk(self.world))):
+            if r != self.dst:
+                plan.add(chunk, chunk_index)
+        return plan.finish()
+
     def _gather_index(self, local_index: torch.Tensor, device: torch.device) -> torch.Tensor | None:
         padded = torch.full((self.max_local,), self.total_numel, dtype=torch.int64, device=device)
         padded[: local_index.numel()] = local_index
@@ -124,17 +208,25 @@ class ShardGatherer:
     @torch.no_grad()
     def gather(self) -> dict[str, torch.Tensor] | None:
         """Collective. On rank `dst`: {name: full tensor} (views reused by the next call); else None."""
-        torch.cat(self._locals, out=self._send[: self.local_numel])
-        if self.world == 1:
-            self._full.index_copy_(0, self._index, self._send)
-            return self.views
-        recv = list(self._recv.chunk(self.world)) if self.rank == self.dst else None
-        dist.gather(self._send, recv, dst=self.dst, group=self.group)
-        if self.rank != self.dst:
+        is_dst = self.rank == self.dst
+        if not is_dst or self._runs is None:  # the run plan reads rank dst's own shards in place
+            torch.cat(self._locals, out=self._send[: self.local_numel])
+        if self.world > 1:
+            recv = list(self._recv.chunk(self.world)) if is_dst else None
+            dist.gather(self._send, recv, dst=self.dst, group=self.group)
+        if not is_dst:
             return None
-        self._full.index_copy_(0, self._index, self._recv)
+        if self._runs is not None:
+            self._runs.run()
+        else:
+            self._full.index_copy_(0, self._index, self._send if self.world == 1 else self._recv)
         return self.views
 
     def all_finite(self) -> bool:
-        """Rank `dst`: True when the last gathered tensors hold no NaN or Inf (one kernel, one sync)."""
-        return bool(torch.isfinite(self._full[: self.total_numel]).all())
+        """Rank `dst`: True when the last gathered tensors hold no NaN or Inf.
+
+        NaN and Inf propagate through a sum, so a finite sum proves every element finite (one pass,
+        no mask); only a non-finite sum, which an overflow could also give, is checked per element.
+        """
+        full = self._full[: self.total_numel]
+        return bool(torch.isfinite(full.sum())) or bool(torch.isfinite(full).all())

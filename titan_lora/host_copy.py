@@ -1,0 +1,55 @@
+"""Batched host-memory copies split over two threads.
+
+One thread copies host memory at about half the machine's bandwidth (measured here: 18.6 MB in
+4.6 ms on one thread, 2.4 ms on two). Torch releases the GIL inside its ops, so a second Python
+thread doubles the rate for the copies on a sync's critical path (the CPU gather's scatter and the
+engine's copy-out and slot writes), whatever the process's intra-op thread setting (vLLM's CPU
+worker pins it to 1). Device tensors are left to their streams: they take the plain batched call.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+# Below this, a hand-off to the helper thread costs more than it saves.
+MIN_SPLIT_BYTES = 1 << 20
+
+_helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="titan-host-copy")
+
+
+def balanced_cut(tensors: Sequence[torch.Tensor]) -> int:
+    """The index that splits `tensors` into two runs of about equal bytes (0: do not split)."""
+    sizes = list(itertools.accumulate(t.numel() * t.element_size() for t in tensors))
+    if not sizes or sizes[-1] < MIN_SPLIT_BYTES or tensors[0].device.type != "cpu":
+        return 0
+    return min(bisect.bisect_left(sizes, sizes[-1] / 2) + 1, len(tensors) - 1)
+
+
+def in_two(op: Callable[..., object], dsts: list[torch.Tensor], *args: object, cut: int | None = None) -> None:
+    """`op(dsts, *args)` for a `torch._foreach_*_` op, the first `cut` tensors on a helper thread.
+
+    List arguments are split with `dsts`; scalars go to both halves. `cut` defaults to
+    `balanced_cut(dsts)`; pass it when the same lists come back every time.
+    """
+    if not dsts:
+        return
+    cut = balanced_cut(dsts) if cut is None else cut
+    if cut <= 0:
+        op(dsts, *args)
+        return
+    head = [a[:cut] if isinstance(a, list) else a for a in args]
+    tail = [a[cut:] if isinstance(a, list) else a for a in args]
+    pending = _helper.submit(op, dsts[:cut], *head)
+    op(dsts[cut:], *tail)
+    pending.result()
+
+
+def copy_flat(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """`dst.copy_(src)` for two flat tensors, half on a helper thread."""
+    dsts, srcs = list(dst.chunk(2)), list(src.chunk(2))
+    in_two(torch._foreach_copy_, dsts, srcs, cut=1 if len(dsts) == 2 else 0)
