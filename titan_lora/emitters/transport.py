@@ -6,6 +6,7 @@ acknowledges. Descriptors are plain JSON (no pickle crosses from one side to the
 
 from __future__ import annotations
 
+import atexit
 import base64
 from multiprocessing import resource_tracker, shared_memory
 
@@ -28,8 +29,11 @@ class BucketBuffer:
         else:
             raise ValueError(f"no bucket transport for device type {device.type!r}")
 
-    def describe(self) -> dict:
-        """The JSON descriptor the engine opens the buffer with."""
+    def describe(self, offset: int = 0) -> dict:
+        """The JSON descriptor the engine opens the buffer with; the bucket starts `offset` bytes in."""
+        return {**self._describe(), "offset": offset}
+
+    def _describe(self) -> dict:
         if self._shm is not None:
             return {"kind": "shm", "name": self._shm.name, "size": self.size}
         _, args = reductions.reduce_tensor(self.tensor)
@@ -59,6 +63,36 @@ def make_buffers(n: int, size: int, device: torch.device) -> list[BucketBuffer]:
     return [BucketBuffer(size, device) for _ in range(n)]
 
 
+# Buffers handed out by `shared_tensor`, by the address of their first byte.
+_HOMES: dict[int, BucketBuffer] = {}
+
+
+@atexit.register
+def _unlink_homes() -> None:
+    """Remove the shared-memory names at exit (the mappings go with the process)."""
+    for buf in _HOMES.values():
+        if buf._shm is not None:
+            buf._shm.unlink()
+
+
+def shared_tensor(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor that an engine process can map, so that what is written into it needs no copy
+    into a bucket (a plain tensor where the host has no shared memory to spare)."""
+    size = numel * torch.empty(0, dtype=dtype).element_size()
+    try:
+        buf = BucketBuffer(size, device)
+    except (OSError, ValueError):
+        return torch.zeros(numel, dtype=dtype, device=device)
+    _HOMES[buf.tensor.data_ptr()] = buf  # lives as long as the process: the tensor may outlive any owner
+    return buf.tensor.zero_().view(dtype)
+
+
+def home_of(tensor: torch.Tensor) -> tuple[BucketBuffer, int] | None:
+    """The shared buffer that `tensor` lies in and its byte offset there, if `shared_tensor` made it."""
+    buf = _HOMES.get(tensor.untyped_storage().data_ptr())
+    return None if buf is None else (buf, tensor.data_ptr() - buf.tensor.data_ptr())
+
+
 def _open(desc: dict) -> tuple[torch.Tensor, object]:
     if desc["kind"] == "shm":
         shm = shared_memory.SharedMemory(name=desc["name"])
@@ -85,8 +119,8 @@ class BufferCache:
         self._open: dict[str, tuple[torch.Tensor, object]] = {}
 
     def get(self, desc: dict) -> torch.Tensor:
-        """The uint8 tensor behind descriptor `desc`."""
+        """The uint8 tensor behind descriptor `desc`, from its bucket's offset on."""
         key = desc.get("name") or desc["handle"]
         if key not in self._open:
             self._open[key] = _open(desc)
-        return self._open[key][0]
+        return self._open[key][0][int(desc.get("offset", 0)) :]

@@ -2,7 +2,10 @@
 
 Bucket k is packed into buffer k % 2 while bucket k-1 is being copied out by the engine; a buffer is
 packed again only after the engine acknowledged that it copied the bucket it held (the overwrite
-race of verl #5934 cannot happen). The engine side is `titan_lora.engines.vllm_ext`.
+race of verl #5934 cannot happen). A bucket whose tensors already lie in a shared buffer (the
+gatherer writes the adapter into one, from `transport.shared_tensor`) goes as it is, with no packing
+copy: that buffer is written again only by the next gather, after this transfer is acknowledged.
+The adapter's commit rides on its last bucket. The engine side is `titan_lora.engines.vllm_ext`.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch
 from titan_lora.config import WeightSync
 from titan_lora.emitters.base import AdapterPayload, Ack, EmitterError, EngineLimits, register_emitter
 from titan_lora.emitters.buckets import Entry, bucket_size, layout_id, one_run, pack, plan_buckets
-from titan_lora.emitters.transport import BucketBuffer, make_buffers
+from titan_lora.emitters.transport import BucketBuffer, home_of, make_buffers
 from titan_lora.engines.http import JsonClient, LayoutUnknownToEngine
 
 
@@ -28,6 +31,7 @@ class _PlannedBucket:
     run: torch.Tensor | None  # the bucket's bytes as one view of the source, when they are contiguous
     layout: str
     size: int
+    home: tuple[BucketBuffer, int] | None  # (shared buffer, offset) when the run already lies in one
 
 
 @dataclasses.dataclass
@@ -84,8 +88,11 @@ class VLLMBucketEmitter:
         gatherer hands out the same views every sync)."""
         key = tuple((name, t.data_ptr(), t.shape, t.dtype) for name, t in tensors.items())
         if key != self._plan_key:
-            self._plan = [_PlannedBucket(b, one_run(b, tensors), layout_id(b), bucket_size(b))
-                          for b in plan_buckets(tensors, self.bucket_bytes)]
+            self._plan = []
+            for entries in plan_buckets(tensors, self.bucket_bytes):
+                run = one_run(entries, tensors)
+                home = None if run is None else home_of(run)
+                self._plan.append(_PlannedBucket(entries, run, layout_id(entries), bucket_size(entries), home))
             self._plan_key = key
         return self._plan
 
@@ -93,33 +100,39 @@ class VLLMBucketEmitter:
         """Send every tensor in buckets (`kind`: "adapter" or "base"); `commit` rides on the last one."""
         transfer_id = uuid.uuid4().hex
         buckets = self._plan_for(tensors)
-        device = next(iter(tensors.values())).device
-        self._ensure_buffers(max(b.size for b in buckets), device)
-        in_flight: list[Future | None] = [None, None]
+        to_pack = [b for b in buckets if b.home is None]
+        if to_pack:
+            self._ensure_buffers(max(b.size for b in to_pack), next(iter(tensors.values())).device)
+        posts: list[Future] = []
+        last_post: list[Future | None] = [None, None]  # per packing buffer
         out = _Streamed(transfer_id)
-        pack_s, started = 0.0, time.perf_counter()
+        pack_s, started, packed = 0.0, time.perf_counter(), 0
         for k, bucket in enumerate(buckets):
-            slot = k % 2
-            if in_flight[slot] is not None:  # the engine must have copied this buffer out
-                out.add(in_flight[slot].result())
             t0 = time.perf_counter()
-            buf = self._buffers[slot]
-            pack(buf.tensor, bucket.entries, tensors, bucket.run)
+            if bucket.home is not None:  # already in shared memory (the gatherer's output): no copy
+                buf, offset = bucket.home
+            else:
+                slot, packed = packed % 2, packed + 1
+                if last_post[slot] is not None:
+                    last_post[slot].result()  # the engine must have copied this buffer out
+                buf, offset = self._buffers[slot], 0
+                pack(buf.tensor, bucket.entries, tensors, bucket.run)
             buf.synchronize()
             pack_s += time.perf_counter() - t0
             last = commit if k == len(buckets) - 1 else None
-            in_flight[slot] = self._pool.submit(self._post_bucket, transfer_id, kind, buf, bucket, last)
-        for k in (len(buckets), len(buckets) + 1):  # the older in-flight bucket first: the last one commits
-            if in_flight[k % 2] is not None:
-                out.add(in_flight[k % 2].result())
+            posts.append(self._pool.submit(self._post_bucket, transfer_id, kind, buf, offset, bucket, last))
+            if bucket.home is None:
+                last_post[slot] = posts[-1]
+        for post in posts:  # in order: the last one carries the commit
+            out.add(post.result())
         total_s = time.perf_counter() - started
         out.phases = {"pack_ms": pack_s * 1e3, "transfer_ms": (total_s - pack_s) * 1e3, "buckets": len(buckets)}
         return out
 
-    def _post_bucket(self, transfer_id: str, kind: str, buf: BucketBuffer, bucket: _PlannedBucket,
+    def _post_bucket(self, transfer_id: str, kind: str, buf: BucketBuffer, offset: int, bucket: _PlannedBucket,
                      commit: dict | None) -> dict:
         """Send one bucket; its header goes only the first time the engine sees its layout."""
-        body = {"transfer_id": transfer_id, "kind": kind, "segment": buf.describe(), "layout": bucket.layout}
+        body = {"transfer_id": transfer_id, "kind": kind, "segment": buf.describe(offset), "layout": bucket.layout}
         if commit is not None:
             body["commit"] = commit
         if bucket.layout not in self._sent_layouts:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titan_lora.emitters.buckets import ALIGN
+from titan_lora.emitters.transport import shared_tensor
 from titan_lora.host_copy import balanced_cut, in_two
 
 # Maps a tensor of output positions, laid out as the output wants the param, into the trainer's
@@ -160,8 +161,9 @@ class ShardGatherer:
         is_dst = self.rank == dst
         self._recv = torch.empty(self.world * self.max_local if is_dst else 0, dtype=self.dtype, device=device)
         # One extra slot at the end soaks up the padding of ranks whose shard is smaller. Zeros: the
-        # alignment gaps between tensors are never written and must stay finite.
-        self._full = torch.zeros(self.total_numel + 1 if is_dst else 0, dtype=self.dtype, device=device)
+        # alignment gaps between tensors are never written and must stay finite. Shared memory (or
+        # CUDA IPC): a bucket emitter hands the engine this very buffer, with no packing copy.
+        self._full = shared_tensor(self.total_numel + 1, self.dtype, device) if is_dst else torch.empty(0, dtype=self.dtype)
         scatter = scatter or ("runs" if device.type == "cpu" else "index")
         if scatter not in ("runs", "index"):
             raise ValueError(f"scatter must be 'runs' or 'index', got {scatter!r}")
