@@ -127,6 +127,7 @@ def register(models, model: LoRAModel) -> None:  # noqa: ANN001
 
 
 def _copy_only(module) -> bool:  # noqa: ANN001
+    """True when the layer's set_lora would only zero its slot and copy each slice in."""
     return (not isinstance(module, ClassificationHeadWithLoRA) and getattr(module, "tp_size", 1) == 1
             and type(module).set_lora in _COPY_ONLY_SET_LORA)
 
@@ -164,6 +165,7 @@ class _SlotLayout:
 
 
 def _layout(models, per_module: list, index: int) -> _SlotLayout:  # noqa: ANN001
+    """Slot views for the sources in `per_module`, in module order."""
     zeros, dsts, sources, resets, scaled = [], [], [], [], {}
     for module, slices in zip(models.modules.values(), per_module):
         if slices is None:
@@ -188,7 +190,10 @@ def _slot_layout(models, lora_model: LoRAModel, index: int) -> tuple[_SlotLayout
     plan = getattr(lora_model, "titan_plan", None)
     if plan is None or not plan.unfolded(lora_model):
         per_module = _slot_sources(models, lora_model)
-        return None if per_module is None else (layout := _layout(models, per_module, index), layout.sources)
+        if per_module is None:
+            return None
+        layout = _layout(models, per_module, index)
+        return layout, layout.sources
     cache = models.__dict__.setdefault("_titan_slot_layouts", {})
     if (plan, index) not in cache:
         per_module = _slot_sources(models, lora_model)
