@@ -46,7 +46,9 @@ def timed(fn: Callable[[], object], iters: int, sync: Callable[[], None] = lambd
     return times
 
 
-def alternating(fns: list[Callable[[], object]], iters: int, between: Callable[[], object], warmup: int = 2) -> list[list[float]]:
+def alternating(
+    fns: list[Callable[[], object]], iters: int, between: Callable[[], object], warmup: int = 2
+) -> list[list[float]]:
     """Wall times in ms of each of `fns`, called in turn (`between` untimed after each call)."""
     out: list[list[float]] = [[] for _ in fns]
     for i in range(warmup + iters):
@@ -115,7 +117,8 @@ def cpu_bench(iters: int) -> None:
                 payload = source.snapshot(next(version))
                 gather_ms = (time.perf_counter() - t0) * 1e3
                 ack = emitter.send_adapter(payload)
-                phases.setdefault(type(emitter).__name__, []).append({"gather_ms": gather_ms, **ack.phases_ms})
+                row = {"gather_ms": gather_ms, **ack.phases_ms}
+                phases.setdefault(type(emitter).__name__, []).append(row)
                 live.append(payload.name)
             return run
 
@@ -132,7 +135,8 @@ def cpu_bench(iters: int) -> None:
         src, dst = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
         floor = statistics.median(timed(lambda: dst.copy_(src), 20))
         # Alternate the two emitters, so that drifting load on the machine hits both alike.
-        bucket_ms, disk_ms = alternating([sync_with(bucket), sync_with(disk)], iters, between=retire_with(bucket))
+        bucket_ms, disk_ms = alternating([sync_with(bucket), sync_with(disk)], iters,
+                                         between=retire_with(bucket))
         rows = [
             ("adapter sync, bucket emitter (shm)", bucket_ms),
             ("adapter sync, disk emitter (baseline)", disk_ms),
@@ -142,7 +146,8 @@ def cpu_bench(iters: int) -> None:
         print("\nphase medians, ms (disk: pack = write the PEFT dir, apply = vLLM loads it)")
         for emitter, rows_ in phases.items():
             keys = [k for k in rows_[0] if k.endswith("_ms")]
-            print(f"  {emitter:20s} " + "  ".join(f"{k[:-3]} {statistics.median(r[k] for r in rows_):6.1f}" for k in keys))
+            medians = (f"{k[:-3]} {statistics.median(r[k] for r in rows_):6.1f}" for k in keys)
+            print(f"  {emitter:20s} " + "  ".join(medians))
         bucket.close()
         disk.close()
     finally:

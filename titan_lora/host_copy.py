@@ -30,7 +30,9 @@ def balanced_cut(tensors: Sequence[torch.Tensor]) -> int:
     return min(bisect.bisect_left(sizes, sizes[-1] / 2) + 1, len(tensors) - 1)
 
 
-def in_two(op: Callable[..., object], dsts: list[torch.Tensor], *args: object, cut: int | None = None) -> None:
+def in_two(
+    op: Callable[..., object], dsts: list[torch.Tensor], *args: object, cut: int | None = None
+) -> None:
     """`op(dsts, *args)` for a `torch._foreach_*_` op, the first `cut` tensors on a helper thread.
 
     List arguments are split with `dsts`; scalars go to both halves. `cut` defaults to

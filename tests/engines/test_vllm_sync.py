@@ -321,7 +321,8 @@ def test_a_base_update_keeps_the_live_adapters_and_the_next_sync_exact(ctx: Ctx)
     ack = ctx.syncer.emitter.send_base(ctx.syncer.base_weights(), version=7)
     assert ack.version == 7
     for name in live:
-        assert max_abs_diff(ctx.engine_logprobs(name), before[name]) <= 1e-5, f"{name} changed with the base reload"
+        after = ctx.engine_logprobs(name)
+        assert max_abs_diff(after, before[name]) <= 1e-5, f"{name} changed with the base reload"
     assert max_abs_diff(ctx.trainer_logprobs(), ctx.engine_logprobs(live[-1])) <= PARITY_TOL
 
     randomize_adapters(ctx.built.model, seed=8, std=0.05)

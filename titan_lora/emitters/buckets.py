@@ -96,7 +96,9 @@ def pack(buffer: torch.Tensor, entries: Sequence[Entry], tensors: Mapping[str, t
 
 def tensor_views(storage: torch.Tensor, entries: Sequence[Entry]) -> dict[str, torch.Tensor]:
     """Each entry's tensor as a view of `storage` (uint8, laid out as the bucket)."""
-    return {e.name: storage[e.offset : e.offset + e.nbytes].view(_DTYPES[e.dtype]).view(e.shape) for e in entries}
+    return {
+        e.name: storage[e.offset : e.offset + e.nbytes].view(_DTYPES[e.dtype]).view(e.shape) for e in entries
+    }
 
 
 def unpack(buffer: torch.Tensor, entries: Sequence[Entry]) -> dict[str, torch.Tensor]:

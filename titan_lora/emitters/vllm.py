@@ -92,11 +92,14 @@ class VLLMBucketEmitter:
             for entries in plan_buckets(tensors, self.bucket_bytes):
                 run = one_run(entries, tensors)
                 home = None if run is None else home_of(run)
-                self._plan.append(_PlannedBucket(entries, run, layout_id(entries), bucket_size(entries), home))
+                self._plan.append(
+                    _PlannedBucket(entries, run, layout_id(entries), bucket_size(entries), home))
             self._plan_key = key
         return self._plan
 
-    def _stream(self, tensors: Mapping[str, torch.Tensor], kind: str, commit: dict | None = None) -> _Streamed:
+    def _stream(
+        self, tensors: Mapping[str, torch.Tensor], kind: str, commit: dict | None = None
+    ) -> _Streamed:
         """Send every tensor in buckets (`kind`: "adapter" or "base"); `commit` rides on the last one."""
         transfer_id = uuid.uuid4().hex
         buckets = self._plan_for(tensors)
@@ -126,13 +129,17 @@ class VLLMBucketEmitter:
         for post in posts:  # in order: the last one carries the commit
             out.add(post.result())
         total_s = time.perf_counter() - started
-        out.phases = {"pack_ms": pack_s * 1e3, "transfer_ms": (total_s - pack_s) * 1e3, "buckets": len(buckets)}
+        out.phases = {"pack_ms": pack_s * 1e3, "transfer_ms": (total_s - pack_s) * 1e3,
+                      "buckets": len(buckets)}
         return out
 
-    def _post_bucket(self, transfer_id: str, kind: str, buf: BucketBuffer, offset: int, bucket: _PlannedBucket,
-                     commit: dict | None) -> dict:
+    def _post_bucket(
+        self, transfer_id: str, kind: str, buf: BucketBuffer, offset: int, bucket: _PlannedBucket,
+        commit: dict | None,
+    ) -> dict:
         """Send one bucket; its header goes only the first time the engine sees its layout."""
-        body = {"transfer_id": transfer_id, "kind": kind, "segment": buf.describe(offset), "layout": bucket.layout}
+        body = {"transfer_id": transfer_id, "kind": kind, "segment": buf.describe(offset),
+                "layout": bucket.layout}
         if commit is not None:
             body["commit"] = commit
         if bucket.layout not in self._sent_layouts:
@@ -170,7 +177,8 @@ class VLLMBucketEmitter:
         if ack is None:
             raise EmitterError(f"the engine did not acknowledge the commit of adapter {payload.name}")
         apply_ms = float(ack["apply_ms"])  # the engine's own time: the commit shares the last round trip
-        phases = {**streamed.phases, "transfer_ms": streamed.phases["transfer_ms"] - apply_ms, "apply_ms": apply_ms}
+        transfer_ms = streamed.phases["transfer_ms"] - apply_ms
+        phases = {**streamed.phases, "transfer_ms": transfer_ms, "apply_ms": apply_ms}
         return Ack(ack["version"], ack["tensors"], ack["bytes"], phases)
 
     def retire_adapter(self, name: str, timeout_s: float) -> bool:

@@ -118,7 +118,9 @@ class TitanLoRAWorkerExtension:
             if module.rsplit(".", 1)[-1] not in supported:
                 raise ValueError(f"adapter tensor {name} targets a module this engine cannot adapt ({supported})")
 
-    def _titan_build(self, lora_int_id: int, peft_config: dict, tensors: dict[str, torch.Tensor]) -> tuple[LoRAModel, bool]:
+    def _titan_build(
+        self, lora_int_id: int, peft_config: dict, tensors: dict[str, torch.Tensor]
+    ) -> tuple[LoRAModel, bool]:
         """The adapter as vLLM's LoRA manager takes it, and whether a recorded plan built it (vLLM
         builds the first one with these names)."""
         plans = self._titan_state().plans
@@ -129,7 +131,8 @@ class TitanLoRAWorkerExtension:
         self._titan_check_targets(tensors)
         manager = self.model_runner.lora_manager
         models = manager._adapter_manager
-        helper = PEFTHelper.from_dict({**peft_config, "vllm_max_position_embeddings": manager.max_position_embeddings})
+        helper = PEFTHelper.from_dict(
+            {**peft_config, "vllm_max_position_embeddings": manager.max_position_embeddings})
         helper.validate_legal(manager.lora_config)
         mapper = getattr(models.model, "hf_to_vllm_mapper", None)
         model = LoRAModel.from_lora_tensors(
@@ -210,6 +213,7 @@ class TitanLoRAWorkerExtension:
         for layout, slab in stored.slabs if stored is not None else ():
             state.slabs.give(layout, slab)  # vLLM holds no view of it any more
         return removed
+
     def titan_lora_info(self) -> dict:
         """The engine's LoRA limits and the leaf module names it can adapt (packed names expanded)."""
         models = self.model_runner.lora_manager._adapter_manager

@@ -73,7 +73,9 @@ class AdapterPlan:
         return out
 
     @classmethod
-    def derive(cls, packed: LoRAModel, tensors: Mapping[str, torch.Tensor], scalings: dict[str, float]) -> AdapterPlan | None:
+    def derive(
+        cls, packed: LoRAModel, tensors: Mapping[str, torch.Tensor], scalings: dict[str, float]
+    ) -> AdapterPlan | None:
         """The plan behind `packed` (after vLLM's packing), given the scales `scalings` found before it."""
         name_of = {id(t): name for name, t in tensors.items()}
 
@@ -89,7 +91,9 @@ class AdapterPlan:
             if a is None or b is None:
                 return None
             alphas = tuple(w.lora_alphas) if is_packed else (w.lora_alpha,)
-            rows.append(_ModuleRow(module, w.rank, alphas, a, b, tuple(scalings.get(n) for n in b), is_packed))
+            rows.append(
+                _ModuleRow(module, w.rank, alphas, a, b, tuple(scalings.get(n) for n in b), is_packed)
+            )
         return cls(packed.rank, rows)
 
     def build(self, lora_int_id: int, tensors: Mapping[str, torch.Tensor]) -> LoRAModel:
@@ -99,7 +103,9 @@ class AdapterPlan:
             a = [None if n is None else tensors[n] for n in r.lora_a]
             b = [None if n is None else tensors[n] for n in r.lora_b]
             if r.packed:
-                loras[r.module] = PackedLoRALayerWeights(r.module, r.rank, list(r.alphas), a, b, list(r.scalings))
+                loras[r.module] = PackedLoRALayerWeights(
+                    r.module, r.rank, list(r.alphas), a, b, list(r.scalings)
+                )
             else:
                 loras[r.module] = LoRALayerWeights(r.module, r.rank, r.alphas[0], a[0], b[0], r.scalings[0])
         model = LoRAModel(lora_int_id, self.rank, loras)
@@ -128,8 +134,11 @@ def register(models, model: LoRAModel) -> None:  # noqa: ANN001
 
 def _copy_only(module) -> bool:  # noqa: ANN001
     """True when the layer's set_lora would only zero its slot and copy each slice in."""
-    return (not isinstance(module, ClassificationHeadWithLoRA) and getattr(module, "tp_size", 1) == 1
-            and type(module).set_lora in _COPY_ONLY_SET_LORA)
+    return (
+        not isinstance(module, ClassificationHeadWithLoRA)
+        and getattr(module, "tp_size", 1) == 1
+        and type(module).set_lora in _COPY_ONLY_SET_LORA
+    )
 
 
 def _slot_sources(models, lora_model: LoRAModel) -> list | None:  # noqa: ANN001

@@ -65,7 +65,8 @@ class EngineService:
         started = time.perf_counter()
         ack = self.loop.rpc("titan_commit_adapter", req["transfer_id"], lora_id, name, req["peft_config"])
         self.adapters[name] = lora_id
-        return {**ack, "name": name, "version": req["version"], "apply_ms": (time.perf_counter() - started) * 1e3}
+        apply_ms = (time.perf_counter() - started) * 1e3
+        return {**ack, "name": name, "version": req["version"], "apply_ms": apply_ms}
 
     def adapter_from_path(self, req: dict) -> dict:
         """vLLM's own disk path: load a PEFT directory as adapter `name` (the baseline)."""

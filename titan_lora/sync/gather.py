@@ -61,7 +61,8 @@ class _RunPlan:
         self.out = out
         self.srcs: list[torch.Tensor] = []
         self.dsts: list[torch.Tensor] = []
-        self._short: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []  # source, picks, out index
+        # (source, which of its elements or None for all, their output positions)
+        self._short: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
         self.cut = 0  # where the batched copy splits over two threads
         self._stage = self._stage_index = torch.empty(0)
         self._whole: list[torch.Tensor] = []
@@ -152,7 +153,9 @@ class ShardGatherer:
         # Outputs start on bucket-aligned boundaries, so the buffer is already a bucket's layout.
         offsets = aligned_offsets([p.numel() for _, p in named_params], self._locals[0].element_size())
         self.total_numel = offsets[-1]
-        local_indices = [_global_flat_index(p, o, lay) for (_, p), o, lay in zip(named_params, offsets, layouts)]
+        local_indices = [
+            _global_flat_index(p, o, lay) for (_, p), o, lay in zip(named_params, offsets, layouts)
+        ]
         local_index = torch.cat(local_indices)
         self.local_numel = local_index.numel()
         self.max_local = self._max_over_ranks(self.local_numel, device)
@@ -163,12 +166,16 @@ class ShardGatherer:
         # One extra slot at the end soaks up the padding of ranks whose shard is smaller. Zeros: the
         # alignment gaps between tensors are never written and must stay finite. Shared memory (or
         # CUDA IPC): a bucket emitter hands the engine this very buffer, with no packing copy.
-        self._full = shared_tensor(self.total_numel + 1, self.dtype, device) if is_dst else torch.empty(0, dtype=self.dtype)
+        self._full = (shared_tensor(self.total_numel + 1, self.dtype, device) if is_dst
+                      else torch.empty(0, dtype=self.dtype))
         scatter = scatter or ("runs" if device.type == "cpu" else "index")
         if scatter not in ("runs", "index"):
             raise ValueError(f"scatter must be 'runs' or 'index', got {scatter!r}")
         index = self._gather_index(local_index.to(device), device)
-        self._index, self._runs = (index, None) if scatter == "index" else (None, self._run_plan(index, local_indices))
+        if scatter == "index":
+            self._index, self._runs = index, None
+        else:
+            self._index, self._runs = None, self._run_plan(index, local_indices)
         self.views = {
             name: self._full[offsets[i] : offsets[i] + math.prod(shape)].view(shape)
             for i, (name, shape) in enumerate(zip(self.names, self.shapes))
