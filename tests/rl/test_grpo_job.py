@@ -60,6 +60,11 @@ def kill_tree(pid: int) -> None:
             pass
 
 
+def shm_segments() -> set[str]:
+    """The POSIX shared-memory segments on this host."""
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
 def scalars(tb: Path) -> dict[str, dict[int, float]]:
     from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
 
@@ -78,6 +83,7 @@ def scalars(tb: Path) -> dict[str, dict[int, float]]:
 @pytest.mark.slow
 def test_grpo_job_kill_and_resume(tmp_path, smollm2_dir):
     log1 = tmp_path / "run1.log"
+    segments_before = shm_segments()
     job = launch(short_config(tmp_path, steps=6), log1)
     deadline = time.monotonic() + 900
     ckpt = tmp_path / "run/checkpoint/step-2/.metadata"
@@ -87,6 +93,9 @@ def test_grpo_job_kill_and_resume(tmp_path, smollm2_dir):
         time.sleep(1)
     kill_tree(job.pid)  # torchrun's workers and the engine run in their own process groups
     job.wait()
+    for name in shm_segments() - segments_before:  # a killed process cannot unlink its buffers
+        if name.startswith("psm_"):
+            os.unlink(os.path.join("/dev/shm", name))
 
     log2 = tmp_path / "run2.log"
     resumed = launch(short_config(tmp_path, steps=4), log2)

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import atexit
 import base64
-from multiprocessing import resource_tracker, shared_memory
+import os
+from multiprocessing import shared_memory
 
 import torch
 import torch.multiprocessing.reductions as reductions
+
+SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared memory
 
 
 class BucketBuffer:
@@ -23,7 +26,8 @@ class BucketBuffer:
         self._shm: shared_memory.SharedMemory | None = None
         if device.type == "cpu":
             self._shm = shared_memory.SharedMemory(create=True, size=size)
-            self.tensor = torch.frombuffer(self._shm.buf, dtype=torch.uint8)
+            self._shm.close()  # only the name is kept: torch maps the segment itself
+            self.tensor = _map_shm(self._shm.name, size)
         elif device.type == "cuda":
             self.tensor = torch.empty(size, dtype=torch.uint8, device=device)
         else:
@@ -54,8 +58,16 @@ class BucketBuffer:
         """Release the buffer; the shared-memory segment is removed."""
         del self.tensor
         if self._shm is not None:
-            self._shm.close()
             self._shm.unlink()
+
+
+def _map_shm(name: str, size: int) -> torch.Tensor:
+    """`size` bytes of POSIX shared memory `name`, mapped by torch.
+
+    Not `torch.frombuffer` over Python's mapping: that tensor's deleter needs the interpreter, and a
+    tensor freed while the interpreter shuts down aborted a process (rank 0 of a 2-rank test, once).
+    """
+    return torch.from_file(os.path.join(SHM_DIR, name), shared=True, size=size, dtype=torch.uint8)
 
 
 def make_buffers(n: int, size: int, device: torch.device) -> list[BucketBuffer]:
@@ -93,13 +105,9 @@ def home_of(tensor: torch.Tensor) -> tuple[BucketBuffer, int] | None:
     return None if buf is None else (buf, tensor.data_ptr() - buf.tensor.data_ptr())
 
 
-def _open(desc: dict) -> tuple[torch.Tensor, object]:
+def _open(desc: dict) -> torch.Tensor:
     if desc["kind"] == "shm":
-        shm = shared_memory.SharedMemory(name=desc["name"])
-        # Attaching registers the segment with this process's resource tracker, which would unlink
-        # it at exit although the trainer owns it (CPython < 3.13).
-        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-        return torch.frombuffer(shm.buf, dtype=torch.uint8)[: desc["size"]], shm
+        return _map_shm(desc["name"], desc["size"])
     if desc["kind"] == "cuda_ipc":
         raw = lambda k: base64.b64decode(desc[k]) if desc[k] else b""  # noqa: E731
         tensor = reductions.rebuild_cuda_tensor(
@@ -108,7 +116,7 @@ def _open(desc: dict) -> tuple[torch.Tensor, object]:
             desc["storage_bytes"], desc["storage_offset"], False, raw("ref_handle"),
             desc["ref_offset"], raw("event_handle"), desc["event_sync"],
         )
-        return tensor, None
+        return tensor
     raise ValueError(f"unknown bucket transport {desc.get('kind')!r}")
 
 
@@ -116,11 +124,11 @@ class BufferCache:
     """Engine side: open each trainer buffer once and reuse the mapping."""
 
     def __init__(self) -> None:
-        self._open: dict[str, tuple[torch.Tensor, object]] = {}
+        self._open: dict[str, torch.Tensor] = {}
 
     def get(self, desc: dict) -> torch.Tensor:
         """The uint8 tensor behind descriptor `desc`, from its bucket's offset on."""
         key = desc.get("name") or desc["handle"]
         if key not in self._open:
             self._open[key] = _open(desc)
-        return self._open[key][0][int(desc.get("offset", 0)) :]
+        return self._open[key][int(desc.get("offset", 0)) :]
