@@ -47,8 +47,10 @@ def in_two(
     head = [a[:cut] if isinstance(a, list) else a for a in args]
     tail = [a[cut:] if isinstance(a, list) else a for a in args]
     pending = _helper.submit(op, dsts[:cut], *head)
-    op(dsts[cut:], *tail)
-    pending.result()
+    try:
+        op(dsts[cut:], *tail)
+    finally:
+        pending.result()  # never return while the helper still writes
 
 
 def copy_flat(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -3,6 +3,7 @@ mapping of its descriptor (with the bucket's byte offset) sees the same bytes.""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from titan_lora.emitters.transport import BufferCache, home_of, shared_tensor
@@ -26,3 +27,9 @@ def test_a_view_of_a_shared_tensor_is_sent_in_place_from_its_offset() -> None:
 
 def test_plain_tensors_have_no_home() -> None:
     assert home_of(torch.zeros(8)) is None
+
+
+def test_an_engine_that_cannot_see_the_segment_refuses_instead_of_reading_zeros() -> None:
+    desc = {"kind": "shm", "name": "psm_titan_lora_no_such_segment", "size": 4096, "offset": 0}
+    with pytest.raises(FileNotFoundError, match="not visible here"):
+        BufferCache().get(desc)

@@ -26,6 +26,14 @@ class BucketBuffer:
         self._shm: shared_memory.SharedMemory | None = None
         if device.type == "cpu":
             self._shm = shared_memory.SharedMemory(create=True, size=size)
+            try:
+                # tmpfs grants any size at ftruncate and fails at first touch (SIGBUS): reserve now.
+                os.posix_fallocate(self._shm._fd, 0, size)
+            except OSError as err:
+                self._shm.close()
+                self._shm.unlink()
+                raise OSError(f"cannot reserve {size / 2**20:.0f} MiB of shared memory in {SHM_DIR} ({err}): "
+                              "enlarge it (docker: --shm-size) or lower [weight_sync] bucket_mb") from err
             self._shm.close()  # only the name is kept: torch maps the segment itself
             self.tensor = _map_shm(self._shm.name, size)
         elif device.type == "cuda":
@@ -93,7 +101,7 @@ def shared_tensor(numel: int, dtype: torch.dtype, device: torch.device) -> torch
     size = numel * torch.empty(0, dtype=dtype).element_size()
     try:
         buf = BucketBuffer(size, device)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RuntimeError):
         return torch.zeros(numel, dtype=dtype, device=device)
     _HOMES[buf.tensor.data_ptr()] = buf  # lives as long as the process: the tensor may outlive any owner
     return buf.tensor.zero_().view(dtype)
@@ -107,6 +115,13 @@ def home_of(tensor: torch.Tensor) -> tuple[BucketBuffer, int] | None:
 
 def _open(desc: dict) -> torch.Tensor:
     if desc["kind"] == "shm":
+        path = os.path.join(SHM_DIR, desc["name"])
+        # torch.from_file would create a missing file: an engine that cannot see the trainer's
+        # shared memory would then read zeros and acknowledge them.
+        if not os.path.exists(path) or os.path.getsize(path) < desc["size"]:
+            raise FileNotFoundError(
+                f"shared memory {path} ({desc['size']} bytes) is not visible here: the engine must run on "
+                "the trainer's host and see its /dev/shm (same container or --ipc=host)")
         return _map_shm(desc["name"], desc["size"])
     if desc["kind"] == "cuda_ipc":
         raw = lambda k: base64.b64decode(desc[k]) if desc[k] else b""  # noqa: E731

@@ -11,10 +11,12 @@ The adapter's commit rides on its last bucket. The engine side is `titan_lora.en
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 import uuid
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 
 import torch
 
@@ -81,7 +83,11 @@ class VLLMBucketEmitter:
             return
         for buf in self._buffers:
             buf.close()
-        self._buffers = make_buffers(2, max(need, self.bucket_bytes), device)
+        try:
+            self._buffers = make_buffers(2, max(need, self.bucket_bytes), device)
+        except OSError as err:  # an EmitterError reaches every rank; an OSError would only stop rank 0
+            self._buffers = []
+            raise EmitterError(str(err)) from err
 
     def _plan_for(self, tensors: Mapping[str, torch.Tensor]) -> list[_PlannedBucket]:
         """Buckets for `tensors`, reused while names, shapes, dtypes and storage stay the same (the
@@ -108,26 +114,35 @@ class VLLMBucketEmitter:
             self._ensure_buffers(max(b.size for b in to_pack), next(iter(tensors.values())).device)
         posts: list[Future] = []
         last_post: list[Future | None] = [None, None]  # per packing buffer
+        failed = threading.Event()  # set by a failed post: later ones (and the commit) are not sent
         out = _Streamed(transfer_id)
         pack_s, started, packed = 0.0, time.perf_counter(), 0
-        for k, bucket in enumerate(buckets):
-            t0 = time.perf_counter()
-            if bucket.home is not None:  # already in shared memory (the gatherer's output): no copy
-                buf, offset = bucket.home
-            else:
-                slot, packed = packed % 2, packed + 1
-                if last_post[slot] is not None:
-                    last_post[slot].result()  # the engine must have copied this buffer out
-                buf, offset = self._buffers[slot], 0
-                pack(buf.tensor, bucket.entries, tensors, bucket.run)
-            buf.synchronize()
-            pack_s += time.perf_counter() - t0
-            last = commit if k == len(buckets) - 1 else None
-            posts.append(self._pool.submit(self._post_bucket, transfer_id, kind, buf, offset, bucket, last))
-            if bucket.home is None:
-                last_post[slot] = posts[-1]
-        for post in posts:  # in order: the last one carries the commit
-            out.add(post.result())
+        try:
+            for k, bucket in enumerate(buckets):
+                t0 = time.perf_counter()
+                if bucket.home is not None:  # already in shared memory (the gatherer's output): no copy
+                    buf, offset = bucket.home
+                else:
+                    slot, packed = packed % 2, packed + 1
+                    if last_post[slot] is not None:
+                        last_post[slot].result()  # the engine must have copied this buffer out
+                    buf, offset = self._buffers[slot], 0
+                    pack(buf.tensor, bucket.entries, tensors, bucket.run)
+                buf.synchronize()
+                pack_s += time.perf_counter() - t0
+                last = commit if k == len(buckets) - 1 else None
+                posts.append(self._pool.submit(self._post_bucket, transfer_id, kind, buf, offset, bucket, last,
+                                               failed))
+                if bucket.home is None:
+                    last_post[slot] = posts[-1]
+            for post in posts:  # in order: the last one carries the commit
+                out.add(post.result())
+        except BaseException:
+            failed.set()
+            for post in posts:
+                post.cancel()
+            futures_wait(posts)  # no post may still read a buffer the caller reuses
+            raise
         total_s = time.perf_counter() - started
         out.phases = {"pack_ms": pack_s * 1e3, "transfer_ms": (total_s - pack_s) * 1e3,
                       "buckets": len(buckets)}
@@ -135,9 +150,21 @@ class VLLMBucketEmitter:
 
     def _post_bucket(
         self, transfer_id: str, kind: str, buf: BucketBuffer, offset: int, bucket: _PlannedBucket,
-        commit: dict | None,
+        commit: dict | None, failed: threading.Event,
     ) -> dict:
         """Send one bucket; its header goes only the first time the engine sees its layout."""
+        if failed.is_set():
+            raise EmitterError(f"transfer {transfer_id} abandoned: an earlier bucket failed")
+        try:
+            return self._send_bucket(transfer_id, kind, buf, offset, bucket, commit)
+        except BaseException:
+            failed.set()
+            raise
+
+    def _send_bucket(
+        self, transfer_id: str, kind: str, buf: BucketBuffer, offset: int, bucket: _PlannedBucket,
+        commit: dict | None,
+    ) -> dict:
         body = {"transfer_id": transfer_id, "kind": kind, "segment": buf.describe(offset),
                 "layout": bucket.layout}
         if commit is not None:

@@ -134,11 +134,7 @@ def register(models, model: LoRAModel) -> None:  # noqa: ANN001
 
 def _copy_only(module) -> bool:  # noqa: ANN001
     """True when the layer's set_lora would only zero its slot and copy each slice in."""
-    return (
-        not isinstance(module, ClassificationHeadWithLoRA)
-        and getattr(module, "tp_size", 1) == 1
-        and type(module).set_lora in _COPY_ONLY_SET_LORA
-    )
+    return getattr(module, "tp_size", 1) == 1 and type(module).set_lora in _COPY_ONLY_SET_LORA
 
 
 def _slot_sources(models, lora_model: LoRAModel) -> list | None:  # noqa: ANN001
@@ -146,6 +142,8 @@ def _slot_sources(models, lora_model: LoRAModel) -> list | None:  # noqa: ANN001
     None overall when a layer needs vLLM's own set_lora."""
     per_module: list = []
     for name, module in models.modules.items():
+        if isinstance(module, ClassificationHeadWithLoRA):  # it also swaps whole modules per slot
+            return None
         lora = models._get_lora_layer_weights(lora_model, name)
         if lora is None:
             per_module.append(None)
