@@ -145,9 +145,7 @@ class TitanLoRAWorkerExtension:
             weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
             skip_prefixes=getattr(models.model, "lora_skip_prefixes", None),
         )
-        scalings = AdapterPlan.scalings(model, tensors)
-        models._create_merged_loras_inplace(model)  # what registering does next; a no-op the second time
-        plans[key] = None if scalings is None else AdapterPlan.derive(model, tensors, scalings)
+        plans[key] = AdapterPlan.record(models, model, tensors)
         return model, False
 
     def titan_receive_bucket(self, transfer_id: str, segment: dict, layout: str, header: list[dict] | None,

@@ -54,37 +54,31 @@ class AdapterPlan:
     def __init__(self, rank: int, rows: list[_ModuleRow]) -> None:
         self.rank = rank
         self.rows = rows
+        # A row whose scale is not 1: vLLM folding the scales shows there (see `unfolded`).
+        self._scaled_row = next((r for r in rows if any(x not in (None, 1) for x in r.scalings)), None)
 
-    @staticmethod
-    def scalings(model: LoRAModel, tensors: Mapping[str, torch.Tensor]) -> dict[str, float] | None:
-        """lora_B name -> scale, read from `model` fresh from `from_lora_tensors(tensors)` (before packing).
+    @classmethod
+    def record(cls, models, model: LoRAModel, tensors: Mapping[str, torch.Tensor]) -> AdapterPlan | None:  # noqa: ANN001
+        """Pack `model`, fresh from `from_lora_tensors(tensors)`, as registering it would (a no-op
+        when vLLM registers it next), and return the plan behind it.
 
         None when vLLM converted or dropped a tensor, or the adapter saves whole modules: such
         adapters keep going through vLLM's builder.
         """
         name_of = {id(t): name for name, t in tensors.items()}
-        out = {}
-        for w in model.loras.values():
-            if id(w.lora_a) not in name_of or id(w.lora_b) not in name_of:
-                return None
-            out[name_of[id(w.lora_b)]] = w.scaling
-        if model.modules_to_save or 2 * len(out) != len(tensors):
+        # lora_B name -> scale, read before packing folds the scales (None: a tensor was converted)
+        scalings = {name_of.get(id(w.lora_b)): w.scaling for w in model.loras.values()
+                    if id(w.lora_a) in name_of}
+        models._create_merged_loras_inplace(model)
+        if None in scalings or 2 * len(scalings) != len(tensors) or model.modules_to_save:
             return None
-        return out
-
-    @classmethod
-    def derive(
-        cls, packed: LoRAModel, tensors: Mapping[str, torch.Tensor], scalings: dict[str, float]
-    ) -> AdapterPlan | None:
-        """The plan behind `packed` (after vLLM's packing), given the scales `scalings` found before it."""
-        name_of = {id(t): name for name, t in tensors.items()}
 
         def names(ts: list[torch.Tensor | None]) -> tuple[str | None, ...] | None:
             found = tuple(None if t is None else name_of.get(id(t)) for t in ts)
             return None if any(n is None and t is not None for n, t in zip(found, ts)) else found
 
         rows = []
-        for module, w in packed.loras.items():
+        for module, w in model.loras.items():
             is_packed = isinstance(w, PackedLoRALayerWeights)
             a = names(w.lora_a if is_packed else [w.lora_a])
             b = names(w.lora_b if is_packed else [w.lora_b])
@@ -94,7 +88,7 @@ class AdapterPlan:
             rows.append(
                 _ModuleRow(module, w.rank, alphas, a, b, tuple(scalings.get(n) for n in b), is_packed)
             )
-        return cls(packed.rank, rows)
+        return cls(model.rank, rows)
 
     def build(self, lora_int_id: int, tensors: Mapping[str, torch.Tensor]) -> LoRAModel:
         """A packed LoRAModel over `tensors` (the plan's names), its scales not yet folded."""
@@ -115,7 +109,7 @@ class AdapterPlan:
     def unfolded(self, model: LoRAModel) -> bool:
         """True while `model`, built by this plan, keeps its scales unfolded (vLLM re-adding it would
         fold them into lora_B, after which the plan's scaled writes no longer apply)."""
-        row = next((r for r in self.rows if any(s not in (None, 1) for s in r.scalings)), None)
+        row = self._scaled_row
         if row is None:
             return True
         held = model.loras[row.module].scaling
