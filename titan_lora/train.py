@@ -111,8 +111,10 @@ class TrainingRun:
 
 def main(argv: list[str] | None = None) -> None:
     """Parse the config (failing fast on errors), then train."""
+    rank0 = os.environ.get("RANK", "0") == "0"  # the other ranks would repeat every line; they keep warnings
     logging.basicConfig(
-        level=logging.INFO, format="[titan_lora %(asctime)s] %(message)s", datefmt="%H:%M:%S"
+        level=logging.INFO if rank0 else logging.WARNING, format="[titan_lora %(asctime)s] %(message)s",
+        datefmt="%H:%M:%S",
     )
     try:
         job_config = load_job_config(sys.argv[1:] if argv is None else argv)
