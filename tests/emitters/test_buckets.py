@@ -141,3 +141,21 @@ def test_round_trip_of_a_later_bucket_of_one_storage() -> None:
     plan, received = _round_trip(tensors, 128)
     assert [[e.offset for e in b] for b in plan] == [[0, 64], [0, 64], [0]]
     assert all(torch.equal(received[k], v) for k, v in tensors.items())
+
+
+def test_bucket_checksum_sees_every_byte_and_its_position():
+    from titan_lora.emitters.buckets import bucket_checksum
+
+    data = torch.randint(0, 256, (3 * 8192 + 100,), dtype=torch.uint8)
+    reference = bucket_checksum(data)
+    assert bucket_checksum(data.clone()) == reference
+    for pos in (0, 8191, 8192 + 5, 3 * 8192 + 99):  # first, chunk edge, middle, last byte of the tail
+        flipped = data.clone()
+        flipped[pos] ^= 1
+        assert bucket_checksum(flipped) != reference, pos
+    swapped = data.clone()
+    swapped[:8192], swapped[8192:16384] = data[8192:16384], data[:8192]  # two chunks trade places
+    assert bucket_checksum(swapped) != reference
+    assert bucket_checksum(data[:-1]) != reference  # length counts
+    # an unaligned view (a bucket 1 byte in) is handled
+    assert bucket_checksum(data[1:]) == bucket_checksum(data[1:].clone())

