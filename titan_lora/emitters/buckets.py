@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -57,17 +57,27 @@ def next_offset(entry: Entry) -> int:
     return _aligned(entry.offset + entry.nbytes)
 
 
+def stream_buckets(
+    items: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[tuple[list[Entry], dict[str, torch.Tensor], bool]]:
+    """Group (name, tensor) pairs, in order, into buckets of at most `bucket_bytes` (a larger tensor gets
+    its own), consuming `items` only as far as the bucket being filled needs; the flag marks the last."""
+    entries: list[Entry] = []
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in items:
+        used = next_offset(entries[-1]) if entries else 0
+        if entries and used + t.numel() * t.element_size() > bucket_bytes:
+            yield entries, tensors, False  # a tensor follows: not the last
+            entries, tensors, used = [], {}, 0
+        entries.append(entry_for(name, t, used))
+        tensors[name] = t
+    if entries:
+        yield entries, tensors, True
+
+
 def plan_buckets(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[list[Entry]]:
     """Split tensors, in order, into buckets of at most `bucket_bytes` (a larger tensor gets its own)."""
-    buckets: list[list[Entry]] = [[]]
-    used = 0
-    for name, t in tensors.items():
-        if buckets[-1] and used + t.numel() * t.element_size() > bucket_bytes:
-            buckets.append([])
-            used = 0
-        buckets[-1].append(entry_for(name, t, used))
-        used = next_offset(buckets[-1][-1])
-    return buckets if buckets[0] else []
+    return [entries for entries, _, _ in stream_buckets(tensors.items(), bucket_bytes)]
 
 
 def bucket_size(entries: Sequence[Entry]) -> int:
