@@ -212,7 +212,8 @@ def gpu_bench(iters: int) -> None:
     ]
     rows.append(("bucket_checksum of the adapter bytes", timed(lambda: bucket_checksum(src), iters, sync)))
     phases: list[dict[str, float]] = []
-    rows.append(("end to end to a colocated receiver", end_to_end(model, built, cfg, device, iters, rank, phases)))
+    e2e = end_to_end(model, built, cfg, device, iters, rank, phases)
+    rows.append(("end to end to a colocated receiver", e2e))
     if rank == 0:
         print(f"\n{world} GPUs ({torch.cuda.get_device_name(device)}), {len(params)} adapter tensors, "
               f"{sum(p_.numel() for _, p_ in params) / 1e6:.1f}M params, {nbytes / 1e6:.1f} MB")

@@ -143,7 +143,8 @@ def main() -> int:
           f"({posts_s:.0f} posts/s), {figures['mismatches']} checksum mismatches, {figures['errors']} other "
           f"errors, receiver alive: {figures['receiver_alive']}")
     leaked = sorted(n for n in after - before if n.startswith(OURS))
-    print(f"/dev/shm entries: {len(before)} before, {len(after)} after; left by this kind of run: {leaked[:10]}")
+    print(f"/dev/shm entries: {len(before)} before, {len(after)} after; "
+          f"left by this kind of run: {leaked[:10]}")
     ok = (figures["posts"] >= args.posts and not figures["mismatches"] and not figures["errors"]
           and figures["receiver_alive"] and not leaked)
     print("OK" if ok else "FAILED")

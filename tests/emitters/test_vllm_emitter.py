@@ -5,7 +5,7 @@ posted once a bucket failed, and wrong content or counts in an ack refused."""
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -15,6 +15,7 @@ from titan_lora.emitters.base import AdapterPayload, EmitterError
 from titan_lora.emitters.vllm import VLLMBucketEmitter
 
 TENSOR_BYTES = 64 * 1024 * 4
+Make = Callable[..., VLLMBucketEmitter]  # the emitter_for fixture
 
 
 def _payload() -> AdapterPayload:
@@ -25,7 +26,7 @@ def _payload() -> AdapterPayload:
 
 
 @pytest.fixture
-def emitter_for():  # noqa: ANN201
+def emitter_for() -> Iterator[Make]:
     made: list[VLLMBucketEmitter] = []
 
     def make(engine: ReadingEngine, bucket_bytes: int = 300 * 1024) -> VLLMBucketEmitter:
@@ -39,7 +40,7 @@ def emitter_for():  # noqa: ANN201
         emitter.close()
 
 
-def test_every_tensor_arrives_intact_and_the_commit_rides_on_the_last_bucket(emitter_for) -> None:  # noqa: ANN001
+def test_every_tensor_arrives_intact_and_the_commit_rides_on_the_last_bucket(emitter_for: Make) -> None:
     engine = ReadingEngine(delay_s=0.02)  # the packer runs ahead while the engine copies slowly
     payload = _payload()
     ack = emitter_for(engine).send_adapter(payload)
@@ -54,7 +55,7 @@ def test_every_tensor_arrives_intact_and_the_commit_rides_on_the_last_bucket(emi
 
 
 @pytest.mark.parametrize("failing", [0, 1, 2])
-def test_after_a_failed_bucket_no_later_bucket_and_no_commit_is_sent(emitter_for, failing: int) -> None:  # noqa: ANN001
+def test_after_a_failed_bucket_no_later_bucket_and_no_commit_is_sent(emitter_for: Make, failing: int) -> None:
     engine = ReadingEngine(delay_s=0.02, fail=frozenset({failing}))
     with pytest.raises(EmitterError, match=f"engine said no to bucket {failing}"):
         emitter_for(engine).send_adapter(_payload())
@@ -62,7 +63,7 @@ def test_after_a_failed_bucket_no_later_bucket_and_no_commit_is_sent(emitter_for
     assert not any("commit" in b for b in engine.bodies) and engine.adapters == {}
 
 
-def test_an_engine_that_misreads_two_tensors_and_acks_the_counts_is_caught_by_the_checksum(emitter_for) -> None:  # noqa: ANN001
+def test_an_engine_misreading_two_tensors_with_right_counts_fails_the_checksum(emitter_for: Make) -> None:
     names = list(_payload().tensors)
     engine = ReadingEngine(delay_s=0.02, misread=frozenset(names[1:3]))
     with pytest.raises(EmitterError, match="checksum mismatch in bucket 1 of the adapter transfer"):
@@ -70,19 +71,19 @@ def test_an_engine_that_misreads_two_tensors_and_acks_the_counts_is_caught_by_th
     assert not any("commit" in b for b in engine.bodies), "the adapter was committed after a bad bucket"
 
 
-def test_a_misread_inside_one_bucket_is_caught_too(emitter_for) -> None:  # noqa: ANN001
+def test_a_misread_inside_one_bucket_is_caught_too(emitter_for: Make) -> None:
     payload = _payload()
     engine = ReadingEngine(delay_s=0.02, misread=frozenset(list(payload.tensors)[2:]))
     with pytest.raises(EmitterError, match="checksum mismatch in bucket 0"):
         emitter_for(engine, bucket_bytes=4 * TENSOR_BYTES).send_adapter(payload)
 
 
-def test_an_engine_without_checksums_is_refused(emitter_for) -> None:  # noqa: ANN001
+def test_an_engine_without_checksums_is_refused(emitter_for: Make) -> None:
     with pytest.raises(EmitterError, match="the engine does not checksum"):
         emitter_for(ReadingEngine(delay_s=0, checksums=False)).send_adapter(_payload())
 
 
-def test_bucket_posts_carry_the_checksum_of_the_bytes_sent(emitter_for) -> None:  # noqa: ANN001
+def test_bucket_posts_carry_the_checksum_of_the_bytes_sent(emitter_for: Make) -> None:
     from titan_lora.emitters.buckets import bucket_checksum
 
     engine = ReadingEngine(delay_s=0)
@@ -93,10 +94,10 @@ def test_bucket_posts_carry_the_checksum_of_the_bytes_sent(emitter_for) -> None:
 
 
 @pytest.mark.parametrize("kind", ["adapter", "base"])
-def test_a_wrong_tensor_count_in_an_ack_raises(emitter_for, kind: str) -> None:  # noqa: ANN001
+def test_a_wrong_tensor_count_in_an_ack_raises(emitter_for: Make, kind: str) -> None:
     engine = ReadingEngine(delay_s=0, count_error=-1)
     emitter = emitter_for(engine)
-    with pytest.raises(EmitterError, match=r"acknowledged 0 tensors / 1048576 bytes .* but 4 / 1048576 were sent"):
+    with pytest.raises(EmitterError, match=r"acknowledged 0 tensors / 1048576 bytes .* but 4 / 1048576 were"):
         if kind == "adapter":
             emitter.send_adapter(_payload())
         else:
@@ -114,7 +115,7 @@ def _tracked(sizes: list[int], produced: list[tuple[str, weakref.ref]], engine: 
         del t
 
 
-def test_send_base_packs_a_generator_as_it_goes_and_holds_no_tensor(emitter_for) -> None:  # noqa: ANN001
+def test_send_base_packs_a_generator_as_it_goes_and_holds_no_tensor(emitter_for: Make) -> None:
     engine = ReadingEngine(delay_s=0.005)
     sizes = [16 * 1024] * 12 + [200 * 1024] + [16 * 1024] * 4  # 64 KiB each, and one 800 KiB > a bucket
     produced: list[tuple[str, weakref.ref]] = []
@@ -137,7 +138,7 @@ def test_send_base_packs_a_generator_as_it_goes_and_holds_no_tensor(emitter_for)
         assert torch.equal(engine.base[f"model.layers.{i}.weight"], want), f"base tensor {i} changed"
 
 
-def test_a_failed_base_bucket_stops_the_base_transfer(emitter_for) -> None:  # noqa: ANN001
+def test_a_failed_base_bucket_stops_the_base_transfer(emitter_for: Make) -> None:
     engine = ReadingEngine(delay_s=0.02, fail=frozenset({1}))
     with pytest.raises(EmitterError, match="engine said no to bucket 1"):
         emitter_for(engine).send_base(iter(_payload().tensors.items()), version=1)

@@ -46,8 +46,9 @@ class BucketBuffer:
             self.tensor = torch.empty(size, dtype=torch.uint8, device=device)
         else:
             raise ValueError(f"no bucket transport for device type {device.type!r}")
-        # Once: every CUDA share registers a new IPC ref counter in the producer (a cuda.shm.* file);
-        # sharing again per post piled up ~15k of them and crashed the trainer at exit.
+        # Once: every CUDA share takes a new slot in torch's IPC ref-counter files (cuda.shm.*) that the
+        # producer keeps until the receiver lets go; sharing again on every post (~15k posts) ended in
+        # a segfault at exit and left cuda.shm.* files behind (issue 9).
         self._desc = self._describe()
 
     def describe(self, offset: int = 0) -> dict:
@@ -62,8 +63,9 @@ class BucketBuffer:
          ref_handle, ref_offset, event_handle, event_sync) = args
         b64 = lambda b: base64.b64encode(b).decode()  # noqa: E731
         # `handle` names the cudaMalloc segment; `storage_offset` says where this buffer lies in it.
-        return {"kind": "cuda_ipc", "size": list(size), "stride": list(stride), "tensor_offset": tensor_offset,
-                "device": device, "handle": b64(handle), "storage_bytes": storage_bytes,
+        return {"kind": "cuda_ipc", "size": list(size), "stride": list(stride),
+                "tensor_offset": tensor_offset, "device": device, "handle": b64(handle),
+                "storage_bytes": storage_bytes,
                 "storage_offset": storage_offset, "ref_handle": b64(ref_handle), "ref_offset": ref_offset,
                 "event_handle": b64(event_handle) if event_handle else "", "event_sync": event_sync}
 
@@ -170,6 +172,7 @@ class BufferCache:
         self._lock = threading.Lock()  # the engine serves buckets from several threads
 
     def __len__(self) -> int:
+        """Mappings held now."""
         return len(self._open)
 
     def get(self, desc: dict) -> torch.Tensor:

@@ -122,7 +122,7 @@ class _Transfer:
 
     def post(self, entries: list[Entry], buf: BucketBuffer, offset: int, *, layout: str | None = None,
              slot: int | None = None, commit: dict | None = None) -> None:
-        """Queue one bucket whose bytes lie `offset` bytes into `buf`; `slot` when `buf` is a packing buffer."""
+        """Queue one bucket whose bytes start `offset` bytes into `buf` (`slot`: its packing buffer)."""
         buf.synchronize()
         t0 = time.perf_counter()
         checksum = bucket_checksum(buf.tensor[offset : offset + bucket_size(entries)])
@@ -216,7 +216,9 @@ class VLLMBucketEmitter:
             transfer.abandon()
             raise
 
-    def _post_planned(self, transfer: _Transfer, tensors: Mapping[str, torch.Tensor], commit: dict | None) -> None:
+    def _post_planned(
+        self, transfer: _Transfer, tensors: Mapping[str, torch.Tensor], commit: dict | None
+    ) -> None:
         """Post `tensors` in planned buckets; `commit` rides on the last one."""
         buckets = self._plan_for(tensors)
         to_pack = [b for b in buckets if b.home is None]
@@ -231,9 +233,12 @@ class VLLMBucketEmitter:
             slot = transfer.take_slot()
             pack(self._buffers[slot].tensor, bucket.entries, tensors, bucket.run)
             transfer.pack_s += time.perf_counter() - t0
-            transfer.post(bucket.entries, self._buffers[slot], 0, layout=bucket.layout, slot=slot, commit=last)
+            transfer.post(bucket.entries, self._buffers[slot], 0, layout=bucket.layout, slot=slot,
+                          commit=last)
 
-    def _post_streamed(self, transfer: _Transfer, items: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, int]:
+    def _post_streamed(
+        self, transfer: _Transfer, items: Iterable[tuple[str, torch.Tensor]]
+    ) -> tuple[int, int]:
         """Pack each tensor into the current bucket as it arrives (holding none of them afterwards), post
         each bucket once full; returns the tensors and bytes sent."""
         entries: list[Entry] = []
@@ -267,9 +272,9 @@ class VLLMBucketEmitter:
             ack = self._send_bucket(transfer, bucket, commit)
             if ack.get("checksum") != bucket.checksum:
                 raise EmitterError(
-                    f"checksum mismatch in bucket {bucket.index} of the {transfer.kind} transfer {transfer.id}: "
-                    f"sent {bucket.checksum}, the engine copied out {ack.get('checksum')} (None: the engine "
-                    "does not checksum; run the same titan_lora on both sides)")
+                    f"checksum mismatch in bucket {bucket.index} of the {transfer.kind} transfer "
+                    f"{transfer.id}: sent {bucket.checksum}, the engine copied out {ack.get('checksum')} "
+                    "(None: the engine does not checksum; run the same titan_lora on both sides)")
             return ack
         except BaseException:
             transfer.failed.set()
@@ -277,8 +282,8 @@ class VLLMBucketEmitter:
 
     def _send_bucket(self, transfer: _Transfer, bucket: _Posted, commit: dict | None) -> dict:
         """One /titan/bucket request; the header goes only the first time the engine sees its layout."""
-        body = {"transfer_id": transfer.id, "kind": transfer.kind, "segment": bucket.buf.describe(bucket.offset),
-                "layout": bucket.layout, "checksum": bucket.checksum}
+        body = {"transfer_id": transfer.id, "kind": transfer.kind, "layout": bucket.layout,
+                "segment": bucket.buf.describe(bucket.offset), "checksum": bucket.checksum}
         if commit is not None:
             body["commit"] = commit
         if bucket.layout not in self._sent_layouts:
