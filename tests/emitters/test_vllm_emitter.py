@@ -12,6 +12,7 @@ import torch
 from reading_engine import ReadingEngine
 
 from titan_lora.emitters.base import AdapterPayload, EmitterError
+from titan_lora.emitters.transport import home_of, shared_tensor
 from titan_lora.emitters.vllm import VLLMBucketEmitter
 
 TENSOR_BYTES = 64 * 1024 * 4
@@ -143,3 +144,17 @@ def test_a_failed_base_bucket_stops_the_base_transfer(emitter_for: Make) -> None
     with pytest.raises(EmitterError, match="engine said no to bucket 1"):
         emitter_for(engine).send_base(iter(_payload().tensors.items()), version=1)
     assert len(engine.bodies) == 2 and engine.base == {}
+
+
+def test_tensors_already_in_shared_memory_go_in_place_with_their_checksum(emitter_for: Make) -> None:
+    flat = shared_tensor(4 * 64 * 1024, torch.float32, torch.device("cpu"))  # as the gatherer writes it
+    flat.copy_(torch.randn(flat.numel(), generator=torch.Generator().manual_seed(1)))
+    payload = AdapterPayload("policy-v5", 5, {f"t{i}": flat[i * 65536 : (i + 1) * 65536] for i in range(4)},
+                             {"r": 8, "lora_alpha": 8})
+    engine = ReadingEngine(delay_s=0.005)
+    emitter = emitter_for(engine)
+    emitter.send_adapter(payload)
+    buf, _ = home_of(flat)
+    assert [b["segment"] for b in engine.bodies] == [buf.describe(k * TENSOR_BYTES) for k in range(4)]
+    assert emitter._buffers == [], "no packing buffer is needed for tensors already in shared memory"
+    assert all(torch.equal(engine.adapters["policy-v5"][n], t) for n, t in payload.tensors.items())
