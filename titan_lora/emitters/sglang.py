@@ -43,12 +43,14 @@ from torch.multiprocessing import reductions
 from titan_lora.emitters.base import (
     Ack,
     AdapterPayload,
+    BaseTensors,
     EmitterError,
     EngineLimits,
     EngineWeightsLost,
+    base_items,
     register_emitter,
 )
-from titan_lora.emitters.buckets import Entry, bucket_size, pack, plan_buckets
+from titan_lora.emitters.buckets import Entry, bucket_size, pack, plan_buckets, stream_buckets
 from titan_lora.engines.sglang_client import (
     LoadLoRAAdapterFromTensorsReqInput,
     ServerInfo,
@@ -260,36 +262,26 @@ class SGLangEmitter:
         finally:
             self.client.continue_generation()
 
-    def send_base(self, tensors: Mapping[str, torch.Tensor], version: int) -> Ack:
-        """Install the full base (HF names), bucket by bucket in one weight-update session."""
-        if not tensors:
-            raise EmitterError(f"send_base of version {version} got no tensors")
+    def send_base(self, tensors: BaseTensors, version: int) -> Ack:
+        """Install the full base (HF names), bucket by bucket in one weight-update session, packing each
+        bucket as its tensors arrive."""
         t0 = time.perf_counter()
         self._refresh()
         assert self._info is not None
         token = f"titan-lora-{self._token}-base-v{version}"
-        chunks = plan_buckets(tensors, self._bucket_bytes)
         # in_place keeps running requests and their KV, so the flush waits until they finish.
         in_place = self._pause_mode == "in_place"
         with self._paused():
             self._begin_session()
             try:
-                for i, entries in enumerate(chunks):
-                    last = i == len(chunks) - 1
-                    bucket = pack_bucket(entries, tensors)
-                    req = UpdateWeightsFromTensorReqInput(
-                        serialize_for_ranks(bucket.payload(), self._info.tp_size, bucket.flat.is_cuda),
-                        load_format=FLATTENED_BUCKET, flush_cache=last and not in_place,
-                        weight_version=token if last else None)  # the version flips only when complete
-                    res = self.client.update_weights_from_tensor(req)
-                    if not res.success:
-                        raise EmitterError(f"SGLang refused base bucket {i + 1}/{len(chunks)} of version "
-                                           f"{version}: {res.message}")
+                count, nbytes = self._stream_base(tensors, version, token, in_place)
             finally:
                 end = self.client.end_weight_update()
             if not end.success:
                 raise EmitterError(f"SGLang could not close the weight update of version {version}: "
                                    f"{end.message}")
+        if not count:  # the session closed having changed nothing
+            raise EmitterError(f"send_base of version {version} got no tensors")
         if in_place and not self.client.flush_cache(wait_idle_s=self.client.timeout_s):
             logger.warning("SGLang kept its prefix cache after the base update (requests never drained); "
                            "cached prefixes computed with the old base may be reused")
@@ -298,8 +290,23 @@ class SGLangEmitter:
             raise EmitterError(f"SGLang acknowledged base version {version} but serves weight_version "
                                f"{served!r}, not {token!r}: the update did not take effect")
         self._installed = token
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        return Ack(version, len(tensors), nbytes, {"base_ms": (time.perf_counter() - t0) * 1e3})
+        return Ack(version, count, nbytes, {"base_ms": (time.perf_counter() - t0) * 1e3})
+
+    def _stream_base(self, tensors: BaseTensors, version: int, token: str, in_place: bool) -> tuple[int, int]:
+        """Send the base bucket by bucket, each packed once its tensors arrived; (tensors, bytes) sent."""
+        assert self._info is not None
+        count, nbytes = 0, 0
+        for i, (entries, group, last) in enumerate(stream_buckets(base_items(tensors), self._bucket_bytes)):
+            bucket = pack_bucket(entries, group)
+            req = UpdateWeightsFromTensorReqInput(
+                serialize_for_ranks(bucket.payload(), self._info.tp_size, bucket.flat.is_cuda),
+                load_format=FLATTENED_BUCKET, flush_cache=last and not in_place,
+                weight_version=token if last else None)  # the version flips only when complete
+            res = self.client.update_weights_from_tensor(req)
+            if not res.success:
+                raise EmitterError(f"SGLang refused base bucket {i + 1} of version {version}: {res.message}")
+            count, nbytes = count + len(entries), nbytes + sum(e.nbytes for e in entries)
+        return count, nbytes
 
     def _begin_session(self) -> None:
         res = self.client.begin_weight_update()

@@ -8,11 +8,17 @@ from __future__ import annotations
 
 import atexit
 import base64
+import collections
+import json
 import os
+import stat
+import threading
 from multiprocessing import shared_memory
 
 import torch
 import torch.multiprocessing.reductions as reductions
+
+from titan_lora.emitters.base import check_name
 
 SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared memory
 
@@ -40,20 +46,26 @@ class BucketBuffer:
             self.tensor = torch.empty(size, dtype=torch.uint8, device=device)
         else:
             raise ValueError(f"no bucket transport for device type {device.type!r}")
+        # Once: every CUDA share takes a new slot in torch's IPC ref-counter files (cuda.shm.*) that the
+        # producer keeps until the receiver lets go; sharing again on every post (~15k posts) ended in
+        # a segfault at exit and left cuda.shm.* files behind (issue 9).
+        self._desc = self._describe()
 
     def describe(self, offset: int = 0) -> dict:
         """The JSON descriptor the engine opens the buffer with; the bucket starts `offset` bytes in."""
-        return {**self._describe(), "offset": offset}
+        return {**self._desc, "offset": offset}
 
     def _describe(self) -> dict:
         if self._shm is not None:
             return {"kind": "shm", "name": self._shm.name, "size": self.size}
         _, args = reductions.reduce_tensor(self.tensor)
-        (_, size, stride, offset, _, _, device, handle, storage_bytes, storage_offset, _,
+        (_, size, stride, tensor_offset, _, _, device, handle, storage_bytes, storage_offset, _,
          ref_handle, ref_offset, event_handle, event_sync) = args
         b64 = lambda b: base64.b64encode(b).decode()  # noqa: E731
-        return {"kind": "cuda_ipc", "size": list(size), "stride": list(stride), "offset": offset,
-                "device": device, "handle": b64(handle), "storage_bytes": storage_bytes,
+        # `handle` names the cudaMalloc segment; `storage_offset` says where this buffer lies in it.
+        return {"kind": "cuda_ipc", "size": list(size), "stride": list(stride),
+                "tensor_offset": tensor_offset, "device": device, "handle": b64(handle),
+                "storage_bytes": storage_bytes,
                 "storage_offset": storage_offset, "ref_handle": b64(ref_handle), "ref_offset": ref_offset,
                 "event_handle": b64(event_handle) if event_handle else "", "event_sync": event_sync}
 
@@ -113,37 +125,75 @@ def home_of(tensor: torch.Tensor) -> tuple[BucketBuffer, int] | None:
     return None if buf is None else (buf, tensor.data_ptr() - buf.tensor.data_ptr())
 
 
+def _shm_path(name: str) -> str:
+    """The /dev/shm path of a bare segment name; anything else could map an arbitrary file."""
+    return os.path.join(SHM_DIR, check_name(name, "shared-memory segment"))
+
+
 def _open(desc: dict) -> torch.Tensor:
     if desc["kind"] == "shm":
-        path = os.path.join(SHM_DIR, desc["name"])
+        path = _shm_path(desc["name"])
         # torch.from_file would create a missing file: an engine that cannot see the trainer's
         # shared memory would then read zeros and acknowledge them.
-        if not os.path.exists(path) or os.path.getsize(path) < desc["size"]:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            st = None
+        if st is not None and not stat.S_ISREG(st.st_mode):  # a planted link would map what it points to
+            raise ValueError(f"shared memory {path} is not a regular file")
+        if st is None or st.st_size < desc["size"]:
             raise FileNotFoundError(
                 f"shared memory {path} ({desc['size']} bytes) is not visible here: the engine must run on "
                 "the trainer's host and see its /dev/shm (same container or --ipc=host)")
         return _map_shm(desc["name"], desc["size"])
     if desc["kind"] == "cuda_ipc":
         raw = lambda k: base64.b64decode(desc[k]) if desc[k] else b""  # noqa: E731
-        tensor = reductions.rebuild_cuda_tensor(
-            torch.Tensor, tuple(desc["size"]), tuple(desc["stride"]), desc["offset"],
+        return reductions.rebuild_cuda_tensor(
+            torch.Tensor, tuple(desc["size"]), tuple(desc["stride"]), desc["tensor_offset"],
             torch.storage.UntypedStorage, torch.uint8, desc["device"], raw("handle"),
             desc["storage_bytes"], desc["storage_offset"], False, raw("ref_handle"),
             desc["ref_offset"], raw("event_handle"), desc["event_sync"],
         )
-        return tensor
     raise ValueError(f"unknown bucket transport {desc.get('kind')!r}")
 
 
-class BufferCache:
-    """Engine side: open each trainer buffer once and reuse the mapping."""
+def _mapping_key(desc: dict) -> str:
+    """Every field but the bucket offset: buffers of one CUDA segment share its handle and differ in
+    `storage_offset`, so the handle alone would hand out another buffer's bytes."""
+    return json.dumps({k: v for k, v in desc.items() if k != "offset"}, sort_keys=True)
 
-    def __init__(self) -> None:
-        self._open: dict[str, torch.Tensor] = {}
+
+class BufferCache:
+    """Engine side: open each trainer buffer once and reuse the mapping (at most `max_entries`)."""
+
+    def __init__(self, max_entries: int = 32) -> None:
+        self.max_entries = max_entries
+        self._open: collections.OrderedDict[str, tuple[dict, torch.Tensor]] = collections.OrderedDict()
+        self._lock = threading.Lock()  # the engine serves buckets from several threads
+
+    def __len__(self) -> int:
+        """Mappings held now."""
+        return len(self._open)
 
     def get(self, desc: dict) -> torch.Tensor:
         """The uint8 tensor behind descriptor `desc`, from its bucket's offset on."""
-        key = desc.get("name") or desc["handle"]
-        if key not in self._open:
-            self._open[key] = _open(desc)
-        return self._open[key][int(desc.get("offset", 0)) :]
+        key = _mapping_key(desc)
+        with self._lock:
+            if key in self._open:
+                self._open.move_to_end(key)
+            else:
+                self._open[key] = (desc, _open(desc))
+                while len(self._open) > self.max_entries:  # least recently used first; users hold views
+                    self._open.popitem(last=False)
+            mapped = self._open[key][1]
+        return mapped[int(desc.get("offset", 0)) :]
+
+    def prune(self) -> int:
+        """Release the mappings of shared-memory segments that no longer exist (their trainer is gone or
+        freed them); returns how many were released. CUDA mappings go by the LRU bound alone."""
+        with self._lock:
+            gone = [key for key, (desc, _) in self._open.items()
+                    if desc["kind"] == "shm" and not os.path.exists(os.path.join(SHM_DIR, desc["name"]))]
+            for key in gone:
+                del self._open[key]
+        return len(gone)

@@ -5,7 +5,10 @@ packed again only after the engine acknowledged that it copied the bucket it hel
 race of verl #5934 cannot happen). A bucket whose tensors already lie in a shared buffer (the
 gatherer writes the adapter into one, from `transport.shared_tensor`) goes as it is, with no packing
 copy: that buffer is written again only by the next gather, after this transfer is acknowledged.
-The adapter's commit rides on its last bucket. The engine side is `titan_lora.engines.vllm_ext`.
+The adapter's commit rides on its last bucket. Every bucket carries the checksum of its bytes as sent
+(`buckets.bucket_checksum`); the engine acks the checksum of the copy it holds, and any difference fails
+the transfer. The base is packed as its tensors arrive (a generator whose every step may run a
+collective), so rank 0 holds at most two buckets of it. The engine side is `titan_lora.engines.vllm_ext`.
 """
 
 from __future__ import annotations
@@ -14,17 +17,39 @@ import dataclasses
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
+from typing import TypeVar
 
 import torch
 
 from titan_lora.config import WeightSync
-from titan_lora.emitters.base import AdapterPayload, Ack, EmitterError, EngineLimits, register_emitter
-from titan_lora.emitters.buckets import Entry, bucket_size, layout_id, one_run, pack, plan_buckets
+from titan_lora.emitters.base import (
+    Ack,
+    AdapterPayload,
+    BaseTensors,
+    EmitterError,
+    EngineLimits,
+    base_items,
+    register_emitter,
+)
+from titan_lora.emitters.buckets import (
+    Entry,
+    bucket_checksum,
+    bucket_size,
+    entry_for,
+    layout_id,
+    next_offset,
+    one_run,
+    pack,
+    pack_one,
+    plan_buckets,
+)
 from titan_lora.emitters.transport import BucketBuffer, home_of, make_buffers
 from titan_lora.engines.http import JsonClient, LayoutUnknownToEngine
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +59,18 @@ class _PlannedBucket:
     layout: str
     size: int
     home: tuple[BucketBuffer, int] | None  # (shared buffer, offset) when the run already lies in one
+
+
+@dataclasses.dataclass(frozen=True)
+class _Posted:
+    """One bucket on its way: where its bytes lie, and the checksum of those bytes as sent."""
+
+    index: int
+    entries: list[Entry]
+    layout: str
+    buf: BucketBuffer
+    offset: int
+    checksum: str
 
 
 @dataclasses.dataclass
@@ -50,6 +87,68 @@ class _Streamed:
         self.tensors += ack["tensors"]
         self.bytes += ack["bytes"]
         self.commit = ack.get("commit", self.commit)
+
+
+class _Transfer:
+    """The bucket posts of one transfer, in order on the emitter's post thread.
+
+    A packing buffer is handed out again only after the engine acknowledged the bucket it held; after a
+    failed post, later posts (and the commit riding on the last one) are not sent.
+    """
+
+    def __init__(self, emitter: VLLMBucketEmitter, kind: str) -> None:
+        self.emitter = emitter
+        self.kind = kind
+        self.id = uuid.uuid4().hex
+        self.failed = threading.Event()
+        self.posts: list[Future] = []
+        self._slot_posts: list[Future | None] = [None, None]  # the last post from each packing buffer
+        self._next_slot = 0
+        self.started = time.perf_counter()
+        self.pack_s = self.checksum_s = 0.0
+
+    def take_slot(self) -> int:
+        """The next packing buffer, once the engine copied out the bucket it held."""
+        slot, self._next_slot = self._next_slot, 1 - self._next_slot
+        if self._slot_posts[slot] is not None:
+            self._slot_posts[slot].result()
+        return slot
+
+    def drain(self) -> None:
+        """Wait until no post reads a packing buffer (before the buffers are replaced)."""
+        for post in self._slot_posts:
+            if post is not None:
+                post.result()
+
+    def post(self, entries: list[Entry], buf: BucketBuffer, offset: int, *, layout: str | None = None,
+             slot: int | None = None, commit: dict | None = None) -> None:
+        """Queue one bucket whose bytes start `offset` bytes into `buf` (`slot`: its packing buffer)."""
+        buf.synchronize()
+        t0 = time.perf_counter()
+        checksum = bucket_checksum(buf.tensor[offset : offset + bucket_size(entries)])
+        self.checksum_s += time.perf_counter() - t0
+        bucket = _Posted(len(self.posts), entries, layout or layout_id(entries), buf, offset, checksum)
+        self.posts.append(self.emitter._pool.submit(self.emitter._post_bucket, self, bucket, commit))
+        if slot is not None:
+            self._slot_posts[slot] = self.posts[-1]
+
+    def finish(self) -> _Streamed:
+        """Every ack, in order (the last one carries the commit), and the phase times."""
+        out = _Streamed(self.id)
+        for post in self.posts:
+            out.add(post.result())
+        total_ms = (time.perf_counter() - self.started) * 1e3
+        pack_ms, checksum_ms = self.pack_s * 1e3, self.checksum_s * 1e3
+        out.phases = {"pack_ms": pack_ms, "checksum_ms": checksum_ms,
+                      "transfer_ms": total_ms - pack_ms - checksum_ms, "buckets": len(self.posts)}
+        return out
+
+    def abandon(self) -> None:
+        """Send nothing more, and return only when no post still reads a buffer the caller reuses."""
+        self.failed.set()
+        for post in self.posts:
+            post.cancel()
+        futures_wait(self.posts)
 
 
 class VLLMBucketEmitter:
@@ -78,8 +177,12 @@ class VLLMBucketEmitter:
         info = self._info()
         return info["incarnation"] + ("" if info["base_version"] is not None else ":no-base")
 
+    def _buffers_fit(self, need: int, device: torch.device) -> bool:
+        return bool(self._buffers) and self._buffers[0].size >= need and self._buffers[0].device == device
+
     def _ensure_buffers(self, need: int, device: torch.device) -> None:
-        if self._buffers and self._buffers[0].size >= need and self._buffers[0].device == device:
+        """Two packing buffers of at least `need` bytes on `device`; no post may be reading the old ones."""
+        if self._buffers_fit(need, device):
             return
         for buf in self._buffers:
             buf.close()
@@ -103,70 +206,84 @@ class VLLMBucketEmitter:
             self._plan_key = key
         return self._plan
 
-    def _stream(
-        self, tensors: Mapping[str, torch.Tensor], kind: str, commit: dict | None = None
-    ) -> _Streamed:
-        """Send every tensor in buckets (`kind`: "adapter" or "base"); `commit` rides on the last one."""
-        transfer_id = uuid.uuid4().hex
+    def _transfer(self, kind: str, fill: Callable[[_Transfer], T]) -> tuple[T, _Streamed]:
+        """Run `fill` to post a transfer's buckets, then collect the acks; on any failure, abandon it."""
+        transfer = _Transfer(self, kind)
+        try:
+            filled = fill(transfer)
+            return filled, transfer.finish()
+        except BaseException:
+            transfer.abandon()
+            raise
+
+    def _post_planned(
+        self, transfer: _Transfer, tensors: Mapping[str, torch.Tensor], commit: dict | None
+    ) -> None:
+        """Post `tensors` in planned buckets; `commit` rides on the last one."""
         buckets = self._plan_for(tensors)
         to_pack = [b for b in buckets if b.home is None]
         if to_pack:
             self._ensure_buffers(max(b.size for b in to_pack), next(iter(tensors.values())).device)
-        posts: list[Future] = []
-        last_post: list[Future | None] = [None, None]  # per packing buffer
-        failed = threading.Event()  # set by a failed post: later ones (and the commit) are not sent
-        out = _Streamed(transfer_id)
-        pack_s, started, packed = 0.0, time.perf_counter(), 0
-        try:
-            for k, bucket in enumerate(buckets):
-                t0 = time.perf_counter()
-                if bucket.home is not None:  # already in shared memory (the gatherer's output): no copy
-                    buf, offset = bucket.home
-                else:
-                    slot, packed = packed % 2, packed + 1
-                    if last_post[slot] is not None:
-                        last_post[slot].result()  # the engine must have copied this buffer out
-                    buf, offset = self._buffers[slot], 0
-                    pack(buf.tensor, bucket.entries, tensors, bucket.run)
-                buf.synchronize()
-                pack_s += time.perf_counter() - t0
-                last = commit if k == len(buckets) - 1 else None
-                posts.append(self._pool.submit(self._post_bucket, transfer_id, kind, buf, offset, bucket, last,
-                                               failed))
-                if bucket.home is None:
-                    last_post[slot] = posts[-1]
-            for post in posts:  # in order: the last one carries the commit
-                out.add(post.result())
-        except BaseException:
-            failed.set()
-            for post in posts:
-                post.cancel()
-            futures_wait(posts)  # no post may still read a buffer the caller reuses
-            raise
-        total_s = time.perf_counter() - started
-        out.phases = {"pack_ms": pack_s * 1e3, "transfer_ms": (total_s - pack_s) * 1e3,
-                      "buckets": len(buckets)}
-        return out
+        for k, bucket in enumerate(buckets):
+            last = commit if k == len(buckets) - 1 else None
+            if bucket.home is not None:  # already in shared memory (the gatherer's output): no copy
+                transfer.post(bucket.entries, *bucket.home, layout=bucket.layout, commit=last)
+                continue
+            t0 = time.perf_counter()
+            slot = transfer.take_slot()
+            pack(self._buffers[slot].tensor, bucket.entries, tensors, bucket.run)
+            transfer.pack_s += time.perf_counter() - t0
+            transfer.post(bucket.entries, self._buffers[slot], 0, layout=bucket.layout, slot=slot,
+                          commit=last)
 
-    def _post_bucket(
-        self, transfer_id: str, kind: str, buf: BucketBuffer, offset: int, bucket: _PlannedBucket,
-        commit: dict | None, failed: threading.Event,
-    ) -> dict:
-        """Send one bucket; its header goes only the first time the engine sees its layout."""
-        if failed.is_set():
-            raise EmitterError(f"transfer {transfer_id} abandoned: an earlier bucket failed")
+    def _post_streamed(
+        self, transfer: _Transfer, items: Iterable[tuple[str, torch.Tensor]]
+    ) -> tuple[int, int]:
+        """Pack each tensor into the current bucket as it arrives (holding none of them afterwards), post
+        each bucket once full; returns the tensors and bytes sent."""
+        entries: list[Entry] = []
+        slot, count, nbytes = 0, 0, 0
+        for name, t in items:
+            t0 = time.perf_counter()
+            size = t.numel() * t.element_size()
+            used = next_offset(entries[-1]) if entries else 0
+            if entries and used + size > self.bucket_bytes:
+                transfer.post(entries, self._buffers[slot], 0, slot=slot)
+                entries, used = [], 0
+            if not entries:
+                if not self._buffers_fit(size, t.device):  # larger than a bucket, or another device
+                    transfer.drain()
+                    self._ensure_buffers(size, t.device)
+                slot = transfer.take_slot()
+            entries.append(entry_for(name, t, used))
+            pack_one(self._buffers[slot].tensor, entries[-1], t)
+            count, nbytes = count + 1, nbytes + size
+            transfer.pack_s += time.perf_counter() - t0
+            del t  # the loop variable would keep this tensor alive while the next one is gathered
+        if entries:
+            transfer.post(entries, self._buffers[slot], 0, slot=slot)
+        return count, nbytes
+
+    def _post_bucket(self, transfer: _Transfer, bucket: _Posted, commit: dict | None) -> dict:
+        """Send one bucket and check the engine's checksum of what it copied out (post thread)."""
+        if transfer.failed.is_set():
+            raise EmitterError(f"transfer {transfer.id} abandoned: an earlier bucket failed")
         try:
-            return self._send_bucket(transfer_id, kind, buf, offset, bucket, commit)
+            ack = self._send_bucket(transfer, bucket, commit)
+            if ack.get("checksum") != bucket.checksum:
+                raise EmitterError(
+                    f"checksum mismatch in bucket {bucket.index} of the {transfer.kind} transfer "
+                    f"{transfer.id}: sent {bucket.checksum}, the engine copied out {ack.get('checksum')} "
+                    "(None: the engine does not checksum; run the same titan_lora on both sides)")
+            return ack
         except BaseException:
-            failed.set()
+            transfer.failed.set()
             raise
 
-    def _send_bucket(
-        self, transfer_id: str, kind: str, buf: BucketBuffer, offset: int, bucket: _PlannedBucket,
-        commit: dict | None,
-    ) -> dict:
-        body = {"transfer_id": transfer_id, "kind": kind, "segment": buf.describe(offset),
-                "layout": bucket.layout}
+    def _send_bucket(self, transfer: _Transfer, bucket: _Posted, commit: dict | None) -> dict:
+        """One /titan/bucket request; the header goes only the first time the engine sees its layout."""
+        body = {"transfer_id": transfer.id, "kind": transfer.kind, "layout": bucket.layout,
+                "segment": bucket.buf.describe(bucket.offset), "checksum": bucket.checksum}
         if commit is not None:
             body["commit"] = commit
         if bucket.layout not in self._sent_layouts:
@@ -178,18 +295,19 @@ class VLLMBucketEmitter:
         self._sent_layouts.add(bucket.layout)
         return ack
 
-    def _check(self, what: str, sent: Mapping[str, torch.Tensor], tensors: int, nbytes: int) -> None:
-        want_bytes = sum(t.numel() * t.element_size() for t in sent.values())
-        if tensors != len(sent) or nbytes != want_bytes:
+    @staticmethod
+    def _check(what: str, want_tensors: int, want_bytes: int, streamed: _Streamed) -> None:
+        if (streamed.tensors, streamed.bytes) != (want_tensors, want_bytes):
             raise EmitterError(
-                f"the engine acknowledged {tensors} tensors / {nbytes} bytes of the {what}, "
-                f"but {len(sent)} / {want_bytes} were sent"
+                f"the engine acknowledged {streamed.tensors} tensors / {streamed.bytes} bytes of the {what}, "
+                f"but {want_tensors} / {want_bytes} were sent"
             )
 
-    def send_base(self, tensors: Mapping[str, torch.Tensor], version: int) -> Ack:
-        """Stream the full base weights, then have the engine load them."""
-        streamed = self._stream(tensors, "base")
-        self._check("base weights", tensors, streamed.tensors, streamed.bytes)
+    def send_base(self, tensors: BaseTensors, version: int) -> Ack:
+        """Stream the full base weights (packed as they arrive), then have the engine load them."""
+        (count, nbytes), streamed = self._transfer(
+            "base", lambda tr: self._post_streamed(tr, base_items(tensors)))
+        self._check("base weights", count, nbytes, streamed)
         t0 = time.perf_counter()
         ack = self.client.post("/titan/base", {"transfer_id": streamed.transfer_id, "version": version})
         phases = {**streamed.phases, "apply_ms": (time.perf_counter() - t0) * 1e3}
@@ -198,8 +316,8 @@ class VLLMBucketEmitter:
     def send_adapter(self, payload: AdapterPayload) -> Ack:
         """Stream the adapter; the last bucket asks the engine to register it under `payload.name`."""
         commit = {"name": payload.name, "version": payload.version, "peft_config": dict(payload.peft_config)}
-        streamed = self._stream(payload.tensors, "adapter", commit)
-        self._check(f"adapter {payload.name}", payload.tensors, streamed.tensors, streamed.bytes)
+        _, streamed = self._transfer("adapter", lambda tr: self._post_planned(tr, payload.tensors, commit))
+        self._check(f"adapter {payload.name}", payload.num_tensors, payload.nbytes, streamed)
         ack = streamed.commit
         if ack is None:
             raise EmitterError(f"the engine did not acknowledge the commit of adapter {payload.name}")

@@ -1,0 +1,155 @@
+"""IPC soak: many bucket posts into a receiver process, every checksum verified (issue 9).
+
+GPU (CUDA IPC; the receiver maps the trainer's buffers on the same GPU):
+    python scripts/ipc_soak.py --device cuda:0                 # 20,000 posts, 256 MiB buckets
+CPU (shared memory in /dev/shm), small enough for a test:
+    python scripts/ipc_soak.py --device cpu --posts 200 --bucket-mb 1 --tensor-mb 0.25
+
+The allocation history is the one that made the engine read the wrong buffer: a loaded model, then
+`--free-gib` allocated and freed, then the two bucket buffers (on CUDA both are carved from the freed
+segment and share its IPC handle). Every transfer sends new values; the emitter checks each bucket's
+acknowledged checksum. It prints posts/s, checksum mismatches, other errors and the /dev/shm entry
+count before and after, and exits 0 only if every post was verified, the receiver still answers and
+no buffer, CUDA IPC ref counter or torch segment is left in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from titan_lora.emitters.base import AdapterPayload, EmitterError  # noqa: E402
+from titan_lora.emitters.transport import SHM_DIR  # noqa: E402
+from titan_lora.emitters.vllm import VLLMBucketEmitter  # noqa: E402
+from titan_lora.engines.http import EngineUnreachable, JsonClient  # noqa: E402
+from titan_lora.engines.launch import free_port  # noqa: E402
+
+
+# What a trainer and its receiver create in /dev/shm: bucket buffers, CUDA IPC ref counters, torch's
+# shared CPU tensors. Other names (another job's semaphores on a shared host) are not counted as leaks.
+OURS = ("psm_", "cuda.shm.", "torch_")
+
+
+def shm_entries() -> set[str]:
+    """Names in /dev/shm now."""
+    return set(os.listdir(SHM_DIR))
+
+
+def start_receiver(device: torch.device, port: int) -> subprocess.Popen:
+    """`python -m titan_lora.engines.receiver` on `port`, with no engine nonce in its environment."""
+    env = {k: v for k, v in os.environ.items() if k != "TITAN_LORA_ENGINE_NONCE"}
+    cmd = [sys.executable, "-m", "titan_lora.engines.receiver", "--port", str(port)]
+    if device.type == "cuda":
+        cmd += ["--device", str(device)]
+    return subprocess.Popen(cmd, env=env)
+
+
+def wait_ready(client: JsonClient, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
+    """Return once the receiver answers /titan/info; raise if it exits or does not answer in time."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the receiver exited with code {proc.returncode} before it answered")
+        try:
+            client.post("/titan/info")
+            return
+        except EngineUnreachable:
+            time.sleep(0.2)
+    raise RuntimeError(f"the receiver did not answer within {timeout_s:.0f} s")
+
+
+def answers(client: JsonClient, proc: subprocess.Popen) -> bool:
+    """Whether the receiver is still running and answering."""
+    try:
+        return proc.poll() is None and "incarnation" in client.post("/titan/info")
+    except EmitterError:
+        return False
+
+
+def allocation_history(device: torch.device, model_gib: float, free_gib: float) -> list[torch.Tensor]:
+    """A loaded model (kept) and a large temporary (freed), as a trainer's allocator has seen them."""
+    model = [torch.ones(int(model_gib * 2**30) // 4, dtype=torch.float32, device=device)] if model_gib else []
+    scratch = torch.empty(int(free_gib * 2**30), dtype=torch.uint8, device=device)
+    del scratch  # its segment stays cached: the bucket buffers are carved from it
+    return model
+
+
+def soak(args: argparse.Namespace) -> dict:
+    """Run the posts; return the figures."""
+    device = torch.device(args.device)
+    model = allocation_history(device, args.model_gib, args.free_gib)
+    numel = int(args.tensor_mb * 2**20) // 4
+    gen = torch.Generator().manual_seed(0)
+    tensors = {f"base_model.model.layers.{i}.mlp.down_proj.lora_A.weight":
+               torch.randn(numel, generator=gen).to(device) for i in range(args.tensors)}
+    port = free_port()
+    proc = start_receiver(device, port)
+    client = JsonClient(f"http://127.0.0.1:{port}", timeout_s=60)
+    emitter = VLLMBucketEmitter(client, args.bucket_mb)
+    figures = {"posts": 0, "mismatches": 0, "errors": 0, "receiver_alive": False}
+    try:
+        wait_ready(client, proc)
+        started, version = time.perf_counter(), 0
+        while figures["posts"] < args.posts:
+            version += 1
+            for t in tensors.values():  # new values every transfer: a stale or misplaced read shows
+                t.add_(1.0)
+            try:
+                ack = emitter.send_adapter(AdapterPayload("soak", version, tensors, {}))
+                figures["posts"] += int(ack.phases_ms["buckets"])
+            except EmitterError as err:
+                figures["mismatches" if "checksum" in str(err) else "errors"] += 1
+                figures["posts"] += 1
+                print(f"transfer {version}: {err}", file=sys.stderr)
+                if figures["mismatches"] + figures["errors"] >= args.max_failures:
+                    break
+        figures["seconds"] = time.perf_counter() - started
+        figures["receiver_alive"] = answers(client, proc)
+    finally:
+        emitter.close()
+        proc.terminate()
+        proc.wait(timeout=60)
+        del model
+    return figures
+
+
+def main() -> int:
+    """Parse, soak, report; 0 only if all is well."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--posts", type=int, default=20_000, help="bucket posts (each checksum-verified)")
+    ap.add_argument("--bucket-mb", type=int, default=256)
+    ap.add_argument("--tensor-mb", type=float, default=48.0, help="size of each adapter tensor")
+    ap.add_argument("--tensors", type=int, default=8, help="tensors per transfer (8 x 48 MiB: 2 buckets)")
+    ap.add_argument("--model-gib", type=float, default=2.0, help="memory held as 'the model' (0 on CPU)")
+    ap.add_argument("--free-gib", type=float, default=1.0, help="allocated and freed before the buffers")
+    ap.add_argument("--max-failures", type=int, default=20, help="stop after this many failed transfers")
+    args = ap.parse_args()
+    if args.device == "cpu":  # host memory: no model to load, and the free has no segment to leave
+        args.model_gib, args.free_gib = 0.0, min(args.free_gib, 0.01)
+    before = shm_entries()
+    figures = soak(args)
+    after = shm_entries()
+    posts_s = figures["posts"] / figures["seconds"] if figures.get("seconds") else 0.0
+    print(f"device {args.device}: {figures['posts']} posts in {figures.get('seconds', 0):.1f} s "
+          f"({posts_s:.0f} posts/s), {figures['mismatches']} checksum mismatches, {figures['errors']} other "
+          f"errors, receiver alive: {figures['receiver_alive']}")
+    leaked = sorted(n for n in after - before if n.startswith(OURS))
+    print(f"/dev/shm entries: {len(before)} before, {len(after)} after; "
+          f"left by this kind of run: {leaked[:10]}")
+    ok = (figures["posts"] >= args.posts and not figures["mismatches"] and not figures["errors"]
+          and figures["receiver_alive"] and not leaked)
+    print("OK" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
