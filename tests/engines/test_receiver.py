@@ -62,7 +62,8 @@ def _tensors(seed: int) -> dict[str, torch.Tensor]:
             for i in range(2) for ab in "AB"}
 
 
-def _bucket(buf: BucketBuffer, tensors: dict, transfer_id: str, kind: str = "adapter") -> tuple[dict, torch.Tensor]:
+def _bucket(buf: BucketBuffer, tensors: dict, transfer_id: str,
+            kind: str = "adapter") -> tuple[dict, torch.Tensor]:
     """A bucket body for `tensors` packed into `buf`, and the packed bytes (the oracle)."""
     (entries,) = plan_buckets(tensors, 1 << 20)
     pack(buf.tensor, entries, tensors)
@@ -102,8 +103,8 @@ def test_a_body_that_is_not_a_json_object_is_refused(receiver) -> None:
     status, reply = _raw(server, f"POST /titan/info HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: text/plain\r\n"
                                  "Content-Length: 2\r\n", b"{}")
     assert status == 415
-    status, reply = _raw(server, f"POST /titan/info HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json"
-                                 "\r\nContent-Length: 2\r\n", b"[]")
+    status, reply = _raw(server, f"POST /titan/info HTTP/1.1\r\nHost: x\r\n{auth}"
+                                 "Content-Type: application/json\r\nContent-Length: 2\r\n", b"[]")
     assert status == 400 and "JSON object" in reply["error"]
 
 
@@ -187,7 +188,8 @@ def test_the_fault_hook_pauses_inside_a_bucket_and_touches_the_marker(receiver, 
     monkeypatch.setenv("TITAN_LORA_FAULT_MARKER", str(marker))
     body, sent = _bucket(buffer, _tensors(7), uuid.uuid4().hex)
     acks: list[dict] = []
-    post = threading.Thread(target=lambda: acks.append(JsonClient(_url(server), KEY).post("/titan/bucket", body)))
+    client = JsonClient(_url(server), KEY)
+    post = threading.Thread(target=lambda: acks.append(client.post("/titan/bucket", body)))
     post.start()
     for _ in range(200):
         if marker.exists():

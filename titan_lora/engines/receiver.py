@@ -51,14 +51,16 @@ class ReceiverService:
 
     def info(self, _: dict) -> dict:
         """Identity and limits (no target-module restriction: nothing is applied to a model)."""
-        return {"incarnation": self.incarnation, "nonce": self.nonce, "base_version": self.base_version, "max_lora_rank": self.max_lora_rank,
+        return {"incarnation": self.incarnation, "nonce": self.nonce, "base_version": self.base_version,
+                "max_lora_rank": self.max_lora_rank,
                 "max_loras": self.max_loras, "target_modules": None, "adapters": sorted(self.adapters)}
 
     def bucket(self, req: dict) -> dict:
         """Copy one bucket out, check its checksum, then acknowledge it."""
         entries = self.layouts.resolve(req["layout"], req.get("header"))
         segment = check_segment(req["segment"])
-        staged = self.transfers.stage(req["transfer_id"], req.get("kind", "adapter"), begin_hook(self.buffers))
+        kind = req.get("kind", "adapter")
+        staged = self.transfers.stage(req["transfer_id"], kind, begin_hook(self.buffers))
         buffer = self.buffers.get(segment)
         fault_pause()
         owned = buffer[: bucket_size(entries)].clone()
@@ -103,7 +105,8 @@ def build_server(argv: list[str] | None = None) -> tuple[ThreadingHTTPServer, Re
     p.add_argument("--max-loras", type=int, default=8)
     p.add_argument("--api-key", default=os.environ.get("TITAN_LORA_API_KEY", ""),
                    help="for manual use; a launcher passes TITAN_LORA_API_KEY in the environment")
-    p.add_argument("--max-body-mb", type=int, default=DEFAULT_MAX_BODY_MB, help="largest request body accepted")
+    p.add_argument("--max-body-mb", type=int, default=DEFAULT_MAX_BODY_MB,
+                   help="largest request body accepted")
     args = p.parse_args(argv)
     if args.device:
         torch.cuda.set_device(torch.device(args.device))
@@ -115,7 +118,8 @@ def build_server(argv: list[str] | None = None) -> tuple[ThreadingHTTPServer, Re
 
 def main(argv: list[str] | None = None) -> None:
     """Serve until killed."""
-    logging.basicConfig(level=logging.INFO, format="[titan_lora receiver %(asctime)s] %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(level=logging.INFO, format="[titan_lora receiver %(asctime)s] %(message)s",
+                        datefmt="%H:%M:%S")
     server, service = build_server(argv)
     host, port = server.server_address[:2]
     logger.info("receiver %s ready on http://%s:%d", service.incarnation[:8], host, port)

@@ -48,8 +48,9 @@ def check_adapter_name(name: Any) -> str:
 
 def check_segment(desc: dict) -> dict:
     """`desc` if its shared-memory segment is a bare name in /dev/shm (never a path), else ValueError."""
-    if desc.get("kind") == "shm" and not (isinstance(desc.get("name"), str) and _BARE_NAME.fullmatch(desc["name"])):
-        raise ValueError(f"shared-memory segment name {desc.get('name')!r} is refused: it must be a bare name "
+    name = desc.get("name")
+    if desc.get("kind") == "shm" and not (isinstance(name, str) and _BARE_NAME.fullmatch(name)):
+        raise ValueError(f"shared-memory segment name {name!r} is refused: it must be a bare name "
                          "([A-Za-z0-9._-], no '/', not starting with '.')")
     return desc
 
@@ -96,8 +97,8 @@ class TransferStore:
                     raise ValueError(f"transfer {transfer_id!r} is a {staged.kind} transfer, not {kind}")
                 return staged
             if transfer_id in self._forgotten:
-                raise ValueError(f"transfer {transfer_id!r} was discarded (a newer transfer of its kind began, "
-                                 "or a bucket failed its check): send the whole transfer again")
+                raise ValueError(f"transfer {transfer_id!r} was discarded (a newer transfer of its kind "
+                                 "began, or a bucket failed its check): send the whole transfer again")
             older = [t for t, s in self._staged.items() if s.kind == kind]
             evicted = [self._forget(t) for t in older[: max(0, len(older) + 1 - KEEP_UNCOMMITTED[kind])]]
             staged = self._staged[transfer_id] = Staged(kind)
@@ -115,8 +116,9 @@ class TransferStore:
         checksum = bucket_checksum(held)
         if expected is not None and checksum != expected:
             self.discard(transfer_id)
-            raise ChecksumMismatch(f"checksum mismatch in transfer {transfer_id}: the engine holds {checksum}, "
-                                   f"the trainer sent {expected}; the transfer was discarded, send it again")
+            raise ChecksumMismatch(f"checksum mismatch in transfer {transfer_id}: the engine holds "
+                                   f"{checksum}, the trainer sent {expected}; the transfer was discarded, "
+                                   "send it again")
         nbytes = sum(t.numel() * t.element_size() for t in views.values())
         staged.tensors.update(views)
         staged.nbytes += nbytes
