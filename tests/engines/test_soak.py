@@ -4,6 +4,7 @@ time, through the real emitter, AdapterVersions and Retirer (`scripts/soak.py`; 
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "soak.py"
 def _soak_module():  # noqa: ANN202
     spec = importlib.util.spec_from_file_location("titan_soak", SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 

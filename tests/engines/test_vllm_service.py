@@ -4,10 +4,16 @@ does not wedge the engine, deadlines abort what still runs, and the adapter tabl
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
+from http.server import ThreadingHTTPServer
 
 import pytest
+from dist_helpers import free_port
 
+from titan_lora.emitters.base import EmitterError
+from titan_lora.engines.http import JsonClient
+from titan_lora.engines.http_server import make_handler
 from titan_lora.engines.rollout import VLLMRolloutClient
 from titan_lora.engines.vllm_loop import EngineLoop
 from titan_lora.engines.vllm_server import EngineService
@@ -153,3 +159,18 @@ def test_the_rollout_client_sends_its_timeout_and_waits_a_little_longer() -> Non
     with pytest.raises(ValueError, match="rollout_timeout_s"):
         VLLMRolloutClient(Client(), timeout_s=0)
 
+
+
+def test_a_deadline_reaches_the_client_as_http_504() -> None:
+    def generate(_: dict) -> dict:
+        raise TimeoutError("2 requests did not finish within timeout_s=1; they were aborted")
+
+    server = ThreadingHTTPServer(("127.0.0.1", free_port()), make_handler({"generate": generate}, ""))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = JsonClient(f"http://127.0.0.1:{server.server_address[1]}")
+        with pytest.raises(EmitterError, match="HTTP 504.*aborted"):
+            VLLMRolloutClient(client, timeout_s=1).generate([[1]], None, 1, 1.0, None, [])
+    finally:
+        server.shutdown()
+        server.server_close()

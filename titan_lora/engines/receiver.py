@@ -4,8 +4,11 @@
 
 It speaks the same `/titan/*` routes as the vLLM engine process for transfers (info, bucket,
 adapter, base, unload): it copies every bucket out of the trainer's buffer (shared memory or CUDA
-IPC) into its own storage and acknowledges what it holds. The sync benchmark measures end-to-end
-latency against it, and GPU hosts with no inference engine time the train + sync step with it.
+IPC) into its own storage and acknowledges what it holds, with the checksum of the bytes it holds.
+The sync benchmark measures end-to-end latency against it, and GPU hosts with no inference engine
+time the train + sync step with it. Like the vLLM engine process it reads TITAN_LORA_API_KEY and
+TITAN_LORA_ENGINE_NONCE from the environment, and honours the fault-injection variables
+TITAN_LORA_FAULT_BUCKET_PAUSE_S and TITAN_LORA_FAULT_MARKER (`titan_lora.engines.transfers`).
 """
 
 from __future__ import annotations
