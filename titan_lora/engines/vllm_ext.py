@@ -10,8 +10,9 @@ vLLM 0.32 has no LoRA-from-tensors API. The first adapter of a run is built with
 (`vllm_fastpath`). Built adapters stay in an in-memory store that the worker's LoRA manager consults
 instead of the disk, so an LRU eviction or a base reload re-adds them (a disk lookup for an unknown id
 kills the engine). Adapter bytes land in reusable host slabs: a fresh multi-MB allocation page-faults
-on every first touch, which cost more than the copy itself. Staging, content checks and the
-fault-injection hook (environment variables) are `titan_lora.engines.transfers`'.
+on every first touch, which cost more than the copy itself. Staging (bounded per kind), the checksum
+check of every bucket and the fault-injection hook live in `titan_lora.engines.transfers`, whose
+docstring lists the environment variables (TITAN_LORA_FAULT_BUCKET_PAUSE_S, TITAN_LORA_FAULT_MARKER).
 """
 
 from __future__ import annotations

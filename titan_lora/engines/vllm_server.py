@@ -157,7 +157,7 @@ class EngineService:
 
     def _deadline(self, req: dict) -> float:
         """When the request's work must be done (`timeout_s` in the body, else the engine's flag)."""
-        timeout_s = float(req.get("timeout_s") or self.request_timeout_s)
+        timeout_s = float(self.request_timeout_s if req.get("timeout_s") is None else req["timeout_s"])
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         return time.monotonic() + timeout_s
