@@ -174,3 +174,10 @@ def test_a_deadline_reaches_the_client_as_http_504() -> None:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_info_echoes_the_engine_nonce_from_the_environment(loop, monkeypatch) -> None:
+    monkeypatch.setenv("TITAN_LORA_ENGINE_NONCE", "abc123")
+    assert EngineService(loop, "m").info({})["nonce"] == "abc123"
+    monkeypatch.delenv("TITAN_LORA_ENGINE_NONCE")
+    assert EngineService(loop, "m").info({})["nonce"] == ""
