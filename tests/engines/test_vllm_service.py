@@ -181,3 +181,10 @@ def test_info_echoes_the_engine_nonce_from_the_environment(loop, monkeypatch) ->
     assert EngineService(loop, "m").info({})["nonce"] == "abc123"
     monkeypatch.delenv("TITAN_LORA_ENGINE_NONCE")
     assert EngineService(loop, "m").info({})["nonce"] == ""
+
+
+def test_the_engine_reads_its_api_key_from_the_environment(monkeypatch) -> None:
+    from titan_lora.engines.vllm_server import parse_args
+
+    monkeypatch.setenv("TITAN_LORA_API_KEY", "from-env")
+    assert parse_args(["--model", "m"]).api_key == "from-env"
