@@ -16,7 +16,7 @@ from titan_lora.engines.http import JsonClient
 from titan_lora.engines.http_server import make_handler
 from titan_lora.engines.rollout import VLLMRolloutClient
 from titan_lora.engines.vllm_loop import EngineLoop
-from titan_lora.engines.vllm_server import EngineService
+from titan_lora.engines.vllm_server import EngineService, parse_args
 
 POISON = [666]  # a prompt the scripted engine cannot step: every step fails while it is scheduled
 STUCK = [777]  # a prompt that never finishes
@@ -184,7 +184,5 @@ def test_info_echoes_the_engine_nonce_from_the_environment(loop, monkeypatch) ->
 
 
 def test_the_engine_reads_its_api_key_from_the_environment(monkeypatch) -> None:
-    from titan_lora.engines.vllm_server import parse_args
-
     monkeypatch.setenv("TITAN_LORA_API_KEY", "from-env")
     assert parse_args(["--model", "m"]).api_key == "from-env"
