@@ -4,14 +4,18 @@
 
 It speaks the same `/titan/*` routes as the vLLM engine process for transfers (info, bucket,
 adapter, base, unload): it copies every bucket out of the trainer's buffer (shared memory or CUDA
-IPC) into its own storage and acknowledges what it holds. The sync benchmark measures end-to-end
-latency against it, and GPU hosts with no inference engine time the train + sync step with it.
+IPC) into its own storage and acknowledges what it holds, with the checksum of the bytes it holds.
+The sync benchmark measures end-to-end latency against it, and GPU hosts with no inference engine
+time the train + sync step with it. Like the vLLM engine process it reads TITAN_LORA_API_KEY and
+TITAN_LORA_ENGINE_NONCE from the environment, and honours the fault-injection variables
+TITAN_LORA_FAULT_BUCKET_PAUSE_S and TITAN_LORA_FAULT_MARKER (`titan_lora.engines.transfers`).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import threading
 import time
 import uuid
@@ -19,9 +23,11 @@ from http.server import ThreadingHTTPServer
 
 import torch
 
-from titan_lora.emitters.buckets import LayoutCache, unpack
+from titan_lora.emitters.buckets import LayoutCache, bucket_size, tensor_views
 from titan_lora.emitters.transport import BufferCache
-from titan_lora.engines.http_server import make_handler
+from titan_lora.engines.http_server import DEFAULT_MAX_BODY_MB, make_handler
+from titan_lora.engines.transfers import (TransferStore, begin_hook, check_adapter_name, check_segment,
+                                          fault_pause)
 
 logger = logging.getLogger("titan_lora.receiver")
 
@@ -37,9 +43,10 @@ class ReceiverService:
         self.incarnation = uuid.uuid4().hex
         self.max_lora_rank = max_lora_rank
         self.max_loras = max_loras
+        self.nonce = os.environ.get("TITAN_LORA_ENGINE_NONCE", "")
         self.buffers = BufferCache()
         self.layouts = LayoutCache()
-        self.staging: dict[str, dict[str, torch.Tensor]] = {}
+        self.transfers = TransferStore()
         self.adapters: dict[str, dict[str, torch.Tensor]] = {}
         self.base_weights: dict[str, torch.Tensor] | None = None
         self.base_version: int | None = None
@@ -47,63 +54,78 @@ class ReceiverService:
 
     def info(self, _: dict) -> dict:
         """Identity and limits (no target-module restriction: nothing is applied to a model)."""
-        return {"incarnation": self.incarnation, "base_version": self.base_version, "max_lora_rank": self.max_lora_rank,
+        return {"incarnation": self.incarnation, "nonce": self.nonce, "base_version": self.base_version,
+                "max_lora_rank": self.max_lora_rank,
                 "max_loras": self.max_loras, "target_modules": None, "adapters": sorted(self.adapters)}
 
     def bucket(self, req: dict) -> dict:
-        """Copy one bucket out, then acknowledge it."""
+        """Copy one bucket out, check its checksum, then acknowledge it."""
         entries = self.layouts.resolve(req["layout"], req.get("header"))
-        tensors = unpack(self.buffers.get(req["segment"]), entries)
-        with self._lock:
-            self.staging.setdefault(req["transfer_id"], {}).update(tensors)
-        ack = {"tensors": len(entries), "bytes": sum(e.nbytes for e in entries)}
+        segment = check_segment(req["segment"])
+        kind = req.get("kind", "adapter")
+        staged = self.transfers.stage(req["transfer_id"], kind, begin_hook(self.buffers))
+        buffer = self.buffers.get(segment)
+        fault_pause()
+        owned = buffer[: bucket_size(entries)].clone()
+        if owned.is_cuda:  # the copy must be done before the ack lets the trainer reuse the buffer
+            torch.cuda.current_stream(owned.device).synchronize()
+        ack = self.transfers.hold(req["transfer_id"], staged, owned, tensor_views(owned, entries),
+                                  req.get("checksum"))
         if "commit" in req:  # an adapter's last bucket carries its commit
             ack["commit"] = self.adapter({**req["commit"], "transfer_id": req["transfer_id"]})
         return ack
 
-    def _take(self, transfer_id: str) -> dict[str, torch.Tensor]:
-        with self._lock:
-            if transfer_id not in self.staging:
-                raise ValueError(f"transfer {transfer_id!r} has no buckets")
-            return self.staging.pop(transfer_id)
-
     def adapter(self, req: dict) -> dict:
         """Keep the staged transfer as adapter `name`."""
         started = time.perf_counter()
-        tensors = self._take(req["transfer_id"])
-        self.adapters[req["name"]] = tensors
+        name = check_adapter_name(req["name"])
+        tensors = self.transfers.take(req["transfer_id"]).tensors
+        with self._lock:
+            self.adapters[name] = tensors
         return {**_size(tensors), "name": req["name"], "version": req["version"],
                 "apply_ms": (time.perf_counter() - started) * 1e3}
 
     def base(self, req: dict) -> dict:
         """Keep the staged transfer as the base."""
-        self.base_weights = self._take(req["transfer_id"])
+        self.base_weights = self.transfers.take(req["transfer_id"]).tensors
         self.base_version = req["version"]
         return {**_size(self.base_weights), "version": req["version"]}
 
     def unload(self, req: dict) -> dict:
         """Drop adapter `name`."""
-        self.adapters.pop(req["name"], None)
+        with self._lock:
+            self.adapters.pop(req["name"], None)
         return {"unloaded": True}
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Serve until killed."""
+def build_server(argv: list[str] | None = None) -> tuple[ThreadingHTTPServer, ReceiverService]:
+    """The receiver's HTTP server (bound, not yet serving) and its service, from command-line options."""
     p = argparse.ArgumentParser(description="titan_lora receiver process (no inference engine)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8012)
     p.add_argument("--device", default="", help="CUDA device to bind (cuda:N) for IPC buffers")
     p.add_argument("--max-lora-rank", type=int, default=512)
     p.add_argument("--max-loras", type=int, default=8)
-    p.add_argument("--api-key", default="")
+    p.add_argument("--api-key", default=os.environ.get("TITAN_LORA_API_KEY", ""),
+                   help="for manual use; a launcher passes TITAN_LORA_API_KEY in the environment")
+    p.add_argument("--max-body-mb", type=int, default=DEFAULT_MAX_BODY_MB,
+                   help="largest request body accepted")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="[titan_lora receiver %(asctime)s] %(message)s", datefmt="%H:%M:%S")
     if args.device:
         torch.cuda.set_device(torch.device(args.device))
     service = ReceiverService(args.max_lora_rank, args.max_loras)
     routes = {op: getattr(service, op) for op in ("info", "bucket", "base", "unload")}
-    server = ThreadingHTTPServer((args.host, args.port), make_handler(routes, args.api_key))
-    logger.info("receiver %s ready on http://%s:%d", service.incarnation[:8], args.host, args.port)
+    handler = make_handler(routes, args.api_key, args.max_body_mb * 2**20)
+    return ThreadingHTTPServer((args.host, args.port), handler), service
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Serve until killed."""
+    logging.basicConfig(level=logging.INFO, format="[titan_lora receiver %(asctime)s] %(message)s",
+                        datefmt="%H:%M:%S")
+    server, service = build_server(argv)
+    host, port = server.server_address[:2]
+    logger.info("receiver %s ready on http://%s:%d", service.incarnation[:8], host, port)
     server.serve_forever()
 
 

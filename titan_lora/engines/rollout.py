@@ -30,16 +30,27 @@ class RolloutClient(Protocol):
         ...
 
 
-class VLLMRolloutClient:
-    """RolloutClient for a titan_lora vLLM engine."""
+HTTP_MARGIN_S = 10.0  # the engine's own deadline answers first; the HTTP timeout only catches a silent one
 
-    def __init__(self, client: JsonClient) -> None:
+
+class VLLMRolloutClient:
+    """RolloutClient for a titan_lora vLLM engine; every call ends within `timeout_s` (the engine
+    aborts what is still running then), `[weight_sync] rollout_timeout_s`."""
+
+    def __init__(self, client: JsonClient, timeout_s: float = 600.0) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"[weight_sync] rollout_timeout_s must be positive, got {timeout_s}")
         self.client = client
+        self.timeout_s = timeout_s
+
+    def _post(self, route: str, body: dict) -> dict:
+        return self.client.post(route, {**body, "timeout_s": self.timeout_s},
+                                timeout_s=self.timeout_s + HTTP_MARGIN_S)
 
     def generate(self, prompts: list[list[int]], adapter: str | None, max_tokens: int,
                  temperature: float, seed: int | None, stop_token_ids: list[int]) -> list[Completion]:
         """Sample completions through `/titan/generate`."""
-        reply = self.client.post("/titan/generate", {
+        reply = self._post("/titan/generate", {
             "prompts": prompts, "adapter": adapter, "max_tokens": max_tokens,
             "temperature": temperature, "seed": seed, "stop_token_ids": stop_token_ids,
         })
@@ -51,4 +62,4 @@ class VLLMRolloutClient:
 
     def score(self, sequences: list[list[int]], adapter: str | None) -> list[list[float]]:
         """Prompt log-probs through `/titan/score`."""
-        return self.client.post("/titan/score", {"sequences": sequences, "adapter": adapter})["logprobs"]
+        return self._post("/titan/score", {"sequences": sequences, "adapter": adapter})["logprobs"]

@@ -10,7 +10,9 @@ vLLM 0.32 has no LoRA-from-tensors API. The first adapter of a run is built with
 (`vllm_fastpath`). Built adapters stay in an in-memory store that the worker's LoRA manager consults
 instead of the disk, so an LRU eviction or a base reload re-adds them (a disk lookup for an unknown id
 kills the engine). Adapter bytes land in reusable host slabs: a fresh multi-MB allocation page-faults
-on every first touch, which cost more than the copy itself.
+on every first touch, which cost more than the copy itself. Staging (bounded per kind), the checksum
+check of every bucket and the fault-injection hook live in `titan_lora.engines.transfers`, whose
+docstring lists the environment variables (TITAN_LORA_FAULT_BUCKET_PAUSE_S, TITAN_LORA_FAULT_MARKER).
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ from vllm.lora.request import LoRARequest
 from vllm.lora.utils import parse_fine_tuned_lora_name
 from vllm.platforms import current_platform
 
-from titan_lora.emitters.buckets import Entry, LayoutCache, bucket_size, tensor_views, unpack
+from titan_lora.emitters.buckets import Entry, LayoutCache, bucket_size, tensor_views
 from titan_lora.emitters.transport import BufferCache
 from titan_lora.engines import vllm_cpu_lora
+from titan_lora.engines.transfers import Staged, TransferStore, begin_hook, check_segment, fault_pause
 from titan_lora.engines.vllm_fastpath import AdapterPlan, install_slot_writer, register
 from titan_lora.host_copy import copy_flat
 
@@ -67,15 +70,6 @@ class _SlabPool:
 
 
 @dataclasses.dataclass
-class _Staged:
-    """A transfer's tensors between its buckets and its commit."""
-
-    tensors: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
-    slabs: list[tuple[str, _Slab]] = dataclasses.field(default_factory=list)
-    nbytes: int = 0
-
-
-@dataclasses.dataclass
 class _Stored:
     """An installed adapter and the slabs its tensors live in."""
 
@@ -88,9 +82,17 @@ class _State:
     buffers: BufferCache = dataclasses.field(default_factory=BufferCache)
     layouts: LayoutCache = dataclasses.field(default_factory=LayoutCache)
     slabs: _SlabPool = dataclasses.field(default_factory=_SlabPool)
-    staging: dict[str, _Staged] = dataclasses.field(default_factory=dict)
+    transfers: TransferStore = dataclasses.field(init=False)
     adapters: dict[int, _Stored] = dataclasses.field(default_factory=dict)
     plans: dict[str, AdapterPlan | None] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.transfers = TransferStore(on_drop=self.give_back)
+
+    def give_back(self, staged: Staged) -> None:
+        """Return an uncommitted transfer's adapter slabs to the pool (vLLM never saw them)."""
+        for layout, slab in staged.held:
+            self.slabs.give(layout, slab)
 
 
 class TitanLoRAWorkerExtension:
@@ -149,37 +151,29 @@ class TitanLoRAWorkerExtension:
         return model, False
 
     def titan_receive_bucket(self, transfer_id: str, segment: dict, layout: str, header: list[dict] | None,
-                             kind: str = "adapter") -> dict:
-        """Copy one bucket out of the trainer's buffer; the return value is the ack."""
-        if kind not in ("adapter", "base"):
-            raise ValueError(f"bucket kind must be 'adapter' or 'base', got {kind!r}")
+                             kind: str = "adapter", checksum: str | None = None) -> dict:
+        """Copy one bucket out of the trainer's buffer and check it; the return value is the ack."""
         state = self._titan_state()
         entries = state.layouts.resolve(layout, header)
+        check_segment(segment)
+        staged = state.transfers.stage(transfer_id, kind, begin_hook(state.buffers))
         buffer = state.buffers.get(segment)
-        staged = state.staging.setdefault(transfer_id, _Staged())
+        fault_pause()
         if kind == "adapter":  # into a reusable host slab (vLLM keeps adapters on the host)
             slab = state.slabs.take(layout, entries)
             copy_flat(slab.data, buffer[: slab.data.numel()])
-            staged.tensors.update(slab.views)
-            staged.slabs.append((layout, slab))
-        else:
-            staged.tensors.update(unpack(buffer, entries))
-        nbytes = sum(e.nbytes for e in entries)
-        staged.nbytes += nbytes
-        return {"tensors": len(entries), "bytes": nbytes}
-
-    def _titan_take(self, transfer_id: str) -> _Staged:
-        staged = self._titan_state().staging.pop(transfer_id, None)
-        if staged is None:
-            raise ValueError(f"transfer {transfer_id!r} has no buckets: send them before the commit")
-        return staged
+            return state.transfers.hold(transfer_id, staged, slab.data, slab.views, checksum, (layout, slab))
+        owned = buffer[: bucket_size(entries)].clone()
+        if owned.is_cuda:  # the copy must be done before the ack lets the trainer reuse the buffer
+            torch.cuda.current_stream(owned.device).synchronize()
+        return state.transfers.hold(transfer_id, staged, owned, tensor_views(owned, entries), checksum)
 
     def titan_commit_adapter(self, transfer_id: str, lora_int_id: int, lora_name: str, peft_config: dict) -> dict:
         """Install the staged tensors as adapter `lora_int_id`; returns what was installed."""
         state = self._titan_state()
-        staged = self._titan_take(transfer_id)
+        staged = state.transfers.take(transfer_id)
         model, planned = self._titan_build(lora_int_id, peft_config, staged.tensors)
-        state.adapters[lora_int_id] = _Stored(model, staged.slabs)
+        state.adapters[lora_int_id] = _Stored(model, staged.held)
         manager = self.model_runner.lora_manager
         try:
             if planned:
@@ -194,7 +188,7 @@ class TitanLoRAWorkerExtension:
     def titan_commit_base(self, transfer_id: str) -> dict:
         """Load the staged tensors (HF names) as the base weights; adapters are re-installed."""
         state = self._titan_state()
-        tensors = self._titan_take(transfer_id).tensors
+        tensors = state.transfers.take(transfer_id).tensors
         with set_current_vllm_config(self.vllm_config):
             # reload_weights re-runs the CPU/GPU weight repacking that a plain load_weights skips.
             self.model_runner.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)

