@@ -48,13 +48,13 @@ def check_resume_compatible(folder: Path, rank: int, targets: list[str]) -> None
     meta = path / SIGNATURE_FILE
     if not meta.exists():
         return  # written before signatures existed: DCP's own shape check is all there is
-    saved, wanted = json.loads(meta.read_text()), adapter_signature(rank, targets)
-    if saved == wanted:
+    saved = json.loads(meta.read_text())
+    diff = sorted(set(saved["target_modules"]) ^ set(targets))
+    if saved["lora_rank"] == rank and not diff:
         return
     if saved["lora_rank"] != rank:
         what = f"[lora] rank = {saved['lora_rank']}, this job has rank = {rank}"
     else:
-        diff = sorted(set(saved["target_modules"]) ^ set(wanted["target_modules"]))
         what = f"other [lora] target_modules (they differ in {diff[:4]}{' ...' if len(diff) > 4 else ''})"
     raise ValueError(
         f"cannot resume from {path}: it was saved with {what}; use the same [lora] settings, or start "
