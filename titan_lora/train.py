@@ -84,12 +84,12 @@ class TrainingRun:
         """Collective, after the optimizer step: stop or roll back on a non-finite adapter; then sync."""
         bad = first_nonfinite_adapter(self.model)
         if bad is not None:
-            self.roll_back(bad)
+            self.handle_nonfinite(bad)
         if self.syncer is not None:  # after a rollback too: the engine serves what the trainer holds
             self.syncer.sync(self.step)
         return {"nonfinite_rollbacks": self.rollbacks}
 
-    def roll_back(self, bad: str) -> None:
+    def handle_nonfinite(self, bad: str) -> None:
         """`[weight_sync] on_nonfinite`: raise ("stop"), or reload the last checkpoint and skip this batch."""
         what = f"step {self.step}: adapter tensor {bad} holds NaN/Inf after the optimizer step"
         if self.cfg.weight_sync.on_nonfinite == "stop":

@@ -57,8 +57,8 @@ def _full(model) -> dict[str, torch.Tensor]:  # noqa: ANN001
     return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in adapter_params(model)}
 
 
-def _run(policy: str, dump: Path):  # noqa: ANN202
-    """A 5-step SFT run whose loss turns NaN at step NAN_STEP; records what it logs."""
+def _run(policy: str, dump: Path, nan_step: int = NAN_STEP):  # noqa: ANN202
+    """A 5-step SFT run whose loss turns NaN at `nan_step`; records what it logs."""
     import titan_lora.train as train
 
     syncer = FakeSyncer()
@@ -70,7 +70,7 @@ def _run(policy: str, dump: Path):  # noqa: ANN202
     )
     run = train.TrainingRun(cfg)
     clean_loss = run.objective.loss
-    run.objective.loss = lambda model, step: (lambda lm: (lm[0] * float("nan") if step == NAN_STEP else lm[0],
+    run.objective.loss = lambda model, step: (lambda lm: (lm[0] * float("nan") if step == nan_step else lm[0],
                                                           lm[1]))(clean_loss(model, step))
     logged: dict[int, dict] = {}
     log = run.metrics.log
@@ -106,6 +106,12 @@ def _rollback_then_stop(rank: int, world: int, root: str, out: str) -> None:
     with pytest.raises(NonFiniteAdapterError) as refused:
         run.checkpointer.save(NAN_STEP)  # a second line: a save of a NaN adapter is refused
     result["save_refused"] = str(refused.value)
+    run.close()
+
+    run, _, _ = _run("rollback", root / "early", nan_step=1)  # before the first checkpoint
+    with pytest.raises(NonFiniteAdapterError) as early:
+        run.train()
+    result["no_checkpoint"] = str(early.value)
     run.close()
     torch.save(result, f"{out}.{rank}")
 
@@ -159,3 +165,12 @@ def test_stop_raises_on_every_rank_naming_step_and_tensor_and_keeps_the_last_che
     for r in range(2):
         assert f"refusing to save the checkpoint of step {NAN_STEP}" in results[r]["save_refused"]
     assert not (root / "stop/adapter").exists(), "a stopped run exports nothing"
+
+
+def test_rollback_before_any_checkpoint_stops_naming_the_checkpoint_keys(runs) -> None:
+    root, results = runs
+    for r in range(2):
+        error = results[r]["no_checkpoint"]
+        assert "step 1: adapter tensor" in error and "no checkpoint to roll back to yet" in error, error
+        assert "[checkpoint] enable = true" in error and "[checkpoint] interval" in error
+    assert not (root / "early/checkpoint").exists()
