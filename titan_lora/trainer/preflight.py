@@ -7,12 +7,13 @@ from pathlib import Path
 
 import torch
 
+from titan_lora.engines.launch import VLLM_LORA_RANKS
 from titan_lora.trainer.checkpoint import check_resume_compatible
 from titan_lora.trainer.parallel import data_parallel_size
 
 SHM_DIR = "/dev/shm"
 SHM_EMITTERS = ("vllm", "disk")  # their buckets travel through POSIX shared memory on CPU
-VLLM_MAX_LORA_RANK = 512  # vLLM's largest max_lora_rank; the embedded engine rounds smaller ranks up
+VLLM_MAX_LORA_RANK = VLLM_LORA_RANKS[-1]  # the embedded engine rounds smaller ranks up to an allowed one
 
 
 def check_parallelism(job_config) -> None:  # noqa: ANN001
