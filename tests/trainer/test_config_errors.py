@@ -114,6 +114,10 @@ def test_the_new_weight_sync_keys_parse_with_their_defaults() -> None:
     assert (ws.weight_sync.on_nonfinite, ws.weight_sync.parity_gate) == ("rollback", True)
 
 
+def test_the_timing_receiver_takes_any_rank() -> None:
+    assert job_config_from(_sync('engine = "receiver"').replace("rank = 8", "rank = 1024")).lora.rank == 1024
+
+
 def test_a_grpo_batch_that_dp_ranks_cannot_share_is_refused(monkeypatch) -> None:
     grpo = "[grpo]\nenabled = true\nrollouts = false\nprompts_per_step = 3\ngroup_size = 3\n"
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -83,7 +83,8 @@ def check_sync(job_config) -> None:  # noqa: ANN001
     check_emitter(ws.emitter)
     if ws.emitter in SHM_EMITTERS and not torch.cuda.is_available():
         check_shared_memory(ws.bucket_mb)
-    if ws.emitter in ("vllm", "disk") and "lora" in job_config.model.converters:
+    embedded_receiver = not ws.engine_url and ws.engine == "receiver"  # no vLLM: no rank limit
+    if ws.emitter in ("vllm", "disk") and not embedded_receiver and "lora" in job_config.model.converters:
         check_engine_rank(job_config.lora.rank)
 
 
