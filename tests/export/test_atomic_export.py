@@ -31,7 +31,9 @@ def test_an_export_replaces_the_previous_one_and_leaves_nothing_beside_it(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"], "temporary directories left behind"
 
 
-def test_a_failure_in_the_middle_of_the_write_leaves_the_previous_export_intact(tmp_path, monkeypatch) -> None:
+def test_a_failure_in_the_middle_of_the_write_leaves_the_previous_export_intact(
+    tmp_path, monkeypatch
+) -> None:
     _export(tmp_path, 1.0)
     before = _files(tmp_path)
 

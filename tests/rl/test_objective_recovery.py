@@ -38,7 +38,7 @@ class FakeClient:
     def __init__(self, answers: dict[tuple[int, ...], str]) -> None:
         self.answers = answers
 
-    def generate(self, prompts, adapter, max_tokens, temperature, seed, stop_token_ids):  # noqa: ANN001, ANN201
+    def generate(self, prompts, adapter, max_tokens, temperature, seed, stop):  # noqa: ANN001, ANN201
         texts = [self.answers.get(tuple(p), "99") if temperature == 0 else "5" for p in prompts]
         return [Completion([7, 8], t, [-0.1, -0.2]) for t in texts]
 

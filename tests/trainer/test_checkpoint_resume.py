@@ -124,7 +124,8 @@ def test_a_resume_with_another_rank_or_other_targets_is_refused_before_the_build
     newest = _fake_checkpoint(tmp_path, 4, 16, ALL_LINEARS)
     with pytest.raises(ValueError) as err:
         job_config_from(TRAIN, *args)
-    assert f"cannot resume from {newest}: it was saved with [lora] rank = 16, this job has rank = 8" in str(err.value)
+    expected = f"cannot resume from {newest}: it was saved with [lora] rank = 16, this job has rank = 8"
+    assert expected in str(err.value)
     assert "another [checkpoint] folder" in str(err.value)
     shutil.rmtree(newest)
     newest = _fake_checkpoint(tmp_path, 6, 8, [n for n in ALL_LINEARS if "attention" in n])

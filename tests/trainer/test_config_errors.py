@@ -65,7 +65,8 @@ BAD = {
     "engine restarts": (_sync("engine_restarts = -1"), ["[weight_sync] engine_restarts", ">= 0"]),
     "unknown emitter": (_sync('emitter = "vlm"'), ["[weight_sync] emitter", "'vlm'", "disk, sglang, vllm"]),
     "bucket larger than /dev/shm": (
-        _sync("bucket_mb = 100000000"), ["[weight_sync] bucket_mb = 100000000", "/dev/shm", "lower bucket_mb"],
+        _sync("bucket_mb = 100000000"),
+        ["[weight_sync] bucket_mb = 100000000", "/dev/shm", "lower bucket_mb"],
     ),
     "rank above vLLM's largest": (
         _sync("").replace("rank = 8", "rank = 1024"), ["[lora] rank = 1024", "512"],
@@ -75,9 +76,12 @@ BAD = {
         ["[parallelism] pipeline_parallel_degree = 2", "set both to 1"],
     ),
     "context parallelism": (
-        DEBUG_LORA + "[parallelism]\ncontext_parallel_degree = 2\n", ["context_parallel_degree = 2", "set both to 1"],
+        DEBUG_LORA + "[parallelism]\ncontext_parallel_degree = 2\n",
+        ["context_parallel_degree = 2", "set both to 1"],
     ),
-    "torch.compile": (DEBUG_LORA + "[compile]\nenable = true\n", ["[compile] enable = true", "set it to false"]),
+    "torch.compile": (
+        DEBUG_LORA + "[compile]\nenable = true\n", ["[compile] enable = true", "set it to false"],
+    ),
 }
 
 
@@ -110,7 +114,8 @@ def test_the_new_weight_sync_keys_parse_with_their_defaults() -> None:
     ws = job_config_from(_sync("")).weight_sync
     assert (ws.on_nonfinite, ws.parity_gate, ws.rollout_timeout_s, ws.health_timeout_s,
             ws.engine_start_timeout_s, ws.engine_restarts) == ("stop", False, 600.0, 10.0, 600.0, 3)
-    ws = job_config_from(_sync('on_nonfinite = "rollback"\nparity_gate = true') + "[checkpoint]\nenable = true\n")
+    toml = _sync('on_nonfinite = "rollback"\nparity_gate = true') + "[checkpoint]\nenable = true\n"
+    ws = job_config_from(toml)
     assert (ws.weight_sync.on_nonfinite, ws.weight_sync.parity_gate) == ("rollback", True)
 
 
@@ -124,7 +129,8 @@ def test_a_grpo_batch_that_dp_ranks_cannot_share_is_refused(monkeypatch) -> None
     with pytest.raises(ValueError, match=r"3 \* 3 = 9 samples do not split over 2 data-parallel ranks"):
         job_config_from(DEBUG_LORA + grpo)
     # With 2-way TP on the 2 ranks the DP size is 1: any batch splits.
-    assert job_config_from(DEBUG_LORA + grpo + "[parallelism]\ntensor_parallel_degree = 2\n").grpo.group_size == 3
+    tp2 = "[parallelism]\ntensor_parallel_degree = 2\n"
+    assert job_config_from(DEBUG_LORA + grpo + tp2).grpo.group_size == 3
     monkeypatch.setenv("WORLD_SIZE", "4")  # 4 ranks, 2-way TP: DP 2 again
     with pytest.raises(ValueError, match="over 2 data-parallel ranks"):
-        job_config_from(DEBUG_LORA + grpo + "[parallelism]\ntensor_parallel_degree = 2\n")
+        job_config_from(DEBUG_LORA + grpo + tp2)
