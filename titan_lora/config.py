@@ -75,6 +75,18 @@ class WeightSync:
     """Disk emitter: where PEFT directories are written; empty: a temporary directory."""
     engine_max_model_len: int = 512
     engine_kv_cache_gib: int = 2
+    on_nonfinite: str = "stop"
+    """A NaN/Inf adapter after an optimizer step: "stop" with an error, or "rollback" to the last
+    checkpoint and skip that batch (needs [checkpoint] enable). Applies with or without weight sync."""
+    parity_gate: bool = False
+    """true: a version whose parity probe exceeds parity_tolerance is not published."""
+    rollout_timeout_s: float = 600.0
+    """Bound of one rollout or eval request to the engine."""
+    health_timeout_s: float = 10.0
+    """Bound of one engine health check; a hung engine is restarted."""
+    engine_start_timeout_s: float = 600.0
+    engine_restarts: int = 3
+    """Engine restarts tried per failing operation before giving up."""
 
 
 @dataclass
@@ -152,8 +164,38 @@ def check_writable_dir(path: str, key: str) -> None:
         ) from None
 
 
+NONFINITE_POLICIES = ("stop", "rollback")
+DEFAULT_PG_TIMEOUT_S = 600.0
+
+
+def rank0_wait_budget_s(ws: WeightSync) -> float:
+    """The longest rank 0 may work between two collectives: retries and engine restarts included."""
+    per_try = max(ws.rollout_timeout_s, (ws.retries + 1) * (ws.timeout_s + 10.0))
+    restarts = ws.engine_restarts * (ws.engine_start_timeout_s + ws.health_timeout_s)
+    return (ws.engine_restarts + 1) * per_try + restarts
+
+
+def process_group_timeout_s(ws: WeightSync) -> float:
+    """The process-group timeout: rank 0's own errors must surface before a collective times out."""
+    if not ws.enabled:
+        return DEFAULT_PG_TIMEOUT_S
+    return max(DEFAULT_PG_TIMEOUT_S, rank0_wait_budget_s(ws) + 120.0)
+
+
+def _check_sync_timeouts(cfg: WeightSync) -> None:
+    for key in ("timeout_s", "rollout_timeout_s", "health_timeout_s", "engine_start_timeout_s",
+                "retire_timeout_s"):
+        if not getattr(cfg, key) > 0:
+            raise ValueError(f"[weight_sync] {key} must be > 0 seconds, got {getattr(cfg, key)}")
+    for key in ("retries", "engine_restarts"):
+        if getattr(cfg, key) < 0:
+            raise ValueError(f"[weight_sync] {key} must be >= 0, got {getattr(cfg, key)}")
+
+
 def validate_weight_sync(cfg: WeightSync) -> None:
     """Reject a `[weight_sync]` section that cannot work."""
+    if cfg.on_nonfinite not in NONFINITE_POLICIES:  # checked even without sync: SFT uses it too
+        raise ValueError(f'[weight_sync] on_nonfinite = {cfg.on_nonfinite!r}: use "stop" or "rollback"')
     if not cfg.enabled:
         return
     if cfg.keep_versions < 2:
@@ -163,8 +205,7 @@ def validate_weight_sync(cfg: WeightSync) -> None:
         )
     if cfg.bucket_mb <= 0:
         raise ValueError(f"[weight_sync] bucket_mb must be > 0, got {cfg.bucket_mb}")
-    if cfg.timeout_s <= 0 or cfg.retries < 0:
-        raise ValueError("[weight_sync] timeout_s must be > 0 and retries >= 0")
+    _check_sync_timeouts(cfg)
     if cfg.pause_mode not in ("none", "abort", "retract", "in_place"):
         raise ValueError(
             f"[weight_sync] pause_mode = {cfg.pause_mode!r}: use none, abort, retract or in_place"
@@ -188,7 +229,9 @@ def validate_grpo(cfg: GRPO, weight_sync: WeightSync) -> None:
         raise ValueError("[grpo] prompts_per_step and max_new_tokens must be >= 1")
     if cfg.max_staleness < 0:
         raise ValueError(f"[grpo] max_staleness must be >= 0, got {cfg.max_staleness}")
-    if cfg.rollouts and weight_sync.enabled and not weight_sync.engine_url and weight_sync.engine == "receiver":
+    ws = weight_sync
+    embedded_receiver = ws.enabled and not ws.engine_url and ws.engine == "receiver"
+    if cfg.rollouts and embedded_receiver:
         raise ValueError('[weight_sync] engine = "receiver" runs no inference: set [grpo] rollouts = false')
     if cfg.rollouts and weight_sync.emitter == "sglang":
         raise ValueError('[grpo] rollouts come from titan_lora\'s vLLM engine; with emitter = "sglang" '

@@ -15,11 +15,13 @@ import torch
 import torch.distributed as dist
 from torchtitan.distributed.utils import clip_grad_norm_
 
+from titan_lora.config import process_group_timeout_s
 from titan_lora.sync.adapter_source import AdapterSource
 from titan_lora.sync.syncer import build_syncer
 from titan_lora.trainer.build import build_model
 from titan_lora.trainer.checkpoint import AdapterCheckpointer
 from titan_lora.trainer.distributed import build_parallel_dims, device_for_rank, init_distributed
+from titan_lora.trainer.finite import NonFiniteAdapterError, first_nonfinite_adapter
 from titan_lora.trainer.job_config import load_job_config
 from titan_lora.trainer.metrics import MetricsLogger, peak_memory_mib
 from titan_lora.trainer.objective import build_objective
@@ -33,7 +35,7 @@ class TrainingRun:
     def __init__(self, job_config) -> None:  # noqa: ANN001 (torchtitan's merged JobConfig)
         self.cfg = job_config
         self.device = device_for_rank()
-        init_distributed(self.device)
+        init_distributed(self.device, process_group_timeout_s(job_config.weight_sync))
         self.rank = dist.get_rank()
         self.dims = build_parallel_dims(job_config.parallelism, dist.get_world_size(), self.device)
         torch.manual_seed(job_config.debug.seed or 0)
@@ -60,6 +62,7 @@ class TrainingRun:
         self.syncer = build_syncer(self) if job_config.weight_sync.enabled else None
         self.objective = build_objective(self)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.rollbacks = 0
         n_train = sum(p.numel() for p in self.trainable)
         logger.info(
             "rank %d/%d on %s: %s trainable params (%.3f%% of the model), starting at step %d",
@@ -77,6 +80,33 @@ class TrainingRun:
         self.lr_schedulers.step()
         return {**metrics, "grad_norm": float(grad_norm)}
 
+    def check_and_sync(self) -> dict[str, float]:
+        """Collective, after the optimizer step: stop or roll back on a non-finite adapter; then sync."""
+        bad = first_nonfinite_adapter(self.model)
+        if bad is not None:
+            self.handle_nonfinite(bad)
+        if self.syncer is not None:  # after a rollback too: the engine serves what the trainer holds
+            self.syncer.sync(self.step)
+        return {"nonfinite_rollbacks": self.rollbacks}
+
+    def handle_nonfinite(self, bad: str) -> None:
+        """`[weight_sync] on_nonfinite`: raise ("stop"), or reload the last checkpoint and skip this batch."""
+        what = f"step {self.step}: adapter tensor {bad} holds NaN/Inf after the optimizer step"
+        if self.cfg.weight_sync.on_nonfinite == "stop":
+            raise NonFiniteAdapterError(
+                f"{what}; stopped ([weight_sync] on_nonfinite = \"stop\"). The checkpoints saved so far are "
+                "finite: lower the learning rate or check the data, or set on_nonfinite = \"rollback\""
+            )
+        if not self.cfg.checkpoint.enable or not self.checkpointer.steps():
+            raise NonFiniteAdapterError(
+                f"{what}, and there is no checkpoint to roll back to yet: set [checkpoint] enable = true "
+                "with a smaller [checkpoint] interval, or [weight_sync] on_nonfinite = \"stop\""
+            )
+        restored = self.checkpointer.load_latest()
+        self.rollbacks += 1
+        logger.error("%s; rolled back to the checkpoint of step %d (adapter, optimizer, LR) and skipped "
+                     "this batch", what, restored)
+
     def train(self) -> None:
         """Run to `[training] steps`, logging, checkpointing and syncing along the way."""
         last = self.cfg.training.steps
@@ -85,6 +115,7 @@ class TrainingRun:
             self.step += 1
             started = time.perf_counter()
             metrics = self.train_step()
+            metrics |= self.check_and_sync()
             metrics |= self.objective.after_step(self.step)
             step_s = time.perf_counter() - started
             metrics |= {

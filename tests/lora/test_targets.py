@@ -85,3 +85,15 @@ def test_a_target_that_matches_nothing_names_the_key_and_the_choices() -> None:
     assert "[lora] target_modules" in message and "'qproj'" in message
     assert "wq" in message and "w2" in message, "the message lists the linears the model has"
     assert "all-linear" in message
+
+
+@pytest.mark.parametrize("targets", ['"all-linear"', '["q_proj", "wv", "output"]'])
+def test_targets_resolved_from_the_config_name_the_built_adapters(targets: str) -> None:
+    # A resume compares the checkpoint's adapted modules with the config's before the build: both
+    # sides must name them alike.
+    from model_helpers import job_config_from
+
+    from titan_lora.trainer.job_config import check_targets
+
+    toml = _with_targets(targets).replace('mode = "none"', 'mode = "full"')  # AC wraps every block
+    assert check_targets(job_config_from(toml)) == _targets(toml)

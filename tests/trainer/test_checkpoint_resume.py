@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from dist_helpers import run_ranks
 from model_helpers import DEBUG_LORA, job_config_from
@@ -28,7 +30,9 @@ keep_latest_k = 5
 """
 
 
-def _train(rank: int, world: int, dump: str, out: str) -> None:
+def _train(rank: int, world: int, dump: str, out: str, same_base_for_any_world: bool = False) -> None:
+    from test_train_parity import _seeded_base
+
     from titan_lora.train import TrainingRun
 
     cfg = job_config_from(
@@ -36,6 +40,8 @@ def _train(rank: int, world: int, dump: str, out: str) -> None:
         "--training.local_batch_size=4", f"--data.path={REPO / 'titan_lora/data/arith_sft.jsonl'}",
     )
     run = TrainingRun(cfg)
+    if same_base_for_any_world:  # torchtitan's random init of the base depends on the sharding
+        _seeded_base(run.model)
     start = run.step
     losses: dict[int, float] = {}
     lrs: dict[int, float] = {}
@@ -81,3 +87,47 @@ def test_resume_from_step_2_reproduces_steps_3_and_4(tmp_path) -> None:
         assert resumed["lrs"][step] == full["lrs"][step], f"step {step}: the LR schedule was not restored"
     for name, value in full["final"].items():
         assert torch.equal(resumed["final"][name], value), f"{name} differs after the resumed run"
+
+
+def test_a_checkpoint_of_one_rank_resumes_on_two(tmp_path) -> None:
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_ranks(1, _train, str(one), str(tmp_path / "one.pt"), True)
+    full = torch.load(tmp_path / "one.pt")
+    shutil.copytree(one / "checkpoint" / "step-2", two / "checkpoint" / "step-2")
+    run_ranks(2, _train, str(two), str(tmp_path / "two.pt"), True)
+    resumed = torch.load(tmp_path / "two.pt")
+    assert resumed["start"] == 2 and sorted(resumed["losses"]) == [3, 4]
+    for step in (3, 4):  # 1 vs 2 ranks: the same sums in another order
+        assert abs(resumed["losses"][step] - full["losses"][step]) <= 1e-5 * abs(full["losses"][step])
+        assert resumed["lrs"][step] == full["lrs"][step]
+    for name, value in full["final"].items():
+        torch.testing.assert_close(resumed["final"][name], value, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _fake_checkpoint(dump: Path, step: int, rank: int, targets: list[str]) -> Path:
+    path = dump / "checkpoint" / f"step-{step}"
+    path.mkdir(parents=True)
+    (path / ".metadata").write_bytes(b"")
+    (path / "titan_lora_adapter.json").write_text(json.dumps({"lora_rank": rank, "target_modules": targets}))
+    return path
+
+
+ALL_LINEARS = [f"layers.{i}.{m}" for i in range(2) for m in (
+    "attention.wq", "attention.wk", "attention.wv", "attention.wo",
+    "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")]
+
+
+def test_a_resume_with_another_rank_or_other_targets_is_refused_before_the_build(tmp_path) -> None:
+    args = (f"--job.dump_folder={tmp_path}",)
+    _fake_checkpoint(tmp_path, 2, 8, ALL_LINEARS)
+    assert job_config_from(TRAIN, *args).lora.rank == 8, "the same rank and targets resume"
+    newest = _fake_checkpoint(tmp_path, 4, 16, ALL_LINEARS)
+    with pytest.raises(ValueError) as err:
+        job_config_from(TRAIN, *args)
+    expected = f"cannot resume from {newest}: it was saved with [lora] rank = 16, this job has rank = 8"
+    assert expected in str(err.value)
+    assert "another [checkpoint] folder" in str(err.value)
+    shutil.rmtree(newest)
+    newest = _fake_checkpoint(tmp_path, 6, 8, [n for n in ALL_LINEARS if "attention" in n])
+    with pytest.raises(ValueError, match=r"saved with other \[lora\] target_modules .*feed_forward"):
+        job_config_from(TRAIN, *args)

@@ -17,6 +17,10 @@ def _lora(extra: str) -> str:
     return DEBUG_LORA.replace("[lora]\n", f"[lora]\n{extra}\n")
 
 
+def _sync(extra: str, enabled: bool = True) -> str:
+    return DEBUG_LORA + f"[weight_sync]\nenabled = {str(enabled).lower()}\n{extra}\n"
+
+
 def test_the_reference_config_is_valid(tmp_path) -> None:
     cfg = job_config_from(_lora(f'export_dir = "{tmp_path}/not/yet/there"'))
     assert (cfg.lora.rank, cfg.lora.alpha, cfg.lora.target_modules) == (8, 16, "all-linear")
@@ -48,6 +52,36 @@ BAD = {
         DEBUG_LORA.replace('"all-linear"', '["wq", "qproj"]'), ["[lora] target_modules", "'qproj'", "all-linear"],
     ),
     "export_dir under /proc": (_lora('export_dir = "/proc/titan_lora_export"'), ["[lora] export_dir", "/proc"]),
+    "on_nonfinite, even without sync": (
+        _sync('on_nonfinite = "skip"', enabled=False), ["[weight_sync] on_nonfinite", "'skip'", "rollback"],
+    ),
+    "rollback without checkpoints": (
+        _sync('on_nonfinite = "rollback"', enabled=False), ["on_nonfinite", "[checkpoint] enable = true"],
+    ),
+    "rollout timeout": (_sync("rollout_timeout_s = 0"), ["[weight_sync] rollout_timeout_s", "> 0"]),
+    "health timeout": (_sync("health_timeout_s = -1"), ["[weight_sync] health_timeout_s", "> 0"]),
+    "engine start timeout": (_sync("engine_start_timeout_s = 0"), ["[weight_sync] engine_start_timeout_s"]),
+    "retire timeout": (_sync("retire_timeout_s = 0"), ["[weight_sync] retire_timeout_s", "> 0"]),
+    "engine restarts": (_sync("engine_restarts = -1"), ["[weight_sync] engine_restarts", ">= 0"]),
+    "unknown emitter": (_sync('emitter = "vlm"'), ["[weight_sync] emitter", "'vlm'", "disk, sglang, vllm"]),
+    "bucket larger than /dev/shm": (
+        _sync("bucket_mb = 100000000"),
+        ["[weight_sync] bucket_mb = 100000000", "/dev/shm", "lower bucket_mb"],
+    ),
+    "rank above vLLM's largest": (
+        _sync("").replace("rank = 8", "rank = 1024"), ["[lora] rank = 1024", "512"],
+    ),
+    "pipeline parallelism": (
+        DEBUG_LORA + "[parallelism]\npipeline_parallel_degree = 2\n",
+        ["[parallelism] pipeline_parallel_degree = 2", "set both to 1"],
+    ),
+    "context parallelism": (
+        DEBUG_LORA + "[parallelism]\ncontext_parallel_degree = 2\n",
+        ["context_parallel_degree = 2", "set both to 1"],
+    ),
+    "torch.compile": (
+        DEBUG_LORA + "[compile]\nenable = true\n", ["[compile] enable = true", "set it to false"],
+    ),
 }
 
 
@@ -74,3 +108,29 @@ def test_cli_exits_2_with_the_message_on_stderr(tmp_path) -> None:
     assert "config error: [lora] rank must be a positive integer, got 0; try rank = 16" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not dump.exists(), "nothing should be built or written for a bad config"
+
+
+def test_the_new_weight_sync_keys_parse_with_their_defaults() -> None:
+    ws = job_config_from(_sync("")).weight_sync
+    assert (ws.on_nonfinite, ws.parity_gate, ws.rollout_timeout_s, ws.health_timeout_s,
+            ws.engine_start_timeout_s, ws.engine_restarts) == ("stop", False, 600.0, 10.0, 600.0, 3)
+    toml = _sync('on_nonfinite = "rollback"\nparity_gate = true') + "[checkpoint]\nenable = true\n"
+    ws = job_config_from(toml)
+    assert (ws.weight_sync.on_nonfinite, ws.weight_sync.parity_gate) == ("rollback", True)
+
+
+def test_the_timing_receiver_takes_any_rank() -> None:
+    assert job_config_from(_sync('engine = "receiver"').replace("rank = 8", "rank = 1024")).lora.rank == 1024
+
+
+def test_a_grpo_batch_that_dp_ranks_cannot_share_is_refused(monkeypatch) -> None:
+    grpo = "[grpo]\nenabled = true\nrollouts = false\nprompts_per_step = 3\ngroup_size = 3\n"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"3 \* 3 = 9 samples do not split over 2 data-parallel ranks"):
+        job_config_from(DEBUG_LORA + grpo)
+    # With 2-way TP on the 2 ranks the DP size is 1: any batch splits.
+    tp2 = "[parallelism]\ntensor_parallel_degree = 2\n"
+    assert job_config_from(DEBUG_LORA + grpo + tp2).grpo.group_size == 3
+    monkeypatch.setenv("WORLD_SIZE", "4")  # 4 ranks, 2-way TP: DP 2 again
+    with pytest.raises(ValueError, match="over 2 data-parallel ranks"):
+        job_config_from(DEBUG_LORA + grpo + tp2)

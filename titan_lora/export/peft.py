@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -94,12 +96,54 @@ def peft_config(cfg: LoRA, hf_target_modules: list[str], base_model_path: str = 
     }
 
 
+def check_finite(tensors: Mapping[str, torch.Tensor]) -> None:
+    """Raise ValueError naming the first tensor that holds NaN or Inf."""
+    for name, tensor in tensors.items():
+        if not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"refusing to export a non-finite adapter: {name} holds NaN/Inf")
+
+
+def _sibling(out: Path, kind: str) -> Path:
+    """A new empty directory beside `out` (same filesystem, so renames are atomic; usual permissions)."""
+    path = out.parent / f".{out.name}.{kind}-{uuid.uuid4().hex[:12]}"
+    path.mkdir()
+    return path
+
+
+def replace_dir(new: Path, out: Path) -> None:
+    """Move directory `new` to `out`, replacing what is there: old aside, new in place, old removed."""
+    old = None
+    if out.exists():
+        old = _sibling(out, "old")
+        os.rename(out, old / out.name)
+    try:
+        os.rename(new, out)
+    except OSError:
+        if old is not None:
+            os.rename(old / out.name, out)  # put the previous export back
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def save_peft_dir(
     path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], config: Mapping[str, Any]
 ) -> Path:
-    """Write `adapter_config.json` + `adapter_model.safetensors` (the layout PEFT and vLLM load)."""
+    """Write `adapter_config.json` + `adapter_model.safetensors` (the layout PEFT and vLLM load), atomically.
+
+    The files go to a temporary directory beside `path` that is renamed into place only once complete,
+    so a reader (or a crash) never sees a half-written or non-finite export.
+    """
     out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(out / "adapter_model.safetensors"))
-    (out / "adapter_config.json").write_text(json.dumps(dict(config), indent=2))
+    check_finite(tensors)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _sibling(out, "tmp")
+    try:
+        cpu = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+        save_file(cpu, str(tmp / "adapter_model.safetensors"))
+        (tmp / "adapter_config.json").write_text(json.dumps(dict(config), indent=2))
+        replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out

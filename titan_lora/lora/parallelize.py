@@ -54,14 +54,11 @@ def place_adapters_for_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
 
 
 def parallelize_lora_llama(model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:  # noqa: ANN001
-    """TP (with adapter placements), activation checkpointing and FSDP2, as torchtitan does."""
-    if parallel_dims.cp_enabled or parallel_dims.pp_enabled:
-        raise ValueError(
-            "titan_lora supports data (FSDP/HSDP) and tensor parallelism; "
-            "set [parallelism] context_parallel_degree = 1 and pipeline_parallel_degree = 1"
-        )
-    if job_config.compile.enable:
-        raise ValueError("[compile] enable = true is not supported with LoRA yet; set it to false")
+    """TP (with adapter placements), activation checkpointing and FSDP2, as torchtitan does.
+
+    Pipeline and context parallelism and torch.compile are refused when the config is read
+    (`titan_lora.trainer.preflight.check_parallelism`).
+    """
     if parallel_dims.tp_enabled:
         tp_mesh = parallel_dims.get_mesh("tp")
         apply_tp(

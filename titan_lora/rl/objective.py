@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from titan_lora.config import GRPO
+from titan_lora.emitters.base import EmitterError
 from titan_lora.lora.layer import adapters_disabled
 from titan_lora.rl.grpo import clipped_policy_loss, group_advantages, k3_kl
 from titan_lora.rl.rewards import get_reward
@@ -34,6 +35,19 @@ def completion_batch(samples: list[Sample], pad_id: int) -> tuple[torch.Tensor, 
         labels[i, : len(q) - 1] = torch.tensor(q[1:])
         mask[i, len(s.prompt_ids) - 1 : len(q) - 1] = 1.0
     return inputs, labels, mask
+
+
+def fresh_samples(samples: list[Sample], current_version: int, max_staleness: int) -> list[Sample]:
+    """The samples from versions >= current_version - max_staleness; raises when none is left."""
+    fresh = [s for s in samples if s.version >= current_version - max_staleness]
+    if samples and not fresh:
+        versions = sorted({s.version for s in samples})
+        raise RuntimeError(
+            f"every one of the {len(samples)} samples is stale: they come from adapter versions {versions}, "
+            f"the trainer is at version {current_version} and [grpo] max_staleness = {max_staleness}; the "
+            "engine is not receiving new adapter versions (check [weight_sync] and the engine's log)"
+        )
+    return fresh
 
 
 def token_logprobs(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -61,6 +75,7 @@ class GRPOObjective:
         self.stop_ids = [tokenizer.eos_token_id]
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.dropped_stale = 0
+        self.eval_failures = 0
         if not cfg.rollouts:
             logger.warning("[grpo] rollouts = false: this job runs NO rollouts; samples are the data's own "
                            "answers and scrambled ones, for timing the train + sync step only")
@@ -69,33 +84,49 @@ class GRPOObjective:
         rng = random.Random(self.cfg.seed * 100_003 + step)  # data position = step: resumable
         return rng.sample(self.train_problems, self.cfg.prompts_per_step)
 
-    def _evaluate(self, step: int) -> dict[str, float]:
-        if self.syncer is None or self.syncer.rollouts is None or not self.cfg.eval_every:
-            return {}
+    def _greedy_accuracy(self) -> float:
+        """Rank 0: held-out greedy accuracy under the active adapter version."""
         active = self.syncer.versions.active
-        acc = greedy_accuracy(self.syncer.rollouts, active.name if active else None, self.heldout,
-                              self.heldout_ids, self.cfg.max_new_tokens, self.stop_ids, self.reward)
-        logger.info("held-out accuracy at step %d (adapter %s): %.3f", step, active.name if active else "base", acc)
-        return {"eval/accuracy": acc}
+        return greedy_accuracy(self.syncer.rollouts, active.name if active else None, self.heldout,
+                               self.heldout_ids, self.cfg.max_new_tokens, self.stop_ids, self.reward)
+
+    def _evaluate(self, step: int) -> dict[str, float]:
+        """Collective: held-out accuracy (rank 0); a failure is logged and counted, never raised."""
+        if self.syncer is None or not self.cfg.rollouts or not self.cfg.eval_every:
+            return {}
+        try:
+            acc = self.syncer.with_engine(self._greedy_accuracy, f"held-out eval at step {step}")
+        except EmitterError as err:  # diagnostics never end the run
+            self.eval_failures += 1
+            logger.warning("held-out eval at step %d failed (%s); %d eval failures so far",
+                           step, err, self.eval_failures)
+            return {"eval/failures": self.eval_failures}
+        if acc is None:  # ranks other than 0
+            return {}
+        logger.info("held-out accuracy at step %d: %.3f", step, acc)
+        return {"eval/accuracy": acc, "eval/failures": self.eval_failures}
 
     def before_training(self, step: int) -> None:
         """Push the current adapter to the engine, then measure held-out accuracy before any update."""
         if self.syncer is not None:
             self.syncer.sync(version=step)
-        if dist.get_rank() == 0 and (evaluated := self._evaluate(step)):
+        if evaluated := self._evaluate(step):
             self.metrics_logger.log(step, evaluated)
 
     def _samples(self, step: int) -> list[Sample]:
+        """Collective: the step's samples on every rank (rank 0 draws them, with engine recovery)."""
         problems = self._problems_at(step)
-        if dist.get_rank() != 0:
-            return share(None)
         if not self.cfg.rollouts:
-            return share(self._offline_samples(problems, step))
-        ids = [self.encode(p) for p in problems]
-        return share(sample_groups(
-            self.syncer.rollouts, self.syncer.versions, problems, ids, self.cfg.group_size,
-            self.cfg.max_new_tokens, self.cfg.temperature, self.cfg.seed * 1_000_003 + step * 1_009,
-            self.stop_ids, self.reward))
+            return share(self._offline_samples(problems, step) if dist.get_rank() == 0 else None)
+
+        def rollouts() -> list[Sample]:  # runs on rank 0 only
+            return sample_groups(
+                self.syncer.rollouts, self.syncer.versions, problems, [self.encode(p) for p in problems],
+                self.cfg.group_size, self.cfg.max_new_tokens, self.cfg.temperature,
+                self.cfg.seed * 1_000_003 + step * 1_009, self.stop_ids, self.reward)
+
+        # Every rank calls it: a dead engine is restarted and re-synced collectively; failure raises.
+        return share(self.syncer.with_engine(rollouts, f"rollouts of step {step}"))
 
     def _offline_samples(self, problems: list, step: int) -> list[Sample]:
         out = []
@@ -114,7 +145,7 @@ class GRPOObjective:
         """The GRPO loss on this rank's share of the step's samples, normalised by global tokens."""
         samples = self._samples(step)
         current = step - 1  # the version the engine serves when step `step` starts
-        fresh = [s for s in samples if s.version >= current - self.cfg.max_staleness]
+        fresh = fresh_samples(samples, current, self.cfg.max_staleness)
         self.dropped_stale += len(samples) - len(fresh)
         share_n = len(fresh) // self.dp.size
         mine = fresh[self.dp.rank * share_n : (self.dp.rank + 1) * share_n]
@@ -167,7 +198,7 @@ class GRPOObjective:
     def after_step(self, step: int) -> dict[str, float]:
         """Sync metrics of this step, and held-out accuracy every `eval_every` steps."""
         out = {} if self.syncer is None else dict(self.syncer.last_metrics)
-        if self.cfg.eval_every and step % self.cfg.eval_every == 0 and dist.get_rank() == 0:
+        if self.cfg.eval_every and step % self.cfg.eval_every == 0:
             out |= self._evaluate(step)
         return out
 

@@ -6,6 +6,7 @@ the size of the adapter and its optimizer state, and resuming works for any numb
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import shutil
@@ -16,10 +17,49 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
-from titan_lora.lora.layer import adapter_params
+from titan_lora.lora.layer import adapter_params, lora_modules
+from titan_lora.trainer.finite import NonFiniteAdapterError, first_nonfinite_adapter
 
 logger = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+SIGNATURE_FILE = "titan_lora_adapter.json"
+"""Beside DCP's files: the LoRA rank and adapted modules, compared before a resume."""
+
+
+def complete_steps(folder: Path) -> list[int]:
+    """Steps under `folder` that have a complete checkpoint (DCP writes `.metadata` last), oldest first."""
+    if not folder.is_dir():
+        return []
+    found = [int(m.group(1)) for p in folder.iterdir() if (m := _STEP_DIR.match(p.name))]
+    return sorted(s for s in found if (folder / f"step-{s}" / ".metadata").exists())
+
+
+def adapter_signature(rank: int, targets: list[str]) -> dict[str, Any]:
+    """What a checkpoint's adapter shapes depend on: the LoRA rank and the adapted linears."""
+    return {"lora_rank": rank, "target_modules": sorted(targets)}
+
+
+def check_resume_compatible(folder: Path, rank: int, targets: list[str]) -> None:
+    """Refuse to resume from a checkpoint whose adapter has another rank or other targets."""
+    steps = complete_steps(folder)
+    if not steps:
+        return
+    path = folder / f"step-{steps[-1]}"
+    meta = path / SIGNATURE_FILE
+    if not meta.exists():
+        return  # written before signatures existed: DCP's own shape check is all there is
+    saved = json.loads(meta.read_text())
+    diff = sorted(set(saved["target_modules"]) ^ set(targets))
+    if saved["lora_rank"] == rank and not diff:
+        return
+    if saved["lora_rank"] != rank:
+        what = f"[lora] rank = {saved['lora_rank']}, this job has rank = {rank}"
+    else:
+        what = f"other [lora] target_modules (they differ in {diff[:4]}{' ...' if len(diff) > 4 else ''})"
+    raise ValueError(
+        f"cannot resume from {path}: it was saved with {what}; use the same [lora] settings, or start "
+        "afresh with another [checkpoint] folder (or [job] dump_folder), or remove that folder"
+    )
 
 
 class AdapterCheckpointer:
@@ -45,18 +85,26 @@ class AdapterCheckpointer:
 
     def steps(self) -> list[int]:
         """Steps that have a complete checkpoint, oldest first."""
-        if not self.folder.is_dir():
-            return []
-        found = [int(m.group(1)) for p in self.folder.iterdir() if (m := _STEP_DIR.match(p.name))]
-        return sorted(s for s in found if (self.folder / f"step-{s}" / ".metadata").exists())
+        return complete_steps(self.folder)
 
     def should_save(self, step: int, last_step: int) -> bool:
         """True on every `interval`-th step and on the last one."""
         return self.interval > 0 and (step % self.interval == 0 or step == last_step)
 
     def save(self, step: int) -> None:
-        """Collective: write the checkpoint of `step`, then prune old ones."""
+        """Collective: write the checkpoint of `step`, then prune old ones; refuses a non-finite adapter.
+
+        Only finite adapters are ever saved, so pruning to the newest `keep_latest` always keeps the
+        last finite checkpoint.
+        """
+        bad = first_nonfinite_adapter(self.model)
+        if bad is not None:
+            raise NonFiniteAdapterError(f"refusing to save the checkpoint of step {step}: adapter tensor "
+                                        f"{bad} holds NaN/Inf; the earlier checkpoints are kept as they are")
         path = self.folder / f"step-{step}"
+        if dist.get_rank() == 0:
+            path.mkdir(parents=True, exist_ok=True)
+            (path / SIGNATURE_FILE).write_text(json.dumps(self._signature()))
         dcp.save(self._state(step), checkpoint_id=str(path))
         if dist.get_rank() == 0:
             for old in self.steps()[: -self.keep_latest]:
@@ -64,11 +112,18 @@ class AdapterCheckpointer:
             logger.info("saved checkpoint %s", path)
         dist.barrier()
 
+    def _signature(self) -> dict[str, Any]:
+        modules = list(lora_modules(self.model))
+        rank = modules[0][1].lora_A.shape[0] if modules else 0  # the global shape, also for DTensors
+        return adapter_signature(rank, [name for name, _ in modules])
+
     def load_latest(self) -> int:
         """Collective: restore the newest checkpoint in place; returns its step, or 0 when there is none."""
         steps = self.steps()
         if not steps:
             return 0
+        signature = self._signature()
+        check_resume_compatible(self.folder, signature["lora_rank"], signature["target_modules"])
         path = self.folder / f"step-{steps[-1]}"
         state = self._state(0)
         dcp.load(state, checkpoint_id=str(path))

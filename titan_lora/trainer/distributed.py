@@ -10,6 +10,8 @@ import torch.distributed as dist
 import torchtitan.distributed.parallel_dims as titan_parallel_dims
 from torchtitan.distributed import ParallelDims
 
+from titan_lora.trainer.parallel import parallel_dims
+
 
 def device_for_rank() -> torch.device:
     """This rank's device: its GPU under torchrun when CUDA is available, else the CPU."""
@@ -37,15 +39,6 @@ def build_parallel_dims(parallelism, world_size: int, device: torch.device) -> P
     # torchtitan picks the mesh device type at import time and falls back to "cuda" when no
     # accelerator is present; the mesh must be built on the device we actually run on.
     titan_parallel_dims.device_type = device.type
-    dims = ParallelDims(
-        dp_shard=parallelism.data_parallel_shard_degree,
-        dp_replicate=parallelism.data_parallel_replicate_degree,
-        cp=parallelism.context_parallel_degree,
-        tp=parallelism.tensor_parallel_degree,
-        pp=parallelism.pipeline_parallel_degree,
-        ep=parallelism.expert_parallel_degree,
-        etp=parallelism.expert_tensor_parallel_degree,
-        world_size=world_size,
-    )
+    dims = parallel_dims(parallelism, world_size)
     dims.build_mesh()
     return dims

@@ -17,6 +17,7 @@ import titan_lora.lora.converter  # noqa: F401  (registers "lora" before convert
 import titan_lora.model.smollm2  # noqa: F401  (registers the model train specs)
 from titan_lora import config as ours
 from titan_lora.lora.targets import resolve_targets
+from titan_lora.trainer.preflight import preflight
 
 CUSTOM_CONFIG_MODULE = "titan_lora.config"
 _OUR_SECTIONS = {"lora": ours.LoRA, "weight_sync": ours.WeightSync, "data": ours.Data, "grpo": ours.GRPO}
@@ -48,16 +49,20 @@ def check_toml(toml: dict) -> None:
             raise ValueError(f"[model] converters names {name!r}, which is not registered; known: {known}")
 
 
-def check_targets(job_config) -> None:  # noqa: ANN001
-    """Resolve `[lora] target_modules` on a meta-device copy of the model (milliseconds, no memory)."""
+def check_targets(job_config) -> list[str] | None:  # noqa: ANN001
+    """Resolve `[lora] target_modules` on a meta-device copy of the model (milliseconds, no memory).
+
+    Returns the qualified names of the linears to adapt; None without the "lora" converter.
+    """
     if "lora" not in job_config.model.converters:
-        return
+        return None
     spec = get_train_spec(job_config.model.name)
     if job_config.model.flavor not in spec.model_args:
         raise ValueError(f"[model] flavor = {job_config.model.flavor!r} is unknown for "
                          f"{job_config.model.name!r}; choose one of {sorted(spec.model_args)}")
     with torch.device("meta"):
-        resolve_targets(spec.model_cls(spec.model_args[job_config.model.flavor]), job_config.lora.target_modules)
+        model = spec.model_cls(spec.model_args[job_config.model.flavor])
+    return resolve_targets(model, job_config.lora.target_modules)
 
 
 def load_job_config(argv: list[str]):  # noqa: ANN201 (a dataclass type made at run time)
@@ -69,9 +74,10 @@ def load_job_config(argv: list[str]):  # noqa: ANN201 (a dataclass type made at 
     args = [*argv, f"--job.custom_config_module={CUSTOM_CONFIG_MODULE}"]
     job_config = ConfigManager().parse_args(args)
     ours.validate_lora(job_config.lora)
-    check_targets(job_config)
+    targets = check_targets(job_config)
     ours.validate_weight_sync(job_config.weight_sync)
     ours.validate_grpo(job_config.grpo, job_config.weight_sync)
+    preflight(job_config, targets)
     return job_config
 
 

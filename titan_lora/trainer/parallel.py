@@ -17,6 +17,26 @@ class DataParallelInfo:
     group: dist.ProcessGroup | None
 
 
+def parallel_dims(parallelism, world_size: int) -> ParallelDims:  # noqa: ANN001
+    """torchtitan's ParallelDims for `[parallelism]` on `world_size` ranks (no mesh yet; -1 resolved)."""
+    try:
+        return ParallelDims(
+            dp_shard=parallelism.data_parallel_shard_degree,
+            dp_replicate=parallelism.data_parallel_replicate_degree,
+            cp=parallelism.context_parallel_degree, tp=parallelism.tensor_parallel_degree,
+            pp=parallelism.pipeline_parallel_degree, ep=parallelism.expert_parallel_degree,
+            etp=parallelism.expert_tensor_parallel_degree, world_size=world_size,
+        )
+    except AssertionError as err:
+        raise ValueError(f"[parallelism] does not fit {world_size} ranks: {err}") from None
+
+
+def data_parallel_size(parallelism, world_size: int) -> int:  # noqa: ANN001
+    """The DP degree (replicas x shards) torchtitan derives from `[parallelism]` on `world_size` ranks."""
+    dims = parallel_dims(parallelism, world_size)
+    return dims.dp_replicate * dims.dp_shard
+
+
 def data_parallel_info(dims: ParallelDims) -> DataParallelInfo:
     """DP rank, size and group from torchtitan's "batch" mesh (HSDP replicas x FSDP shards)."""
     mesh = dims.get_optional_mesh("batch")

@@ -1,0 +1,100 @@
+"""The GRPO objective's engine calls go through the syncer's recovery; eval failures never end the run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from titan_lora.config import GRPO
+from titan_lora.emitters.base import EmitterError
+from titan_lora.engines.rollout import Completion
+from titan_lora.rl.objective import GRPOObjective, fresh_samples
+from titan_lora.rl.rollout import Sample
+from titan_lora.sync.versions import AdapterVersions
+from titan_lora.trainer.parallel import DataParallelInfo
+
+
+def _sample(version: int) -> Sample:
+    return Sample([1, 2], [3], [-0.5], 1.0, 0.5, version, "3")
+
+
+def test_fresh_samples_keeps_versions_within_the_staleness_window() -> None:
+    samples = [_sample(v) for v in (2, 3, 4, 5, 5)]
+    assert [s.version for s in fresh_samples(samples, current_version=5, max_staleness=1)] == [4, 5, 5]
+    assert [s.version for s in fresh_samples(samples, current_version=5, max_staleness=0)] == [5, 5]
+    assert len(fresh_samples(samples, current_version=5, max_staleness=3)) == 5
+    assert fresh_samples([], current_version=5, max_staleness=1) == []
+
+
+def test_all_stale_samples_raise_a_clear_error() -> None:
+    with pytest.raises(RuntimeError, match=r"every one of the 2 samples is stale: .*versions \[1, 2\].*"
+                                           r"version 7 and \[grpo\] max_staleness = 1"):
+        fresh_samples([_sample(1), _sample(2)], current_version=7, max_staleness=1)
+
+
+class FakeClient:
+    """Greedy answers: right for the prompts in `answers`, "99" otherwise; sampling answers "5"."""
+
+    def __init__(self, answers: dict[tuple[int, ...], str]) -> None:
+        self.answers = answers
+
+    def generate(self, prompts, adapter, max_tokens, temperature, seed, stop):  # noqa: ANN001, ANN201
+        texts = [self.answers.get(tuple(p), "99") if temperature == 0 else "5" for p in prompts]
+        return [Completion([7, 8], t, [-0.1, -0.2]) for t in texts]
+
+
+class FakeSyncer:
+    """Records what runs through `with_engine`; `failing` makes it give up as after its restarts."""
+
+    def __init__(self, failing: bool = False) -> None:
+        self.failing = failing
+        self.calls: list[str] = []
+        self.rollouts = FakeClient({})
+        self.versions = AdapterVersions("policy", 2)
+        self.versions.publish(4)
+        self.last_metrics: dict[str, float] = {}
+
+    def with_engine(self, fn, what: str):  # noqa: ANN001, ANN201
+        self.calls.append(what)
+        if self.failing:
+            raise EmitterError("the engine failed after 3 restarts")
+        return fn()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir):  # noqa: ANN001, ANN201
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+def _objective(tokenizer, syncer: FakeSyncer) -> GRPOObjective:  # noqa: ANN001
+    cfg = GRPO(enabled=True, prompts_per_step=2, group_size=2, max_new_tokens=4, eval_size=6, eval_every=5)
+    return GRPOObjective(cfg, tokenizer, syncer, DataParallelInfo(0, 1, None), torch.device("cpu"), None)
+
+
+def test_rollouts_run_through_the_engine_recovery(tokenizer) -> None:
+    syncer = FakeSyncer()
+    samples = _objective(tokenizer, syncer)._samples(5)
+    assert syncer.calls == ["rollouts of step 5"]
+    assert len(samples) == 4 and {s.version for s in samples} == {4}
+
+
+def test_a_rollout_failure_after_recovery_ends_the_step(tokenizer) -> None:
+    syncer = FakeSyncer(failing=True)
+    with pytest.raises(EmitterError, match="after 3 restarts"):
+        _objective(tokenizer, syncer).loss(None, 5)
+    assert syncer.calls == ["rollouts of step 5"]
+
+
+def test_eval_runs_through_the_recovery_and_its_failures_are_counted_not_raised(tokenizer) -> None:
+    syncer = FakeSyncer()
+    objective = _objective(tokenizer, syncer)
+    right = {tuple(ids): str(p.answer) for ids, p in zip(objective.heldout_ids, objective.heldout)}
+    syncer.rollouts.answers = {k: v for i, (k, v) in enumerate(right.items()) if i < 3}  # 3 of 6 right
+    assert objective.after_step(5) == {"eval/accuracy": 0.5, "eval/failures": 0}
+    assert objective.after_step(4) == {}, "eval_every = 5: no eval at step 4"
+    syncer.failing = True
+    assert objective.after_step(10) == {"eval/failures": 1}
+    assert objective.after_step(15) == {"eval/failures": 2}
+    assert syncer.calls == ["held-out eval at step 5", "held-out eval at step 10", "held-out eval at step 15"]
