@@ -139,6 +139,11 @@ def register_emitter(name: str) -> Callable[[EmitterFactory], EmitterFactory]:
     return wrap
 
 
+def registered_emitters() -> list[str]:
+    """The names `[weight_sync] emitter` accepts, once the emitter modules are imported."""
+    return sorted(_EMITTERS)
+
+
 def build_emitter(cfg: WeightSync) -> Emitter:
     """Build the emitter that `cfg.emitter` names."""
     if cfg.emitter not in _EMITTERS:

@@ -23,11 +23,11 @@ from http.server import ThreadingHTTPServer
 
 import torch
 
+from titan_lora.emitters.base import check_name
 from titan_lora.emitters.buckets import LayoutCache, bucket_size, tensor_views
 from titan_lora.emitters.transport import BufferCache
 from titan_lora.engines.http_server import DEFAULT_MAX_BODY_MB, make_handler
-from titan_lora.engines.transfers import (TransferStore, begin_hook, check_adapter_name, check_segment,
-                                          fault_pause)
+from titan_lora.engines.transfers import TransferStore, fault_pause
 
 logger = logging.getLogger("titan_lora.receiver")
 
@@ -61,10 +61,8 @@ class ReceiverService:
     def bucket(self, req: dict) -> dict:
         """Copy one bucket out, check its checksum, then acknowledge it."""
         entries = self.layouts.resolve(req["layout"], req.get("header"))
-        segment = check_segment(req["segment"])
-        kind = req.get("kind", "adapter")
-        staged = self.transfers.stage(req["transfer_id"], kind, begin_hook(self.buffers))
-        buffer = self.buffers.get(segment)
+        buffer = self.buffers.get(req["segment"])  # refuses anything but a bare segment name
+        staged = self.transfers.stage(req["transfer_id"], req.get("kind", "adapter"), self.buffers.prune)
         fault_pause()
         owned = buffer[: bucket_size(entries)].clone()
         if owned.is_cuda:  # the copy must be done before the ack lets the trainer reuse the buffer
@@ -78,7 +76,7 @@ class ReceiverService:
     def adapter(self, req: dict) -> dict:
         """Keep the staged transfer as adapter `name`."""
         started = time.perf_counter()
-        name = check_adapter_name(req["name"])
+        name = check_name(req["name"])
         tensors = self.transfers.take(req["transfer_id"]).tensors
         with self._lock:
             self.adapters[name] = tensors

@@ -18,7 +18,6 @@ import collections
 import dataclasses
 import os
 import pathlib
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -32,27 +31,10 @@ PAUSE_ENV = "TITAN_LORA_FAULT_BUCKET_PAUSE_S"
 MARKER_ENV = "TITAN_LORA_FAULT_MARKER"
 KEEP_UNCOMMITTED = {"base": 1, "adapter": 2}  # per kind, the newest transfers that may wait for a commit
 _FORGOTTEN_KEPT = 256  # ids of evicted or discarded transfers remembered, to refuse their late buckets
-_BARE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 
 
 class ChecksumMismatch(ValueError):
     """The bytes the engine holds are not the bytes the trainer sent."""
-
-
-def check_adapter_name(name: Any) -> str:
-    """`name` if it is a bare adapter name (no path characters), else ValueError."""
-    if not isinstance(name, str) or not _BARE_NAME.fullmatch(name):
-        raise ValueError(f"adapter name {name!r} is refused: use only [A-Za-z0-9._-], not starting with '.'")
-    return name
-
-
-def check_segment(desc: dict) -> dict:
-    """`desc` if its shared-memory segment is a bare name in /dev/shm (never a path), else ValueError."""
-    name = desc.get("name")
-    if desc.get("kind") == "shm" and not (isinstance(name, str) and _BARE_NAME.fullmatch(name)):
-        raise ValueError(f"shared-memory segment name {name!r} is refused: it must be a bare name "
-                         "([A-Za-z0-9._-], no '/', not starting with '.')")
-    return desc
 
 
 def fault_pause() -> None:
@@ -113,8 +95,11 @@ class TransferStore:
         `held` against the trainer's checksum; the return value is the bucket's ack."""
         if keep is not None:
             staged.held.append(keep)  # given back by on_drop even when the check below fails
+        if expected is None:
+            self.discard(transfer_id)
+            raise ValueError("a bucket came without the checksum of its bytes: upgrade the trainer's titan_lora")
         checksum = bucket_checksum(held)
-        if expected is not None and checksum != expected:
+        if checksum != expected:
             self.discard(transfer_id)
             raise ChecksumMismatch(f"checksum mismatch in transfer {transfer_id}: the engine holds "
                                    f"{checksum}, the trainer sent {expected}; the transfer was discarded, "
@@ -147,9 +132,3 @@ class TransferStore:
     def _forget(self, transfer_id: str) -> Staged:
         self._forgotten.append(transfer_id)
         return self._staged.pop(transfer_id)
-
-
-def begin_hook(cache: Any) -> Callable[[], None]:
-    """What to run when a transfer begins: the buffer cache's pruning of stale mappings, where the
-    transport has it."""
-    return getattr(cache, "prune", None) or (lambda: None)

@@ -31,7 +31,7 @@ from vllm.platforms import current_platform
 from titan_lora.emitters.buckets import Entry, LayoutCache, bucket_size, tensor_views
 from titan_lora.emitters.transport import BufferCache
 from titan_lora.engines import vllm_cpu_lora
-from titan_lora.engines.transfers import Staged, TransferStore, begin_hook, check_segment, fault_pause
+from titan_lora.engines.transfers import Staged, TransferStore, fault_pause
 from titan_lora.engines.vllm_fastpath import AdapterPlan, install_slot_writer, register
 from titan_lora.host_copy import copy_flat
 
@@ -155,9 +155,8 @@ class TitanLoRAWorkerExtension:
         """Copy one bucket out of the trainer's buffer and check it; the return value is the ack."""
         state = self._titan_state()
         entries = state.layouts.resolve(layout, header)
-        check_segment(segment)
-        staged = state.transfers.stage(transfer_id, kind, begin_hook(state.buffers))
-        buffer = state.buffers.get(segment)
+        buffer = state.buffers.get(segment)  # refuses anything but a bare segment name
+        staged = state.transfers.stage(transfer_id, kind, state.buffers.prune)
         fault_pause()
         if kind == "adapter":  # into a reusable host slab (vLLM keeps adapters on the host)
             slab = state.slabs.take(layout, entries)

@@ -27,8 +27,8 @@ from collections.abc import Iterator
 from http.server import ThreadingHTTPServer
 from typing import Any
 
+from titan_lora.emitters.base import check_name
 from titan_lora.engines.http_server import DEFAULT_MAX_BODY_MB, make_handler
-from titan_lora.engines.transfers import check_adapter_name
 from titan_lora.engines.vllm_loop import EngineLoop
 
 logger = logging.getLogger("titan_lora.engine")
@@ -76,7 +76,7 @@ class EngineService:
 
     def adapter(self, req: dict) -> dict:
         """Install the staged transfer as adapter `name` under a fresh int id."""
-        name = check_adapter_name(req["name"])
+        name = check_name(req["name"])
         self._unload_to_replace(name)  # a resumed trainer re-sends its last version
         with self._table:
             lora_id = self._new_id()
@@ -100,7 +100,7 @@ class EngineService:
         """vLLM's own disk path: load a PEFT directory as adapter `name` (the baseline)."""
         from vllm.lora.request import LoRARequest
 
-        name = check_adapter_name(req["name"])
+        name = check_name(req["name"])
         with self._table:
             if name in self.adapters:
                 raise ValueError(f"adapter {name!r} is already loaded: unload it first or use a new "

@@ -34,10 +34,10 @@ def check_emitter(emitter: str) -> None:
     import titan_lora.emitters.disk  # noqa: F401  (each import registers its emitter)
     import titan_lora.emitters.sglang  # noqa: F401
     import titan_lora.emitters.vllm  # noqa: F401
-    from titan_lora.emitters.base import _EMITTERS
+    from titan_lora.emitters.base import registered_emitters
 
-    if emitter not in _EMITTERS:
-        known = ", ".join(sorted(_EMITTERS))
+    if emitter not in registered_emitters():
+        known = ", ".join(registered_emitters())
         raise ValueError(f"[weight_sync] emitter = {emitter!r} is unknown; use one of {known}")
 
 
