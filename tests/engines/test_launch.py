@@ -43,9 +43,11 @@ def _info(eng: EmbeddedEngine) -> dict:
     return JsonClient(eng.url, eng.api_key, timeout_s=5).post("/titan/info")
 
 
-def test_a_busy_port_is_a_clear_error_and_the_other_engine_is_left_alone(engine, tmp_path) -> None:  # noqa: ANN001
+def test_a_busy_port_is_a_clear_error_and_the_other_engine_is_left_alone(
+        engine: EmbeddedEngine, tmp_path: Path) -> None:
     other_pid, other_nonce = engine.proc.pid, engine.nonce
-    with pytest.raises(EmitterError, match=rf"port {engine.port} is already in use.*\[weight_sync\] engine_port"):
+    busy = rf"port {engine.port} is already in use.*\[weight_sync\] engine_port"
+    with pytest.raises(EmitterError, match=busy):
         _engine(tmp_path / "second", port=engine.port)
     assert engine.alive() and engine.proc.pid == other_pid
     assert _info(engine)["nonce"] == other_nonce, "the first engine must still serve, untouched"

@@ -88,7 +88,8 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def expected_adapter(built) -> dict[str, torch.Tensor]:  # noqa: ANN001
     """Collective: the adapter in PEFT naming, from the model's params (the oracle: torchtitan names
     renamed and permuted by the export path, not by the gatherer)."""
-    full = {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for n, p in adapter_params(built.model)}
+    full = {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+            for n, p in adapter_params(built.model)}
     return to_peft_names(full, built.sd_adapter)
 
 

@@ -11,7 +11,12 @@ from dist_helpers import run_ranks
 from syncer_helpers import build_syncer, expected_base, sync_cfg
 from torch.distributed.tensor import DTensor
 
-from titan_lora.emitters.base import Ack
+from titan_lora.emitters.base import Ack, EmitterError
+
+
+def digest(t: torch.Tensor) -> str:
+    """SHA-256 of a tensor's bytes."""
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def retained_bytes(exclude: set[int]) -> int:
@@ -35,9 +40,11 @@ def storages() -> set[int]:
 
 class LazyEmitter:
     """Consumes the base stream one tensor at a time, keeping only each tensor's digest, and measures
-    what rank 0 holds while it holds one tensor."""
+    what rank 0 holds while it holds one tensor. Its first attempt fails after `fail_after` tensors."""
 
-    def __init__(self) -> None:
+    def __init__(self, fail_after: int) -> None:
+        self.fail_after = fail_after
+        self.attempts = 0
         self.baseline: set[int] = set()
         self.digests: dict[str, str] = {}
         self.over: list[tuple[str, int, int]] = []  # (name, held bytes, that tensor's bytes)
@@ -47,10 +54,13 @@ class LazyEmitter:
 
     def send_base(self, tensors, version: int) -> Ack:  # noqa: ANN001
         count = nbytes = 0
+        self.attempts += 1
         for name, t in tensors:
+            if self.attempts == 1 and count == self.fail_after:
+                raise EmitterError("the engine refused a bucket")  # stops consuming: the syncer drains
             size = t.numel() * t.element_size()
             self.over.append((name, retained_bytes(self.baseline), size))
-            self.digests[name] = hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+            self.digests[name] = digest(t)
             count, nbytes = count + 1, nbytes + size
         return Ack(version, count, nbytes)
 
@@ -66,7 +76,7 @@ class LazyEmitter:
 
 def _stream(rank: int, world: int) -> None:
     built, syncer = build_syncer(rank, sync_cfg(), None, url="http://127.0.0.1:1")
-    emitter = LazyEmitter() if rank == 0 else None
+    emitter = LazyEmitter(fail_after=3) if rank == 0 else None
     syncer.emitter, syncer.engine = emitter, None
     held_on_rank1: list[int] = []
     full_tensor = DTensor.full_tensor
@@ -83,18 +93,17 @@ def _stream(rank: int, world: int) -> None:
     base = expected_base(built)  # collective oracle: the whole model through sd_adapter.to_hf
     total = sum(t.numel() * t.element_size() for t in base.values())
     if rank == 0:
-        want = {n: hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-                for n, t in base.items()}
+        want = {n: digest(t) for n, t in base.items()}
         assert list(emitter.digests) == list(want) and emitter.digests == want
         assert "lm_head.weight" not in emitter.digests, "tied: the engine ties lm_head itself"
-        assert syncer.counters["base_sends"] == 1
+        assert syncer.counters["base_sends"] == 1 and emitter.attempts == 2, "one retry of the whole stream"
         worst = max(held - 2 * size for _, held, size in emitter.over)
         assert worst <= 64 * 2**10, f"rank 0 held more than one tensor (+ its permuted copy): {emitter.over}"
     else:
-        assert len(held_on_rank1) >= len(base), "rank 1 took part in every gather"
+        assert len(held_on_rank1) == 2 * len(base), "rank 1 took part in every gather of both attempts"
         assert max(held_on_rank1) <= 64 * 2**10 < total, f"rank 1 kept gathered tensors: {held_on_rank1}"
     assert after <= 64 * 2**10, f"{after} bytes left behind after the base send"
 
 
-def test_the_base_streams_one_tensor_at_a_time_and_other_ranks_keep_nothing() -> None:
+def test_the_base_streams_one_tensor_at_a_time_other_ranks_keep_nothing_and_a_retry_reruns_it() -> None:
     run_ranks(2, _stream)

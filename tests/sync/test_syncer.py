@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
+import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +22,7 @@ from syncer_helpers import (
 from titan_lora.emitters.base import EmitterError
 from titan_lora.lora.layer import adapter_params
 from titan_lora.sync.parity import ParityProbe
-from titan_lora.sync.syncer import NonFiniteAdapter
+from titan_lora.sync.syncer import EngineFailed, NonFiniteAdapter
 
 
 def digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
@@ -63,13 +66,19 @@ def _kill_mid_base_then_during_rollouts(rank: int, world: int, tmp: str) -> None
             assert served == ["policy-v1"] and engine.starts == 3
             assert syncer.counters["base_sends"] == 2 and syncer.versions.active.name == "policy-v1"
             assert engine_digest(syncer, "policy-v1") == digests(adapter)
+            os.kill(engine.proc.pid, signal.SIGSTOP)  # hung: alive, not serving
         else:
             assert served is None
+        syncer.sync(2)  # the health check finds it hung within health_timeout_s: killed, restarted
+        if rank == 0:
+            assert engine.starts == 4 and syncer.counters["engine_recoveries"] == 3
+            assert engine_adapters(syncer) == ["policy-v2"] and syncer.versions.live == [2]
+            assert engine_digest(syncer, "policy-v2") == digests(adapter)
     finally:
         syncer.close()
 
 
-def test_a_kill_mid_transfer_and_during_rollouts_is_recovered_with_the_right_bytes(tmp_path) -> None:  # noqa: ANN001
+def test_a_kill_mid_transfer_or_in_rollouts_and_a_hang_are_recovered_with_right_bytes(tmp_path: Path) -> None:
     run_ranks(2, _kill_mid_base_then_during_rollouts, str(tmp_path))
 
 
@@ -94,11 +103,16 @@ def _errors_raise_on_every_rank(rank: int, world: int, tmp: str) -> None:
             syncer.sync(3)
         if rank == 0:
             assert syncer.versions.active.name == "policy-v1" and engine.starts == 1, "a healthy engine"
+            kill(engine)
+        syncer.cfg.engine_restarts = 0  # no recovery allowed: the dead engine ends the run, on every rank
+        failed = r"rollouts: .* after 0 recoveries \(\[weight_sync\] engine_restarts\)"
+        with pytest.raises(EngineFailed, match=failed):
+            syncer.with_engine(lambda: engine_adapters(syncer), "rollouts")
     finally:
         syncer.close()
 
 
-def test_an_engine_error_and_a_wrong_ack_raise_on_every_rank_and_publish_nothing(tmp_path) -> None:  # noqa: ANN001
+def test_an_engine_error_and_a_wrong_ack_raise_on_every_rank_and_publish_nothing(tmp_path: Path) -> None:
     run_ranks(2, _errors_raise_on_every_rank, str(tmp_path))
 
 
@@ -140,7 +154,7 @@ def _attached_engine_restarts(rank: int, world: int, tmp: str) -> None:
             engine.stop()
 
 
-def test_an_attached_engine_that_restarts_gets_the_base_then_the_newest_adapter(tmp_path) -> None:  # noqa: ANN001
+def test_an_attached_engine_that_restarts_gets_the_base_then_the_newest_adapter(tmp_path: Path) -> None:
     run_ranks(2, _attached_engine_restarts, str(tmp_path))
 
 
@@ -162,7 +176,7 @@ def _live_versions_bounded(rank: int, world: int, tmp: str) -> None:
         syncer.close()
 
 
-def test_live_versions_stay_within_keep_plus_one_without_waiting_for_retirements(tmp_path) -> None:  # noqa: ANN001
+def test_live_versions_stay_within_keep_plus_one_without_waiting_for_retirements(tmp_path: Path) -> None:
     run_ranks(2, _live_versions_bounded, str(tmp_path))
 
 
@@ -182,7 +196,7 @@ def _nonfinite(rank: int, world: int, tmp: str) -> None:
         syncer.close()
 
 
-def test_a_nonfinite_adapter_raises_on_every_rank_and_is_not_sent(tmp_path) -> None:  # noqa: ANN001
+def test_a_nonfinite_adapter_raises_on_every_rank_and_is_not_sent(tmp_path: Path) -> None:
     run_ranks(2, _nonfinite, str(tmp_path))
 
 
@@ -219,5 +233,5 @@ def _parity_gate(rank: int, world: int, tmp: str) -> None:
         syncer.close()
 
 
-def test_the_parity_gate_holds_a_bad_version_back_and_a_probe_failure_never_ends_the_run(tmp_path) -> None:  # noqa: ANN001
+def test_the_parity_gate_holds_a_bad_version_back_and_a_failed_probe_never_stops(tmp_path: Path) -> None:
     run_ranks(2, _parity_gate, str(tmp_path))

@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 
 from titan_lora.config import WeightSync
-from titan_lora.emitters.base import Ack, AdapterPayload, Emitter, EmitterError, EngineLimits, EngineWeightsLost
+from titan_lora.emitters.base import (
+    Ack, AdapterPayload, Emitter, EmitterError, EngineLimits, EngineWeightsLost,
+)
 from titan_lora.engines.http import EngineDied, EngineUnreachable
 from titan_lora.sync.adapter_source import AdapterSource
 from titan_lora.sync.collective import RankZeroError, on_rank0, share
@@ -84,7 +86,7 @@ def backoff(attempt: int) -> None:
 
 def with_retries(fn: Callable[[], T], retries: int, what: str, alive: Callable[[], bool] | None = None) -> T:
     """Call `fn`, retrying on EmitterError with capped back-off; engine faults that a retry cannot mend
-    (weights lost, or `alive()` False: a dead embedded engine) are re-raised at once."""
+    (weights lost, or `alive()` False: a dead or hung embedded engine) are re-raised at once."""
     for attempt in range(retries + 1):
         try:
             return fn()
@@ -92,7 +94,7 @@ def with_retries(fn: Callable[[], T], retries: int, what: str, alive: Callable[[
             raise
         except EmitterError as err:
             if alive is not None and not alive():
-                raise EngineDied(f"{what}: the engine process is gone ({err})") from err
+                raise EngineDied(f"{what}: the engine is dead or hung ({err})") from err
             if attempt == retries:
                 raise EmitterError(f"{what} failed after {retries + 1} attempts: {err}") from err
             logger.warning("%s failed (%s); retrying", what, err)
@@ -146,7 +148,8 @@ class WeightSyncer:
         self.rollouts = rollouts  # rank 0
         self.probe = probe
         self.versions = AdapterVersions(cfg.lora_name, cfg.keep_versions)
-        self.retirer = Retirer(self.versions, emitter.retire_adapter, cfg.retire_timeout_s) if emitter else None
+        self.retirer = (Retirer(self.versions, emitter.retire_adapter, cfg.retire_timeout_s)
+                        if emitter else None)
         self._base_incarnation: str | None = None
         self._current: int | None = None  # the version the engine got last: the params as they are now
         self.counters = {"base_sends": 0, "syncs": 0, "engine_recoveries": 0, "probe_failures": 0,
@@ -155,7 +158,8 @@ class WeightSyncer:
 
     # ---- rank 0's view of the engine -------------------------------------------------------------
     def _alive(self) -> bool:
-        return self.engine is None or self.engine.alive()
+        # After a failed request: retrying a dead or hung embedded engine only burns the timeout.
+        return self.engine is None or self.engine.healthy(self.cfg.health_timeout_s)
 
     def _retrying(self, fn: Callable[[], T], what: str) -> T:
         return with_retries(fn, self.cfg.retries, what, alive=self._alive)
@@ -203,7 +207,8 @@ class WeightSyncer:
                 last = err
                 if attempt == self.cfg.engine_restarts:
                     break
-                logger.warning("%s; recovering the engine (%d of %d)", err, attempt + 1, self.cfg.engine_restarts)
+                logger.warning("%s; recovering the engine (%d of %d)", err, attempt + 1,
+                               self.cfg.engine_restarts)
                 self.counters["engine_recoveries"] += 1
                 try:
                     self._recover(republish)
@@ -258,7 +263,8 @@ class WeightSyncer:
 
     def _ensure_base(self, version: int) -> dict[str, float]:
         """Collective: send the base when this engine incarnation has not got ours."""
-        needed = share(self._rank0(lambda: self._incarnation() != self._base_incarnation, "reaching the engine"))
+        needed = share(self._rank0(lambda: self._incarnation() != self._base_incarnation,
+                                   "reaching the engine"))
         return self._send_base(version) if needed else {}
 
     def _send_base(self, version: int) -> dict[str, float]:
@@ -271,7 +277,8 @@ class WeightSyncer:
                                   then=tally.drain)
             except EmitterError as err:  # raised on every rank alike
                 if attempt == self.cfg.retries:
-                    raise EmitterError(f"sending the base failed after {attempt + 1} attempts: {err}") from err
+                    raise EmitterError(f"sending the base failed after {attempt + 1} attempts: {err}") \
+                        from err
                 logger.warning("sending the base failed (%s); retrying", err)
                 backoff(attempt)
                 continue
@@ -298,8 +305,8 @@ class WeightSyncer:
         payload = self.source.snapshot(version)  # collective
         metrics: dict[str, float] = {"gather_ms": (time.perf_counter() - t0) * 1e3}
         self._check_finite(version)
-        metrics |= self._recovering(lambda: self._transfer(payload, version), f"syncing adapter version {version}",
-                                    republish=False)
+        metrics |= self._recovering(lambda: self._transfer(payload, version),
+                                    f"syncing adapter version {version}", republish=False)
         self._current = version
         metrics |= self._maybe_probe_and_publish(payload)
         metrics["total_ms"] = (time.perf_counter() - started) * 1e3
@@ -335,7 +342,8 @@ class WeightSyncer:
     def _maybe_probe_and_publish(self, payload: AdapterPayload | None) -> dict[str, float]:
         """Collective: the parity probe when due; then rank 0 publishes unless the parity gate holds it."""
         figures = {}
-        due = self.probe is not None and self.cfg.parity_every and self.counters["syncs"] % self.cfg.parity_every == 0
+        every = self.cfg.parity_every
+        due = self.probe is not None and every and self.counters["syncs"] % every == 0
         if due:
             figures = self._probe(payload.name if payload is not None else "")
         if self.emitter is None:
