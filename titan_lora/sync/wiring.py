@@ -45,7 +45,7 @@ def base_weights_source(model: nn.Module, sd_adapter, tied_embeddings: bool) -> 
     """
 
     def stream() -> Iterator[tuple[str, torch.Tensor]]:
-        rank0 = dist.get_rank() == 0
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
         for name, param in model.named_parameters():
             if is_adapter_param(name):
                 continue
