@@ -218,6 +218,11 @@ def _parity_gate(rank: int, world: int, tmp: str) -> None:
         m1 = syncer.sync(1)
         syncer.probe.tolerance = 1e-3
         m2 = syncer.sync(2)
+        if rank == 0:
+            kill(engine)  # the engine restarts while version 2 (gated) holds the params
+        held = syncer.with_engine(lambda: engine_adapters(syncer), "eval")
+        if rank == 0:
+            assert held == [] and syncer.versions.active is None, "a gated version is never served"
         syncer.probe.tolerance = 1e9
         m3 = syncer.sync(3)
         if rank == 0:

@@ -168,7 +168,7 @@ class EmbeddedEngine:
         """True when the engine runs and answers within `timeout_s` (default: the health timeout)."""
         try:
             self.check(timeout_s)
-        except EngineDied:
+        except EmitterError:  # dead, hung, or another engine answering on our port
             return False
         return True
 

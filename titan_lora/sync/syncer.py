@@ -152,6 +152,7 @@ class WeightSyncer:
                         if emitter else None)
         self._base_incarnation: str | None = None
         self._current: int | None = None  # the version the engine got last: the params as they are now
+        self._current_published = False  # rank 0: False when the parity gate held it back
         self.counters = {"base_sends": 0, "syncs": 0, "engine_recoveries": 0, "probe_failures": 0,
                          "parity_gated": 0}
         self.last_metrics: dict[str, float] = {}
@@ -175,6 +176,15 @@ class WeightSyncer:
         except EmitterError:
             return True
 
+    def _is_engine_fault(self, err: BaseException) -> bool:
+        """Rank 0: True when `err` means the engine must be brought back. Never raises: every other
+        rank is waiting for this answer."""
+        try:
+            return _engine_fault(err) or self._engine_lost()
+        except Exception:  # noqa: BLE001
+            logger.exception("checking the engine's health failed; treating it as lost")
+            return True
+
     def _incarnation(self) -> str:
         if self.engine is not None:
             self.engine.check(self.cfg.health_timeout_s)  # a hung engine fails here, in bounded time
@@ -187,7 +197,7 @@ class WeightSyncer:
             return on_rank0(fn if self.emitter is not None else None, then)
         except RankZeroError as err:
             # Rank 0 decides whether the engine is at fault (a bounded health check), every rank learns.
-            lost = share(None if err.cause is None else _engine_fault(err.cause) or self._engine_lost())
+            lost = share(None if err.cause is None else self._is_engine_fault(err.cause))
             if lost:
                 raise _EngineDown(f"{what}: {err}") from err.cause
             raise EmitterError(f"{what}: {err}") from err.cause
@@ -225,7 +235,8 @@ class WeightSyncer:
         self._rank0(self._revive, "bringing the engine back")
         self._base_incarnation = None
         self._ensure_base(self._current or 0)
-        if republish and self._current is not None:
+        # A version the parity gate held back is not re-sent: rollouts must not get it after a restart.
+        if republish and share(self._current_published if self.emitter is not None else None):
             payload = self.source.snapshot(self._current)  # collective; the params of that version
             self._rank0(lambda: self._install(payload), f"re-sending adapter version {self._current}")
             if self.emitter is not None:
@@ -354,8 +365,10 @@ class WeightSyncer:
                            "the engine keeps serving %s", payload.name, figures["parity_max_abs"],
                            self.probe.tolerance, self.versions.active)
             self.retirer.retire(Lease(payload.name, payload.version))
+            self._current_published = False
             return {**figures, "published": 0}
         self.versions.publish(payload.version)
+        self._current_published = True
         self.retirer.schedule_expired()
         return {**figures, "published": 1, "live_versions": len(self.versions.live),
                 "retired": self.retirer.retired, "retire_failed": self.retirer.failed}
