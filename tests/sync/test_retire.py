@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 from lease_helpers import hold_lease
 
 from titan_lora.sync.retire import Retirer
@@ -19,6 +20,7 @@ class FakeUnload:
         self.block = block
         self.calls: list[tuple[str, float]] = []
         self.lock = threading.Lock()
+        self.returned = threading.Event()  # a hanging call has returned
 
     def __call__(self, name: str, timeout_s: float) -> bool:
         with self.lock:
@@ -30,6 +32,7 @@ class FakeUnload:
             return False
         if self.behaviour == "hang" and self.block is not None:  # an unload that never returns
             self.block.wait(60)
+            self.returned.set()
             return False
         return self.behaviour == "ok"
 
@@ -53,7 +56,7 @@ def test_expired_versions_are_unloaded_and_marked_retired() -> None:
     r.schedule_expired()
     assert r.wait_idle(5)
     assert unload.names == ["policy-v1", "policy-v2"]
-    assert all(t == 5 for _, t in unload.calls), "the unload is given the retire timeout"
+    assert all(t == 2.5 for _, t in unload.calls), "the engine drains for half the time we wait for it"
     assert v.live == [3, 4] and r.retired == 2 and r.failed == 0
     r.schedule_expired()  # nothing left outside the window: no further unloads
     assert r.wait_idle(5) and unload.names == ["policy-v1", "policy-v2"]
@@ -178,6 +181,60 @@ def test_an_unload_that_hangs_costs_only_its_timeout_and_later_versions_still_re
         while "policy-v2" not in unload.names and time.monotonic() < deadline:
             time.sleep(0.05)
         assert "policy-v2" in unload.names, "a hung unload blocked every later retirement"
+    finally:
+        gate.set()
+        r.close()
+
+
+@pytest.mark.parametrize("timeout_s", [0, -1.0])
+def test_a_retire_timeout_that_is_not_positive_is_refused(timeout_s: float) -> None:
+    with pytest.raises(ValueError, match=r"\[weight_sync\] retire_timeout_s must be > 0"):
+        Retirer(_versions(1), FakeUnload(), timeout_s=timeout_s)
+
+
+class NotYetThenOk:
+    """An engine that drains for the time it is given, plus a round trip, and answers "not drained
+    yet" the first time, "unloaded" the second."""
+
+    def __init__(self) -> None:
+        self.calls: list[float] = []
+
+    def __call__(self, name: str, timeout_s: float) -> bool:
+        self.calls.append(timeout_s)
+        time.sleep(timeout_s + 0.1)
+        return len(self.calls) > 1
+
+
+def test_an_unload_answered_not_yet_is_retried_at_the_next_schedule() -> None:
+    v = _versions(1, 2, 3)
+    unload = NotYetThenOk()
+    r = Retirer(v, unload, timeout_s=0.6)
+    r.schedule_expired()
+    assert r.wait_idle(5)
+    assert r.failed == 1 and v.live == [1, 2, 3]
+    r.schedule_expired()
+    assert r.wait_idle(5)
+    assert unload.calls == [0.3, 0.3], "the engine must be asked to drain for half the join"
+    assert v.live == [2, 3] and r.retired == 1
+
+
+def test_a_stuck_unload_is_not_piled_up_and_is_retried_once_it_returned() -> None:
+    v = _versions(1, 2, 3)
+    gate = threading.Event()
+    unload = FakeUnload("hang", block=gate)
+    r = Retirer(v, unload, timeout_s=0.3)
+    try:
+        r.schedule_expired()
+        assert r.wait_idle(5) and r.failed == 1
+        r.schedule_expired()  # the first call still hangs in the engine: no second call
+        assert r.wait_idle(5) and unload.names == ["policy-v1"]
+        unload.behaviour = "ok"
+        gate.set()  # the stuck call returns at last
+        assert unload.returned.wait(5)
+        time.sleep(0.05)  # let its thread end after the return
+        r.schedule_expired()
+        assert r.wait_idle(5)
+        assert unload.names == ["policy-v1", "policy-v1"] and v.live == [2, 3] and r.retired == 1
     finally:
         gate.set()
         r.close()

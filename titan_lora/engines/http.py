@@ -21,6 +21,10 @@ class EngineUnreachable(EmitterError):
     """The engine did not answer (not started, restarting, or a wrong address)."""
 
 
+class EngineDied(EngineUnreachable):
+    """The embedded engine's process exited, or stopped answering its health check (hung)."""
+
+
 class LayoutUnknownToEngine(EmitterError):
     """The engine does not know a bucket layout id (it restarted): resend the header."""
 

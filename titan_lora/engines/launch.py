@@ -1,10 +1,19 @@
-"""Start and supervise an embedded engine process (rank 0 only): the vLLM engine or the receiver."""
+"""Start and supervise an embedded engine process (rank 0 only): the vLLM engine or the receiver.
+
+The engine is ours only if it echoes the nonce we gave it: a port can be taken by another job's
+engine between our choice of it and our engine's bind, and syncing into (or sampling from) that
+engine would be silent corruption. The port stays reserved by a bound, non-listening socket with
+SO_REUSEADDR until our engine answers (its server binds with SO_REUSEADDR too, so it can take the
+port; nobody else can). Secrets (API key, nonce) travel by environment, never on argv (`ps` shows it).
+"""
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -13,17 +22,36 @@ import time
 from pathlib import Path
 
 from titan_lora.emitters.base import EmitterError
-from titan_lora.engines.http import EngineUnreachable, JsonClient
+from titan_lora.engines.http import EngineDied, EngineUnreachable, JsonClient
 
 logger = logging.getLogger(__name__)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+API_KEY_ENV = "TITAN_LORA_API_KEY"
+NONCE_ENV = "TITAN_LORA_ENGINE_NONCE"
 
 
 def free_port() -> int:
-    """A TCP port on localhost that nothing listens on right now."""
+    """A TCP port on localhost that nothing listens on right now (racy: see `reserve_port`)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def reserve_port(port: int = 0) -> socket.socket:
+    """A bound, non-listening socket holding `port` (0: any free one) until it is closed."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError as err:
+        sock.close()
+        if err.errno == errno.EADDRINUSE:
+            raise EmitterError(
+                f"port {port} is already in use (another titan_lora engine or another server listens "
+                "on it); set [weight_sync] engine_port to a free port, or to 0 to pick one"
+            ) from None
+        raise
+    return sock
 
 
 def engine_lora_rank(rank: int) -> int:
@@ -41,46 +69,77 @@ def _die_with_parent() -> None:
 
 
 class EmbeddedEngine:
-    """An engine child process (`python -m <module> --port N ...`); restarted if it dies."""
+    """An engine child process (`python -m <module> --port N ...`); restarted if it dies or hangs."""
 
-    def __init__(self, module: str, port: int, args: list[str], log_path: str, start_timeout_s: float = 600,
-                 api_key: str = "") -> None:
+    def __init__(self, module: str, port: int, args: list[str], log_path: str, start_timeout_s: float = 600.0,
+                 api_key: str = "", health_timeout_s: float = 10.0) -> None:
         self.module = module
-        self.api_key = api_key
-        self.port = port
+        self.api_key = api_key or secrets.token_urlsafe(32)  # an open engine API is anyone's to rewrite
         self.args = args
         self.log_path = Path(log_path)
         self.start_timeout_s = start_timeout_s
-        self.url = f"http://127.0.0.1:{port}"
+        self.health_timeout_s = health_timeout_s
+        self._reservation: socket.socket | None = reserve_port(port)
+        self.port = self._reservation.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.nonce = ""
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
     def start(self) -> None:
-        """Spawn the engine and wait until it answers (the vLLM engine takes ~25 s on CPU)."""
+        """Spawn the engine and wait until it answers with our nonce (the vLLM engine takes ~25 s on CPU)."""
+        if self._reservation is None:  # a restart: take the port back from the dead process
+            self._reservation = reserve_port(self.port)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.nonce = secrets.token_hex(16)
         cmd = [sys.executable, "-m", self.module, "--port", str(self.port), *self.args]
+        env = {**os.environ, API_KEY_ENV: self.api_key, NONCE_ENV: self.nonce}
         logger.info("starting %s (log: %s)", self.module, self.log_path)
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ},
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          preexec_fn=_die_with_parent)
         self.starts += 1
-        self._wait_ready()
+        try:
+            self._wait_ready()
+        except BaseException:
+            self._kill()  # our own child only: a foreign engine on the port is never touched
+            raise
+        finally:
+            self._reservation.close()
+            self._reservation = None
+
+    def _client(self, timeout_s: float) -> JsonClient:
+        return JsonClient(self.url, self.api_key, timeout_s=timeout_s)
+
+    def _check_identity(self, info: dict) -> None:
+        if info.get("nonce") != self.nonce:
+            raise EmitterError(
+                f"the engine answering on port {self.port} is not the one titan_lora started (its nonce "
+                f"differs): another engine serves that port; it is left untouched. Set [weight_sync] "
+                "engine_port to a free port, or to 0 to pick one"
+            )
 
     def _wait_ready(self) -> None:
-        client = JsonClient(self.url, self.api_key, timeout_s=5)
-        deadline = time.monotonic() + self.start_timeout_s
+        client = self._client(min(5.0, self.start_timeout_s))
         started = time.monotonic()
+        deadline = started + self.start_timeout_s
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
                 raise EmitterError(f"{self.module} exited with code {self.proc.returncode} during start-up; "
                                    f"last lines of {self.log_path}:\n{self.log_tail()}")
             try:
-                client.post("/titan/info")
-                logger.info("%s ready at %s after %.0f s", self.module, self.url, time.monotonic() - started)
-                return
+                info = client.post("/titan/info")
             except EngineUnreachable:
-                time.sleep(1.0)
-        raise EmitterError(f"{self.module} did not become ready in {self.start_timeout_s:.0f} s; see {self.log_path}")
+                time.sleep(0.2)
+                continue
+            except EmitterError as err:  # e.g. 401: a server that does not know our key
+                raise EmitterError(f"port {self.port} is served by another server ({err}); set "
+                                   "[weight_sync] engine_port to a free port, or to 0 to pick one") from None
+            self._check_identity(info)
+            logger.info("%s ready at %s after %.0f s", self.module, self.url, time.monotonic() - started)
+            return
+        raise EmitterError(f"{self.module} did not become ready in {self.start_timeout_s:.0f} s "
+                           f"([weight_sync] engine_start_timeout_s); see {self.log_path}")
 
     def log_tail(self, lines: int = 20) -> str:
         """The end of the engine's log."""
@@ -88,18 +147,58 @@ class EmbeddedEngine:
             return ""
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
-    def ensure_running(self) -> None:
-        """Restart the engine if its process has died."""
-        if self.proc is None or self.proc.poll() is not None:
-            logger.warning("%s is not running (exit code %s); restarting it", self.module,
-                           None if self.proc is None else self.proc.returncode)
-            self.start()
+    def alive(self) -> bool:
+        """True while the engine process exists (it may still be hung)."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def check(self, timeout_s: float | None = None) -> None:
+        """Raise EngineDied unless the process runs and answers /titan/info with our nonce in time."""
+        timeout_s = timeout_s or self.health_timeout_s
+        if not self.alive():
+            code = None if self.proc is None else self.proc.returncode
+            raise EngineDied(f"{self.module} is not running (exit code {code}); see {self.log_path}")
+        try:
+            info = self._client(timeout_s).post("/titan/info")
+        except EmitterError as err:
+            raise EngineDied(f"{self.module} did not answer its health check within {timeout_s:.1f} s "
+                             f"([weight_sync] health_timeout_s): {err}") from None
+        self._check_identity(info)
+
+    def healthy(self, timeout_s: float | None = None) -> bool:
+        """True when the engine runs and answers within `timeout_s` (default: the health timeout)."""
+        try:
+            self.check(timeout_s)
+        except EmitterError:  # dead, hung, or another engine answering on our port
+            return False
+        return True
+
+    def ensure_running(self) -> bool:
+        """Restart the engine if it died or hangs; True when it was restarted."""
+        if self.healthy():
+            return False
+        self.restart()
+        return True
+
+    def restart(self) -> None:
+        """Kill the engine (a hung one too: SIGKILL works on a stopped process) and start it again."""
+        logger.warning("%s is dead or hung; restarting it (log: %s)", self.module, self.log_path)
+        self._kill()
+        self.start()
+
+    def _kill(self) -> None:
+        if self.alive():
+            self.proc.kill()
+        if self.proc is not None:
+            self.proc.wait(timeout=30)  # reaped at once after SIGKILL; bounded all the same
 
     def stop(self) -> None:
-        """Terminate the engine process."""
-        if self.proc is not None and self.proc.poll() is None:
+        """Terminate the engine process (SIGKILL if it does not exit within 30 s)."""
+        if self._reservation is not None:
+            self._reservation.close()
+            self._reservation = None
+        if self.alive():
             self.proc.terminate()
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                self._kill()

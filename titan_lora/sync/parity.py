@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
 
 
 @torch.no_grad()
@@ -36,14 +39,21 @@ class ParityProbe:
         self.tolerance = tolerance
         self.violations = 0
 
-    def __call__(self, adapter: str) -> dict[str, float]:
-        """Collective. Rank 0 returns parity_max_abs / parity_mean_abs (others: {})."""
-        ours = trainer_logprobs(self.model, self.sequences, self.device)
+    def trainer_side(self) -> list[list[float]]:
+        """Collective (a forward under FSDP): the trainer's log-probs of the fixed batch."""
+        return trainer_logprobs(self.model, self.sequences, self.device)
+
+    def compare(self, ours: list[list[float]], adapter: str) -> dict[str, float]:
+        """Rank 0: the engine's log-probs under `adapter` against ours; a violation is logged with figures."""
         if self.score is None or not adapter:
             return {}
         theirs = self.score(self.sequences, adapter)
-        diffs = torch.tensor([abs(a - b) for x, y in zip(ours, theirs) for a, b in zip(x, y)])
-        worst = float(diffs.max())
-        self.violations += int(worst > self.tolerance)
-        return {"parity_max_abs": worst, "parity_mean_abs": float(diffs.mean()),
-                "parity_violations": self.violations}
+        diffs = torch.tensor([abs(a - b) for x, y in zip(ours, theirs, strict=True)
+                              for a, b in zip(x, y, strict=True)])
+        worst, mean = float(diffs.max()), float(diffs.mean())
+        if worst > self.tolerance:
+            self.violations += 1
+            logger.warning("parity probe on %s: max |trainer - engine| log-prob %.3g > [weight_sync] "
+                           "parity_tolerance %.3g (mean %.3g over %d tokens)", adapter, worst, self.tolerance,
+                           mean, diffs.numel())
+        return {"parity_max_abs": worst, "parity_mean_abs": mean, "parity_violations": self.violations}

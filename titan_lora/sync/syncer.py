@@ -1,33 +1,61 @@
 """The weight syncer: base once per engine incarnation, then the adapter after every optimizer step.
 
-Every rank calls `sync` (it is collective: the gathers, and two small broadcasts that carry rank 0's
-decisions and outcome, so that all ranks raise together instead of hanging). Only rank 0 talks to
-the engine. A version is published for rollouts only after the engine acknowledged exactly what was
-sent; non-finite adapters are never published.
+Every rank calls `sync` and `with_engine` (they are collective: the gathers, the base stream, and
+small broadcasts that carry rank 0's decisions and outcomes, so that all ranks raise, retry or
+recover together instead of hanging). Only rank 0 talks to the engine. A version is published for
+rollouts only after the engine acknowledged exactly what was sent; a non-finite adapter is never sent.
+
+Engine faults (dead, hung, restarted, weights lost) are recovered inside the collective call: rank 0
+brings the engine back (restart, or a bounded wait for an attached one), every rank takes part in
+the base re-send, then the newest adapter goes again and the failed operation is retried; at most
+`[weight_sync] engine_restarts` times. Every rank-0 wait is bounded (see `config.rank0_wait_budget_s`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
-import torch.distributed as dist
 
 from titan_lora.config import WeightSync
-from titan_lora.emitters.base import Ack, Emitter, EmitterError, EngineLimits, EngineWeightsLost
+from titan_lora.emitters.base import (
+    Ack, AdapterPayload, Emitter, EmitterError, EngineLimits, EngineWeightsLost,
+)
+from titan_lora.engines.http import EngineDied, EngineUnreachable
 from titan_lora.sync.adapter_source import AdapterSource
+from titan_lora.sync.collective import RankZeroError, on_rank0, share
 from titan_lora.sync.retire import Retirer
-from titan_lora.sync.versions import AdapterVersions
+from titan_lora.sync.versions import AdapterVersions, Lease
 
 if TYPE_CHECKING:
     from titan_lora.engines.launch import EmbeddedEngine
     from titan_lora.engines.rollout import RolloutClient
+    from titan_lora.sync.parity import ParityProbe
     from titan_lora.train import TrainingRun
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+BaseStream = Callable[[], Iterator[tuple[str, torch.Tensor]]]
+BACKOFF_CAP_S = 10.0
+
+
+class NonFiniteAdapter(RuntimeError):
+    """The adapter holds NaN or Inf: it is not sent, and every rank raises."""
+
+
+class EngineFailed(EmitterError):
+    """The engine kept failing after `[weight_sync] engine_restarts` recoveries."""
+
+
+class _EngineDown(Exception):
+    """Raised on every rank when rank 0 found the engine dead, hung, restarted or without its base."""
+
+
+def _engine_fault(err: BaseException) -> bool:
+    return isinstance(err, (EngineUnreachable, EngineWeightsLost))
 
 
 def check_engine_limits(limits: EngineLimits, rank: int, targets: list[str], keep_versions: int) -> None:
@@ -51,20 +79,50 @@ def check_engine_limits(limits: EngineLimits, rank: int, targets: list[str], kee
         )
 
 
-def with_retries(fn: Callable[[], object], retries: int, what: str) -> object:
-    """Call `fn`, retrying on EmitterError with capped exponential back-off; re-raise at the end."""
+def backoff(attempt: int) -> None:
+    """Sleep before retry `attempt + 1`: 1, 2, 4, ... seconds, capped at BACKOFF_CAP_S."""
+    time.sleep(min(2.0**attempt, BACKOFF_CAP_S))
+
+
+def with_retries(fn: Callable[[], T], retries: int, what: str, alive: Callable[[], bool] | None = None) -> T:
+    """Call `fn`, retrying on EmitterError with capped back-off; engine faults that a retry cannot mend
+    (weights lost, or `alive()` False: a dead or hung embedded engine) are re-raised at once."""
     for attempt in range(retries + 1):
         try:
             return fn()
-        except EngineWeightsLost:
-            raise  # retrying cannot help: the base has to go again first
+        except (EngineWeightsLost, EngineDied):
+            raise
         except EmitterError as err:
+            if alive is not None and not alive():
+                raise EngineDied(f"{what}: the engine is dead or hung ({err})") from err
             if attempt == retries:
                 raise EmitterError(f"{what} failed after {retries + 1} attempts: {err}") from err
-            delay = min(2.0**attempt, 10.0)
-            logger.warning("%s failed (%s); retrying in %.0f s", what, err, delay)
-            time.sleep(delay)
+            logger.warning("%s failed (%s); retrying", what, err)
+            backoff(attempt)
     raise AssertionError("unreachable")
+
+
+class _Tally:
+    """Counts what passes through the base stream (rank 0), to check the engine's ack against it."""
+
+    def __init__(self, stream: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self._stream = stream
+        self.tensors = 0
+        self.nbytes = 0
+
+    def __iter__(self) -> _Tally:
+        return self
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        name, tensor = next(self._stream)
+        self.tensors += 1
+        self.nbytes += tensor.numel() * tensor.element_size()
+        return name, tensor
+
+    def drain(self) -> None:
+        """Run the rest of the stream: every `next()` is a collective the other ranks take part in."""
+        for _ in self:
+            pass
 
 
 class WeightSyncer:
@@ -73,16 +131,16 @@ class WeightSyncer:
     def __init__(
         self,
         source: AdapterSource,
-        base_weights: Callable[[], Mapping[str, torch.Tensor] | None],
+        base_weights: BaseStream,
         emitter: Emitter | None,
         cfg: WeightSync,
         device: torch.device,
         engine: EmbeddedEngine | None = None,
         rollouts: RolloutClient | None = None,
-        probe: Callable[[str], dict[str, float]] | None = None,
+        probe: ParityProbe | None = None,
     ) -> None:
         self.source = source
-        self.base_weights = base_weights
+        self.base_weights = base_weights  # collective generator; yields on rank 0 only
         self.emitter = emitter  # rank 0 only
         self.cfg = cfg
         self.device = device
@@ -90,123 +148,240 @@ class WeightSyncer:
         self.rollouts = rollouts  # rank 0
         self.probe = probe
         self.versions = AdapterVersions(cfg.lora_name, cfg.keep_versions)
-        self.retirer = Retirer(self.versions, emitter.retire_adapter, cfg.retire_timeout_s) if emitter else None
+        self.retirer = (Retirer(self.versions, emitter.retire_adapter, cfg.retire_timeout_s)
+                        if emitter else None)
         self._base_incarnation: str | None = None
-        self.counters = {"nonfinite_skipped": 0, "base_sends": 0, "syncs": 0}
+        self._current: int | None = None  # the version the engine got last: the params as they are now
+        self._current_published = False  # rank 0: False when the parity gate held it back
+        self.counters = {"base_sends": 0, "syncs": 0, "engine_recoveries": 0, "probe_failures": 0,
+                         "parity_gated": 0}
         self.last_metrics: dict[str, float] = {}
 
+    # ---- rank 0's view of the engine -------------------------------------------------------------
+    def _alive(self) -> bool:
+        # After a failed request: retrying a dead or hung embedded engine only burns the timeout.
+        return self.engine is None or self.engine.healthy(self.cfg.health_timeout_s)
+
+    def _retrying(self, fn: Callable[[], T], what: str) -> T:
+        return with_retries(fn, self.cfg.retries, what, alive=self._alive)
+
+    def _engine_lost(self) -> bool:
+        """Rank 0, after an unexpected error: is the engine dead, hung, or a new incarnation?"""
+        if self.engine is not None and not self.engine.healthy(self.cfg.health_timeout_s):
+            return True
+        if self._base_incarnation is None:  # nothing of ours to lose yet
+            return False
+        try:
+            return self._incarnation() != self._base_incarnation
+        except EmitterError:
+            return True
+
+    def _is_engine_fault(self, err: BaseException) -> bool:
+        """Rank 0: True when `err` means the engine must be brought back. Never raises: every other
+        rank is waiting for this answer."""
+        try:
+            return _engine_fault(err) or self._engine_lost()
+        except Exception:  # noqa: BLE001
+            logger.exception("checking the engine's health failed; treating it as lost")
+            return True
+
+    def _incarnation(self) -> str:
+        if self.engine is not None:
+            self.engine.check(self.cfg.health_timeout_s)  # a hung engine fails here, in bounded time
+        return self._retrying(self.emitter.engine_incarnation, "reaching the engine")
+
+    def _rank0(self, fn: Callable[[], T], what: str, then: Callable[[], None] | None = None) -> T | None:
+        """Collective: rank 0 runs `fn`; an engine fault raises _EngineDown on every rank, any other
+        error raises on every rank too. `then` runs on every rank before the outcome is shared."""
+        try:
+            return on_rank0(fn if self.emitter is not None else None, then)
+        except RankZeroError as err:
+            # Rank 0 decides whether the engine is at fault (a bounded health check), every rank learns.
+            lost = share(None if err.cause is None else self._is_engine_fault(err.cause))
+            if lost:
+                raise _EngineDown(f"{what}: {err}") from err.cause
+            raise EmitterError(f"{what}: {err}") from err.cause
+
+    # ---- recovery ----------------------------------------------------------------------------------
+    def with_engine(self, fn: Callable[[], T], what: str) -> T | None:
+        """Collective: rank 0 runs `fn` (rollouts, eval, probe); engine faults are recovered (restart,
+        base, newest adapter) and `fn` retried. Returns fn's value on rank 0, None elsewhere."""
+        return self._recovering(lambda: self._rank0(fn, what), what, republish=True)
+
+    def _recovering(self, step: Callable[[], T], what: str, republish: bool) -> T:
+        last: Exception | None = None
+        for attempt in range(self.cfg.engine_restarts + 1):
+            try:
+                return step()
+            except _EngineDown as err:
+                last = err
+                if attempt == self.cfg.engine_restarts:
+                    break
+                logger.warning("%s; recovering the engine (%d of %d)", err, attempt + 1,
+                               self.cfg.engine_restarts)
+                self.counters["engine_recoveries"] += 1
+                try:
+                    self._recover(republish)
+                except _EngineDown as again:
+                    last = again
+        raise EngineFailed(
+            f"{what}: the engine still fails after {self.cfg.engine_restarts} recoveries "
+            f"([weight_sync] engine_restarts); last error: {last}"
+            + (f"\nlast lines of {self.engine.log_path}:\n{self.engine.log_tail()}" if self.engine else "")
+        )
+
+    def _recover(self, republish: bool) -> None:
+        """Collective: bring the engine back, send the base, and (if asked) the newest adapter again."""
+        self._rank0(self._revive, "bringing the engine back")
+        self._base_incarnation = None
+        self._ensure_base(self._current or 0)
+        # A version the parity gate held back is not re-sent: rollouts must not get it after a restart.
+        if republish and share(self._current_published if self.emitter is not None else None):
+            payload = self.source.snapshot(self._current)  # collective; the params of that version
+            self._rank0(lambda: self._install(payload), f"re-sending adapter version {self._current}")
+            if self.emitter is not None:
+                self.versions.publish(payload.version)
+
+    def _revive(self) -> None:
+        """Rank 0: restart a dead or hung embedded engine; wait (bounded) for an attached one."""
+        if self.engine is not None:
+            self.engine.ensure_running()
+            return
+        deadline = time.monotonic() + self.cfg.engine_start_timeout_s
+        while True:
+            try:
+                self.emitter.engine_incarnation()
+                return
+            except EngineUnreachable:
+                if time.monotonic() > deadline:
+                    raise EngineUnreachable(
+                        f"the engine at {self.cfg.engine_url} did not come back within "
+                        f"{self.cfg.engine_start_timeout_s:.0f} s ([weight_sync] engine_start_timeout_s)"
+                    ) from None
+                time.sleep(min(self.cfg.health_timeout_s, 2.0))
+
+    # ---- base --------------------------------------------------------------------------------------
     def check_engine(self) -> None:
         """Collective: rank 0 validates the engine's limits; every rank raises on a mismatch."""
-        error = None
-        if self.emitter is not None:
-            try:
-                limits = with_retries(self.emitter.engine_limits, self.cfg.retries, "reading the engine's limits")
-                check_engine_limits(limits, self.source.rank, self.source.target_modules, self.cfg.keep_versions)
-            except EmitterError as err:
-                error = str(err)
-        self._agree(error)
+        def check() -> None:
+            limits = self._retrying(self.emitter.engine_limits, "reading the engine's limits")
+            check_engine_limits(limits, self.source.rank, self.source.target_modules, self.cfg.keep_versions)
 
-    def _agree(self, error: str | None) -> None:
-        box = [error]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(box, src=0)
-        if box[0] is not None:
-            raise EmitterError(box[0])
+        try:
+            self._rank0(check, "checking the engine's limits")
+        except _EngineDown as err:  # at start-up there is nothing to recover: say what failed
+            raise EmitterError(str(err)) from err
 
-    def _needs_base(self) -> bool:
-        """Rank 0's decision, shared with every rank: has this engine incarnation got our base?"""
-        flag = torch.zeros(1, dtype=torch.int32, device=self.device)
-        error = None
-        if self.emitter is not None:
-            try:
-                if self.engine is not None:
-                    self.engine.ensure_running()
-                incarnation = with_retries(self.emitter.engine_incarnation, self.cfg.retries, "reaching the engine")
-                flag[0] = int(incarnation != self._base_incarnation)
-            except EmitterError as err:
-                error = str(err)
-        self._agree(error)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast(flag, src=0)
-        return bool(flag.item())
+    def _ensure_base(self, version: int) -> dict[str, float]:
+        """Collective: send the base when this engine incarnation has not got ours."""
+        needed = share(self._rank0(lambda: self._incarnation() != self._base_incarnation,
+                                   "reaching the engine"))
+        return self._send_base(version) if needed else {}
 
     def _send_base(self, version: int) -> dict[str, float]:
-        started = time.perf_counter()
-        tensors = self.base_weights()  # collective
-        error, phases = None, {}
-        if self.emitter is not None:
+        """Collective: stream the base; a failed attempt re-runs the whole stream on every rank."""
+        for attempt in range(self.cfg.retries + 1):
+            started = time.perf_counter()
+            tally = _Tally(self.base_weights())
             try:
-                ack = with_retries(lambda: self.emitter.send_base(tensors, version), self.cfg.retries, "sending the base")
-                self._verify(ack, version, tensors, "base weights")
-                self.versions.forget_all()  # a new incarnation holds none of our adapters
-                self._base_incarnation = self.emitter.engine_incarnation()
-                self.counters["base_sends"] += 1
-                phases = {"base_ms": (time.perf_counter() - started) * 1e3}
-                logger.info("sent the base weights (%d tensors) in %.1f s", ack.num_tensors, phases["base_ms"] / 1e3)
-            except EmitterError as err:
-                error = str(err)
-        self._agree(error)
-        return phases
+                ack = self._rank0(lambda: self.emitter.send_base(tally, version), "sending the base",
+                                  then=tally.drain)
+            except EmitterError as err:  # raised on every rank alike
+                if attempt == self.cfg.retries:
+                    raise EmitterError(f"sending the base failed after {attempt + 1} attempts: {err}") \
+                        from err
+                logger.warning("sending the base failed (%s); retrying", err)
+                backoff(attempt)
+                continue
+            return self._after_base(ack, tally, version, started)
+        raise AssertionError("unreachable")
 
-    @staticmethod
-    def _verify(ack: Ack, version: int, tensors: Mapping[str, torch.Tensor], what: str) -> None:
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        if (ack.version, ack.num_tensors, ack.nbytes) != (version, len(tensors), nbytes):
-            raise EmitterError(
-                f"the engine acknowledged {what} as version {ack.version}, {ack.num_tensors} tensors, "
-                f"{ack.nbytes} bytes; sent version {version}, {len(tensors)} tensors, {nbytes} bytes"
-            )
+    def _after_base(self, ack: Ack | None, tally: _Tally, version: int, started: float) -> dict[str, float]:
+        def verify() -> None:
+            _verify(ack, version, tally.tensors, tally.nbytes, "base weights")
+            self.versions.forget_all()  # a new incarnation holds none of our adapters
+            self._base_incarnation = self._incarnation()
 
+        self._rank0(verify, "checking the base's acknowledgement")
+        self.counters["base_sends"] += 1
+        ms = (time.perf_counter() - started) * 1e3
+        logger.info("sent the base weights (%d tensors) in %.1f s", tally.tensors, ms / 1e3)
+        return {"base_ms": ms}
+
+    # ---- adapter -----------------------------------------------------------------------------------
     def sync(self, version: int) -> dict[str, float]:
         """Collective: bring the engine to adapter `version` (the training step)."""
         started = time.perf_counter()
-        metrics: dict[str, float] = {}
-        if self._needs_base():
-            metrics |= self._send_base(version)
         t0 = time.perf_counter()
         payload = self.source.snapshot(version)  # collective
-        metrics["gather_ms"] = (time.perf_counter() - t0) * 1e3
-        error = None
-        if self.emitter is not None and payload is not None:
-            try:
-                metrics |= self._emit(payload)
-            except EmitterError as err:
-                error = str(err)
-        self._agree(error)
+        metrics: dict[str, float] = {"gather_ms": (time.perf_counter() - t0) * 1e3}
+        self._check_finite(version)
+        metrics |= self._recovering(lambda: self._transfer(payload, version),
+                                    f"syncing adapter version {version}", republish=False)
+        self._current = version
+        metrics |= self._maybe_probe_and_publish(payload)
         metrics["total_ms"] = (time.perf_counter() - started) * 1e3
-        if self.probe is not None and self.cfg.parity_every and self.counters["syncs"] % self.cfg.parity_every == 0:
-            active = self.versions.active
-            metrics |= self.probe(active.name if active else "")  # collective forward
         self.counters["syncs"] += 1
         self.last_metrics = {f"sync/{k}": float(v) for k, v in {**metrics, **self.counters}.items()}
         return self.last_metrics
 
-    def _emit(self, payload) -> dict[str, float]:  # noqa: ANN001
-        if not self.source.snapshot_is_finite():
-            self.counters["nonfinite_skipped"] += 1
-            logger.error("adapter version %d has NaN/Inf values: not published; version %s stays live",
-                         payload.version, self.versions.active)
-            return {"version": payload.version, "published": 0}
+    def _check_finite(self, version: int) -> None:
+        finite = share(self.source.snapshot_is_finite() if self.emitter is not None else None)
+        if not finite:
+            active = self.versions.active
+            raise NonFiniteAdapter(
+                f"adapter version {version} holds NaN/Inf values: it was not sent (the engine keeps "
+                f"{active.name if active else 'the base'}). [weight_sync] on_nonfinite decides what the "
+                "run does: \"stop\" ends it here, \"rollback\" reloads the last finite checkpoint"
+            )
+
+    def _transfer(self, payload: AdapterPayload | None, version: int) -> dict[str, float]:
+        """Collective: the base if this engine incarnation needs it, then the whole adapter transfer."""
+        metrics = self._ensure_base(version)
+        phases = self._rank0(lambda: self._install(payload), f"sending adapter version {version}")
+        return {**metrics, **(phases or {})}
+
+    def _install(self, payload: AdapterPayload) -> dict[str, float]:
+        """Rank 0: load the adapter into the engine (not yet published); check the ack."""
         if len(self.versions.live) > self.versions.keep_versions:
             # Retirements lag behind: give them a bounded chance, so live versions stay <= keep + 1.
             self.retirer.wait_idle(self.cfg.retire_timeout_s)
-        try:
-            ack = with_retries(lambda: self.emitter.send_adapter(payload), self.cfg.retries,
-                               f"sending adapter {payload.name}")
-        except EngineWeightsLost as err:
-            self._base_incarnation = None  # the next sync sends the base first, then the newest adapter
-            logger.error("engine lost its base weights (%s): version %d not published", err, payload.version)
-            return {"version": payload.version, "published": 0}
-        self._verify(ack, payload.version, payload.tensors, f"adapter {payload.name}")
+        ack = self._retrying(lambda: self.emitter.send_adapter(payload), f"sending adapter {payload.name}")
+        _verify(ack, payload.version, payload.num_tensors, payload.nbytes, f"adapter {payload.name}")
+        return {**ack.phases_ms, "version": payload.version, "bytes": ack.nbytes, "tensors": ack.num_tensors}
+
+    def _maybe_probe_and_publish(self, payload: AdapterPayload | None) -> dict[str, float]:
+        """Collective: the parity probe when due; then rank 0 publishes unless the parity gate holds it."""
+        figures = {}
+        every = self.cfg.parity_every
+        due = self.probe is not None and every and self.counters["syncs"] % every == 0
+        if due:
+            figures = self._probe(payload.name if payload is not None else "")
+        if self.emitter is None:
+            return figures
+        if self.cfg.parity_gate and figures.get("parity_max_abs", 0.0) > self.probe.tolerance:
+            self.counters["parity_gated"] += 1
+            logger.warning("adapter %s not published: parity %.3g > [weight_sync] parity_tolerance %.3g; "
+                           "the engine keeps serving %s", payload.name, figures["parity_max_abs"],
+                           self.probe.tolerance, self.versions.active)
+            self.retirer.retire(Lease(payload.name, payload.version))
+            self._current_published = False
+            return {**figures, "published": 0}
         self.versions.publish(payload.version)
+        self._current_published = True
         self.retirer.schedule_expired()
-        return {**ack.phases_ms, "version": payload.version, "published": 1, "bytes": ack.nbytes,
-                "tensors": ack.num_tensors, "live_versions": len(self.versions.live),
+        return {**figures, "published": 1, "live_versions": len(self.versions.live),
                 "retired": self.retirer.retired, "retire_failed": self.retirer.failed}
 
-    def attach(self, optimizers, current_step: Callable[[], int]) -> None:  # noqa: ANN001
-        """Sync after every optimizer step (torchtitan's optimizer container post-step hook)."""
-        optimizers.register_step_post_hook(lambda *_args, **_kwargs: self.sync(current_step()))
+    def _probe(self, adapter: str) -> dict[str, float]:
+        """Collective: trainer vs engine log-probs; a failure is logged and counted, never raised."""
+        ours = self.probe.trainer_side()  # collective forward
+        try:
+            return self.with_engine(lambda: self.probe.compare(ours, adapter), "the parity probe") or {}
+        except Exception as err:  # noqa: BLE001 (C8: a diagnostic never ends the run; every rank is here)
+            self.counters["probe_failures"] += 1
+            logger.warning("the parity probe failed (%s); training goes on", err)
+            return {}
 
     def close(self) -> None:
         """Stop the retirer and release the emitter."""
@@ -218,8 +393,16 @@ class WeightSyncer:
             self.engine.stop()
 
 
+def _verify(ack: Ack, version: int, tensors: int, nbytes: int, what: str) -> None:
+    if (ack.version, ack.num_tensors, ack.nbytes) != (version, tensors, nbytes):
+        raise EmitterError(
+            f"the engine acknowledged {what} as version {ack.version}, {ack.num_tensors} tensors, "
+            f"{ack.nbytes} bytes; sent version {version}, {tensors} tensors, {nbytes} bytes"
+        )
+
+
 def build_syncer(run: TrainingRun) -> WeightSyncer:
-    """The syncer for `run`, its engine started or attached, limits checked, hooked to the optimizer."""
+    """The syncer for `run`, its engine started or attached, limits checked."""
     from titan_lora.sync.wiring import wire_syncer
 
     return wire_syncer(run)

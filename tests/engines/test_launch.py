@@ -1,0 +1,93 @@
+"""The embedded engine launcher: only its own engine (nonce), a busy port refused, secrets by
+environment, and a dead or hung engine detected in bounded time and restarted."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from titan_lora.emitters.base import EmitterError
+from titan_lora.engines.http import JsonClient
+from titan_lora.engines.launch import API_KEY_ENV, EmbeddedEngine
+
+SHIM = "receiver_shim"
+
+
+@pytest.fixture(autouse=True)
+def shim_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine child finds the test shim module."""
+    here = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
+
+
+def _engine(tmp_path: Path, port: int = 0, **kwargs) -> EmbeddedEngine:  # noqa: ANN003
+    return EmbeddedEngine(SHIM, port, [], str(tmp_path / "engine.log"), start_timeout_s=60, **kwargs)
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> Iterator[EmbeddedEngine]:
+    eng = _engine(tmp_path, health_timeout_s=1.0)
+    eng.start()
+    yield eng
+    if eng.proc is not None and eng.alive():
+        os.kill(eng.proc.pid, signal.SIGCONT)
+    eng.stop()
+
+
+def _info(eng: EmbeddedEngine) -> dict:
+    return JsonClient(eng.url, eng.api_key, timeout_s=5).post("/titan/info")
+
+
+def test_a_busy_port_is_a_clear_error_and_the_other_engine_is_left_alone(
+        engine: EmbeddedEngine, tmp_path: Path) -> None:
+    other_pid, other_nonce = engine.proc.pid, engine.nonce
+    busy = rf"port {engine.port} is already in use.*\[weight_sync\] engine_port"
+    with pytest.raises(EmitterError, match=busy):
+        _engine(tmp_path / "second", port=engine.port)
+    assert engine.alive() and engine.proc.pid == other_pid
+    assert _info(engine)["nonce"] == other_nonce, "the first engine must still serve, untouched"
+
+
+def test_an_engine_that_does_not_echo_our_nonce_is_refused(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setenv("SHIM_FOREIGN_NONCE", "1")
+    eng = _engine(tmp_path)
+    with pytest.raises(EmitterError, match=r"not the one titan_lora started.*\[weight_sync\] engine_port"):
+        eng.start()
+    assert eng.proc.poll() is not None, "our own child is stopped after the refusal"
+
+
+def test_the_api_key_is_random_by_default_and_travels_by_environment_only(engine) -> None:  # noqa: ANN001
+    other = EmbeddedEngine(SHIM, 0, [], "unused.log")
+    other.stop()
+    assert len(engine.api_key) >= 32 and engine.api_key != other.api_key
+    assert not any(engine.api_key in arg or engine.nonce in arg for arg in engine.proc.args)
+    environ = Path(f"/proc/{engine.proc.pid}/environ").read_bytes().split(b"\0")
+    assert f"{API_KEY_ENV}={engine.api_key}".encode() in environ
+    assert _info(engine)["nonce"] == engine.nonce
+
+
+def test_a_dead_engine_is_detected_and_restarted_on_the_same_port(engine) -> None:  # noqa: ANN001
+    first_pid, first_nonce = engine.proc.pid, engine.nonce
+    os.kill(first_pid, signal.SIGKILL)
+    engine.proc.wait(5)
+    assert not engine.healthy()
+    assert engine.ensure_running() is True
+    assert engine.proc.pid != first_pid and engine.nonce != first_nonce
+    assert _info(engine)["nonce"] == engine.nonce and engine.starts == 2
+    assert engine.ensure_running() is False, "a healthy engine is left alone"
+
+
+def test_a_hung_engine_is_detected_within_the_health_timeout_and_replaced(engine) -> None:  # noqa: ANN001
+    hung = engine.proc
+    os.kill(hung.pid, signal.SIGSTOP)  # alive, but not serving
+    started = time.monotonic()
+    assert not engine.healthy(0.5)
+    assert time.monotonic() - started < 3.0, "the health check must be bounded by its timeout"
+    assert engine.ensure_running() is True
+    assert hung.poll() == -signal.SIGKILL, "the hung engine must be killed, not left behind"
+    assert engine.healthy() and _info(engine)["nonce"] == engine.nonce
