@@ -112,10 +112,10 @@ def cpu_bench(iters: int) -> None:
                             os.path.join(tempfile.gettempdir(), "titan_lora_bench_engine.log"))
     engine.start()
     try:
-        client = JsonClient(engine.url)
+        client = JsonClient(engine.url, engine.api_key)
         bucket = VLLMBucketEmitter(client, WeightSync.bucket_mb)
         disk = DiskEmitter(client, WeightSync.bucket_mb, "")
-        base = base_weights_source(built.model, built.sd_adapter, tied_embeddings=True)()
+        base = dict(base_weights_source(built.model, built.sd_adapter, tied_embeddings=True)())
         version = iter(range(1, 10_000))
         live: list[str] = []
         phases: dict[str, list[dict[str, float]]] = {}

@@ -21,7 +21,7 @@ from titan_lora.sync.syncer import build_syncer
 from titan_lora.trainer.build import build_model
 from titan_lora.trainer.checkpoint import AdapterCheckpointer
 from titan_lora.trainer.distributed import build_parallel_dims, device_for_rank, init_distributed
-from titan_lora.trainer.finite import NonFiniteAdapterError, first_nonfinite_adapter
+from titan_lora.lora.finite import NonFiniteAdapterError, first_nonfinite_adapter
 from titan_lora.trainer.job_config import load_job_config
 from titan_lora.trainer.metrics import MetricsLogger, peak_memory_mib
 from titan_lora.trainer.objective import build_objective

@@ -26,6 +26,7 @@ from titan_lora.emitters.base import EmitterError, build_emitter
 from titan_lora.engines.http import JsonClient
 from titan_lora.engines.launch import EmbeddedEngine
 from titan_lora.engines.rollout import VLLMRolloutClient
+from titan_lora.lora.finite import NonFiniteAdapterError
 from titan_lora.lora.layer import adapter_params
 from titan_lora.rl.tasks import chat_prompt
 from titan_lora.sync.adapter_source import AdapterSource
@@ -108,12 +109,13 @@ def ctx(smollm2_dir, tmp_path_factory) -> Ctx:
     try:
         built = build_from(SMOLLM2_LORA)  # 1 trainer rank, pretrained SmolLM2 + rank-8 LoRA
         lora = job_config_from(SMOLLM2_LORA).lora
-        cfg = WeightSync(enabled=True, emitter="vllm", engine_url=engine.url, keep_versions=2, bucket_mb=4,
+        cfg = WeightSync(enabled=True, emitter="vllm", engine_url=engine.url, api_key=engine.api_key,
+                         keep_versions=2, bucket_mb=4,
                          timeout_s=60, retries=1, retire_timeout_s=60, parity_every=0)
         source = AdapterSource(built.model, built.sd_adapter, lora, cfg.lora_name, built.hf_dir)
         syncer = WeightSyncer(source, base_weights_source(built.model, built.sd_adapter, True),
                               build_emitter(cfg), cfg, CPU, engine=engine)
-        client = JsonClient(engine.url, timeout_s=300)
+        client = JsonClient(engine.url, engine.api_key, timeout_s=300)
         tokenizer = AutoTokenizer.from_pretrained(built.hf_dir)
         yield Ctx(engine, built, lora, source, syncer, client, VLLMRolloutClient(client), tokenizer,
                   probe_sequences(tokenizer), cfg)
@@ -266,7 +268,7 @@ def test_the_disk_emitter_loads_a_version_with_the_same_logprobs(ctx: Ctx, tmp_p
     assert not (tmp_path / "disk-v4").exists()
 
 
-def test_a_non_finite_adapter_is_not_published(ctx: Ctx) -> None:
+def test_a_non_finite_adapter_is_not_sent_and_stops_the_sync(ctx: Ctx) -> None:
     syncer = ctx.syncer
     before = ctx.engine_logprobs("policy-v4")
     _, param = adapter_params(ctx.built.model)[5]
@@ -274,11 +276,11 @@ def test_a_non_finite_adapter_is_not_published(ctx: Ctx) -> None:
     with torch.no_grad():
         param[0, 0] = float("nan")
     try:
-        metrics = ctx.sync(5)
+        with pytest.raises(NonFiniteAdapterError, match="version 5 holds NaN"):
+            ctx.sync(5)
     finally:
         with torch.no_grad():
             param.copy_(saved)
-    assert metrics["sync/published"] == 0 and syncer.counters["nonfinite_skipped"] == 1
     assert syncer.versions.active.name == "policy-v4", "the previous version must stay active"
     assert "policy-v5" not in ctx.info()["adapters"]
     assert max_abs_diff(ctx.engine_logprobs("policy-v4"), before) <= 1e-6

@@ -22,7 +22,7 @@ from syncer_helpers import (
 from titan_lora.emitters.base import EmitterError
 from titan_lora.lora.layer import adapter_params
 from titan_lora.sync.parity import ParityProbe
-from titan_lora.sync.syncer import EngineFailed, NonFiniteAdapter
+from titan_lora.sync.syncer import EngineFailed, NonFiniteAdapterError
 
 
 def digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
@@ -188,7 +188,7 @@ def _nonfinite(rank: int, world: int, tmp: str) -> None:
         with torch.no_grad():  # every rank poisons its shard of one adapter tensor
             p = adapter_params(built.model)[0][1]
             (p.to_local() if hasattr(p, "to_local") else p).fill_(float("nan"))
-        with pytest.raises(NonFiniteAdapter, match=r"version 2 .*NaN.*\[weight_sync\] on_nonfinite"):
+        with pytest.raises(NonFiniteAdapterError, match=r"version 2 .*NaN.*\[weight_sync\] on_nonfinite"):
             syncer.sync(2)
         if rank == 0:
             assert engine_adapters(syncer) == ["policy-v1"] and syncer.versions.active.name == "policy-v1"

@@ -85,7 +85,7 @@ def _run(policy: str, dump: Path, nan_step: int = NAN_STEP):  # noqa: ANN202
 
 
 def _rollback_then_stop(rank: int, world: int, root: str, out: str) -> None:
-    from titan_lora.trainer.finite import NonFiniteAdapterError, first_nonfinite_adapter
+    from titan_lora.lora.finite import NonFiniteAdapterError, first_nonfinite_adapter
 
     root = Path(root)
     result = {}

@@ -9,7 +9,7 @@ from titan_lora.config import WeightSync, process_group_timeout_s, rank0_wait_bu
 
 
 def test_the_budget_of_the_defaults_by_hand() -> None:
-    # Each try: max(rollout 600, (3 retries + 1) * (120 s + 10 s) = 520) = 600 s; 3 restarts give
+    # Each try: max(rollout 600, (3 retries + 1) * (120 s + 10 s) + 30 s retire = 550) = 600 s; 3 restarts give
     # 4 tries (2400 s) plus 3 * (600 s start + 10 s health) = 1830 s.
     ws = WeightSync(enabled=True)
     assert rank0_wait_budget_s(ws) == 4230.0
@@ -19,14 +19,14 @@ def test_the_budget_of_the_defaults_by_hand() -> None:
 def test_the_budget_when_transfers_outlast_rollouts() -> None:
     ws = WeightSync(enabled=True, timeout_s=300.0, retries=2, rollout_timeout_s=60.0, engine_restarts=1,
                     engine_start_timeout_s=100.0, health_timeout_s=5.0)
-    # per try max(60, 3 * 310 = 930) = 930; 2 tries = 1860; one restart 105.
-    assert rank0_wait_budget_s(ws) == 1965.0
-    assert process_group_timeout_s(ws) == 2085.0
+    # per try max(60, 3 * 310 + 30 s retire = 960) = 960; 2 tries = 1920; one restart 105.
+    assert rank0_wait_budget_s(ws) == 2025.0
+    assert process_group_timeout_s(ws) == 2145.0
 
 
 def test_short_budgets_keep_the_600_s_floor_and_no_sync_keeps_600() -> None:
     ws = WeightSync(enabled=True, timeout_s=5.0, retries=0, rollout_timeout_s=10.0, engine_restarts=0)
-    assert rank0_wait_budget_s(ws) == 15.0
+    assert rank0_wait_budget_s(ws) == 45.0  # 1 * (5 + 10) + 30 s retire
     assert process_group_timeout_s(ws) == 600.0
     assert process_group_timeout_s(WeightSync(enabled=False, rollout_timeout_s=9000.0)) == 600.0
 

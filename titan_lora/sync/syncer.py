@@ -25,6 +25,7 @@ from titan_lora.emitters.base import (
     Ack, AdapterPayload, Emitter, EmitterError, EngineLimits, EngineWeightsLost,
 )
 from titan_lora.engines.http import EngineDied, EngineUnreachable
+from titan_lora.lora.finite import NonFiniteAdapterError
 from titan_lora.sync.adapter_source import AdapterSource
 from titan_lora.sync.collective import RankZeroError, on_rank0, share
 from titan_lora.sync.retire import Retirer
@@ -40,10 +41,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 BaseStream = Callable[[], Iterator[tuple[str, torch.Tensor]]]
 BACKOFF_CAP_S = 10.0
-
-
-class NonFiniteAdapter(RuntimeError):
-    """The adapter holds NaN or Inf: it is not sent, and every rank raises."""
 
 
 class EngineFailed(EmitterError):
@@ -329,7 +326,7 @@ class WeightSyncer:
         finite = share(self.source.snapshot_is_finite() if self.emitter is not None else None)
         if not finite:
             active = self.versions.active
-            raise NonFiniteAdapter(
+            raise NonFiniteAdapterError(
                 f"adapter version {version} holds NaN/Inf values: it was not sent (the engine keeps "
                 f"{active.name if active else 'the base'}). [weight_sync] on_nonfinite decides what the "
                 "run does: \"stop\" ends it here, \"rollback\" reloads the last finite checkpoint"

@@ -108,7 +108,8 @@ def wire_syncer(run: TrainingRun) -> WeightSyncer:
             cfg = dataclasses.replace(cfg, engine_url=engine.url, api_key=engine.api_key)
         emitter = build_emitter(cfg)
         if cfg.emitter != "sglang" and (cfg.engine == "vllm" or engine is None):
-            rollouts = VLLMRolloutClient(JsonClient(cfg.engine_url, cfg.api_key, cfg.timeout_s))
+            rollouts = VLLMRolloutClient(JsonClient(cfg.engine_url, cfg.api_key, cfg.timeout_s),
+                                         cfg.rollout_timeout_s)
     tokenizer = AutoTokenizer.from_pretrained(run.built.hf_dir)
     tied = json.loads((Path(run.built.hf_dir) / "config.json").read_text()).get("tie_word_embeddings", False)
     probe = None
