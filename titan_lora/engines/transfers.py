@@ -8,8 +8,10 @@ sent, over the bytes the engine holds after its copy-out; a mismatch discards th
 Fault injection, for the chaos tests (read at every bucket):
 - `TITAN_LORA_FAULT_BUCKET_PAUSE_S=<seconds>`: the engine sleeps inside the handling of each bucket,
   after mapping the trainer's buffer and before copying it out.
-- `TITAN_LORA_FAULT_MARKER=<path>`: the engine touches this file when it enters that pause, so a test
-  knows that a kill lands in the middle of a transfer.
+- `TITAN_LORA_FAULT_MARKER=<path>`: the pause becomes one-shot and armed by the file's absence: the
+  engine pauses only while the file does not exist, and creates it when it enters the pause. A test
+  creates the file to disarm the hook, removes it to arm it, and waits for it to reappear to know that
+  a kill lands in the middle of a transfer.
 """
 
 from __future__ import annotations
@@ -44,7 +46,10 @@ def fault_pause() -> None:
         return
     marker = os.environ.get(MARKER_ENV)
     if marker:
-        pathlib.Path(marker).touch()
+        try:  # exclusive create: of concurrent buckets, exactly one pauses
+            pathlib.Path(marker).touch(exist_ok=False)
+        except FileExistsError:
+            return
     time.sleep(pause_s)
 
 

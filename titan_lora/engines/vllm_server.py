@@ -9,8 +9,8 @@ on CPU instead of 65 s); `--multiprocess` keeps vLLM's own process layout.
 
 The environment carries the API key (TITAN_LORA_API_KEY) and the launcher's nonce
 (TITAN_LORA_ENGINE_NONCE, echoed by /titan/info). Fault injection for the chaos tests:
-TITAN_LORA_FAULT_BUCKET_PAUSE_S=<seconds> pauses inside each bucket (after mapping, before copy-out)
-and TITAN_LORA_FAULT_MARKER=<path> is touched when the pause begins (`titan_lora.engines.transfers`).
+TITAN_LORA_FAULT_BUCKET_PAUSE_S=<seconds> pauses inside a bucket (after mapping, before copy-out), once
+per removal of the file TITAN_LORA_FAULT_MARKER names (`titan_lora.engines.transfers`).
 """
 
 from __future__ import annotations

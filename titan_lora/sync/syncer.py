@@ -150,6 +150,7 @@ class WeightSyncer:
         self._base_incarnation: str | None = None
         self._current: int | None = None  # the version the engine got last: the params as they are now
         self._current_published = False  # rank 0: False when the parity gate held it back
+        self._base_ms: float | None = None  # the base send of the sync in progress, if any
         self.counters = {"base_sends": 0, "syncs": 0, "engine_recoveries": 0, "probe_failures": 0,
                          "parity_gated": 0}
         self.last_metrics: dict[str, float] = {}
@@ -269,13 +270,14 @@ class WeightSyncer:
         except _EngineDown as err:  # at start-up there is nothing to recover: say what failed
             raise EmitterError(str(err)) from err
 
-    def _ensure_base(self, version: int) -> dict[str, float]:
+    def _ensure_base(self, version: int) -> None:
         """Collective: send the base when this engine incarnation has not got ours."""
         needed = share(self._rank0(lambda: self._incarnation() != self._base_incarnation,
                                    "reaching the engine"))
-        return self._send_base(version) if needed else {}
+        if needed:
+            self._send_base(version)
 
-    def _send_base(self, version: int) -> dict[str, float]:
+    def _send_base(self, version: int) -> None:
         """Collective: stream the base; a failed attempt re-runs the whole stream on every rank."""
         for attempt in range(self.cfg.retries + 1):
             started = time.perf_counter()
@@ -303,7 +305,7 @@ class WeightSyncer:
         self.counters["base_sends"] += 1
         ms = (time.perf_counter() - started) * 1e3
         logger.info("sent the base weights (%d tensors) in %.1f s", tally.tensors, ms / 1e3)
-        return {"base_ms": ms}
+        self._base_ms = ms  # reported by the sync it belongs to, also when a recovery sent it
 
     # ---- adapter -----------------------------------------------------------------------------------
     def sync(self, version: int) -> dict[str, float]:
@@ -313,8 +315,11 @@ class WeightSyncer:
         payload = self.source.snapshot(version)  # collective
         metrics: dict[str, float] = {"gather_ms": (time.perf_counter() - t0) * 1e3}
         self._check_finite(version)
+        self._base_ms = None
         metrics |= self._recovering(lambda: self._transfer(payload, version),
                                     f"syncing adapter version {version}", republish=False)
+        if self._base_ms is not None:
+            metrics["base_ms"] = self._base_ms
         self._current = version
         metrics |= self._maybe_probe_and_publish(payload)
         metrics["total_ms"] = (time.perf_counter() - started) * 1e3
@@ -334,9 +339,9 @@ class WeightSyncer:
 
     def _transfer(self, payload: AdapterPayload | None, version: int) -> dict[str, float]:
         """Collective: the base if this engine incarnation needs it, then the whole adapter transfer."""
-        metrics = self._ensure_base(version)
+        self._ensure_base(version)
         phases = self._rank0(lambda: self._install(payload), f"sending adapter version {version}")
-        return {**metrics, **(phases or {})}
+        return phases or {}
 
     def _install(self, payload: AdapterPayload) -> dict[str, float]:
         """Rank 0: load the adapter into the engine (not yet published); check the ack."""

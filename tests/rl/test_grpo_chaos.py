@@ -1,0 +1,106 @@
+"""Chaos on the main job: the embedded vLLM engine is killed in the middle of an adapter bucket, killed
+while rollouts run, and frozen (SIGSTOP) past the rollout timeout. The job must finish with one
+published version per step and the engine serving the trainer's adapter after every restart."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from dist_helpers import free_port
+from test_grpo_job import kill_tree, launch, scalars, short_config
+
+API_KEY = "chaos-test-key"
+
+
+def engine_pid(job_pid: int) -> int | None:
+    """The live vLLM engine process under the job, if any."""
+    import psutil
+
+    for proc in psutil.Process(job_pid).children(recursive=True):
+        try:
+            if "titan_lora.engines.vllm_server" in " ".join(proc.cmdline()) and proc.status() != "zombie":
+                return proc.pid
+        except psutil.NoSuchProcess:
+            continue
+    return None
+
+
+def in_flight(port: int) -> int:
+    """Generate requests the engine is serving now (0 when it does not answer)."""
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/titan/info", data=b"{}", method="POST",
+                                 headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=2) as resp:
+            return sum(json.loads(resp.read())["in_flight"].values())
+    except OSError:
+        return 0
+
+
+def wait_for(predicate, what: str, job, log: Path, timeout_s: float = 600, poll_s: float = 0.05) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert job.poll() is None, f"the job ended while waiting for {what}:\n{log.read_text()[-4000:]}"
+        assert time.monotonic() < deadline, f"no {what} in {timeout_s:.0f} s:\n{log.read_text()[-4000:]}"
+        time.sleep(poll_s)
+
+
+def chaos_config(tmp: Path, port: int) -> Path:
+    path = short_config(tmp, steps=5)
+    text = path.read_text()
+    text = re.sub(r"^eval_every = \d+", "eval_every = 0", text, flags=re.M)
+    text = re.sub(r"^\[weight_sync\]\n", f'[weight_sync]\nengine_port = {port}\napi_key = "{API_KEY}"\n'
+                  "rollout_timeout_s = 20\nhealth_timeout_s = 5\n", text, flags=re.M)
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.slow
+def test_grpo_job_survives_a_kill_mid_bucket_a_kill_in_rollouts_and_a_frozen_engine(tmp_path, smollm2_dir,
+                                                                                   monkeypatch):
+    marker = tmp_path / "bucket-pause"
+    marker.touch()  # disarmed: the engine pauses in a bucket only after the test removes the file
+    monkeypatch.setenv("TITAN_LORA_FAULT_BUCKET_PAUSE_S", "30")
+    monkeypatch.setenv("TITAN_LORA_FAULT_MARKER", str(marker))
+    port = free_port()
+    log = tmp_path / "chaos.log"
+    job = launch(chaos_config(tmp_path, port), log)
+    progress = lambda step: re.search(rf"^.*step\s+{step}/5 ", log.read_text(), re.M) is not None  # noqa: E731
+    faults = []
+    try:
+        # 1. SIGKILL inside an adapter bucket: armed after step 1, so the pause hits step 2's sync.
+        wait_for(lambda: progress(1), "step 1", job, log)
+        marker.unlink()
+        wait_for(marker.exists, "a paused bucket", job, log, timeout_s=300)
+        os.kill(engine_pid(job.pid), signal.SIGKILL)
+        faults.append("kill mid-bucket")
+        # 2. SIGKILL while step 4's rollouts are in flight.
+        wait_for(lambda: progress(3), "step 3", job, log)
+        wait_for(lambda: in_flight(port) > 0, "rollouts in flight", job, log, poll_s=0.01)
+        os.kill(engine_pid(job.pid), signal.SIGKILL)
+        faults.append("kill in rollouts")
+        # 3. SIGSTOP once step 4 is done: step 5's rollouts meet a frozen engine.
+        wait_for(lambda: progress(4), "step 4", job, log)
+        frozen = engine_pid(job.pid)
+        os.kill(frozen, signal.SIGSTOP)
+        faults.append("SIGSTOP")
+        assert job.wait(timeout=900) == 0, log.read_text()[-4000:]
+    finally:
+        if job.poll() is None:
+            kill_tree(job.pid)
+    text = log.read_text()
+    assert faults == ["kill mid-bucket", "kill in rollouts", "SIGSTOP"]
+    assert text.count("starting titan_lora.engines.vllm_server") == 4, "one start and three restarts"
+    tags = scalars(tmp_path / "run/tb")
+    for step in range(1, 6):
+        assert tags["sync/version"][step] == step, f"step {step}: one published adapter version per step"
+        assert tags["sync/parity_max_abs"][step] < 1e-3, f"step {step}: engine and trainer disagree"
+        assert tags["rl/logprob_gap_max"][step] < 1e-3, f"step {step}: rollouts not from the claimed version"
+    assert tags["sync/engine_recoveries"][5] == 3
+    assert tags["sync/base_sends"][5] == 4, "the base goes to every engine incarnation once"
