@@ -2,8 +2,8 @@
 
 A tiny random HF LlamaForCausalLM (4 query heads, 2 KV heads) is the reference. Its weights reach a
 torchtitan Llama3 through torchtitan's own `Llama3StateDictAdapter.from_hf`; the project's converter adds
-LoRA with non-zero lora_B on every linear (wq and wk included); the project's export writes a PEFT
-directory; peft loads it onto the HF model. HF + peft and torchtitan must then give the same logits.
+LoRA with non-zero lora_B on every linear (wq and wk included); the project's export, and separately the
+sync path's snapshot (`AdapterSource`), write a PEFT directory; peft loads it onto the HF model. HF + peft and torchtitan must then give the same logits.
 Neither side of the comparison is computed by the code under test's inverse.
 """
 
@@ -20,6 +20,7 @@ from titan_lora.export.peft import peft_config, save_peft_dir, to_peft_names
 from titan_lora.lora.converter import apply_lora
 from titan_lora.lora.layer import adapter_params, is_adapter_param, lora_modules
 from titan_lora.lora.targets import hf_leaf_names
+from titan_lora.sync.adapter_source import AdapterSource
 
 # dim 64, 4 query heads and 2 KV heads of 16: GQA, so a permutation with the wrong head count differs.
 ARGS = TransformerModelArgs(
@@ -64,18 +65,29 @@ def _titan_lora_model(hf_state: dict[str, torch.Tensor], lora: LoRA) -> tuple[to
     return model.eval(), sd_adapter
 
 
+def _export(titan: torch.nn.Module, sd_adapter: Llama3StateDictAdapter, lora: LoRA, path) -> None:  # noqa: ANN001
+    """The file export: to_peft_names + peft_config + save_peft_dir."""
+    named = {n: p.detach() for n, p in adapter_params(titan)}
+    assert any(n.endswith("attention.wk.lora_B") for n in named), "the test needs an adapter on wk"
+    targets = hf_leaf_names([n for n, _ in lora_modules(titan)])
+    save_peft_dir(path, to_peft_names(named, sd_adapter), peft_config(lora, targets))
+
+
+def _sync_snapshot(titan: torch.nn.Module, sd_adapter: Llama3StateDictAdapter, lora: LoRA, path) -> None:  # noqa: ANN001
+    """The hot path's snapshot (gather with the RoPE layout folded into its scatter), saved as PEFT."""
+    AdapterSource(titan, sd_adapter, lora).export(path)
+
+
+@pytest.mark.parametrize("route", [_export, _sync_snapshot], ids=["export", "sync-snapshot"])
 @pytest.mark.parametrize("lora", [LoRA(rank=4, alpha=8.0), LoRA(rank=4, alpha=2.0, use_rslora=True)],
                          ids=["plain", "rslora"])
-def test_exported_adapter_on_hf_peft_matches_titan_under_gqa(tmp_path, lora: LoRA) -> None:
+def test_exported_adapter_on_hf_peft_matches_titan_under_gqa(tmp_path, lora: LoRA, route) -> None:  # noqa: ANN001
     from peft import PeftModel
 
     hf = _hf_model()
     hf_state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     titan, sd_adapter = _titan_lora_model(hf_state, lora)
-    named = {n: p.detach() for n, p in adapter_params(titan)}
-    assert any(n.endswith("attention.wk.lora_B") for n in named), "the test needs an adapter on wk"
-    targets = hf_leaf_names([n for n, _ in lora_modules(titan)])
-    save_peft_dir(tmp_path, to_peft_names(named, sd_adapter), peft_config(lora, targets))
+    route(titan, sd_adapter, lora, tmp_path)
 
     with torch.no_grad():
         base_logits = hf(TOKENS).logits
