@@ -14,6 +14,9 @@ def test_group_advantages_normalise_within_each_group():
     adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0]), group_size=4)
     assert torch.allclose(adv[:4], torch.tensor([3.0, -1.0, -1.0, -1.0]) / 3**0.5, atol=1e-4)
     assert torch.equal(adv[4:], torch.zeros(4)), "a group with one reward value carries no signal"
+    # A spread far below 1 is still normalised to +-1 (std 1e-6, eps 1e-6: (r - mean) / 2e-6 = +-0.5).
+    tiny = group_advantages(torch.tensor([0.0, 2e-6], dtype=torch.float64), group_size=2)
+    assert torch.allclose(tiny, torch.tensor([-0.5, 0.5], dtype=torch.float64))
     with pytest.raises(ValueError, match="groups of 3"):
         group_advantages(torch.ones(4), group_size=3)
 
