@@ -16,6 +16,8 @@ from torch.distributed.tensor import DTensor
 from titan_lora.lora.layer import (
     LoRALinear,
     adapter_params,
+    adapters_disabled,
+    clean_fqn,
     convert_linear,
     freeze_base,
     is_adapter_param,
@@ -132,6 +134,31 @@ def test_is_adapter_param() -> None:
     assert is_adapter_param("layers.0.attention.wq.lora_B")
     assert not is_adapter_param("layers.0.attention.wq.weight")
     assert not is_adapter_param("layers.0.attention.lora_A_norm.weight")
+
+
+def test_adapters_disabled_runs_the_base_and_restores_every_scale() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    for layer, scale in zip(model, (0.5, 3.0)):
+        convert_linear(layer, 2, scale, 0.0, torch.float32)
+        with torch.no_grad():
+            layer.lora_A.normal_()
+            layer.lora_B.normal_()
+    x = torch.randn(3, 4)
+    base = F.linear(F.linear(x, model[0].weight, model[0].bias), model[1].weight, model[1].bias)
+    with adapters_disabled(model):
+        assert torch.equal(model(x), base)
+    assert [m.scale for m in model] == [0.5, 3.0]
+    with pytest.raises(RuntimeError, match="boom"), adapters_disabled(model):
+        raise RuntimeError("boom")
+    assert [m.scale for m in model] == [0.5, 3.0], "restored even when the body raises"
+    assert not torch.equal(model(x), base)
+
+
+def test_clean_fqn_drops_wrapper_segments() -> None:
+    name = "layers.0._checkpoint_wrapped_module.attention._orig_mod.wq.lora_A"
+    assert clean_fqn(name) == "layers.0.attention.wq.lora_A"
+    assert clean_fqn("layers.0.attention.wq") == "layers.0.attention.wq"
 
 
 def test_freeze_base_leaves_only_adapters_trainable() -> None:
