@@ -1,4 +1,4 @@
-"""The adapter_config.json that PEFT, vLLM and SGLang read: exact keys and values, and peft accepts it."""
+"""The PEFT directory that PEFT, vLLM and SGLang read: exact config, names outside the layers, nested paths."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ import torch
 from safetensors.torch import load_file
 
 from titan_lora.config import LoRA
-from titan_lora.export.peft import peft_config, save_peft_dir
+from torchtitan.models.llama3 import TransformerModelArgs
+from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter
+
+from titan_lora.export.peft import peft_config, peft_name_and_heads, save_peft_dir
 
 
 def test_peft_config_is_exactly_the_lora_section() -> None:
@@ -42,3 +45,17 @@ def test_save_writes_contiguous_cpu_copies(tmp_path) -> None:
     t = torch.arange(12.0).view(3, 4).t()  # non-contiguous: safetensors refuses it as is
     save_peft_dir(tmp_path, {"x.lora_A.weight": t}, {"r": 1})
     assert torch.equal(load_file(str(tmp_path / "adapter_model.safetensors"))["x.lora_A.weight"], t)
+
+
+def test_peft_names_of_modules_outside_the_layers_and_their_head_counts() -> None:
+    sd_adapter = Llama3StateDictAdapter(TransformerModelArgs(dim=64, n_heads=4, n_kv_heads=2), None)
+    assert peft_name_and_heads("output.lora_B", sd_adapter) == ("base_model.model.lm_head.lora_B.weight", None)
+    assert peft_name_and_heads("layers.11.attention.wk.lora_B", sd_adapter) == (
+        "base_model.model.model.layers.11.self_attn.k_proj.lora_B.weight", 2)
+    assert peft_name_and_heads("layers.3.attention.wq.lora_B", sd_adapter)[1] == 4
+    assert peft_name_and_heads("layers.3.attention.wq.lora_A", sd_adapter)[1] is None
+
+
+def test_save_creates_missing_parent_directories(tmp_path) -> None:
+    out = save_peft_dir(tmp_path / "runs" / "step-3" / "adapter", {"x.lora_A.weight": torch.ones(2, 2)}, {"r": 2})
+    assert json.loads((out / "adapter_config.json").read_text()) == {"r": 2}
