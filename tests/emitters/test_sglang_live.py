@@ -13,7 +13,7 @@ import threading
 
 import pytest
 import torch
-from test_sglang import PROMPT, Driver, Trainer, assert_parity
+from test_sglang import GREEDY, PROMPT, Driver, Trainer, assert_parity
 from transformers import LlamaForCausalLM
 
 from titan_lora.config import WeightSync
@@ -111,10 +111,24 @@ def test_syncs_with_rollouts_in_flight_keep_the_window(trainer: Trainer) -> None
     retirer.close()
 
 
-def test_kv_cache_release_and_resume() -> None:
+def test_kv_cache_release_and_resume_keep_the_weights_and_the_adapter(trainer: Trainer) -> None:
+    """0.5.23 releases only the KV cache (and flushes it); base and adapters must serve the same answers."""
     emitter = live_emitter()
-    emitter.release_kv_cache()
+    versions = AdapterVersions("policy", keep_versions=2)
+    driver = Driver(emitter, versions)
+    driver.sync(trainer, 40)
+    before = emitter.client.generate(PROMPT, versions.active.name, GREEDY, logprob_start_len=0)
+    incarnation = emitter.engine_incarnation()
+    emitter.release_kv_cache()  # needs an idle server: nothing is in flight here
     emitter.resume_kv_cache()
+    assert emitter.engine_incarnation() == incarnation, "releasing the KV cache must not touch the weights"
+    after = emitter.client.generate(PROMPT, versions.active.name, GREEDY, logprob_start_len=0)
+    assert after.output_ids == before.output_ids
+    served = torch.tensor(after.input_logprobs[1:] + after.output_logprobs)
+    assert (served - torch.tensor(before.input_logprobs[1:] + before.output_logprobs)).abs().max() <= TOLERANCE
+    assert_parity(emitter.client, trainer, versions.active.name, TOLERANCE)  # the adapter is still applied
+    driver.sync(trainer, 41)  # and the next sync needs no new base
+    assert emitter.engine_incarnation() == incarnation
 
 
 @pytest.mark.skipif(not API_KEY, reason="the server has no --api-key")

@@ -16,6 +16,8 @@ from torch.distributed.tensor import DTensor
 from titan_lora.lora.layer import (
     LoRALinear,
     adapter_params,
+    adapters_disabled,
+    clean_fqn,
     convert_linear,
     freeze_base,
     is_adapter_param,
@@ -69,18 +71,54 @@ def test_forward_is_base_plus_scaled_low_rank_update() -> None:
     assert torch.equal(linear(x), F.linear(x, linear.weight, linear.bias)), "B = 0 must be the base, exactly"
 
 
-def test_dropout_only_acts_on_the_adapter_path_in_training() -> None:
+def _identity_adapter(dim: int, p: float, base_scale: float, scale: float) -> LoRALinear:
+    """W = base_scale * I, b = 0, A = B = I: the output is base_scale * x + scale * dropout(x)."""
+    linear = convert_linear(nn.Linear(dim, dim), rank=dim, scale=scale, dropout=p, dtype=torch.float32)
+    with torch.no_grad():
+        linear.weight.copy_(base_scale * torch.eye(dim))
+        linear.bias.zero_()
+        linear.lora_A.copy_(torch.eye(dim))
+        linear.lora_B.copy_(torch.eye(dim))
+    return linear
+
+
+def test_dropout_equals_a_hand_built_mask_on_the_adapter_input_only() -> None:
     torch.manual_seed(0)
-    linear = convert_linear(nn.Linear(8, 8), rank=4, scale=1.0, dropout=0.5, dtype=torch.float32)
+    p, scale = 0.3, 0.75
+    linear = convert_linear(nn.Linear(8, 6), rank=4, scale=scale, dropout=p, dtype=torch.float32)
     with torch.no_grad():
         linear.lora_A.normal_()
         linear.lora_B.normal_()
-    x = torch.randn(4, 8)
-    linear.eval()
-    no_drop = x @ linear.weight.T + linear.bias + x @ linear.lora_A.T @ linear.lora_B.T
-    torch.testing.assert_close(linear(x), no_drop)
-    linear.train()
-    assert not torch.allclose(linear(x), no_drop), "dropout of 0.5 in training should change the output"
+    x = torch.randn(5, 8)
+    torch.manual_seed(123)
+    out = linear.train()(x)
+    torch.manual_seed(123)  # the same draw by hand: keep with probability 1 - p, scale kept values by 1/(1-p)
+    keep = torch.empty_like(x).bernoulli_(1 - p)
+    dropped = x * keep / (1 - p)
+    expected = x @ linear.weight.T + linear.bias + scale * (dropped @ linear.lora_A.T @ linear.lora_B.T)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    assert 0 < int(keep.sum()) < keep.numel(), "the seed must both keep and drop, or this proves nothing"
+
+
+def test_dropout_is_off_in_eval() -> None:
+    torch.manual_seed(0)
+    linear = _identity_adapter(16, p=0.5, base_scale=2.0, scale=0.5).eval()
+    x = torch.randn(4, 16)
+    assert torch.equal(linear(x), 2.0 * x + 0.5 * x)
+
+
+def test_dropout_rate_and_rescaling_and_the_base_path_is_untouched() -> None:
+    torch.manual_seed(0)
+    p = 0.3
+    linear = _identity_adapter(64, p=p, base_scale=2.0, scale=1.0).train()
+    x = torch.rand(2000, 64) + 0.5  # no zeros of its own
+    with torch.no_grad():
+        adapter_part = linear(x) - 2.0 * x  # the base path must be exactly 2x, never dropped
+    kept = adapter_part.abs() > 1e-6
+    torch.testing.assert_close(adapter_part[kept], x[kept] / (1 - p), rtol=1e-5, atol=1e-5)
+    assert torch.all(adapter_part[~kept].abs() <= 1e-6)
+    rate = 1 - kept.float().mean().item()
+    assert abs(rate - p) < 0.01, f"dropped {rate:.4f} of the adapter inputs, configured {p}"
 
 
 @pytest.mark.parametrize(
@@ -96,6 +134,31 @@ def test_is_adapter_param() -> None:
     assert is_adapter_param("layers.0.attention.wq.lora_B")
     assert not is_adapter_param("layers.0.attention.wq.weight")
     assert not is_adapter_param("layers.0.attention.lora_A_norm.weight")
+
+
+def test_adapters_disabled_runs_the_base_and_restores_every_scale() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    for layer, scale in zip(model, (0.5, 3.0)):
+        convert_linear(layer, 2, scale, 0.0, torch.float32)
+        with torch.no_grad():
+            layer.lora_A.normal_()
+            layer.lora_B.normal_()
+    x = torch.randn(3, 4)
+    base = F.linear(F.linear(x, model[0].weight, model[0].bias), model[1].weight, model[1].bias)
+    with adapters_disabled(model):
+        assert torch.equal(model(x), base)
+    assert [m.scale for m in model] == [0.5, 3.0]
+    with pytest.raises(RuntimeError, match="boom"), adapters_disabled(model):
+        raise RuntimeError("boom")
+    assert [m.scale for m in model] == [0.5, 3.0], "restored even when the body raises"
+    assert not torch.equal(model(x), base)
+
+
+def test_clean_fqn_drops_wrapper_segments() -> None:
+    name = "layers.0._checkpoint_wrapped_module.attention._orig_mod.wq.lora_A"
+    assert clean_fqn(name) == "layers.0.attention.wq.lora_A"
+    assert clean_fqn("layers.0.attention.wq") == "layers.0.attention.wq"
 
 
 def test_freeze_base_leaves_only_adapters_trainable() -> None:

@@ -14,6 +14,9 @@ def test_group_advantages_normalise_within_each_group():
     adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0]), group_size=4)
     assert torch.allclose(adv[:4], torch.tensor([3.0, -1.0, -1.0, -1.0]) / 3**0.5, atol=1e-4)
     assert torch.equal(adv[4:], torch.zeros(4)), "a group with one reward value carries no signal"
+    # A spread far below 1 is still normalised to +-1 (std 1e-6, eps 1e-6: (r - mean) / 2e-6 = +-0.5).
+    tiny = group_advantages(torch.tensor([0.0, 2e-6], dtype=torch.float64), group_size=2)
+    assert torch.allclose(tiny, torch.tensor([-0.5, 0.5], dtype=torch.float64))
     with pytest.raises(ValueError, match="groups of 3"):
         group_advantages(torch.ones(4), group_size=3)
 
@@ -28,10 +31,28 @@ def test_clipped_loss_matches_ppo_clip():
     assert torch.allclose(loss, torch.tensor([[1.5, 0.8]]))  # negative advantage: ratio floored at 0.8
 
 
+def test_k3_kl_hand_computed_values():
+    # k3 = e^d - d - 1 with d = ref - logp: d = -1 -> e^-1 = 0.367879; d = 1 -> e - 2 = 0.718282;
+    # d = 2 -> e^2 - 3 = 4.389056.
+    logp = torch.tensor([-1.0, -2.0, -3.0])
+    ref = torch.tensor([-2.0, -1.0, -1.0])
+    assert torch.allclose(k3_kl(logp, ref), torch.tensor([0.367879, 0.718282, 4.389056]), atol=1e-6)
+
+
 def test_k3_kl_is_zero_at_equality_and_positive_elsewhere():
-    logp = torch.tensor([-1.0, -2.0])
-    assert torch.equal(k3_kl(logp, logp), torch.zeros(2))
-    assert (k3_kl(logp, logp + 0.3) > 0).all()
+    logp = torch.linspace(-8.0, -0.01, 41)
+    assert torch.equal(k3_kl(logp, logp), torch.zeros(41))
+    ref = logp.flip(0)
+    kl = k3_kl(logp, ref)
+    assert (kl[ref != logp] > 0).all() and (kl >= 0).all()
+
+
+def test_k3_kl_gradient_pushes_logp_towards_the_reference():
+    # d k3 / d logp = 1 - e^(ref - logp): 1 - e = -1.718282 below the reference, 1 - e^-1 = 0.632121 above.
+    logp = torch.tensor([-2.0, -1.0, -1.5], requires_grad=True)
+    ref = torch.tensor([-1.0, -2.0, -1.5])
+    k3_kl(logp, ref).sum().backward()
+    assert torch.allclose(logp.grad, torch.tensor([-1.718282, 0.632121, 0.0]), atol=1e-6)
 
 
 def test_tasks_are_seeded_and_heldout_is_disjoint():

@@ -1,0 +1,206 @@
+"""GRPOObjective on hand-built samples: mask positions, the staleness filter, the gradient, DP normalisation.
+
+The oracles are hand-derived. The "model" is a logit table, logits = table[input token], with every
+input token distinct, so the gradient on table row `tok` is the gradient at the one position fed `tok`.
+With a zero table, softmax is uniform and d loss / d logits[v] = g * (1[v = label] - 1/V), where g is
+d loss / d logp at that position; so g = grad[tok, label] - grad[tok, any other column].
+On-policy (ratio 1, inside the clip), the GRPO loss sum(-ratio * adv * mask) / tokens gives
+g = -adv / tokens on completion positions and 0 elsewhere.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from dist_helpers import run_ranks
+
+from titan_lora.config import GRPO
+from titan_lora.rl.objective import GRPOObjective, completion_batch
+from titan_lora.rl.rollout import Sample
+from titan_lora.trainer.parallel import DataParallelInfo
+
+VOCAB = 64
+PAD = 0
+STEP = 5  # the engine serves version STEP - 1 = 4; max_staleness 1 keeps versions >= 3
+
+
+class StubTokenizer:
+    """Just what GRPOObjective's constructor reads: a chat template, encoding, eos and pad ids."""
+
+    eos_token_id = PAD
+    pad_token_id = None
+    eos_token = "<eos>"
+
+    def apply_chat_template(self, messages, tokenize: bool, add_generation_prompt: bool) -> str:  # noqa: ANN001
+        return messages[0]["content"]
+
+    def __call__(self, text: str, add_special_tokens: bool) -> dict[str, list[int]]:
+        return {"input_ids": [1 + ord(c) % (VOCAB - 1) for c in text]}
+
+
+class LogitTable(nn.Module):
+    """logits[b, t] = table[inputs[b, t]]: one independent row of logits per input token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.zeros(VOCAB, VOCAB))
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.table[inputs]
+
+
+def _objective(dp: DataParallelInfo | None = None, **overrides) -> GRPOObjective:  # noqa: ANN003
+    settings = dict(enabled=True, train_size=10, eval_size=2, max_staleness=1, clip_eps=0.2) | overrides
+    cfg = GRPO(**settings)
+    return GRPOObjective(cfg, StubTokenizer(), None, dp or DataParallelInfo(0, 1, None), torch.device("cpu"), None)
+
+
+def _sample(first: int, n_prompt: int, n_completion: int, version: int, advantage: float) -> Sample:
+    """Token ids first, first + 1, ... (distinct across samples when `first` values are spaced)."""
+    ids = list(range(first, first + n_prompt + n_completion))
+    return Sample(ids[:n_prompt], ids[n_prompt:], [-1.0] * n_completion, 1.0 + advantage, advantage, version, "")
+
+
+def _hand_samples() -> list[Sample]:
+    """Six samples: versions 4, 4, 3, 3 (fresh) and 2, 2 (stale); 2 + 3 + 1 + 2 fresh completion tokens."""
+    return [
+        _sample(1, 3, 2, version=4, advantage=1.0),
+        _sample(10, 2, 3, version=4, advantage=-0.5),
+        _sample(20, 4, 1, version=3, advantage=2.0),
+        _sample(30, 2, 2, version=3, advantage=-1.5),
+        _sample(40, 3, 2, version=2, advantage=3.0),
+        _sample(50, 2, 2, version=2, advantage=-3.0),
+    ]
+
+
+def _loss(obj: GRPOObjective, samples: list[Sample], model: nn.Module) -> tuple[torch.Tensor, dict]:
+    obj._samples = lambda step: samples  # type: ignore[method-assign]
+    return obj.loss(model, STEP)
+
+
+def _dlogp(table_grad: torch.Tensor, input_tok: int, label: int) -> float:
+    """d loss / d logp at the position whose input is `input_tok` (see the module docstring)."""
+    other = next(v for v in range(VOCAB) if v != label)
+    return float(table_grad[input_tok, label] - table_grad[input_tok, other])
+
+
+def _expected_dlogp(samples: list[Sample], tokens: int) -> dict[int, float]:
+    """Hand oracle: input token -> d loss / d logp; -adv / tokens where the label is a completion token."""
+    out = {}
+    for s in samples:
+        seq = s.prompt_ids + s.completion_ids
+        for t in range(len(seq) - 1):
+            out[seq[t]] = -s.advantage / tokens if t + 1 >= len(s.prompt_ids) else 0.0
+    return out
+
+
+# ---------------------------------------------------------------- completion_batch
+
+
+def test_completion_batch_masks_exactly_the_completion_labels() -> None:
+    a = Sample([10, 11, 12], [20, 21], [], 0.0, 0.0, 0, "")
+    b = Sample([10, 11], [30], [], 0.0, 0.0, 0, "")
+    inputs, labels, mask = completion_batch([a, b], pad_id=PAD)
+    # Hand-derived: a = 10 11 12 | 20 21 -> inputs 10 11 12 20, labels 11 12 20 21, completion labels at 2, 3.
+    assert inputs.tolist() == [[10, 11, 12, 20], [10, 11, PAD, PAD]]
+    assert labels.tolist() == [[11, 12, 20, 21], [11, 30, PAD, PAD]]
+    assert mask.tolist() == [[0, 0, 1, 1], [0, 1, 0, 0]]
+
+
+# ---------------------------------------------------------------- the staleness filter
+
+
+def test_stale_samples_are_dropped_counted_and_get_no_gradient() -> None:
+    obj = _objective()
+    samples = _hand_samples()
+    model = LogitTable()
+    loss, metrics = _loss(obj, samples, model)
+    loss.backward()
+    assert metrics["rl/samples"] == 4 and metrics["rl/dropped_stale"] == 2
+    assert metrics["rl/sample_version"] == 3.0
+    assert metrics["rl/reward_mean"] == pytest.approx(1.0 + (1.0 - 0.5 + 2.0 - 1.5) / 4)
+    fresh, stale = samples[:4], samples[4:]
+    for s in stale:  # no row fed by a stale sample's tokens moved
+        assert torch.count_nonzero(model.table.grad[s.prompt_ids + s.completion_ids]) == 0
+    for s in fresh:
+        assert torch.count_nonzero(model.table.grad[s.prompt_ids[-1]]) > 0
+    _loss(obj, samples, LogitTable())
+    assert obj.dropped_stale == 4, "the drop count accumulates over steps"
+
+
+def test_the_staleness_bound_follows_max_staleness() -> None:
+    _, metrics = _loss(_objective(max_staleness=0), _hand_samples(), LogitTable())
+    assert (metrics["rl/samples"], metrics["rl/dropped_stale"]) == (2, 4)
+    _, metrics = _loss(_objective(max_staleness=2), _hand_samples(), LogitTable())
+    assert (metrics["rl/samples"], metrics["rl/dropped_stale"]) == (6, 0)
+
+
+# ---------------------------------------------------------------- the loss and its gradient
+
+
+def test_on_policy_loss_and_gradient_are_minus_advantage_over_tokens() -> None:
+    samples = _hand_samples()[:4]
+    model = LogitTable()
+    loss, metrics = _loss(_objective(), samples, model)
+    tokens = 2 + 3 + 1 + 2
+    # ratio 1: loss = -sum(adv_i * completion_tokens_i) / tokens
+    want = -(1.0 * 2 - 0.5 * 3 + 2.0 * 1 - 1.5 * 2) / tokens
+    assert loss.item() == pytest.approx(want, abs=1e-6)
+    assert metrics["loss"] == pytest.approx(want, abs=1e-6)
+    assert metrics["rl/clip_frac"] == 0.0 and metrics["rl/kl"] == 0.0
+    loss.backward()
+    for tok, g in _expected_dlogp(samples, tokens).items():
+        label = tok + 1  # every sample's ids are consecutive
+        assert _dlogp(model.table.grad, tok, label) == pytest.approx(g, abs=1e-6), f"input token {tok}"
+
+
+def test_a_positive_advantage_raises_the_sampled_tokens_probability() -> None:
+    sample = _sample(1, 2, 2, version=4, advantage=1.0)
+    model = LogitTable()
+    loss, _ = _loss(_objective(), [sample], model)
+    loss.backward()
+    with torch.no_grad():
+        model.table -= 0.5 * model.table.grad  # one SGD step
+    before = -torch.log(torch.tensor(float(VOCAB)))
+    after = torch.log_softmax(model.table[2], -1)[3]  # input 2 -> completion token 3
+    assert after > before + 0.1
+
+
+def test_kl_term_is_zero_and_leaves_the_gradient_when_the_adapter_is_off() -> None:
+    """A model with no LoRA layer is its own reference: k3 KL = 0, gradient unchanged."""
+    samples = _hand_samples()[:4]
+    plain, with_kl = LogitTable(), LogitTable()
+    _loss(_objective(), samples, plain)[0].backward()
+    loss, metrics = _loss(_objective(kl_coef=0.5), samples, with_kl)
+    loss.backward()
+    assert metrics["rl/kl"] == 0.0
+    assert torch.allclose(with_kl.table.grad, plain.table.grad, atol=1e-7)
+
+
+# ---------------------------------------------------------------- token normalisation over DP ranks
+
+
+def _dp_rank(rank: int, world: int, out: str) -> None:
+    obj = _objective(DataParallelInfo(rank, world, dist.group.WORLD))
+    model = LogitTable()
+    loss, metrics = _loss(obj, _hand_samples(), model)
+    loss.backward()
+    sums = torch.cat([loss.detach().view(1), model.table.grad.flatten()])
+    dist.all_reduce(sums)  # FSDP sums gradients over DP ranks (divide factor 1)
+    if rank == 0:
+        torch.save({"loss": sums[0], "grad": sums[1:].view(VOCAB, VOCAB), "metrics": metrics}, out)
+
+
+def test_two_dp_ranks_give_the_one_rank_loss_and_gradient(tmp_path) -> None:
+    run_ranks(2, _dp_rank, str(tmp_path / "two.pt"))
+    two = torch.load(tmp_path / "two.pt")
+    model = LogitTable()
+    loss, metrics = _loss(_objective(), _hand_samples(), model)
+    loss.backward()
+    # Rank 0 holds fresh samples 0-1 (5 tokens), rank 1 samples 2-3 (3 tokens): uneven on purpose.
+    assert two["loss"].item() == pytest.approx(loss.item(), abs=1e-6)
+    assert torch.allclose(two["grad"], model.table.grad, atol=1e-7)
+    assert two["metrics"]["loss"] == pytest.approx(metrics["loss"], abs=1e-6)
+    assert two["metrics"]["rl/samples"] == metrics["rl/samples"] == 4
