@@ -100,7 +100,7 @@ def test_a_failed_bucket_closes_the_session_and_leaves_the_served_version() -> N
             return {"success": False, "message": "disk on fire"} if len(seen) == 2 else real(body)
 
         srv.engine.update_base = second_fails
-        with pytest.raises(EmitterError, match=r"refused base bucket 2/\d+ of version 3: disk on fire"):
+        with pytest.raises(EmitterError, match=r"refused base bucket 2 of version 3: disk on fire"):
             Driver(emitter, _versions()).sync(trainer, 3)
         assert len(seen) == 2, "no bucket is sent after a refused one"
         assert calls(srv)[-1] == "/end_weight_update" and not srv.engine.session_open
