@@ -58,7 +58,8 @@ def test_convert_keeps_the_same_linear_weight_and_bias() -> None:
 
 
 def test_convert_creates_adapters_on_the_linears_device_with_the_configured_dtype() -> None:
-    meta = convert_linear(nn.Linear(5, 3, device="meta"), rank=2, scale=1.0, dropout=0.0, dtype=torch.bfloat16)
+    meta = nn.Linear(5, 3, device="meta")
+    convert_linear(meta, rank=2, scale=1.0, dropout=0.0, dtype=torch.bfloat16)
     # torchtitan converts on the meta device and materialises later: the adapter must follow the weight.
     assert meta.lora_A.is_meta and meta.lora_B.is_meta
     assert meta.lora_A.dtype == meta.lora_B.dtype == torch.bfloat16
