@@ -1,4 +1,4 @@
-"""Mutation testing of titan_lora's core with mutmut 3.x against the FAST test suite; prints kill rates per module.
+"""Mutation testing of titan_lora's core with mutmut 3.x against the FAST test suite; kill rate per module.
 
 Not run in CI (it is slow). It works on a scratch copy of the repository, so the checkout is never
 modified, and bounds the whole mutmut run with a timeout. Usage, from the repository root:
@@ -98,12 +98,13 @@ def report(statuses: dict[str, str], equivalent: set[str]) -> list[str]:
 
 def main() -> None:
     """Parse arguments, run mutmut on a scratch copy, print the figures and the survivors."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("modules", nargs="*", default=CORE, help="files or globs under titan_lora/ to mutate")
     parser.add_argument("--tests", nargs="+", default=["tests/"], help="test paths mutmut may select from")
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="bound on the whole mutmut run")
     parser.add_argument("--max-children", type=int, default=1, help="parallel mutant workers")
-    parser.add_argument("--workdir", type=Path, default=None, help="scratch directory (kept); default: a temp dir")
+    parser.add_argument("--workdir", type=Path, default=None, help="scratch directory (kept); default: temp")
     parser.add_argument("--equivalent", nargs="*", default=[], help="mutant names judged equivalent")
     parser.add_argument("--show", action="store_true", help="print the diff of every survivor")
     args = parser.parse_args()

@@ -52,7 +52,7 @@ def test_a_load_acked_but_not_listed_as_loaded_is_an_error_and_not_published(lis
         assert versions.live == [1] and versions.active.name == "policy-v1"
 
 
-# ---------------------------------------------------------------- multi-bucket base: flush and version placement
+# ---------------------------------------------------------------- multi-bucket base: flush, version placement
 
 
 def _bucketed(srv: ConformanceServer, bucket_bytes: int) -> tuple[SGLangEmitter, list[set[str]]]:

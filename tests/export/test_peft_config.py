@@ -1,4 +1,4 @@
-"""The PEFT directory that PEFT, vLLM and SGLang read: exact config, names outside the layers, nested paths."""
+"""The PEFT directory that PEFT, vLLM and SGLang read: exact config, names outside layers, nested paths."""
 
 from __future__ import annotations
 
@@ -49,7 +49,8 @@ def test_save_writes_contiguous_cpu_copies(tmp_path) -> None:
 
 def test_peft_names_of_modules_outside_the_layers_and_their_head_counts() -> None:
     sd_adapter = Llama3StateDictAdapter(TransformerModelArgs(dim=64, n_heads=4, n_kv_heads=2), None)
-    assert peft_name_and_heads("output.lora_B", sd_adapter) == ("base_model.model.lm_head.lora_B.weight", None)
+    lm_head = ("base_model.model.lm_head.lora_B.weight", None)
+    assert peft_name_and_heads("output.lora_B", sd_adapter) == lm_head
     assert peft_name_and_heads("layers.11.attention.wk.lora_B", sd_adapter) == (
         "base_model.model.model.layers.11.self_attn.k_proj.lora_B.weight", 2)
     assert peft_name_and_heads("layers.3.attention.wq.lora_B", sd_adapter)[1] == 4
@@ -57,5 +58,6 @@ def test_peft_names_of_modules_outside_the_layers_and_their_head_counts() -> Non
 
 
 def test_save_creates_missing_parent_directories(tmp_path) -> None:
-    out = save_peft_dir(tmp_path / "runs" / "step-3" / "adapter", {"x.lora_A.weight": torch.ones(2, 2)}, {"r": 2})
+    nested = tmp_path / "runs" / "step-3" / "adapter"
+    out = save_peft_dir(nested, {"x.lora_A.weight": torch.ones(2, 2)}, {"r": 2})
     assert json.loads((out / "adapter_config.json").read_text()) == {"r": 2}

@@ -3,11 +3,15 @@
 A tiny random HF LlamaForCausalLM (4 query heads, 2 KV heads) is the reference. Its weights reach a
 torchtitan Llama3 through torchtitan's own `Llama3StateDictAdapter.from_hf`; the project's converter adds
 LoRA with non-zero lora_B on every linear (wq and wk included); the project's export, and separately the
-sync path's snapshot (`AdapterSource`), write a PEFT directory; peft loads it onto the HF model. HF + peft and torchtitan must then give the same logits.
+sync path's snapshot (`AdapterSource`), write a PEFT directory; peft loads it onto the HF model.
+HF + peft and torchtitan must then give the same logits.
 Neither side of the comparison is computed by the code under test's inverse.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,7 +40,8 @@ def _hf_model():  # noqa: ANN202
 
     config = LlamaConfig(
         vocab_size=ARGS.vocab_size, hidden_size=ARGS.dim, intermediate_size=FFN_HIDDEN,
-        num_hidden_layers=ARGS.n_layers, num_attention_heads=ARGS.n_heads, num_key_value_heads=ARGS.n_kv_heads,
+        num_hidden_layers=ARGS.n_layers, num_attention_heads=ARGS.n_heads,
+        num_key_value_heads=ARGS.n_kv_heads,
         rms_norm_eps=ARGS.norm_eps, rope_theta=ARGS.rope_theta, max_position_embeddings=ARGS.max_seq_len,
         tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
     )
@@ -49,7 +54,9 @@ def _hf_model():  # noqa: ANN202
     return model
 
 
-def _titan_lora_model(hf_state: dict[str, torch.Tensor], lora: LoRA) -> tuple[torch.nn.Module, Llama3StateDictAdapter]:
+def _titan_lora_model(
+    hf_state: dict[str, torch.Tensor], lora: LoRA
+) -> tuple[torch.nn.Module, Llama3StateDictAdapter]:
     sd_adapter = Llama3StateDictAdapter(ARGS, None)
     model = Transformer(ARGS)
     apply_lora(model, lora)
@@ -65,7 +72,7 @@ def _titan_lora_model(hf_state: dict[str, torch.Tensor], lora: LoRA) -> tuple[to
     return model.eval(), sd_adapter
 
 
-def _export(titan: torch.nn.Module, sd_adapter: Llama3StateDictAdapter, lora: LoRA, path) -> None:  # noqa: ANN001
+def _export(titan: torch.nn.Module, sd_adapter: Llama3StateDictAdapter, lora: LoRA, path: Path) -> None:
     """The file export: to_peft_names + peft_config + save_peft_dir."""
     named = {n: p.detach() for n, p in adapter_params(titan)}
     assert any(n.endswith("attention.wk.lora_B") for n in named), "the test needs an adapter on wk"
@@ -73,7 +80,9 @@ def _export(titan: torch.nn.Module, sd_adapter: Llama3StateDictAdapter, lora: Lo
     save_peft_dir(path, to_peft_names(named, sd_adapter), peft_config(lora, targets))
 
 
-def _sync_snapshot(titan: torch.nn.Module, sd_adapter: Llama3StateDictAdapter, lora: LoRA, path) -> None:  # noqa: ANN001
+def _sync_snapshot(
+    titan: torch.nn.Module, sd_adapter: Llama3StateDictAdapter, lora: LoRA, path: Path
+) -> None:
     """The hot path's snapshot (gather with the RoPE layout folded into its scatter), saved as PEFT."""
     AdapterSource(titan, sd_adapter, lora).export(path)
 
@@ -81,7 +90,9 @@ def _sync_snapshot(titan: torch.nn.Module, sd_adapter: Llama3StateDictAdapter, l
 @pytest.mark.parametrize("route", [_export, _sync_snapshot], ids=["export", "sync-snapshot"])
 @pytest.mark.parametrize("lora", [LoRA(rank=4, alpha=8.0), LoRA(rank=4, alpha=2.0, use_rslora=True)],
                          ids=["plain", "rslora"])
-def test_exported_adapter_on_hf_peft_matches_titan_under_gqa(tmp_path, lora: LoRA, route) -> None:  # noqa: ANN001
+def test_exported_adapter_on_hf_peft_matches_titan_under_gqa(
+    tmp_path: Path, lora: LoRA, route: Callable
+) -> None:
     from peft import PeftModel
 
     hf = _hf_model()

@@ -57,6 +57,15 @@ def test_convert_keeps_the_same_linear_weight_and_bias() -> None:
     assert list(lora.children()) == [], "TP styles read .weight of every child of a linear"
 
 
+def test_convert_creates_adapters_on_the_linears_device_with_the_configured_dtype() -> None:
+    meta = nn.Linear(5, 3, device="meta")
+    convert_linear(meta, rank=2, scale=1.0, dropout=0.0, dtype=torch.bfloat16)
+    # torchtitan converts on the meta device and materialises later: the adapter must follow the weight.
+    assert meta.lora_A.is_meta and meta.lora_B.is_meta
+    assert meta.lora_A.dtype == meta.lora_B.dtype == torch.bfloat16
+    assert meta.weight.dtype == torch.float32, "the base keeps its own dtype"
+
+
 def test_forward_is_base_plus_scaled_low_rank_update() -> None:
     torch.manual_seed(0)
     linear = convert_linear(nn.Linear(6, 4, bias=True), rank=3, scale=0.75, dropout=0.0, dtype=torch.float32)
@@ -132,6 +141,7 @@ def test_lora_scale(rank: int, alpha: float, rslora: bool, expected: float) -> N
 def test_is_adapter_param() -> None:
     assert is_adapter_param("layers.0.attention.wq.lora_A")
     assert is_adapter_param("layers.0.attention.wq.lora_B")
+    assert is_adapter_param("lora_A"), "a bare LoRALinear's own parameters"
     assert not is_adapter_param("layers.0.attention.wq.weight")
     assert not is_adapter_param("layers.0.attention.lora_A_norm.weight")
 

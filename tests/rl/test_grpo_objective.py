@@ -33,7 +33,7 @@ class StubTokenizer:
     pad_token_id = None
     eos_token = "<eos>"
 
-    def apply_chat_template(self, messages, tokenize: bool, add_generation_prompt: bool) -> str:  # noqa: ANN001
+    def apply_chat_template(self, messages: list, tokenize: bool, add_generation_prompt: bool) -> str:
         return messages[0]["content"]
 
     def __call__(self, text: str, add_special_tokens: bool) -> dict[str, list[int]]:
@@ -54,13 +54,15 @@ class LogitTable(nn.Module):
 def _objective(dp: DataParallelInfo | None = None, **overrides) -> GRPOObjective:  # noqa: ANN003
     settings = dict(enabled=True, train_size=10, eval_size=2, max_staleness=1, clip_eps=0.2) | overrides
     cfg = GRPO(**settings)
-    return GRPOObjective(cfg, StubTokenizer(), None, dp or DataParallelInfo(0, 1, None), torch.device("cpu"), None)
+    dp = dp or DataParallelInfo(0, 1, None)
+    return GRPOObjective(cfg, StubTokenizer(), None, dp, torch.device("cpu"), None)
 
 
 def _sample(first: int, n_prompt: int, n_completion: int, version: int, advantage: float) -> Sample:
     """Token ids first, first + 1, ... (distinct across samples when `first` values are spaced)."""
     ids = list(range(first, first + n_prompt + n_completion))
-    return Sample(ids[:n_prompt], ids[n_prompt:], [-1.0] * n_completion, 1.0 + advantage, advantage, version, "")
+    engine_logprobs = [-1.0] * n_completion
+    return Sample(ids[:n_prompt], ids[n_prompt:], engine_logprobs, 1.0 + advantage, advantage, version, "")
 
 
 def _hand_samples() -> list[Sample]:

@@ -1,4 +1,4 @@
-"""The SFT loss mask and loss, exactly: hand-derived tokens, labels and mask through the project's data path."""
+"""The SFT loss mask and loss, exactly: hand-derived tokens, labels and mask through the SFT data path."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ class CharTokenizer:
     pad_token_id = None
     eos_token_id = ord("$")
 
-    def apply_chat_template(self, messages, tokenize: bool, add_generation_prompt: bool) -> str:  # noqa: ANN001
+    def apply_chat_template(self, messages: list, tokenize: bool, add_generation_prompt: bool) -> str:
         return "<" + messages[0]["content"].split(" ")[0] + ">"
 
     def __call__(self, text: str, add_special_tokens: bool) -> dict[str, list[int]]:
@@ -51,7 +51,8 @@ def test_collate_masks_every_completion_label_and_nothing_else() -> None:
 
 def test_sft_data_batches_carry_the_exact_mask(tmp_path) -> None:
     path = tmp_path / "pairs.jsonl"
-    path.write_text("\n".join(json.dumps({"prompt": p, "completion": c}) for p, c in [("ab", "c"), ("x", "yz")]))
+    pairs = [("ab", "c"), ("x", "yz")]
+    path.write_text("\n".join(json.dumps({"prompt": p, "completion": c}) for p, c in pairs))
     data = SFTData(CharTokenizer(), str(path), seq_len=64, global_batch=2, seed=0)
     b = data.local_batch(step=1, dp_rank=0, dp_size=1)
     rows = {tuple(r.tolist()): m.tolist() for r, m in zip(b.tokens, b.mask)}
