@@ -165,7 +165,7 @@ class GRPOObjective:
             kl = k3_kl(logp, ref)
             per_token = per_token + self.cfg.kl_coef * kl
         gap = self._engine_gap(mine, old, mask)
-        sums = torch.stack([mask.sum(), (per_token * mask).sum().detach(), (kl * mask).sum(),
+        sums = torch.stack([mask.sum(), (per_token * mask).sum().detach(), (kl * mask).sum().detach(),
                             (clipped * mask).sum(), gap[0], gap[1], gap[2]])
         if self.dp.group is not None:
             dist.all_reduce(sums[:5], group=self.dp.group)
