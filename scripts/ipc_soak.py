@@ -114,9 +114,9 @@ def soak(args: argparse.Namespace) -> dict:
         figures["seconds"] = time.perf_counter() - started
         figures["receiver_alive"] = answers(client, proc)
     finally:
-        emitter.close()
-        proc.terminate()
+        proc.terminate()  # the receiver unmaps our buffers as it exits; only then may we free them
         proc.wait(timeout=60)
+        emitter.close()
         del model
     return figures
 

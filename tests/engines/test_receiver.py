@@ -7,8 +7,12 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
+import time
 import uuid
 
 import pytest
@@ -198,3 +202,27 @@ def test_the_fault_hook_pauses_inside_a_bucket_and_touches_the_marker(receiver, 
     assert marker.exists() and not acks, "the marker must appear while the bucket is still being handled"
     post.join(30)
     assert acks and acks[0]["checksum"] == _digest(sent)
+
+
+def test_sigterm_releases_the_mappings_and_exits_cleanly(tmp_path) -> None:  # noqa: ANN001
+    """An engine that exits while mapping the trainer's CUDA buffers leaves their IPC ref-counter files in
+    /dev/shm: on SIGTERM the receiver must unwind and release its mappings (exit code 0, and it says so)."""
+    port, log = free_port(), tmp_path / "receiver.log"
+    env = {**os.environ, "TITAN_LORA_API_KEY": KEY}
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "titan_lora.engines.receiver", "--port", str(port)],
+                                stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        client = JsonClient(f"http://127.0.0.1:{port}", KEY, timeout_s=5)
+        for _ in range(200):
+            try:
+                client.post("/titan/info")
+                break
+            except EmitterError:
+                time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "mappings released" in log.read_text()

@@ -188,6 +188,12 @@ class BufferCache:
             mapped = self._open[key][1]
         return mapped[int(desc.get("offset", 0)) :]
 
+    def clear(self) -> None:
+        """Release every mapping. A CUDA mapping's release is what lets the trainer free its IPC
+        ref-counter file; an engine that exits still mapping leaves it behind in /dev/shm."""
+        with self._lock:
+            self._open.clear()
+
     def prune(self) -> int:
         """Release the mappings of shared-memory segments that no longer exist (their trainer is gone or
         freed them); returns how many were released. CUDA mappings go by the LRU bound alone."""

@@ -332,11 +332,14 @@ class VLLMBucketEmitter:
         return bool(reply["unloaded"])
 
     def close(self) -> None:
-        """Free the bucket buffers."""
+        """Free the bucket buffers (after the engine released its mappings of them, if it is to stop)."""
         self._pool.shutdown(wait=True)
+        cuda = any(buf.device.type == "cuda" for buf in self._buffers)
         for buf in self._buffers:
             buf.close()
         self._buffers = []
+        if cuda:  # shared blocks the engine no longer maps, and their ref-counter files, are freed now
+            torch.cuda.ipc_collect()
 
 
 @register_emitter("vllm")

@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
+import sys
 import threading
 import time
 import uuid
@@ -124,7 +126,12 @@ def main(argv: list[str] | None = None) -> None:
     server, service = build_server(argv)
     host, port = server.server_address[:2]
     logger.info("receiver %s ready on http://%s:%d", service.incarnation[:8], host, port)
-    server.serve_forever()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # unwind, so the finally below runs
+    try:
+        server.serve_forever()
+    finally:
+        service.buffers.clear()  # the trainer's CUDA IPC ref counters drop only when we unmap
+        logger.info("receiver %s stopped; mappings released", service.incarnation[:8])
 
 
 if __name__ == "__main__":

@@ -386,13 +386,13 @@ class WeightSyncer:
             return {}
 
     def close(self) -> None:
-        """Stop the retirer and release the emitter."""
+        """Stop the retirer, the embedded engine (it releases its mappings of our buffers), then the emitter."""
         if self.retirer is not None:
             self.retirer.close()
-        if self.emitter is not None:
-            self.emitter.close()
         if self.engine is not None:
             self.engine.stop()
+        if self.emitter is not None:
+            self.emitter.close()
 
 
 def _verify(ack: Ack, version: int, tensors: int, nbytes: int, what: str) -> None:
