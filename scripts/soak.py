@@ -207,8 +207,10 @@ def soak(model_dir: str, syncs: int, keep_versions: int = 2, rss_from: int = 100
     retirer = Retirer(versions, emitter.retire_adapter, timeout_s=min(30.0, call_timeout_s))
     sampler = Sampler(VLLMRolloutClient(JsonClient(url, api_key), call_timeout_s), versions, result)
     info = JsonClient(url, api_key, call_timeout_s)
+    mapped_before = shm_mapped(os.getpid())  # a test process may hold segments of earlier tests
     try:
         _run_syncs(result, model_dir, emitter, versions, retirer, sampler, info, proc.pid)
+        result.shm_used = sorted((shm_mapped(os.getpid()) - mapped_before) | shm_mapped(proc.pid))
     finally:
         sampler.stop(call_timeout_s + 15)
         retirer.close()
@@ -251,7 +253,6 @@ def _run_syncs(result: SoakResult, model_dir: str, emitter: VLLMBucketEmitter, v
             result.rss_start_mb = rss_mb(pid)
     retirer.wait_idle(60)
     result.rss_end_mb = rss_mb(pid)
-    result.shm_used = sorted(shm_mapped(os.getpid()) | shm_mapped(pid))
     times.sort()
     result.sync_ms_p50, result.sync_ms_max = times[len(times) // 2], times[-1]
 
