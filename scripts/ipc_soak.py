@@ -26,12 +26,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from titan_lora.emitters.base import AdapterPayload, EmitterError  # noqa: E402
-from titan_lora.emitters.transport import SHM_DIR  # noqa: E402
-from titan_lora.emitters.vllm import VLLMBucketEmitter  # noqa: E402
-from titan_lora.engines.http import EngineUnreachable, JsonClient  # noqa: E402
-from titan_lora.engines.launch import free_port  # noqa: E402
-
+from titan_lora.clients.base import AdapterPayload
+from titan_lora.clients.http import JsonClient
+from titan_lora.clients.launch import free_port  # noqa: E402
+from titan_lora.clients.vllm import VLLMBucketEmitter  # noqa: E402
+from titan_lora.transfer.errors import (
+    EngineUnreachable,  # noqa: E402
+    TransferError,  # noqa: E402
+)
+from titan_lora.transfer.transport import SHM_DIR  # noqa: E402
 
 # What a trainer and its receiver create in /dev/shm: bucket buffers, CUDA IPC ref counters, torch's
 # shared CPU tensors. Other names (another job's semaphores on a shared host) are not counted as leaks.
@@ -70,7 +73,7 @@ def answers(client: JsonClient, proc: subprocess.Popen) -> bool:
     """Whether the receiver is still running and answering."""
     try:
         return proc.poll() is None and "incarnation" in client.post("/titan/info")
-    except EmitterError:
+    except TransferError:
         return False
 
 
@@ -105,7 +108,7 @@ def soak(args: argparse.Namespace) -> dict:
             try:
                 ack = emitter.send_adapter(AdapterPayload("soak", version, tensors, {}))
                 figures["posts"] += int(ack.phases_ms["buckets"])
-            except EmitterError as err:
+            except TransferError as err:
                 figures["mismatches" if "checksum" in str(err) else "errors"] += 1
                 figures["posts"] += 1
                 print(f"transfer {version}: {err}", file=sys.stderr)

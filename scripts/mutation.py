@@ -27,7 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE = [
-    "titan_lora/sync/*.py", "titan_lora/emitters/*.py", "titan_lora/engines/http.py",
+    "titan_lora/sync/*.py", "titan_lora/clients/*.py", "titan_lora/transfer/*.py", "titan_lora/clients/http.py",
     "titan_lora/rl/grpo.py", "titan_lora/rl/objective.py", "titan_lora/export/peft.py",
     "titan_lora/lora/layer.py",
 ]

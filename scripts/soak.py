@@ -26,13 +26,14 @@ from pathlib import Path
 
 import torch
 
-from titan_lora.emitters.base import AdapterPayload, EmitterError
-from titan_lora.emitters.vllm import VLLMBucketEmitter
-from titan_lora.engines.http import EngineUnreachable, JsonClient
-from titan_lora.engines.launch import free_port
-from titan_lora.engines.rollout import VLLMRolloutClient
+from titan_lora.clients.base import AdapterPayload
+from titan_lora.clients.http import JsonClient
+from titan_lora.clients.launch import free_port
+from titan_lora.clients.rollout import VLLMRolloutClient
+from titan_lora.clients.vllm import VLLMBucketEmitter
 from titan_lora.sync.retire import Retirer
 from titan_lora.sync.versions import AdapterVersions, versioned_name
+from titan_lora.transfer.errors import EngineUnreachable, TransferError
 
 LAYERS, DIM, KV_DIM, RANK = 30, 576, 192, 8  # SmolLM2-135M: 30 layers, dim 576, 3 KV heads of 64
 RSS_GROWTH_LIMIT = 0.05
@@ -241,7 +242,7 @@ def _run_syncs(result: SoakResult, model_dir: str, emitter: VLLMBucketEmitter, v
             raise RuntimeError(f"sync {version} ran out of time: {err}") from err
         times.append((time.perf_counter() - t0) * 1e3)
         if (ack.version, ack.num_tensors, ack.nbytes) != (version, len(tensors), want_bytes):
-            raise EmitterError(f"sync {version}: the engine acknowledged {ack}")
+            raise TransferError(f"sync {version}: the engine acknowledged {ack}")
         versions.publish(version)
         if version == 1:
             sampler.start()

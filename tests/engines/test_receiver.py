@@ -19,11 +19,11 @@ import pytest
 import torch
 from dist_helpers import free_port
 
-from titan_lora.emitters.base import EmitterError
-from titan_lora.emitters.buckets import bucket_size, layout_id, pack, plan_buckets
-from titan_lora.emitters.transport import BucketBuffer
-from titan_lora.engines.http import JsonClient
+from titan_lora.clients.http import JsonClient
 from titan_lora.engines.receiver import build_server
+from titan_lora.transfer.buckets import bucket_size, layout_id, pack, plan_buckets
+from titan_lora.transfer.errors import TransferError
+from titan_lora.transfer.transport import BucketBuffer
 
 KEY = "test-key"
 
@@ -78,7 +78,7 @@ def _bucket(buf: BucketBuffer, tensors: dict, transfer_id: str,
 
 
 def _digest(data: torch.Tensor) -> str:
-    from titan_lora.emitters.buckets import bucket_checksum
+    from titan_lora.transfer.buckets import bucket_checksum
 
     return bucket_checksum(data)
 
@@ -115,7 +115,7 @@ def test_a_body_that_is_not_a_json_object_is_refused(receiver) -> None:
 def test_info_echoes_the_engine_nonce_and_the_key_comes_from_the_environment(receiver) -> None:
     server, _ = receiver
     assert JsonClient(_url(server), KEY).post("/titan/info")["nonce"] == "nonce-123"
-    with pytest.raises(EmitterError, match="401"):
+    with pytest.raises(TransferError, match="401"):
         JsonClient(_url(server), "").post("/titan/info")
 
 
@@ -127,7 +127,7 @@ def test_a_segment_name_with_a_slash_is_refused(receiver, tmp_path, buffer) -> N
     relative = os.path.relpath(outside, "/dev/shm")
     assert "/" in relative
     body["segment"] = {**body["segment"], "name": relative}
-    with pytest.raises(EmitterError, match="HTTP 400.*segment .* is not a bare name"):
+    with pytest.raises(TransferError, match="HTTP 400.*segment .* is not a bare name"):
         JsonClient(_url(server), KEY).post("/titan/bucket", body)
     assert service.transfers.pending() == {}
     with pytest.raises(ValueError, match="has no buckets"):
@@ -138,7 +138,7 @@ def test_an_adapter_name_with_path_characters_is_refused(receiver, buffer) -> No
     server, service = receiver
     body, _ = _bucket(buffer, _tensors(0), uuid.uuid4().hex)
     body["commit"] = {"name": "../evil", "version": 1, "peft_config": {}}
-    with pytest.raises(EmitterError, match="HTTP 400.*adapter name .* is not a bare name"):
+    with pytest.raises(TransferError, match="HTTP 400.*adapter name .* is not a bare name"):
         JsonClient(_url(server), KEY).post("/titan/bucket", body)
     assert service.adapters == {}
 
@@ -163,10 +163,10 @@ def test_a_checksum_mismatch_discards_the_transfer_and_commits_nothing(receiver,
     body, _ = _bucket(buffer, _tensors(3), transfer_id)
     buffer.tensor[5] ^= 0xFF  # the bytes the engine reads differ from those the checksum covered
     body["commit"] = {"name": "policy-v2", "version": 2, "peft_config": {}}
-    with pytest.raises(EmitterError, match="HTTP 400.*checksum mismatch"):
+    with pytest.raises(TransferError, match="HTTP 400.*checksum mismatch"):
         client.post("/titan/bucket", body)
     assert service.adapters == {} and service.transfers.pending() == {}
-    with pytest.raises(EmitterError, match="HTTP 400.*discarded"):  # a late bucket cannot revive it
+    with pytest.raises(TransferError, match="HTTP 400.*discarded"):  # a late bucket cannot revive it
         client.post("/titan/bucket", _bucket(buffer, _tensors(4), transfer_id)[0])
 
 
@@ -180,7 +180,7 @@ def test_uncommitted_transfers_are_bounded_per_kind(receiver, buffer) -> None:
     assert service.transfers.pending() == {"adapter": 2, "base": 1}
     service.base({"transfer_id": ids[-1] + "b", "version": 7})  # the newest base still commits
     assert service.base_version == 7 and len(service.base_weights) == 4
-    with pytest.raises(EmitterError, match="discarded"):
+    with pytest.raises(TransferError, match="discarded"):
         client.post("/titan/bucket", _bucket(buffer, _tensors(5), ids[0], "adapter")[0])
 
 
@@ -218,7 +218,7 @@ def test_sigterm_releases_the_mappings_and_exits_cleanly(tmp_path) -> None:  # n
             try:
                 client.post("/titan/info")
                 break
-            except EmitterError:
+            except TransferError:
                 time.sleep(0.1)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0, log.read_text()

@@ -11,12 +11,12 @@ from http.server import ThreadingHTTPServer
 import pytest
 from dist_helpers import free_port
 
-from titan_lora.emitters.base import EmitterError
-from titan_lora.engines.http import JsonClient
+from titan_lora.clients.http import JsonClient
+from titan_lora.clients.rollout import VLLMRolloutClient
 from titan_lora.engines.http_server import make_handler
-from titan_lora.engines.rollout import VLLMRolloutClient
 from titan_lora.engines.vllm_loop import EngineLoop
 from titan_lora.engines.vllm_server import EngineService, parse_args
+from titan_lora.transfer.errors import TransferError
 
 POISON = [666]  # a prompt the scripted engine cannot step: every step fails while it is scheduled
 STUCK = [777]  # a prompt that never finishes
@@ -169,7 +169,7 @@ def test_a_deadline_reaches_the_client_as_http_504() -> None:
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         client = JsonClient(f"http://127.0.0.1:{server.server_address[1]}")
-        with pytest.raises(EmitterError, match="HTTP 504.*aborted"):
+        with pytest.raises(TransferError, match="HTTP 504.*aborted"):
             VLLMRolloutClient(client, timeout_s=1).generate([[1]], None, 1, 1.0, None, [])
     finally:
         server.shutdown()

@@ -19,13 +19,13 @@ import torch.distributed as dist
 from dist_helpers import free_port
 from model_helpers import SMOLLM2_LORA, build_from, job_config_from, randomize_adapters
 
-import titan_lora.emitters.disk  # noqa: F401  (registers "disk")
-import titan_lora.emitters.vllm  # noqa: F401  (registers "vllm")
+import titan_lora.clients.disk  # noqa: F401  (registers "disk")
+import titan_lora.clients.vllm  # noqa: F401  (registers "vllm")
+from titan_lora.clients.base import build_emitter
+from titan_lora.clients.http import JsonClient
+from titan_lora.clients.launch import EmbeddedEngine
+from titan_lora.clients.rollout import VLLMRolloutClient
 from titan_lora.config import WeightSync
-from titan_lora.emitters.base import EmitterError, build_emitter
-from titan_lora.engines.http import JsonClient
-from titan_lora.engines.launch import EmbeddedEngine
-from titan_lora.engines.rollout import VLLMRolloutClient
 from titan_lora.lora.finite import NonFiniteAdapterError
 from titan_lora.lora.layer import adapter_params
 from titan_lora.rl.tasks import chat_prompt
@@ -33,6 +33,7 @@ from titan_lora.sync.adapter_source import AdapterSource
 from titan_lora.sync.parity import trainer_logprobs
 from titan_lora.sync.syncer import WeightSyncer
 from titan_lora.sync.wiring import base_weights_source, probe_sequences
+from titan_lora.transfer.errors import TransferError
 
 pytestmark = pytest.mark.slow
 
@@ -129,11 +130,11 @@ def test_unreachable_engine_fails_after_bounded_retries(ctx: Ctx) -> None:
     cfg = WeightSync(enabled=True, engine_url=f"http://127.0.0.1:{free_port()}", retries=1, timeout_s=2)
     syncer = WeightSyncer(ctx.source, lambda: None, build_emitter(cfg), cfg, CPU)
     started = time.perf_counter()
-    with pytest.raises(EmitterError) as err:
+    with pytest.raises(TransferError) as err:
         syncer.sync(1)
     elapsed = time.perf_counter() - started
     assert "failed after 2 attempts" in str(err.value) and cfg.engine_url in str(err.value)
-    with pytest.raises(EmitterError, match="failed after 2 attempts"):
+    with pytest.raises(TransferError, match="failed after 2 attempts"):
         syncer.check_engine()
     assert elapsed < 15, f"an unreachable engine took {elapsed:.1f} s to report"
     assert syncer.versions.active is None and syncer.counters["base_sends"] == 0
@@ -145,7 +146,7 @@ def test_check_engine_accepts_our_rank_and_rejects_a_larger_one(ctx: Ctx) -> Non
     too_big = AdapterSource(ctx.built.model, ctx.built.sd_adapter, dataclasses.replace(ctx.lora, rank=16))
     emitter = build_emitter(ctx.cfg)
     syncer = WeightSyncer(too_big, lambda: None, emitter, ctx.cfg, CPU)
-    with pytest.raises(EmitterError) as err:
+    with pytest.raises(TransferError) as err:
         syncer.check_engine()
     assert "--max-lora-rank" in str(err.value) and "16" in str(err.value)
     syncer.close()

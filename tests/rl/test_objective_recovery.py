@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from titan_lora.clients.rollout import Completion
 from titan_lora.config import GRPO
-from titan_lora.emitters.base import EmitterError
-from titan_lora.engines.rollout import Completion
 from titan_lora.rl.objective import GRPOObjective, fresh_samples
 from titan_lora.rl.rollout import Sample
 from titan_lora.sync.versions import AdapterVersions
 from titan_lora.trainer.parallel import DataParallelInfo
+from titan_lora.transfer.errors import TransferError
 
 
 def _sample(version: int) -> Sample:
@@ -57,7 +57,7 @@ class FakeSyncer:
     def with_engine(self, fn, what: str):  # noqa: ANN001, ANN201
         self.calls.append(what)
         if self.failing:
-            raise EmitterError("the engine failed after 3 restarts")
+            raise TransferError("the engine failed after 3 restarts")
         return fn()
 
 
@@ -82,7 +82,7 @@ def test_rollouts_run_through_the_engine_recovery(tokenizer) -> None:
 
 def test_a_rollout_failure_after_recovery_ends_the_step(tokenizer) -> None:
     syncer = FakeSyncer(failing=True)
-    with pytest.raises(EmitterError, match="after 3 restarts"):
+    with pytest.raises(TransferError, match="after 3 restarts"):
         _objective(tokenizer, syncer).loss(None, 5)
     assert syncer.calls == ["rollouts of step 5"]
 

@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 from model_helpers import DEBUG_LORA, build_from, job_config_from, randomize_adapters
 
+from titan_lora.clients.http import JsonClient
+from titan_lora.clients.launch import EmbeddedEngine
+from titan_lora.clients.vllm import VLLMBucketEmitter
 from titan_lora.config import WeightSync
-from titan_lora.emitters.vllm import VLLMBucketEmitter
-from titan_lora.engines.http import JsonClient
-from titan_lora.engines.launch import EmbeddedEngine
 from titan_lora.export.peft import to_peft_names
 from titan_lora.lora.layer import adapter_params, clean_fqn, is_adapter_param
 from titan_lora.sync.adapter_source import AdapterSource

@@ -11,7 +11,8 @@ from dist_helpers import run_ranks
 from syncer_helpers import build_syncer, expected_base, sync_cfg
 from torch.distributed.tensor import DTensor
 
-from titan_lora.emitters.base import Ack, EmitterError
+from titan_lora.transfer.errors import TransferError
+from titan_lora.transfer.protocol import Ack
 
 
 def digest(t: torch.Tensor) -> str:
@@ -57,7 +58,7 @@ class LazyEmitter:
         self.attempts += 1
         for name, t in tensors:
             if self.attempts == 1 and count == self.fail_after:
-                raise EmitterError("the engine refused a bucket")  # stops consuming: the syncer drains
+                raise TransferError("the engine refused a bucket")  # stops consuming: the syncer drains
             size = t.numel() * t.element_size()
             self.over.append((name, retained_bytes(self.baseline), size))
             self.digests[name] = digest(t)

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from titan_lora.emitters.base import EmitterError, EngineWeightsLost
-from titan_lora.engines.http import EngineDied
 from titan_lora.sync import syncer
 from titan_lora.sync.syncer import with_retries
+from titan_lora.transfer.errors import EngineDied, EngineWeightsLost, TransferError
 
 
 class Failing:
@@ -31,14 +30,14 @@ def sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
 
 
 def test_back_off_doubles_and_is_capped_at_ten_seconds(sleeps: list[float]) -> None:
-    fn = Failing(EmitterError("HTTP 500"))
-    with pytest.raises(EmitterError, match="sending adapter policy-v3 failed after 7 attempts: HTTP 500"):
+    fn = Failing(TransferError("HTTP 500"))
+    with pytest.raises(TransferError, match="sending adapter policy-v3 failed after 7 attempts: HTTP 500"):
         with_retries(fn, 6, "sending adapter policy-v3")
     assert fn.calls == 7 and sleeps == [1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
 
 
 def test_a_dead_or_hung_engine_is_not_retried(sleeps: list[float]) -> None:
-    fn = Failing(EmitterError("timed out"))
+    fn = Failing(TransferError("timed out"))
     with pytest.raises(EngineDied, match="reaching the engine: the engine is dead or hung"):
         with_retries(fn, 3, "reaching the engine", alive=lambda: False)
     assert fn.calls == 1 and sleeps == []
@@ -53,7 +52,7 @@ def test_faults_that_a_retry_cannot_mend_are_raised_at_once(sleeps: list[float],
 
 
 def test_a_transient_failure_is_retried_until_it_succeeds(sleeps: list[float]) -> None:
-    outcomes = iter([EmitterError("reset"), EmitterError("reset"), None])
+    outcomes = iter([TransferError("reset"), TransferError("reset"), None])
 
     def flaky() -> str:
         err = next(outcomes)

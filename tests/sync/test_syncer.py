@@ -15,14 +15,21 @@ import pytest
 import torch
 from dist_helpers import run_ranks
 from syncer_helpers import (
-    build_syncer, engine_adapters, engine_digest, expected_adapter, expected_base, kill, shim_on_path,
-    start_receiver, sync_cfg,
+    build_syncer,
+    engine_adapters,
+    engine_digest,
+    expected_adapter,
+    expected_base,
+    kill,
+    shim_on_path,
+    start_receiver,
+    sync_cfg,
 )
 
-from titan_lora.emitters.base import EmitterError
 from titan_lora.lora.layer import adapter_params
 from titan_lora.sync.parity import ParityProbe
 from titan_lora.sync.syncer import EngineFailed, NonFiniteAdapterError
+from titan_lora.transfer.errors import TransferError
 
 
 def digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
@@ -90,7 +97,7 @@ def _errors_raise_on_every_rank(rank: int, world: int, tmp: str) -> None:
         if rank == 0:  # the engine installs version 2 but acknowledges 4 bytes fewer
             real = syncer.emitter.send_adapter
             syncer.emitter.send_adapter = lambda p: dataclasses.replace(real(p), nbytes=real(p).nbytes - 4)
-        with pytest.raises(EmitterError, match=r"acknowledged adapter policy-v2 as version 2, \d+ tensors"):
+        with pytest.raises(TransferError, match=r"acknowledged adapter policy-v2 as version 2, \d+ tensors"):
             syncer.sync(2)
         if rank == 0:
             assert syncer.versions.active.name == "policy-v1" and syncer.versions.live == [1], "published"
@@ -99,7 +106,7 @@ def _errors_raise_on_every_rank(rank: int, world: int, tmp: str) -> None:
             syncer.emitter.client.post = lambda path, body=None, timeout_s=None: real_post(
                 path, {**body, "segment": {**body["segment"], "name": "titan-no-such-segment"}}
                 if path == "/titan/bucket" else body, timeout_s)
-        with pytest.raises(EmitterError, match=r"sending adapter version 3.*HTTP"):
+        with pytest.raises(TransferError, match=r"sending adapter version 3.*HTTP"):
             syncer.sync(3)
         if rank == 0:
             assert syncer.versions.active.name == "policy-v1" and engine.starts == 1, "a healthy engine"
@@ -121,7 +128,7 @@ def _attached_engine_restarts(rank: int, world: int, tmp: str) -> None:
     url, key = (engine.url, engine.api_key) if engine else ("", "")
     built, syncer = build_syncer(rank, sync_cfg(keep_versions=2), None, url, key)  # attached: not ours
     try:
-        with pytest.raises(EmitterError, match=r"keep_versions = 2 needs 3 adapter slots.*--max-loras >= 3"):
+        with pytest.raises(TransferError, match=r"keep_versions = 2 needs 3 adapter slots.*--max-loras >= 3"):
             syncer.check_engine()
         if rank == 0:
             engine.args = ["--max-loras", "3"]
@@ -141,7 +148,7 @@ def _attached_engine_restarts(rank: int, world: int, tmp: str) -> None:
         def rollout() -> list[str]:
             held = engine_adapters(syncer)
             if syncer.versions.active.name not in held:
-                raise EmitterError(f"HTTP 400: unknown adapter {syncer.versions.active.name}")
+                raise TransferError(f"HTTP 400: unknown adapter {syncer.versions.active.name}")
             return held
 
         served = syncer.with_engine(rollout, "rollouts")

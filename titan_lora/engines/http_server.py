@@ -11,7 +11,8 @@ import logging
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler
 
-from titan_lora.emitters.buckets import UnknownLayout
+from titan_lora.transfer import protocol
+from titan_lora.transfer.buckets import UnknownLayout
 
 logger = logging.getLogger("titan_lora.engine")
 DEFAULT_MAX_BODY_MB = 64
@@ -80,7 +81,7 @@ def make_handler(routes: dict[str, Callable[[dict], dict]], api_key: str,
             return body
 
         def _handle(self, body: dict) -> None:
-            op = self.path.removeprefix("/titan/")
+            op = protocol.route_of(self.path)
             if op not in routes:
                 return self._reply(404, {"error": f"unknown route {self.path}"})
             try:

@@ -25,11 +25,12 @@ from http.server import ThreadingHTTPServer
 
 import torch
 
-from titan_lora.emitters.base import check_name
-from titan_lora.emitters.buckets import LayoutCache, bucket_size, tensor_views
-from titan_lora.emitters.transport import BufferCache
 from titan_lora.engines.http_server import DEFAULT_MAX_BODY_MB, make_handler
 from titan_lora.engines.transfers import TransferStore, fault_pause
+from titan_lora.transfer import protocol
+from titan_lora.transfer.buckets import LayoutCache, bucket_size, tensor_views
+from titan_lora.transfer.errors import check_name
+from titan_lora.transfer.transport import BufferCache
 
 logger = logging.getLogger("titan_lora.receiver")
 
@@ -114,7 +115,7 @@ def build_server(argv: list[str] | None = None) -> tuple[ThreadingHTTPServer, Re
     if args.device:
         torch.cuda.set_device(torch.device(args.device))
     service = ReceiverService(args.max_lora_rank, args.max_loras)
-    routes = {op: getattr(service, op) for op in ("info", "bucket", "base", "unload")}
+    routes = {op: getattr(service, op) for op in protocol.TRANSFER_ROUTES}
     handler = make_handler(routes, args.api_key, args.max_body_mb * 2**20)
     return ThreadingHTTPServer((args.host, args.port), handler), service
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from titan_lora.emitters.buckets import bucket_checksum
+from titan_lora.transfer.buckets import bucket_checksum
 
 PAUSE_ENV = "TITAN_LORA_FAULT_BUCKET_PAUSE_S"
 MARKER_ENV = "TITAN_LORA_FAULT_MARKER"

@@ -28,12 +28,12 @@ from vllm.lora.request import LoRARequest
 from vllm.lora.utils import parse_fine_tuned_lora_name
 from vllm.platforms import current_platform
 
-from titan_lora.emitters.buckets import Entry, LayoutCache, bucket_size, tensor_views
-from titan_lora.emitters.transport import BufferCache
 from titan_lora.engines import vllm_cpu_lora
 from titan_lora.engines.transfers import Staged, TransferStore, fault_pause
 from titan_lora.engines.vllm_fastpath import AdapterPlan, install_slot_writer, register
-from titan_lora.host_copy import copy_flat
+from titan_lora.transfer.buckets import Entry, LayoutCache, bucket_size, tensor_views
+from titan_lora.transfer.host_copy import copy_flat
+from titan_lora.transfer.transport import BufferCache
 
 if current_platform.is_cpu():  # runs in every worker process: the extension is imported there
     vllm_cpu_lora.install()

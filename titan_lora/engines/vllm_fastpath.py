@@ -29,7 +29,7 @@ from vllm.lora.layers.column_parallel_linear import MergedColumnParallelLinearWi
 from vllm.lora.lora_model import LoRAModel
 from vllm.lora.lora_weights import LoRALayerWeights, PackedLoRALayerWeights
 
-from titan_lora.host_copy import balanced_cut, in_two
+from titan_lora.transfer.host_copy import balanced_cut, in_two
 
 # The set_lora implementations that only zero the slot and copy each slice into it.
 _COPY_ONLY_SET_LORA = (BaseLinearLayerWithLoRA.set_lora, MergedColumnParallelLinearWithLoRA.set_lora)

@@ -27,13 +27,14 @@ from collections.abc import Iterator
 from http.server import ThreadingHTTPServer
 from typing import Any
 
-from titan_lora.emitters.base import check_name
 from titan_lora.engines.http_server import DEFAULT_MAX_BODY_MB, make_handler
 from titan_lora.engines.vllm_loop import EngineLoop
+from titan_lora.transfer import protocol
+from titan_lora.transfer.errors import check_name
 
 logger = logging.getLogger("titan_lora.engine")
 EXTENSION = "titan_lora.engines.vllm_ext.TitanLoRAWorkerExtension"
-ROUTES = ("info", "bucket", "adapter_from_path", "base", "unload", "generate", "score")
+ROUTES = protocol.TRANSFER_ROUTES + protocol.INFERENCE_ROUTES
 
 
 class EngineService:

@@ -11,7 +11,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from titan_lora.config import GRPO
-from titan_lora.emitters.base import EmitterError
 from titan_lora.lora.layer import adapters_disabled
 from titan_lora.rl.grpo import clipped_policy_loss, group_advantages, k3_kl
 from titan_lora.rl.rewards import get_reward
@@ -19,6 +18,7 @@ from titan_lora.rl.rollout import Sample, greedy_accuracy, sample_groups, share
 from titan_lora.rl.tasks import chat_prompt, train_and_heldout
 from titan_lora.sync.syncer import WeightSyncer
 from titan_lora.trainer.parallel import DataParallelInfo
+from titan_lora.transfer.errors import TransferError
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class GRPOObjective:
             return {}
         try:
             acc = self.syncer.with_engine(self._greedy_accuracy, f"held-out eval at step {step}")
-        except EmitterError as err:  # diagnostics never end the run
+        except TransferError as err:  # diagnostics never end the run
             self.eval_failures += 1
             logger.warning("held-out eval at step %d failed (%s); %d eval failures so far",
                            step, err, self.eval_failures)

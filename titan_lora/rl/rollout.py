@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from titan_lora.engines.rollout import RolloutClient
+from titan_lora.clients.rollout import RolloutClient
 from titan_lora.rl.grpo import group_advantages
 from titan_lora.rl.rewards import RewardFn
 from titan_lora.rl.tasks import Problem

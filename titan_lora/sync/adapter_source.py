@@ -9,8 +9,8 @@ from typing import Any
 import torch.nn as nn
 from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter
 
+from titan_lora.clients.base import AdapterPayload
 from titan_lora.config import LoRA
-from titan_lora.emitters.base import AdapterPayload
 from titan_lora.export.peft import peft_config, peft_name_and_heads, save_peft_dir, titan_rope_permute
 from titan_lora.lora.layer import adapter_params, lora_modules
 from titan_lora.lora.targets import hf_leaf_names

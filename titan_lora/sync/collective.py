@@ -12,12 +12,12 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from titan_lora.emitters.base import EmitterError
+from titan_lora.transfer.errors import TransferError
 
 T = TypeVar("T")
 
 
-class RankZeroError(EmitterError):
+class RankZeroError(TransferError):
     """Rank 0's work failed; raised on every rank. `cause` is the original error (rank 0 only)."""
 
     def __init__(self, message: str, cause: BaseException | None = None) -> None:

@@ -20,20 +20,19 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
+from titan_lora.clients.base import AdapterPayload, Emitter
 from titan_lora.config import WeightSync
-from titan_lora.emitters.base import (
-    Ack, AdapterPayload, Emitter, EmitterError, EngineLimits, EngineWeightsLost,
-)
-from titan_lora.engines.http import EngineDied, EngineUnreachable
 from titan_lora.lora.finite import NonFiniteAdapterError
 from titan_lora.sync.adapter_source import AdapterSource
 from titan_lora.sync.collective import RankZeroError, on_rank0, share
 from titan_lora.sync.retire import Retirer
 from titan_lora.sync.versions import AdapterVersions, Lease
+from titan_lora.transfer.errors import EngineDied, EngineUnreachable, EngineWeightsLost, TransferError
+from titan_lora.transfer.protocol import Ack, EngineLimits
 
 if TYPE_CHECKING:
-    from titan_lora.engines.launch import EmbeddedEngine
-    from titan_lora.engines.rollout import RolloutClient
+    from titan_lora.clients.launch import EmbeddedEngine
+    from titan_lora.clients.rollout import RolloutClient
     from titan_lora.sync.parity import ParityProbe
     from titan_lora.train import TrainingRun
 
@@ -43,7 +42,7 @@ BaseStream = Callable[[], Iterator[tuple[str, torch.Tensor]]]
 BACKOFF_CAP_S = 10.0
 
 
-class EngineFailed(EmitterError):
+class EngineFailed(TransferError):
     """The engine kept failing after `[weight_sync] engine_restarts` recoveries."""
 
 
@@ -58,19 +57,19 @@ def _engine_fault(err: BaseException) -> bool:
 def check_engine_limits(limits: EngineLimits, rank: int, targets: list[str], keep_versions: int) -> None:
     """Fail before training when the engine cannot serve our adapter or hold the retention window."""
     if rank > limits.max_lora_rank:
-        raise EmitterError(
+        raise TransferError(
             f"[lora] rank = {rank} exceeds the engine's max LoRA rank {limits.max_lora_rank}; "
             f"restart the engine with --max-lora-rank >= {rank} or lower [lora] rank"
         )
     if limits.target_modules is not None:
         missing = sorted(set(targets) - limits.target_modules)
         if missing:
-            raise EmitterError(
+            raise TransferError(
                 f"the engine cannot apply LoRA to {missing} (it supports {sorted(limits.target_modules)}); "
                 "narrow [lora] target_modules or restart the engine with those modules enabled"
             )
     if limits.max_loras < keep_versions + 1:  # the window, plus the version being loaded
-        raise EmitterError(
+        raise TransferError(
             f"[weight_sync] keep_versions = {keep_versions} needs {keep_versions + 1} adapter slots but the "
             f"engine has {limits.max_loras}; restart it with --max-loras >= {keep_versions + 1}"
         )
@@ -82,18 +81,18 @@ def backoff(attempt: int) -> None:
 
 
 def with_retries(fn: Callable[[], T], retries: int, what: str, alive: Callable[[], bool] | None = None) -> T:
-    """Call `fn`, retrying on EmitterError with capped back-off; engine faults that a retry cannot mend
+    """Call `fn`, retrying on TransferError with capped back-off; engine faults that a retry cannot mend
     (weights lost, or `alive()` False: a dead or hung embedded engine) are re-raised at once."""
     for attempt in range(retries + 1):
         try:
             return fn()
         except (EngineWeightsLost, EngineDied):
             raise
-        except EmitterError as err:
+        except TransferError as err:
             if alive is not None and not alive():
                 raise EngineDied(f"{what}: the engine is dead or hung ({err})") from err
             if attempt == retries:
-                raise EmitterError(f"{what} failed after {retries + 1} attempts: {err}") from err
+                raise TransferError(f"{what} failed after {retries + 1} attempts: {err}") from err
             logger.warning("%s failed (%s); retrying", what, err)
             backoff(attempt)
     raise AssertionError("unreachable")
@@ -171,7 +170,7 @@ class WeightSyncer:
             return False
         try:
             return self._incarnation() != self._base_incarnation
-        except EmitterError:
+        except TransferError:
             return True
 
     def _is_engine_fault(self, err: BaseException) -> bool:
@@ -198,7 +197,7 @@ class WeightSyncer:
             lost = share(None if err.cause is None else self._is_engine_fault(err.cause))
             if lost:
                 raise _EngineDown(f"{what}: {err}") from err.cause
-            raise EmitterError(f"{what}: {err}") from err.cause
+            raise TransferError(f"{what}: {err}") from err.cause
 
     # ---- recovery ----------------------------------------------------------------------------------
     def with_engine(self, fn: Callable[[], T], what: str) -> T | None:
@@ -268,7 +267,7 @@ class WeightSyncer:
         try:
             self._rank0(check, "checking the engine's limits")
         except _EngineDown as err:  # at start-up there is nothing to recover: say what failed
-            raise EmitterError(str(err)) from err
+            raise TransferError(str(err)) from err
 
     def _ensure_base(self, version: int) -> None:
         """Collective: send the base when this engine incarnation has not got ours."""
@@ -285,9 +284,9 @@ class WeightSyncer:
             try:
                 ack = self._rank0(lambda: self.emitter.send_base(tally, version), "sending the base",
                                   then=tally.drain)
-            except EmitterError as err:  # raised on every rank alike
+            except TransferError as err:  # raised on every rank alike
                 if attempt == self.cfg.retries:
-                    raise EmitterError(f"sending the base failed after {attempt + 1} attempts: {err}") \
+                    raise TransferError(f"sending the base failed after {attempt + 1} attempts: {err}") \
                         from err
                 logger.warning("sending the base failed (%s); retrying", err)
                 backoff(attempt)
@@ -397,7 +396,7 @@ class WeightSyncer:
 
 def _verify(ack: Ack, version: int, tensors: int, nbytes: int, what: str) -> None:
     if (ack.version, ack.num_tensors, ack.nbytes) != (version, tensors, nbytes):
-        raise EmitterError(
+        raise TransferError(
             f"the engine acknowledged {what} as version {ack.version}, {ack.num_tensors} tensors, "
             f"{ack.nbytes} bytes; sent version {version}, {tensors} tensors, {nbytes} bytes"
         )

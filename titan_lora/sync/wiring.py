@@ -17,13 +17,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-import titan_lora.emitters.disk  # noqa: F401  (registers "disk")
-import titan_lora.emitters.sglang  # noqa: F401  (registers "sglang")
-import titan_lora.emitters.vllm  # noqa: F401  (registers "vllm")
-from titan_lora.emitters.base import build_emitter
-from titan_lora.engines.http import JsonClient
-from titan_lora.engines.launch import EmbeddedEngine, engine_lora_rank
-from titan_lora.engines.rollout import VLLMRolloutClient
+import titan_lora.clients.disk  # noqa: F401  (registers "disk")
+import titan_lora.clients.sglang  # noqa: F401  (registers "sglang")
+import titan_lora.clients.vllm  # noqa: F401  (registers "vllm")
+from titan_lora.clients.base import build_emitter
+from titan_lora.clients.http import JsonClient
+from titan_lora.clients.launch import EmbeddedEngine, engine_lora_rank
+from titan_lora.clients.rollout import VLLMRolloutClient
 from titan_lora.lora.layer import clean_fqn, is_adapter_param
 from titan_lora.rl.tasks import chat_prompt, make_problems
 from titan_lora.sync.parity import ParityProbe

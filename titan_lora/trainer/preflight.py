@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from titan_lora.engines.launch import VLLM_LORA_RANKS
+from titan_lora.clients.launch import VLLM_LORA_RANKS
 from titan_lora.trainer.checkpoint import check_resume_compatible
 from titan_lora.trainer.parallel import data_parallel_size
 
@@ -31,10 +31,10 @@ def check_parallelism(job_config) -> None:  # noqa: ANN001
 
 def check_emitter(emitter: str) -> None:
     """Refuse an `[weight_sync] emitter` that no emitter module registers."""
-    import titan_lora.emitters.disk  # noqa: F401  (each import registers its emitter)
-    import titan_lora.emitters.sglang  # noqa: F401
-    import titan_lora.emitters.vllm  # noqa: F401
-    from titan_lora.emitters.base import registered_emitters
+    import titan_lora.clients.disk  # noqa: F401  (each import registers its emitter)
+    import titan_lora.clients.sglang  # noqa: F401
+    import titan_lora.clients.vllm  # noqa: F401
+    from titan_lora.clients.base import registered_emitters
 
     if emitter not in registered_emitters():
         known = ", ".join(registered_emitters())

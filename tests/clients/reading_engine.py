@@ -9,10 +9,9 @@ import time
 
 import torch
 
-from titan_lora.emitters.base import EmitterError
-from titan_lora.emitters.buckets import LayoutCache, UnknownLayout, bucket_checksum, bucket_size, tensor_views
-from titan_lora.emitters.transport import BufferCache
-from titan_lora.engines.http import LayoutUnknownToEngine
+from titan_lora.transfer.buckets import LayoutCache, UnknownLayout, bucket_checksum, bucket_size, tensor_views
+from titan_lora.transfer.errors import LayoutUnknownToEngine, TransferError
+from titan_lora.transfer.transport import BufferCache
 
 
 @dataclasses.dataclass
@@ -55,7 +54,7 @@ class ReadingEngine:
             if e.name not in self.misread:
                 held[e.offset : e.offset + e.nbytes] = source[e.offset : e.offset + e.nbytes]
         if number in self.fail:
-            raise EmitterError(f"engine said no to bucket {number}")
+            raise TransferError(f"engine said no to bucket {number}")
         tensors = tensor_views(held, entries)
         self.staging.setdefault(body["transfer_id"], {}).update(tensors)
         ack = {"tensors": len(entries) + self.count_error, "bytes": sum(e.nbytes for e in entries)}

@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from titan_lora.emitters import transport
-from titan_lora.emitters.transport import BucketBuffer, BufferCache, home_of, make_buffers, shared_tensor
+from titan_lora.transfer import transport
+from titan_lora.transfer.transport import BucketBuffer, BufferCache, home_of, make_buffers, shared_tensor
 
 
 def test_a_view_of_a_shared_tensor_is_sent_in_place_from_its_offset() -> None:

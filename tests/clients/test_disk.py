@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from titan_lora.emitters.base import AdapterPayload, EmitterError, InvalidName, check_name
-from titan_lora.emitters.disk import DiskEmitter
+from titan_lora.clients.base import AdapterPayload
+from titan_lora.clients.disk import DiskEmitter
+from titan_lora.transfer.errors import InvalidName, TransferError, check_name
 
 
 class RecordingClient:
@@ -38,8 +39,8 @@ def test_check_name_accepts_bare_names(name: str) -> None:
 
 
 def test_invalid_name_is_an_emitter_error_and_a_value_error() -> None:
-    # EmitterError: the syncer reports it on every rank; ValueError: an engine answers HTTP 400.
-    assert issubclass(InvalidName, EmitterError) and issubclass(InvalidName, ValueError)
+    # TransferError: the syncer reports it on every rank; ValueError: an engine answers HTTP 400.
+    assert issubclass(InvalidName, TransferError) and issubclass(InvalidName, ValueError)
 
 
 def test_the_disk_emitter_writes_and_deletes_only_inside_its_directory(tmp_path: Path) -> None:

@@ -18,10 +18,10 @@ import pytest
 from sglang_conformance import ConformanceServer
 from test_sglang import GREEDY, PROMPT, SERVER, TINY, Driver, Trainer, assert_parity, calls, emitter_for
 
-from titan_lora.emitters.base import EmitterError, EngineWeightsLost
-from titan_lora.emitters.sglang import SGLangEmitter, served_modules, sglang_adapter_config
-from titan_lora.engines.sglang_client import SGLangAuthError, SGLangClient, SGLangError, SGLangTimeout
+from titan_lora.clients.sglang import SGLangEmitter, served_modules, sglang_adapter_config
+from titan_lora.clients.sglang_api import SGLangAuthError, SGLangClient, SGLangError, SGLangTimeout
 from titan_lora.sync.versions import AdapterVersions
+from titan_lora.transfer.errors import EngineWeightsLost, TransferError
 
 UPDATE, LOAD = "/update_weights_from_tensor", "/load_lora_adapter_from_tensors"
 
@@ -47,7 +47,7 @@ def test_a_load_acked_but_not_listed_as_loaded_is_an_error_and_not_published(lis
             return {**out, "loaded_adapters": listed(body["lora_name"])}
 
         srv.engine.load_adapter = lying_load
-        with pytest.raises(EmitterError, match="does not list it as loaded"):
+        with pytest.raises(TransferError, match="does not list it as loaded"):
             driver.sync(trainer, 2)
         assert versions.live == [1] and versions.active.name == "policy-v1"
 
@@ -100,7 +100,7 @@ def test_a_failed_bucket_closes_the_session_and_leaves_the_served_version() -> N
             return {"success": False, "message": "disk on fire"} if len(seen) == 2 else real(body)
 
         srv.engine.update_base = second_fails
-        with pytest.raises(EmitterError, match=r"refused base bucket 2 of version 3: disk on fire"):
+        with pytest.raises(TransferError, match=r"refused base bucket 2 of version 3: disk on fire"):
             Driver(emitter, _versions()).sync(trainer, 3)
         assert len(seen) == 2, "no bucket is sent after a refused one"
         assert calls(srv)[-1] == "/end_weight_update" and not srv.engine.session_open
@@ -117,7 +117,7 @@ def test_a_weight_update_session_left_open_is_closed_and_reopened(caplog) -> Non
     with ConformanceServer(TINY, **SERVER) as srv:
         emitter = emitter_for(srv)
         assert emitter.client.begin_weight_update().success  # a trainer died inside its update
-        with caplog.at_level(logging.WARNING, logger="titan_lora.emitters.sglang"):
+        with caplog.at_level(logging.WARNING, logger="titan_lora.clients.sglang"):
             Driver(emitter, _versions()).sync(trainer, 1)
         session = calls(srv, "/begin_weight_update", "/end_weight_update", UPDATE)
         assert session == ["/begin_weight_update", "/begin_weight_update", "/end_weight_update",
@@ -141,7 +141,7 @@ def test_peft_options_sglang_ignores_are_refused_before_sending(option: str, val
         driver.sync(trainer, 1)
         payload = trainer.step(2)
         payload = dataclasses.replace(payload, peft_config={**payload.peft_config, option: value})
-        with pytest.raises(EmitterError, match=f"{option}.*SGLang 0.5.23 ignores or refuses"):
+        with pytest.raises(TransferError, match=f"{option}.*SGLang 0.5.23 ignores or refuses"):
             emitter.send_adapter(payload)
         assert len(calls(srv, LOAD)) == 1, "only version 1 was ever sent"
 
@@ -151,7 +151,7 @@ def test_adapter_config_folds_rslora_into_alpha_and_needs_the_core_keys() -> Non
     # alpha / sqrt(r) = 4 must equal alpha' / r: alpha' = 8 * sqrt(4) = 16.
     assert cfg == {"r": 4, "lora_alpha": 16.0, "use_rslora": False, "target_modules": ["q", "v"]}
     assert sglang_adapter_config({"r": 4, "lora_alpha": 8, "target_modules": ["q"]})["lora_alpha"] == 8
-    with pytest.raises(EmitterError, match=r"lacks \['lora_alpha'\]"):
+    with pytest.raises(TransferError, match=r"lacks \['lora_alpha'\]"):
         sglang_adapter_config({"r": 4, "target_modules": ["q"]})
 
 
@@ -178,7 +178,7 @@ def test_a_server_adapting_one_fused_member_takes_the_whole_group(server_targets
 def test_a_module_outside_every_served_group_is_refused_naming_the_flag() -> None:
     trainer = Trainer()
     with ConformanceServer(TINY, **{**SERVER, "lora_target_modules": ["qkv_proj", "gate_up_proj"]}) as srv:
-        with pytest.raises(EmitterError, match=r"does not adapt \['down_proj'\].*--lora-target-modules"):
+        with pytest.raises(TransferError, match=r"does not adapt \['down_proj'\].*--lora-target-modules"):
             Driver(emitter_for(srv), _versions()).sync(trainer, 1)
         assert calls(srv, LOAD) == []
 
@@ -189,9 +189,9 @@ def test_a_module_outside_every_served_group_is_refused_naming_the_flag() -> Non
 def test_a_data_parallel_server_is_refused_naming_dp_size() -> None:
     with ConformanceServer(TINY, **{**SERVER, "dp_size": 2}) as srv:
         emitter = emitter_for(srv)
-        with pytest.raises(EmitterError, match=r"dp_size=2.*--dp-size 1"):
+        with pytest.raises(TransferError, match=r"dp_size=2.*--dp-size 1"):
             emitter.engine_limits()
-        with pytest.raises(EmitterError, match="--dp-size 1"):
+        with pytest.raises(TransferError, match="--dp-size 1"):
             Driver(emitter, _versions()).sync(Trainer(), 1)
         assert calls(srv, UPDATE, LOAD) == []
 

@@ -8,11 +8,12 @@ the syncer (`titan_lora.sync`), not here, so every emitter shares them.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
+
+from titan_lora.transfer.protocol import Ack, EngineLimits
 
 if TYPE_CHECKING:
     from titan_lora.config import WeightSync
@@ -45,52 +46,6 @@ class AdapterPayload:
     def nbytes(self) -> int:
         """Total bytes of the adapter tensors."""
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineLimits:
-    """What the engine was started with, read at start-up to validate our adapter against it."""
-
-    max_lora_rank: int
-    max_loras: int
-    target_modules: frozenset[str] | None  # HF leaf names (q_proj, ...); None: any linear
-
-
-@dataclasses.dataclass(frozen=True)
-class Ack:
-    """What the engine reports it installed; the syncer compares it with what was sent."""
-
-    version: int
-    num_tensors: int
-    nbytes: int
-    phases_ms: Mapping[str, float] = dataclasses.field(default_factory=dict)
-
-
-class EmitterError(RuntimeError):
-    """A transfer failed in a way the trainer should report (not a bug in the caller)."""
-
-
-class InvalidName(EmitterError, ValueError):
-    """A name that could reach outside its directory; a ValueError too, so engines answer HTTP 400."""
-
-
-_SAFE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
-
-
-def check_name(name: str, what: str = "adapter name") -> str:
-    """`name` if it is a bare file name (`[A-Za-z0-9._-]+`, not starting with '.'), else InvalidName.
-
-    Adapter names become directories (disk emitter) and segment names become /dev/shm paths, so a
-    '/', '..' or NUL in them would write, delete or map files elsewhere.
-    """
-    if not isinstance(name, str) or not _SAFE_NAME.fullmatch(name):
-        raise InvalidName(f"{what} {name!r} is not a bare name: use letters, digits, '.', '_' and '-', "
-                          "not starting with '.'")
-    return name
-
-
-class EngineWeightsLost(EmitterError):
-    """The engine no longer holds the base weights (restart, or weights released): resend the base."""
 
 
 @runtime_checkable

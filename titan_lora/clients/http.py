@@ -14,19 +14,7 @@ import threading
 import urllib.parse
 from typing import Any
 
-from titan_lora.emitters.base import EmitterError
-
-
-class EngineUnreachable(EmitterError):
-    """The engine did not answer (not started, restarting, or a wrong address)."""
-
-
-class EngineDied(EngineUnreachable):
-    """The embedded engine's process exited, or stopped answering its health check (hung)."""
-
-
-class LayoutUnknownToEngine(EmitterError):
-    """The engine does not know a bucket layout id (it restarted): resend the header."""
+from titan_lora.transfer.errors import EngineUnreachable, LayoutUnknownToEngine, TransferError
 
 
 class JsonClient:
@@ -67,7 +55,7 @@ class JsonClient:
         self._local.conn = None
 
     def post(self, path: str, body: dict[str, Any] | None = None, timeout_s: float | None = None) -> Any:
-        """Send one request; raise EngineUnreachable, or EmitterError with the engine's message."""
+        """Send one request; raise EngineUnreachable, or TransferError with the engine's message."""
         data = json.dumps(body or {}).encode()
         headers = {"Content-Type": "application/json"}
         if self.api_key:
@@ -87,13 +75,13 @@ class JsonClient:
                 self._drop_connection()
                 raise EngineUnreachable(f"{self.base_url}{path}: {err}") from None
         if resp.status == 401:
-            raise EmitterError(
+            raise TransferError(
                 f"{self.base_url} refused the API key (HTTP 401): set [weight_sync] api_key to the "
                 "key the engine was started with"
             )
         if resp.status == 409:
             raise LayoutUnknownToEngine(raw.decode(errors="replace"))
         if resp.status >= 300:
-            raise EmitterError(f"{self.base_url}{path} failed with HTTP {resp.status}: "
+            raise TransferError(f"{self.base_url}{path} failed with HTTP {resp.status}: "
                                f"{raw.decode(errors='replace')[:2000]}")
         return json.loads(raw or b"null")

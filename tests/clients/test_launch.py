@@ -11,17 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from titan_lora.emitters.base import EmitterError
-from titan_lora.engines.http import JsonClient
-from titan_lora.engines.launch import API_KEY_ENV, EmbeddedEngine
+from titan_lora.clients.http import JsonClient
+from titan_lora.clients.launch import API_KEY_ENV, EmbeddedEngine
+from titan_lora.transfer.errors import TransferError
 
 SHIM = "receiver_shim"
 
 
 @pytest.fixture(autouse=True)
 def shim_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The engine child finds the test shim module."""
-    here = str(Path(__file__).parent)
+    """The engine child finds the test shim module (tests/engines/receiver_shim.py)."""
+    here = str(Path(__file__).parents[1] / "engines")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
 
 
@@ -47,7 +47,7 @@ def test_a_busy_port_is_a_clear_error_and_the_other_engine_is_left_alone(
         engine: EmbeddedEngine, tmp_path: Path) -> None:
     other_pid, other_nonce = engine.proc.pid, engine.nonce
     busy = rf"port {engine.port} is already in use.*\[weight_sync\] engine_port"
-    with pytest.raises(EmitterError, match=busy):
+    with pytest.raises(TransferError, match=busy):
         _engine(tmp_path / "second", port=engine.port)
     assert engine.alive() and engine.proc.pid == other_pid
     assert _info(engine)["nonce"] == other_nonce, "the first engine must still serve, untouched"
@@ -56,7 +56,7 @@ def test_a_busy_port_is_a_clear_error_and_the_other_engine_is_left_alone(
 def test_an_engine_that_does_not_echo_our_nonce_is_refused(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.setenv("SHIM_FOREIGN_NONCE", "1")
     eng = _engine(tmp_path)
-    with pytest.raises(EmitterError, match=r"not the one titan_lora started.*\[weight_sync\] engine_port"):
+    with pytest.raises(TransferError, match=r"not the one titan_lora started.*\[weight_sync\] engine_port"):
         eng.start()
     assert eng.proc.poll() is not None, "our own child is stopped after the refusal"
 

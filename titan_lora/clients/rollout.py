@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
-from titan_lora.engines.http import JsonClient
+from titan_lora.clients.http import JsonClient
+from titan_lora.transfer import protocol
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +51,7 @@ class VLLMRolloutClient:
     def generate(self, prompts: list[list[int]], adapter: str | None, max_tokens: int,
                  temperature: float, seed: int | None, stop_token_ids: list[int]) -> list[Completion]:
         """Sample completions through `/titan/generate`."""
-        reply = self._post("/titan/generate", {
+        reply = self._post(protocol.path(protocol.GENERATE), {
             "prompts": prompts, "adapter": adapter, "max_tokens": max_tokens,
             "temperature": temperature, "seed": seed, "stop_token_ids": stop_token_ids,
         })
@@ -62,4 +63,4 @@ class VLLMRolloutClient:
 
     def score(self, sequences: list[list[int]], adapter: str | None) -> list[list[float]]:
         """Prompt log-probs through `/titan/score`."""
-        return self._post("/titan/score", {"sequences": sequences, "adapter": adapter})["logprobs"]
+        return self._post(protocol.path(protocol.SCORE), {"sequences": sequences, "adapter": adapter})["logprobs"]

@@ -8,8 +8,8 @@ from model_helpers import SMOLLM2_LORA, build_from, job_config_from, randomize_a
 from sglang_conformance import ConformanceServer
 from transformers import AutoTokenizer, LlamaConfig
 
+from titan_lora.clients.base import build_emitter
 from titan_lora.config import WeightSync
-from titan_lora.emitters.base import build_emitter
 from titan_lora.rl.tasks import chat_prompt, make_problems
 from titan_lora.sync.adapter_source import AdapterSource
 from titan_lora.sync.parity import trainer_logprobs

@@ -40,24 +40,17 @@ import torch
 import torch.multiprocessing  # noqa: F401  (registers torch's reducers on ForkingPickler)
 from torch.multiprocessing import reductions
 
-from titan_lora.emitters.base import (
-    Ack,
-    AdapterPayload,
-    BaseTensors,
-    EmitterError,
-    EngineLimits,
-    EngineWeightsLost,
-    base_items,
-    register_emitter,
-)
-from titan_lora.emitters.buckets import Entry, bucket_size, pack, plan_buckets, stream_buckets
-from titan_lora.engines.sglang_client import (
+from titan_lora.clients.base import AdapterPayload, BaseTensors, base_items, register_emitter
+from titan_lora.clients.sglang_api import (
     LoadLoRAAdapterFromTensorsReqInput,
     ServerInfo,
     SGLangClient,
     SGLangTimeout,
     UpdateWeightsFromTensorReqInput,
 )
+from titan_lora.transfer.buckets import Entry, bucket_size, pack, plan_buckets, stream_buckets
+from titan_lora.transfer.errors import EngineWeightsLost, TransferError
+from titan_lora.transfer.protocol import Ack, EngineLimits
 
 if TYPE_CHECKING:
     from titan_lora.config import WeightSync
@@ -151,12 +144,12 @@ def sglang_adapter_config(peft_config: Mapping[str, Any]) -> dict[str, Any]:
     cfg = json.loads(json.dumps(dict(peft_config), default=_jsonable))
     missing = [k for k in ("r", "lora_alpha", "target_modules") if k not in cfg]
     if missing:
-        raise EmitterError(f"adapter_config lacks {missing}: export the PEFT LoraConfig.to_dict()")
+        raise TransferError(f"adapter_config lacks {missing}: export the PEFT LoraConfig.to_dict()")
     ignored = [k for k in ("rank_pattern", "alpha_pattern", "modules_to_save", "use_dora") if cfg.get(k)]
     if cfg.get("bias", "none") != "none":
         ignored.append(f"bias={cfg['bias']!r}")
     if ignored:
-        raise EmitterError(f"the adapter_config sets {ignored}, which SGLang 0.5.23 ignores or refuses; "
+        raise TransferError(f"the adapter_config sets {ignored}, which SGLang 0.5.23 ignores or refuses; "
                            "train the adapter without them")
     if cfg.get("use_rslora"):
         cfg["lora_alpha"] = cfg["lora_alpha"] * math.sqrt(cfg["r"])  # alpha/sqrt(r) == alpha'/r
@@ -179,15 +172,15 @@ def adapter_modules(names: Sequence[str]) -> set[str]:
     """Leaf module names that an adapter's tensors adapt (`...q_proj.lora_A.weight` -> q_proj)."""
     found = {m.group(1) for n in names if (m := _LORA_WEIGHT.search(n))}
     if not found:
-        raise EmitterError(f"no LoRA tensor names in the adapter (e.g. {list(names)[:2]}); expected PEFT "
+        raise TransferError(f"no LoRA tensor names in the adapter (e.g. {list(names)[:2]}); expected PEFT "
                            "names such as base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight")
     return found
 
 
 def check_server(info: ServerInfo, url: str, keep_versions: int) -> EngineLimits:
     """EngineLimits of a server, or an error naming the SGLang flag that must change."""
-    def fail(problem: str, fix: str) -> EmitterError:
-        return EmitterError(f"SGLang at {url} {problem}: restart it with {fix}")
+    def fail(problem: str, fix: str) -> TransferError:
+        return TransferError(f"SGLang at {url} {problem}: restart it with {fix}")
 
     if not info.enable_lora:
         raise fail("was started without LoRA", "--enable-lora --max-lora-rank R --lora-target-modules ...")
@@ -211,11 +204,11 @@ def check_server(info: ServerInfo, url: str, keep_versions: int) -> EngineLimits
 def check_adapter(limits: EngineLimits, url: str, rank: int, modules: set[str]) -> None:
     """Raise, naming the SGLang flag, if the server cannot hold an adapter of `rank` on `modules`."""
     if rank > limits.max_lora_rank:
-        raise EmitterError(f"SGLang at {url} serves LoRA rank <= {limits.max_lora_rank}, the adapter has "
+        raise TransferError(f"SGLang at {url} serves LoRA rank <= {limits.max_lora_rank}, the adapter has "
                            f"rank {rank}: restart it with --max-lora-rank {rank}")
     missing = set() if limits.target_modules is None else modules - limits.target_modules
     if missing:
-        raise EmitterError(f"SGLang at {url} does not adapt {sorted(missing)} (it serves "
+        raise TransferError(f"SGLang at {url} does not adapt {sorted(missing)} (it serves "
                            f"{sorted(limits.target_modules or [])}): restart it with --lora-target-modules "
                            f"{' '.join(sorted(modules))} (or all)")
 
@@ -278,16 +271,16 @@ class SGLangEmitter:
             finally:
                 end = self.client.end_weight_update()
             if not end.success:
-                raise EmitterError(f"SGLang could not close the weight update of version {version}: "
+                raise TransferError(f"SGLang could not close the weight update of version {version}: "
                                    f"{end.message}")
         if not count:  # the session closed having changed nothing
-            raise EmitterError(f"send_base of version {version} got no tensors")
+            raise TransferError(f"send_base of version {version} got no tensors")
         if in_place and not self.client.flush_cache(wait_idle_s=self.client.timeout_s):
             logger.warning("SGLang kept its prefix cache after the base update (requests never drained); "
                            "cached prefixes computed with the old base may be reused")
         served = self.client.weight_version()
         if served != token:
-            raise EmitterError(f"SGLang acknowledged base version {version} but serves weight_version "
+            raise TransferError(f"SGLang acknowledged base version {version} but serves weight_version "
                                f"{served!r}, not {token!r}: the update did not take effect")
         self._installed = token
         return Ack(version, count, nbytes, {"base_ms": (time.perf_counter() - t0) * 1e3})
@@ -304,7 +297,7 @@ class SGLangEmitter:
                 weight_version=token if last else None)  # the version flips only when complete
             res = self.client.update_weights_from_tensor(req)
             if not res.success:
-                raise EmitterError(f"SGLang refused base bucket {i + 1} of version {version}: {res.message}")
+                raise TransferError(f"SGLang refused base bucket {i + 1} of version {version}: {res.message}")
             count, nbytes = count + len(entries), nbytes + sum(e.nbytes for e in entries)
         return count, nbytes
 
@@ -316,7 +309,7 @@ class SGLangEmitter:
             self.client.end_weight_update()
             res = self.client.begin_weight_update()
         if not res.success:
-            raise EmitterError(f"SGLang could not open a weight-update session: {res.message}")
+            raise TransferError(f"SGLang could not open a weight-update session: {res.message}")
 
     def send_adapter(self, payload: AdapterPayload) -> Ack:
         """Load `payload` under its versioned name; EngineWeightsLost if our base is not served."""
@@ -348,9 +341,9 @@ class SGLangEmitter:
                     res = self.client.load_lora_adapter_from_tensors(req)
         t3 = time.perf_counter()
         if not res.success:
-            raise EmitterError(f"SGLang refused adapter {payload.name}: {res.message}")
+            raise TransferError(f"SGLang refused adapter {payload.name}: {res.message}")
         if payload.name not in (res.loaded_adapters or {}):
-            raise EmitterError(f"SGLang acknowledged adapter {payload.name} but does not list it as loaded "
+            raise TransferError(f"SGLang acknowledged adapter {payload.name} but does not list it as loaded "
                                f"(loaded: {sorted(res.loaded_adapters or {})})")
         phases = {"pack_ms": (t1 - t0) * 1e3, "serialize_ms": (t2 - t1) * 1e3,
                   "transfer_apply_ms": (t3 - t2) * 1e3}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from titan_lora.host_copy import MIN_SPLIT_BYTES, balanced_cut, copy_flat, in_two
+from titan_lora.transfer.host_copy import MIN_SPLIT_BYTES, balanced_cut, copy_flat, in_two
 
 
 def _tensors(sizes: list[int], seed: int) -> list[torch.Tensor]:

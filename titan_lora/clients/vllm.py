@@ -24,17 +24,11 @@ from typing import TypeVar
 
 import torch
 
+from titan_lora.clients.base import AdapterPayload, BaseTensors, base_items, register_emitter
+from titan_lora.clients.http import JsonClient
 from titan_lora.config import WeightSync
-from titan_lora.emitters.base import (
-    Ack,
-    AdapterPayload,
-    BaseTensors,
-    EmitterError,
-    EngineLimits,
-    base_items,
-    register_emitter,
-)
-from titan_lora.emitters.buckets import (
+from titan_lora.transfer import protocol
+from titan_lora.transfer.buckets import (
     Entry,
     bucket_checksum,
     bucket_size,
@@ -46,8 +40,9 @@ from titan_lora.emitters.buckets import (
     pack_one,
     plan_buckets,
 )
-from titan_lora.emitters.transport import BucketBuffer, home_of, make_buffers
-from titan_lora.engines.http import JsonClient, LayoutUnknownToEngine
+from titan_lora.transfer.errors import LayoutUnknownToEngine, TransferError
+from titan_lora.transfer.protocol import Ack, EngineLimits
+from titan_lora.transfer.transport import BucketBuffer, home_of, make_buffers
 
 T = TypeVar("T")
 
@@ -164,7 +159,7 @@ class VLLMBucketEmitter:
         self._plan: list[_PlannedBucket] = []
 
     def _info(self) -> dict:
-        return self.client.post("/titan/info")
+        return self.client.post(protocol.path(protocol.INFO))
 
     def engine_limits(self) -> EngineLimits:
         """Rank, slots and target modules the engine was started with."""
@@ -188,9 +183,9 @@ class VLLMBucketEmitter:
             buf.close()
         try:
             self._buffers = make_buffers(2, max(need, self.bucket_bytes), device)
-        except OSError as err:  # an EmitterError reaches every rank; an OSError would only stop rank 0
+        except OSError as err:  # an TransferError reaches every rank; an OSError would only stop rank 0
             self._buffers = []
-            raise EmitterError(str(err)) from err
+            raise TransferError(str(err)) from err
 
     def _plan_for(self, tensors: Mapping[str, torch.Tensor]) -> list[_PlannedBucket]:
         """Buckets for `tensors`, reused while names, shapes, dtypes and storage stay the same (the
@@ -267,11 +262,11 @@ class VLLMBucketEmitter:
     def _post_bucket(self, transfer: _Transfer, bucket: _Posted, commit: dict | None) -> dict:
         """Send one bucket and check the engine's checksum of what it copied out (post thread)."""
         if transfer.failed.is_set():
-            raise EmitterError(f"transfer {transfer.id} abandoned: an earlier bucket failed")
+            raise TransferError(f"transfer {transfer.id} abandoned: an earlier bucket failed")
         try:
             ack = self._send_bucket(transfer, bucket, commit)
             if ack.get("checksum") != bucket.checksum:
-                raise EmitterError(
+                raise TransferError(
                     f"checksum mismatch in bucket {bucket.index} of the {transfer.kind} transfer "
                     f"{transfer.id}: sent {bucket.checksum}, the engine copied out {ack.get('checksum')} "
                     "(None: the engine does not checksum; run the same titan_lora on both sides)")
@@ -289,16 +284,16 @@ class VLLMBucketEmitter:
         if bucket.layout not in self._sent_layouts:
             body["header"] = [e.to_json() for e in bucket.entries]
         try:
-            ack = self.client.post("/titan/bucket", body)
+            ack = self.client.post(protocol.path(protocol.BUCKET), body)
         except LayoutUnknownToEngine:  # the engine restarted and forgot it
-            ack = self.client.post("/titan/bucket", {**body, "header": [e.to_json() for e in bucket.entries]})
+            ack = self.client.post(protocol.path(protocol.BUCKET), {**body, "header": [e.to_json() for e in bucket.entries]})
         self._sent_layouts.add(bucket.layout)
         return ack
 
     @staticmethod
     def _check(what: str, want_tensors: int, want_bytes: int, streamed: _Streamed) -> None:
         if (streamed.tensors, streamed.bytes) != (want_tensors, want_bytes):
-            raise EmitterError(
+            raise TransferError(
                 f"the engine acknowledged {streamed.tensors} tensors / {streamed.bytes} bytes of the {what}, "
                 f"but {want_tensors} / {want_bytes} were sent"
             )
@@ -309,7 +304,7 @@ class VLLMBucketEmitter:
             "base", lambda tr: self._post_streamed(tr, base_items(tensors)))
         self._check("base weights", count, nbytes, streamed)
         t0 = time.perf_counter()
-        ack = self.client.post("/titan/base", {"transfer_id": streamed.transfer_id, "version": version})
+        ack = self.client.post(protocol.path(protocol.BASE), {"transfer_id": streamed.transfer_id, "version": version})
         phases = {**streamed.phases, "apply_ms": (time.perf_counter() - t0) * 1e3}
         return Ack(ack["version"], ack["tensors"], ack["bytes"], phases)
 
@@ -320,7 +315,7 @@ class VLLMBucketEmitter:
         self._check(f"adapter {payload.name}", payload.num_tensors, payload.nbytes, streamed)
         ack = streamed.commit
         if ack is None:
-            raise EmitterError(f"the engine did not acknowledge the commit of adapter {payload.name}")
+            raise TransferError(f"the engine did not acknowledge the commit of adapter {payload.name}")
         apply_ms = float(ack["apply_ms"])  # the engine's own time: the commit shares the last round trip
         transfer_ms = streamed.phases["transfer_ms"] - apply_ms
         phases = {**streamed.phases, "transfer_ms": transfer_ms, "apply_ms": apply_ms}
@@ -328,7 +323,7 @@ class VLLMBucketEmitter:
 
     def retire_adapter(self, name: str, timeout_s: float) -> bool:
         """Ask the engine to unload `name` once its requests drained; False if it did not in time."""
-        reply = self.client.post("/titan/unload", {"name": name, "timeout_s": timeout_s}, timeout_s=timeout_s + 10)
+        reply = self.client.post(protocol.path(protocol.UNLOAD), {"name": name, "timeout_s": timeout_s}, timeout_s=timeout_s + 10)
         return bool(reply["unloaded"])
 
     def close(self) -> None:

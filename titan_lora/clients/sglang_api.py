@@ -20,7 +20,7 @@ import urllib.parse
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from titan_lora.emitters.base import EmitterError
+from titan_lora.transfer.errors import TransferError
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ SGLANG_VERSION = "0.5.23"
 PauseMode = Literal["abort", "retract", "in_place"]
 
 
-class SGLangError(EmitterError):
+class SGLangError(TransferError):
     """SGLang refused a request, answered something unexpected, or could not be reached."""
 
 

@@ -11,9 +11,10 @@ import pytest
 import torch
 from reading_engine import ReadingEngine
 
-from titan_lora.emitters.base import AdapterPayload, EmitterError
-from titan_lora.emitters.transport import home_of, shared_tensor
-from titan_lora.emitters.vllm import VLLMBucketEmitter
+from titan_lora.clients.base import AdapterPayload
+from titan_lora.clients.vllm import VLLMBucketEmitter
+from titan_lora.transfer.errors import TransferError
+from titan_lora.transfer.transport import home_of, shared_tensor
 
 TENSOR_BYTES = 64 * 1024 * 4
 Make = Callable[..., VLLMBucketEmitter]  # the emitter_for fixture
@@ -58,7 +59,7 @@ def test_every_tensor_arrives_intact_and_the_commit_rides_on_the_last_bucket(emi
 @pytest.mark.parametrize("failing", [0, 1, 2])
 def test_after_a_failed_bucket_no_later_bucket_and_no_commit_is_sent(emitter_for: Make, failing: int) -> None:
     engine = ReadingEngine(delay_s=0.02, fail=frozenset({failing}))
-    with pytest.raises(EmitterError, match=f"engine said no to bucket {failing}"):
+    with pytest.raises(TransferError, match=f"engine said no to bucket {failing}"):
         emitter_for(engine).send_adapter(_payload())
     assert len(engine.bodies) == failing + 1, "buckets after the failed one were still posted"
     assert not any("commit" in b for b in engine.bodies) and engine.adapters == {}
@@ -67,7 +68,7 @@ def test_after_a_failed_bucket_no_later_bucket_and_no_commit_is_sent(emitter_for
 def test_an_engine_misreading_two_tensors_with_right_counts_fails_the_checksum(emitter_for: Make) -> None:
     names = list(_payload().tensors)
     engine = ReadingEngine(delay_s=0.02, misread=frozenset(names[1:3]))
-    with pytest.raises(EmitterError, match="checksum mismatch in bucket 1 of the adapter transfer"):
+    with pytest.raises(TransferError, match="checksum mismatch in bucket 1 of the adapter transfer"):
         emitter_for(engine).send_adapter(_payload())
     assert not any("commit" in b for b in engine.bodies), "the adapter was committed after a bad bucket"
 
@@ -75,17 +76,17 @@ def test_an_engine_misreading_two_tensors_with_right_counts_fails_the_checksum(e
 def test_a_misread_inside_one_bucket_is_caught_too(emitter_for: Make) -> None:
     payload = _payload()
     engine = ReadingEngine(delay_s=0.02, misread=frozenset(list(payload.tensors)[2:]))
-    with pytest.raises(EmitterError, match="checksum mismatch in bucket 0"):
+    with pytest.raises(TransferError, match="checksum mismatch in bucket 0"):
         emitter_for(engine, bucket_bytes=4 * TENSOR_BYTES).send_adapter(payload)
 
 
 def test_an_engine_without_checksums_is_refused(emitter_for: Make) -> None:
-    with pytest.raises(EmitterError, match="the engine does not checksum"):
+    with pytest.raises(TransferError, match="the engine does not checksum"):
         emitter_for(ReadingEngine(delay_s=0, checksums=False)).send_adapter(_payload())
 
 
 def test_bucket_posts_carry_the_checksum_of_the_bytes_sent(emitter_for: Make) -> None:
-    from titan_lora.emitters.buckets import bucket_checksum
+    from titan_lora.transfer.buckets import bucket_checksum
 
     engine = ReadingEngine(delay_s=0)
     payload = _payload()
@@ -98,7 +99,7 @@ def test_bucket_posts_carry_the_checksum_of_the_bytes_sent(emitter_for: Make) ->
 def test_a_wrong_tensor_count_in_an_ack_raises(emitter_for: Make, kind: str) -> None:
     engine = ReadingEngine(delay_s=0, count_error=-1)
     emitter = emitter_for(engine)
-    with pytest.raises(EmitterError, match=r"acknowledged 0 tensors / 1048576 bytes .* but 4 / 1048576 were"):
+    with pytest.raises(TransferError, match=r"acknowledged 0 tensors / 1048576 bytes .* but 4 / 1048576 were"):
         if kind == "adapter":
             emitter.send_adapter(_payload())
         else:
@@ -141,7 +142,7 @@ def test_send_base_packs_a_generator_as_it_goes_and_holds_no_tensor(emitter_for:
 
 def test_a_failed_base_bucket_stops_the_base_transfer(emitter_for: Make) -> None:
     engine = ReadingEngine(delay_s=0.02, fail=frozenset({1}))
-    with pytest.raises(EmitterError, match="engine said no to bucket 1"):
+    with pytest.raises(TransferError, match="engine said no to bucket 1"):
         emitter_for(engine).send_base(iter(_payload().tensors.items()), version=1)
     assert len(engine.bodies) == 2 and engine.base == {}
 

@@ -22,13 +22,14 @@ from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 from sglang_conformance import ConformanceServer, decode_tensors
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from titan_lora.clients.base import AdapterPayload, build_emitter
+from titan_lora.clients.sglang import pack_bucket, serialize_for_ranks, sglang_adapter_config
+from titan_lora.clients.sglang_api import LoadLoRAAdapterFromTensorsReqInput, SGLangClient, SGLangError
 from titan_lora.config import WeightSync
-from titan_lora.emitters.base import AdapterPayload, EmitterError, EngineWeightsLost, build_emitter
-from titan_lora.emitters.buckets import plan_buckets
-from titan_lora.emitters.sglang import pack_bucket, serialize_for_ranks, sglang_adapter_config
-from titan_lora.engines.sglang_client import LoadLoRAAdapterFromTensorsReqInput, SGLangClient, SGLangError
 from titan_lora.sync.retire import Retirer
 from titan_lora.sync.versions import AdapterVersions, versioned_name
+from titan_lora.transfer.buckets import plan_buckets
+from titan_lora.transfer.errors import EngineWeightsLost, TransferError
 
 TINY = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
@@ -188,7 +189,7 @@ def test_errors_name_the_fix(server: dict, emitter_cfg: dict, action: str, fix: 
     trainer = Trainer(r=4)
     with ConformanceServer(TINY, **{**SERVER, "max_loaded_loras": None, **server}) as srv:
         emitter = emitter_for(srv, **emitter_cfg)
-        with pytest.raises(EmitterError, match=fix):
+        with pytest.raises(TransferError, match=fix):
             if action == "limits":
                 emitter.engine_limits()
             else:
@@ -388,6 +389,6 @@ def test_an_empty_base_is_refused_and_changes_nothing() -> None:
     with ConformanceServer(TINY, **SERVER) as srv:
         emitter = emitter_for(srv)
         before = emitter.engine_incarnation()
-        with pytest.raises(EmitterError, match="got no tensors"):
+        with pytest.raises(TransferError, match="got no tensors"):
             emitter.send_base(iter(()), version=1)
         assert calls(srv, "/update_weights_from_tensor") == [] and emitter.engine_incarnation() == before

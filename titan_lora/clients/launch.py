@@ -21,8 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-from titan_lora.emitters.base import EmitterError
-from titan_lora.engines.http import EngineDied, EngineUnreachable, JsonClient
+from titan_lora.clients.http import JsonClient
+from titan_lora.transfer import protocol
+from titan_lora.transfer.errors import EngineDied, EngineUnreachable, TransferError
 
 logger = logging.getLogger(__name__)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -46,7 +47,7 @@ def reserve_port(port: int = 0) -> socket.socket:
     except OSError as err:
         sock.close()
         if err.errno == errno.EADDRINUSE:
-            raise EmitterError(
+            raise TransferError(
                 f"port {port} is already in use (another titan_lora engine or another server listens "
                 "on it); set [weight_sync] engine_port to a free port, or to 0 to pick one"
             ) from None
@@ -113,7 +114,7 @@ class EmbeddedEngine:
 
     def _check_identity(self, info: dict) -> None:
         if info.get("nonce") != self.nonce:
-            raise EmitterError(
+            raise TransferError(
                 f"the engine answering on port {self.port} is not the one titan_lora started (its nonce "
                 f"differs): another engine serves that port; it is left untouched. Set [weight_sync] "
                 "engine_port to a free port, or to 0 to pick one"
@@ -125,20 +126,20 @@ class EmbeddedEngine:
         deadline = started + self.start_timeout_s
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
-                raise EmitterError(f"{self.module} exited with code {self.proc.returncode} during start-up; "
+                raise TransferError(f"{self.module} exited with code {self.proc.returncode} during start-up; "
                                    f"last lines of {self.log_path}:\n{self.log_tail()}")
             try:
-                info = client.post("/titan/info")
+                info = client.post(protocol.path(protocol.INFO))
             except EngineUnreachable:
                 time.sleep(0.2)
                 continue
-            except EmitterError as err:  # e.g. 401: a server that does not know our key
-                raise EmitterError(f"port {self.port} is served by another server ({err}); set "
+            except TransferError as err:  # e.g. 401: a server that does not know our key
+                raise TransferError(f"port {self.port} is served by another server ({err}); set "
                                    "[weight_sync] engine_port to a free port, or to 0 to pick one") from None
             self._check_identity(info)
             logger.info("%s ready at %s after %.0f s", self.module, self.url, time.monotonic() - started)
             return
-        raise EmitterError(f"{self.module} did not become ready in {self.start_timeout_s:.0f} s "
+        raise TransferError(f"{self.module} did not become ready in {self.start_timeout_s:.0f} s "
                            f"([weight_sync] engine_start_timeout_s); see {self.log_path}")
 
     def log_tail(self, lines: int = 20) -> str:
@@ -158,8 +159,8 @@ class EmbeddedEngine:
             code = None if self.proc is None else self.proc.returncode
             raise EngineDied(f"{self.module} is not running (exit code {code}); see {self.log_path}")
         try:
-            info = self._client(timeout_s).post("/titan/info")
-        except EmitterError as err:
+            info = self._client(timeout_s).post(protocol.path(protocol.INFO))
+        except TransferError as err:
             raise EngineDied(f"{self.module} did not answer its health check within {timeout_s:.1f} s "
                              f"([weight_sync] health_timeout_s): {err}") from None
         self._check_identity(info)
@@ -168,7 +169,7 @@ class EmbeddedEngine:
         """True when the engine runs and answers within `timeout_s` (default: the health timeout)."""
         try:
             self.check(timeout_s)
-        except EmitterError:  # dead, hung, or another engine answering on our port
+        except TransferError:  # dead, hung, or another engine answering on our port
             return False
         return True
 

@@ -18,7 +18,7 @@ from multiprocessing import shared_memory
 import torch
 import torch.multiprocessing.reductions as reductions
 
-from titan_lora.emitters.base import check_name
+from titan_lora.transfer.errors import check_name
 
 SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared memory
 

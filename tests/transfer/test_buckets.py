@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from titan_lora.emitters.buckets import ALIGN, Entry, bucket_size, pack, plan_buckets, unpack
+from titan_lora.transfer.buckets import ALIGN, Entry, bucket_size, pack, plan_buckets, unpack
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -144,7 +144,7 @@ def test_round_trip_of_a_later_bucket_of_one_storage() -> None:
 
 
 def test_bucket_checksum_sees_every_byte_and_its_position():
-    from titan_lora.emitters.buckets import bucket_checksum
+    from titan_lora.transfer.buckets import bucket_checksum
 
     data = torch.randint(0, 256, (3 * 8192 + 100,), dtype=torch.uint8)
     reference = bucket_checksum(data)

@@ -11,11 +11,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from titan_lora.clients.base import AdapterPayload, register_emitter
+from titan_lora.clients.http import JsonClient
+from titan_lora.clients.vllm import VLLMBucketEmitter
 from titan_lora.config import WeightSync
-from titan_lora.emitters.base import AdapterPayload, Ack, check_name, register_emitter
-from titan_lora.emitters.vllm import VLLMBucketEmitter
-from titan_lora.engines.http import JsonClient
 from titan_lora.export.peft import save_peft_dir
+from titan_lora.transfer import protocol
+from titan_lora.transfer.errors import check_name
+from titan_lora.transfer.protocol import Ack
 
 
 class DiskEmitter(VLLMBucketEmitter):
@@ -31,7 +34,7 @@ class DiskEmitter(VLLMBucketEmitter):
         t0 = time.perf_counter()
         path = save_peft_dir(self.directory / check_name(payload.name), payload.tensors, payload.peft_config)
         t1 = time.perf_counter()
-        ack = self.client.post("/titan/adapter_from_path", {
+        ack = self.client.post(protocol.path(protocol.ADAPTER_FROM_PATH), {
             "name": payload.name, "path": str(path.resolve()), "version": payload.version,
         })
         t2 = time.perf_counter()

@@ -16,11 +16,12 @@ import torch
 from test_sglang import GREEDY, PROMPT, Driver, Trainer, assert_parity
 from transformers import LlamaForCausalLM
 
+from titan_lora.clients.base import build_emitter
+from titan_lora.clients.sglang_api import SGLangAuthError, SGLangClient, SGLangError
 from titan_lora.config import WeightSync
-from titan_lora.emitters.base import EngineWeightsLost, build_emitter
-from titan_lora.engines.sglang_client import SGLangAuthError, SGLangClient, SGLangError
 from titan_lora.sync.retire import Retirer
 from titan_lora.sync.versions import AdapterVersions
+from titan_lora.transfer.errors import EngineWeightsLost
 
 pytestmark = pytest.mark.sglang
 URL = os.environ.get("TITAN_LORA_SGLANG_URL", "")

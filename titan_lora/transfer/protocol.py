@@ -1,0 +1,60 @@
+"""The `/titan/*` engine protocol, defined once: routes, and the dataclasses both sides agree on.
+
+Every titan_lora engine process (the vLLM engine, the receiver) serves these routes with JSON bodies;
+the trainer-side clients post to them. Neither side spells a route as a string literal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+PREFIX = "/titan/"
+INFO = "info"
+"""Incarnation, nonce, base version, live adapters, limits; GET or POST."""
+BUCKET = "bucket"
+"""One bucket of a transfer (base or adapter), acked with count, bytes and checksum."""
+BASE = "base"
+"""Commit a streamed base transfer."""
+UNLOAD = "unload"
+"""Retire one adapter once its requests drained."""
+ADAPTER_FROM_PATH = "adapter_from_path"
+"""Load a PEFT directory (the disk emitter)."""
+GENERATE = "generate"
+"""Sample completions under a named adapter."""
+SCORE = "score"
+"""Per-token log-probs of given sequences under a named adapter."""
+
+TRANSFER_ROUTES = (INFO, BUCKET, BASE, UNLOAD)
+"""What every engine that takes buckets serves."""
+INFERENCE_ROUTES = (ADAPTER_FROM_PATH, GENERATE, SCORE)
+"""What an engine that also serves rollouts adds."""
+
+
+def path(route: str) -> str:
+    """The URL path of `route`."""
+    return PREFIX + route
+
+
+def route_of(url_path: str) -> str | None:
+    """The route a request path names, or None when it is not a `/titan/` path."""
+    return url_path[len(PREFIX):] if url_path.startswith(PREFIX) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineLimits:
+    """What the engine was started with, read at start-up to validate our adapter against it."""
+
+    max_lora_rank: int
+    max_loras: int
+    target_modules: frozenset[str] | None  # HF leaf names (q_proj, ...); None: any linear
+
+
+@dataclasses.dataclass(frozen=True)
+class Ack:
+    """What the engine reports it installed; the syncer compares it with what was sent."""
+
+    version: int
+    num_tensors: int
+    nbytes: int
+    phases_ms: Mapping[str, float] = dataclasses.field(default_factory=dict)
