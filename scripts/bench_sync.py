@@ -101,7 +101,7 @@ def cpu_bench(iters: int) -> None:
     from titan_lora.clients.vllm import VLLMBucketEmitter
     from titan_lora.config import WeightSync
     from titan_lora.sync.adapter_source import AdapterSource
-    from titan_lora.sync.wiring import base_weights_source
+    from titan_lora.sync.base_stream import base_weights_source
     from titan_lora.transfer.buckets import bucket_checksum
 
     built = build_from_toml(CPU_TOML, device=torch.device("cpu"))

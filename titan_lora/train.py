@@ -15,16 +15,15 @@ import torch
 import torch.distributed as dist
 from torchtitan.distributed.utils import clip_grad_norm_
 
+from titan_lora.compose import build_objective, build_sync
 from titan_lora.config import process_group_timeout_s
+from titan_lora.lora.finite import NonFiniteAdapterError, first_nonfinite_adapter
 from titan_lora.sync.adapter_source import AdapterSource
-from titan_lora.sync.syncer import build_syncer
 from titan_lora.trainer.build import build_model
 from titan_lora.trainer.checkpoint import AdapterCheckpointer
 from titan_lora.trainer.distributed import build_parallel_dims, device_for_rank, init_distributed
-from titan_lora.lora.finite import NonFiniteAdapterError, first_nonfinite_adapter
 from titan_lora.trainer.job_config import load_job_config
 from titan_lora.trainer.metrics import MetricsLogger, peak_memory_mib
-from titan_lora.trainer.objective import build_objective
 
 logger = logging.getLogger("titan_lora")
 
@@ -59,8 +58,11 @@ class TrainingRun:
             self.built.hf_dir,
         ) if "lora" in job_config.model.converters else None
         self.step = self.checkpointer.load_latest() if job_config.checkpoint.enable else 0
-        self.syncer = build_syncer(self) if job_config.weight_sync.enabled else None
-        self.objective = build_objective(self)
+        self.syncer, engine = None, None
+        if job_config.weight_sync.enabled:
+            self.syncer, engine = build_sync(job_config, self.adapter, self.built, self.device)
+        self.objective = build_objective(job_config, self.built.hf_dir, self.dims, self.device, self.metrics,
+                                         engine)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.rollbacks = 0
         n_train = sum(p.numel() for p in self.trainable)
@@ -85,9 +87,10 @@ class TrainingRun:
         bad = first_nonfinite_adapter(self.model)
         if bad is not None:
             self.handle_nonfinite(bad)
+        synced = {}
         if self.syncer is not None:  # after a rollback too: the engine serves what the trainer holds
-            self.syncer.sync(self.step)
-        return {"nonfinite_rollbacks": self.rollbacks}
+            synced = self.syncer.sync(self.step)
+        return {**synced, "nonfinite_rollbacks": self.rollbacks}
 
     def handle_nonfinite(self, bad: str) -> None:
         """`[weight_sync] on_nonfinite`: raise ("stop"), or reload the last checkpoint and skip this batch."""
@@ -110,6 +113,8 @@ class TrainingRun:
     def train(self) -> None:
         """Run to `[training] steps`, logging, checkpointing and syncing along the way."""
         last = self.cfg.training.steps
+        if self.syncer is not None:
+            self.syncer.sync(self.step)  # the engine serves the starting adapter before any rollout
         self.objective.before_training(self.step)
         while self.step < last:
             self.step += 1

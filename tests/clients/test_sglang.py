@@ -22,7 +22,7 @@ from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 from sglang_conformance import ConformanceServer, decode_tensors
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from titan_lora.clients.base import AdapterPayload, build_emitter
+from titan_lora.clients.base import AdapterPayload, Endpoint, build_emitter
 from titan_lora.clients.sglang import pack_bucket, serialize_for_ranks, sglang_adapter_config
 from titan_lora.clients.sglang_api import LoadLoRAAdapterFromTensorsReqInput, SGLangClient, SGLangError
 from titan_lora.config import WeightSync
@@ -97,7 +97,7 @@ def emitter_for(srv: ConformanceServer, **cfg):
     """The registered SGLang emitter, built from a [weight_sync] section the way the syncer builds it."""
     cfg = {"enabled": True, "emitter": "sglang", "engine_url": srv.url, "timeout_s": 10.0, "retries": 1,
            **cfg}
-    return build_emitter(WeightSync(**cfg))
+    return build_emitter(WeightSync(**cfg), Endpoint(cfg["engine_url"], cfg.get("api_key", "")))
 
 
 def calls(srv: ConformanceServer, *paths: str) -> list[str]:

@@ -16,7 +16,7 @@ import torch
 from test_sglang import GREEDY, PROMPT, Driver, Trainer, assert_parity
 from transformers import LlamaForCausalLM
 
-from titan_lora.clients.base import build_emitter
+from titan_lora.clients.base import Endpoint, build_emitter
 from titan_lora.clients.sglang_api import SGLangAuthError, SGLangClient, SGLangError
 from titan_lora.config import WeightSync
 from titan_lora.sync.retire import Retirer
@@ -43,7 +43,7 @@ def live_emitter(**cfg):
     """The registered SGLang emitter for the live server."""
     cfg = {"enabled": True, "emitter": "sglang", "engine_url": URL, "api_key": API_KEY, "keep_versions": 2,
            "timeout_s": 300.0, **cfg}
-    return build_emitter(WeightSync(**cfg))
+    return build_emitter(WeightSync(**cfg), Endpoint(cfg["engine_url"], cfg["api_key"]))
 
 
 def test_limits_base_adapters_parity_and_incarnation(trainer: Trainer) -> None:

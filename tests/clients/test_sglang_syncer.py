@@ -8,13 +8,13 @@ from model_helpers import SMOLLM2_LORA, build_from, job_config_from, randomize_a
 from sglang_conformance import ConformanceServer
 from transformers import AutoTokenizer, LlamaConfig
 
-from titan_lora.clients.base import build_emitter
+from titan_lora.clients.base import Endpoint, build_emitter
 from titan_lora.config import WeightSync
-from titan_lora.rl.tasks import chat_prompt, make_problems
+from titan_lora.rl.tasks import arith_prompt, make_problems
 from titan_lora.sync.adapter_source import AdapterSource
+from titan_lora.sync.base_stream import base_weights_source
 from titan_lora.sync.parity import trainer_logprobs
 from titan_lora.sync.syncer import WeightSyncer
-from titan_lora.sync.wiring import base_weights_source
 
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -23,7 +23,7 @@ ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 def test_smollm2_syncs_serve_the_trainers_logprobs(smollm2_dir):
     built = build_from(SMOLLM2_LORA)
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    ids = tokenizer(chat_prompt(tokenizer, make_problems(1, seed=3)[0].question), add_special_tokens=False)["input_ids"]
+    ids = tokenizer(arith_prompt(tokenizer, make_problems(1, seed=3)[0].question), add_special_tokens=False)["input_ids"]
     server_cfg = {"max_lora_rank": 8, "lora_target_modules": ALL_LINEAR, "max_loaded_loras": 3,
                   "max_loras_per_batch": 3}
     with ConformanceServer(LlamaConfig.from_pretrained(smollm2_dir), **server_cfg) as srv:
@@ -31,7 +31,7 @@ def test_smollm2_syncs_serve_the_trainers_logprobs(smollm2_dir):
                          retries=1, parity_every=0)
         source = AdapterSource(built.model, built.sd_adapter, job_config_from(SMOLLM2_LORA).lora)
         syncer = WeightSyncer(source, base_weights_source(built.model, built.sd_adapter, tied_embeddings=True),
-                              build_emitter(cfg), cfg, torch.device("cpu"))
+                              build_emitter(cfg, Endpoint(srv.url)), cfg, torch.device("cpu"))
         syncer.check_engine()
         served_by_version = []
         try:

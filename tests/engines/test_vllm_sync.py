@@ -21,18 +21,19 @@ from model_helpers import SMOLLM2_LORA, build_from, job_config_from, randomize_a
 
 import titan_lora.clients.disk  # noqa: F401  (registers "disk")
 import titan_lora.clients.vllm  # noqa: F401  (registers "vllm")
-from titan_lora.clients.base import build_emitter
+from titan_lora.clients.base import Endpoint, build_emitter
 from titan_lora.clients.http import JsonClient
 from titan_lora.clients.launch import EmbeddedEngine
 from titan_lora.clients.rollout import VLLMRolloutClient
+from titan_lora.compose import probe_sequences
 from titan_lora.config import WeightSync
 from titan_lora.lora.finite import NonFiniteAdapterError
 from titan_lora.lora.layer import adapter_params
-from titan_lora.rl.tasks import chat_prompt
+from titan_lora.rl.tasks import arith_prompt
 from titan_lora.sync.adapter_source import AdapterSource
+from titan_lora.sync.base_stream import base_weights_source
 from titan_lora.sync.parity import trainer_logprobs
 from titan_lora.sync.syncer import WeightSyncer
-from titan_lora.sync.wiring import base_weights_source, probe_sequences
 from titan_lora.transfer.errors import TransferError
 
 pytestmark = pytest.mark.slow
@@ -93,6 +94,11 @@ def trainer_greedy(model: torch.nn.Module, prompt: list[int], max_tokens: int, e
     return out
 
 
+def endpoint(cfg: WeightSync) -> Endpoint:
+    """The engine the section names (the tests attach to the module's engine)."""
+    return Endpoint(cfg.engine_url, cfg.api_key)
+
+
 @pytest.fixture(scope="module")
 def ctx(smollm2_dir, tmp_path_factory) -> Ctx:
     if not dist.is_initialized():
@@ -115,7 +121,7 @@ def ctx(smollm2_dir, tmp_path_factory) -> Ctx:
                          timeout_s=60, retries=1, retire_timeout_s=60, parity_every=0)
         source = AdapterSource(built.model, built.sd_adapter, lora, cfg.lora_name, built.hf_dir)
         syncer = WeightSyncer(source, base_weights_source(built.model, built.sd_adapter, True),
-                              build_emitter(cfg), cfg, CPU, engine=engine)
+                              build_emitter(cfg, Endpoint(engine.url, engine.api_key)), cfg, CPU, engine=engine)
         client = JsonClient(engine.url, engine.api_key, timeout_s=300)
         tokenizer = AutoTokenizer.from_pretrained(built.hf_dir)
         yield Ctx(engine, built, lora, source, syncer, client, VLLMRolloutClient(client), tokenizer,
@@ -128,7 +134,7 @@ def ctx(smollm2_dir, tmp_path_factory) -> Ctx:
 
 def test_unreachable_engine_fails_after_bounded_retries(ctx: Ctx) -> None:
     cfg = WeightSync(enabled=True, engine_url=f"http://127.0.0.1:{free_port()}", retries=1, timeout_s=2)
-    syncer = WeightSyncer(ctx.source, lambda: None, build_emitter(cfg), cfg, CPU)
+    syncer = WeightSyncer(ctx.source, lambda: None, build_emitter(cfg, endpoint(cfg)), cfg, CPU)
     started = time.perf_counter()
     with pytest.raises(TransferError) as err:
         syncer.sync(1)
@@ -144,7 +150,7 @@ def test_unreachable_engine_fails_after_bounded_retries(ctx: Ctx) -> None:
 def test_check_engine_accepts_our_rank_and_rejects_a_larger_one(ctx: Ctx) -> None:
     ctx.syncer.check_engine()  # rank 8 against --max-lora-rank 8
     too_big = AdapterSource(ctx.built.model, ctx.built.sd_adapter, dataclasses.replace(ctx.lora, rank=16))
-    emitter = build_emitter(ctx.cfg)
+    emitter = build_emitter(ctx.cfg, endpoint(ctx.cfg))
     syncer = WeightSyncer(too_big, lambda: None, emitter, ctx.cfg, CPU)
     with pytest.raises(TransferError) as err:
         syncer.check_engine()
@@ -179,7 +185,7 @@ def test_after_sync_k_the_engine_serves_version_k(ctx: Ctx) -> None:
 
     # Greedy decoding under v1: the engine and the trainer produce the same tokens.
     eos = ctx.tokenizer.eos_token_id
-    prompts = [ctx.tokenizer(chat_prompt(ctx.tokenizer, q), add_special_tokens=False)["input_ids"]
+    prompts = [ctx.tokenizer(arith_prompt(ctx.tokenizer, q), add_special_tokens=False)["input_ids"]
                for q in ("What is 12 + 7?", "What is 3 + 5?")]
     greedy_v1 = [c.token_ids for c in ctx.rollouts.generate(prompts, "policy-v1", 12, 0.0, None, [])]
     for prompt, got in zip(prompts, greedy_v1):
@@ -203,7 +209,7 @@ def test_after_sync_k_the_engine_serves_version_k(ctx: Ctx) -> None:
 
 
 def test_a_request_pinned_to_the_previous_version_completes_while_the_next_loads(ctx: Ctx) -> None:
-    prompt = ctx.tokenizer(chat_prompt(ctx.tokenizer, "Count from 1 to 100."), add_special_tokens=False)["input_ids"]
+    prompt = ctx.tokenizer(arith_prompt(ctx.tokenizer, "Count from 1 to 100."), add_special_tokens=False)["input_ids"]
     result: dict[str, object] = {}
 
     def pinned() -> None:
@@ -250,7 +256,7 @@ def test_the_previous_version_is_retired_after_keep_versions_more_syncs(ctx: Ctx
 
 def test_the_disk_emitter_loads_a_version_with_the_same_logprobs(ctx: Ctx, tmp_path) -> None:
     disk_cfg = dataclasses.replace(ctx.cfg, emitter="disk", disk_dir=str(tmp_path))
-    disk = build_emitter(disk_cfg)
+    disk = build_emitter(disk_cfg, endpoint(disk_cfg))
     source = AdapterSource(ctx.built.model, ctx.built.sd_adapter, ctx.lora, "disk", ctx.built.hf_dir)
     payload = source.snapshot(4)
     started = time.perf_counter()

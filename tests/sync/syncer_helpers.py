@@ -20,7 +20,7 @@ from titan_lora.export.peft import to_peft_names
 from titan_lora.lora.layer import adapter_params, clean_fqn, is_adapter_param
 from titan_lora.sync.adapter_source import AdapterSource
 from titan_lora.sync.syncer import WeightSyncer
-from titan_lora.sync.wiring import base_weights_source
+from titan_lora.sync.base_stream import base_weights_source
 
 SHIM_DIR = str(Path(__file__).parent.parent / "engines")
 CPU = torch.device("cpu")

@@ -63,7 +63,7 @@ def _run(policy: str, dump: Path, nan_step: int = NAN_STEP):  # noqa: ANN202
     import titan_lora.train as train
 
     syncer = FakeSyncer()
-    train.build_syncer = lambda run: syncer
+    train.build_sync = lambda job_config, adapter, built, device: (syncer, None)
     cfg = job_config_from(
         _toml(policy, dump / "adapter"), f"--job.dump_folder={dump}", "--training.steps=5",
         "--training.global_batch_size=8", "--training.local_batch_size=4",

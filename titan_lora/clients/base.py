@@ -8,6 +8,7 @@ the syncer (`titan_lora.sync`), not here, so every emitter shares them.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -78,12 +79,25 @@ class Emitter(Protocol):
         ...
 
 
-EmitterFactory = Callable[["WeightSync"], Emitter]
-_EMITTERS: dict[str, EmitterFactory] = {}
+@dataclasses.dataclass(frozen=True)
+class Endpoint:
+    """Where the engine answers and the key it wants: known only once it runs (embedded) or is attached."""
+
+    url: str
+    api_key: str = ""
+
+
+EmitterFactory = Callable[["WeightSync", Endpoint], Emitter]
+# Built-in emitters load lazily (module:function), so importing the registry imports no emitter.
+_EMITTERS: dict[str, EmitterFactory | str] = {
+    "vllm": "titan_lora.clients.vllm:build_vllm_emitter",
+    "disk": "titan_lora.clients.disk:build_disk_emitter",
+    "sglang": "titan_lora.clients.sglang:build_sglang_emitter",
+}
 
 
 def register_emitter(name: str) -> Callable[[EmitterFactory], EmitterFactory]:
-    """Register an emitter factory under `name` for `[weight_sync] emitter = name`."""
+    """Register an emitter factory under `name` for `[weight_sync] emitter = name` (plug-ins)."""
 
     def wrap(factory: EmitterFactory) -> EmitterFactory:
         if name in _EMITTERS:
@@ -95,16 +109,17 @@ def register_emitter(name: str) -> Callable[[EmitterFactory], EmitterFactory]:
 
 
 def registered_emitters() -> list[str]:
-    """The names `[weight_sync] emitter` accepts, once the emitter modules are imported."""
+    """The names `[weight_sync] emitter` accepts."""
     return sorted(_EMITTERS)
 
 
-def build_emitter(cfg: WeightSync) -> Emitter:
-    """Build the emitter that `cfg.emitter` names."""
-    if cfg.emitter not in _EMITTERS:
-        known = ", ".join(sorted(_EMITTERS)) or "none"
-        raise ValueError(
-            f"[weight_sync] emitter = {cfg.emitter!r} is not registered; known emitters: {known}"
-        )
-    return _EMITTERS[cfg.emitter](cfg)
-
+def build_emitter(cfg: WeightSync, endpoint: Endpoint) -> Emitter:
+    """Build the emitter that `cfg.emitter` names, talking to the engine at `endpoint`."""
+    factory = _EMITTERS.get(cfg.emitter)
+    if factory is None:
+        raise ValueError(f"[weight_sync] emitter = {cfg.emitter!r} is not registered; known emitters: "
+                         f"{', '.join(registered_emitters())}")
+    if isinstance(factory, str):
+        module, attr = factory.split(":")
+        factory = _EMITTERS[cfg.emitter] = getattr(importlib.import_module(module), attr)
+    return factory(cfg, endpoint)

@@ -11,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from titan_lora.clients.base import AdapterPayload, register_emitter
+from titan_lora.clients.base import AdapterPayload, Endpoint
 from titan_lora.clients.http import JsonClient
 from titan_lora.clients.vllm import VLLMBucketEmitter
 from titan_lora.config import WeightSync
@@ -56,9 +56,6 @@ class DiskEmitter(VLLMBucketEmitter):
             self._tmp.cleanup()
 
 
-@register_emitter("disk")
-def build_disk_emitter(cfg: WeightSync) -> DiskEmitter:
-    """The disk emitter for `[weight_sync]`."""
-    if not cfg.engine_url:
-        raise ValueError("[weight_sync] engine_url is empty: leave it empty in the TOML to have titan_lora start an engine")
-    return DiskEmitter(JsonClient(cfg.engine_url, cfg.api_key, cfg.timeout_s), cfg.bucket_mb, cfg.disk_dir)
+def build_disk_emitter(cfg: WeightSync, endpoint: Endpoint) -> DiskEmitter:
+    """The disk emitter for `[weight_sync] emitter = "disk"`, to titan_lora's engine at `endpoint`."""
+    return DiskEmitter(JsonClient(endpoint.url, endpoint.api_key, cfg.timeout_s), cfg.bucket_mb, cfg.disk_dir)

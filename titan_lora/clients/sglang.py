@@ -40,7 +40,7 @@ import torch
 import torch.multiprocessing  # noqa: F401  (registers torch's reducers on ForkingPickler)
 from torch.multiprocessing import reductions
 
-from titan_lora.clients.base import AdapterPayload, BaseTensors, base_items, register_emitter
+from titan_lora.clients.base import AdapterPayload, BaseTensors, Endpoint, base_items
 from titan_lora.clients.sglang_api import (
     LoadLoRAAdapterFromTensorsReqInput,
     ServerInfo,
@@ -374,13 +374,9 @@ class SGLangEmitter:
         """Nothing to release: the client opens one connection per request."""
 
 
-@register_emitter("sglang")
-def build_sglang_emitter(cfg: WeightSync) -> SGLangEmitter:
-    """The SGLang emitter for `[weight_sync] emitter = "sglang"`."""
-    if not cfg.engine_url:
-        raise ValueError('[weight_sync] emitter = "sglang" needs engine_url = "http://host:port" of a '
-                         "running SGLang 0.5.23 server; titan_lora does not start SGLang itself")
-    client = SGLangClient(cfg.engine_url, api_key=cfg.api_key, timeout_s=cfg.timeout_s,
+def build_sglang_emitter(cfg: WeightSync, endpoint: Endpoint) -> SGLangEmitter:
+    """The SGLang emitter for `[weight_sync] emitter = "sglang"`, to the server at `endpoint`."""
+    client = SGLangClient(endpoint.url, api_key=endpoint.api_key, timeout_s=cfg.timeout_s,
                           retries=cfg.retries)
     return SGLangEmitter(client, keep_versions=cfg.keep_versions, pause_mode=cfg.pause_mode,
                          bucket_bytes=cfg.bucket_mb << 20)

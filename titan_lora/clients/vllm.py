@@ -24,7 +24,7 @@ from typing import TypeVar
 
 import torch
 
-from titan_lora.clients.base import AdapterPayload, BaseTensors, base_items, register_emitter
+from titan_lora.clients.base import AdapterPayload, BaseTensors, Endpoint, base_items
 from titan_lora.clients.http import JsonClient
 from titan_lora.config import WeightSync
 from titan_lora.transfer import protocol
@@ -337,9 +337,6 @@ class VLLMBucketEmitter:
             torch.cuda.ipc_collect()
 
 
-@register_emitter("vllm")
-def build_vllm_emitter(cfg: WeightSync) -> VLLMBucketEmitter:
-    """The vLLM bucket emitter for `[weight_sync]`."""
-    if not cfg.engine_url:
-        raise ValueError("[weight_sync] engine_url is empty: leave it empty in the TOML to have titan_lora start an engine")
-    return VLLMBucketEmitter(JsonClient(cfg.engine_url, cfg.api_key, cfg.timeout_s), cfg.bucket_mb)
+def build_vllm_emitter(cfg: WeightSync, endpoint: Endpoint) -> VLLMBucketEmitter:
+    """The bucket emitter for `[weight_sync] emitter = "vllm"`, to titan_lora's engine at `endpoint`."""
+    return VLLMBucketEmitter(JsonClient(endpoint.url, endpoint.api_key, cfg.timeout_s), cfg.bucket_mb)

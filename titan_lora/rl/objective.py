@@ -15,8 +15,8 @@ from titan_lora.lora.layer import adapters_disabled
 from titan_lora.rl.grpo import clipped_policy_loss, group_advantages, k3_kl
 from titan_lora.rl.rewards import get_reward
 from titan_lora.rl.rollout import Sample, greedy_accuracy, sample_groups, share
-from titan_lora.rl.tasks import chat_prompt, train_and_heldout
-from titan_lora.sync.syncer import WeightSyncer
+from titan_lora.rl.tasks import arith_prompt, train_and_heldout
+from titan_lora.sync.engine_access import EngineRollouts
 from titan_lora.trainer.parallel import DataParallelInfo
 from titan_lora.transfer.errors import TransferError
 
@@ -59,18 +59,18 @@ def token_logprobs(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor)
 class GRPOObjective:
     """One GRPO step per optimizer step, near-on-policy by default (staleness <= 1, one minibatch)."""
 
-    def __init__(self, cfg: GRPO, tokenizer, syncer: WeightSyncer | None, dp: DataParallelInfo,  # noqa: ANN001
+    def __init__(self, cfg: GRPO, tokenizer, engine: EngineRollouts | None, dp: DataParallelInfo,  # noqa: ANN001
                  device: torch.device, metrics_logger) -> None:  # noqa: ANN001
         self.cfg = cfg
         self.tokenizer = tokenizer
-        self.syncer = syncer
+        self.engine = engine
         self.dp = dp
         self.device = device
         self.metrics_logger = metrics_logger
         self.reward = get_reward(cfg.reward)
         self.train_problems, self.heldout = train_and_heldout(
             cfg.train_size, cfg.eval_size, cfg.seed, cfg.task_digits, cfg.task_ops)
-        self.encode = lambda p: tokenizer(chat_prompt(tokenizer, p.question), add_special_tokens=False)["input_ids"]
+        self.encode = lambda p: tokenizer(arith_prompt(tokenizer, p.question), add_special_tokens=False)["input_ids"]
         self.heldout_ids = [self.encode(p) for p in self.heldout]
         self.stop_ids = [tokenizer.eos_token_id]
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -86,16 +86,16 @@ class GRPOObjective:
 
     def _greedy_accuracy(self) -> float:
         """Rank 0: held-out greedy accuracy under the active adapter version."""
-        active = self.syncer.versions.active
-        return greedy_accuracy(self.syncer.rollouts, active.name if active else None, self.heldout,
+        active = self.engine.versions.active
+        return greedy_accuracy(self.engine.client, active.name if active else None, self.heldout,
                                self.heldout_ids, self.cfg.max_new_tokens, self.stop_ids, self.reward)
 
     def _evaluate(self, step: int) -> dict[str, float]:
         """Collective: held-out accuracy (rank 0); a failure is logged and counted, never raised."""
-        if self.syncer is None or not self.cfg.rollouts or not self.cfg.eval_every:
+        if self.engine is None or not self.cfg.rollouts or not self.cfg.eval_every:
             return {}
         try:
-            acc = self.syncer.with_engine(self._greedy_accuracy, f"held-out eval at step {step}")
+            acc = self.engine.call(self._greedy_accuracy, f"held-out eval at step {step}")
         except TransferError as err:  # diagnostics never end the run
             self.eval_failures += 1
             logger.warning("held-out eval at step %d failed (%s); %d eval failures so far",
@@ -107,9 +107,7 @@ class GRPOObjective:
         return {"eval/accuracy": acc, "eval/failures": self.eval_failures}
 
     def before_training(self, step: int) -> None:
-        """Push the current adapter to the engine, then measure held-out accuracy before any update."""
-        if self.syncer is not None:
-            self.syncer.sync(version=step)
+        """Held-out accuracy before any update (the loop has synced the engine)."""
         if evaluated := self._evaluate(step):
             self.metrics_logger.log(step, evaluated)
 
@@ -121,12 +119,12 @@ class GRPOObjective:
 
         def rollouts() -> list[Sample]:  # runs on rank 0 only
             return sample_groups(
-                self.syncer.rollouts, self.syncer.versions, problems, [self.encode(p) for p in problems],
+                self.engine.client, self.engine.versions, problems, [self.encode(p) for p in problems],
                 self.cfg.group_size, self.cfg.max_new_tokens, self.cfg.temperature,
                 self.cfg.seed * 1_000_003 + step * 1_009, self.stop_ids, self.reward)
 
         # Every rank calls it: a dead engine is restarted and re-synced collectively; failure raises.
-        return share(self.syncer.with_engine(rollouts, f"rollouts of step {step}"))
+        return share(self.engine.call(rollouts, f"rollouts of step {step}"))
 
     def _offline_samples(self, problems: list, step: int) -> list[Sample]:
         out = []
@@ -196,11 +194,10 @@ class GRPOObjective:
         return torch.stack([diff.sum(), diff.max(), mask.sum()])
 
     def after_step(self, step: int) -> dict[str, float]:
-        """Sync metrics of this step, and held-out accuracy every `eval_every` steps."""
-        out = {} if self.syncer is None else dict(self.syncer.last_metrics)
+        """Held-out accuracy every `eval_every` steps."""
         if self.cfg.eval_every and step % self.cfg.eval_every == 0:
-            out |= self._evaluate(step)
-        return out
+            return self._evaluate(step)
+        return {}
 
     def progress_fields(self, metrics: dict[str, float]) -> dict[str, str]:
         """Reward, accuracy (when measured), step and sync times."""
@@ -213,4 +210,4 @@ class GRPOObjective:
         return fields
 
     def close(self) -> None:
-        """Nothing to release: the syncer belongs to the run."""
+        """Nothing to release: the engine belongs to the run."""

@@ -12,7 +12,7 @@ from titan_lora.clients.rollout import RolloutClient
 from titan_lora.rl.grpo import group_advantages
 from titan_lora.rl.rewards import RewardFn
 from titan_lora.rl.tasks import Problem
-from titan_lora.sync.versions import AdapterVersions
+from titan_lora.sync.versions import ServedVersions
 
 
 @dataclasses.dataclass
@@ -29,7 +29,7 @@ class Sample:
 
 
 def sample_groups(
-    client: RolloutClient, versions: AdapterVersions, problems: Sequence[Problem], prompt_ids: Sequence[list[int]],
+    client: RolloutClient, versions: ServedVersions, problems: Sequence[Problem], prompt_ids: Sequence[list[int]],
     group_size: int, max_tokens: int, temperature: float, seed: int, stop_token_ids: list[int], reward: RewardFn,
 ) -> list[Sample]:
     """Rank 0: `group_size` completions per prompt under the active version, scored and normalised."""

@@ -6,6 +6,8 @@ import dataclasses
 import random
 import re
 
+from titan_lora.model.chat import chat_prompt
+
 INSTRUCTION = "Answer with just the number."
 _LAST_INT = re.compile(r"-?\d+")
 
@@ -39,10 +41,9 @@ def train_and_heldout(n_train: int, n_heldout: int, seed: int, max_digits: int =
     return pool[:n_train], heldout
 
 
-def chat_prompt(tokenizer, question: str) -> str:  # noqa: ANN001
-    """The question in the model's chat template, ending where the assistant answers."""
-    messages = [{"role": "user", "content": f"{question} {INSTRUCTION}"}]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+def arith_prompt(tokenizer, question: str) -> str:  # noqa: ANN001
+    """The question and the answer-format instruction, in the model's chat template."""
+    return chat_prompt(tokenizer, f"{question} {INSTRUCTION}")
 
 
 def parse_answer(text: str) -> int | None:

@@ -24,6 +24,7 @@ from titan_lora.clients.base import AdapterPayload, Emitter
 from titan_lora.config import WeightSync
 from titan_lora.lora.finite import NonFiniteAdapterError
 from titan_lora.sync.adapter_source import AdapterSource
+from titan_lora.sync.base_stream import BaseStream
 from titan_lora.sync.collective import RankZeroError, on_rank0, share
 from titan_lora.sync.retire import Retirer
 from titan_lora.sync.versions import AdapterVersions, Lease
@@ -32,13 +33,10 @@ from titan_lora.transfer.protocol import Ack, EngineLimits
 
 if TYPE_CHECKING:
     from titan_lora.clients.launch import EmbeddedEngine
-    from titan_lora.clients.rollout import RolloutClient
     from titan_lora.sync.parity import ParityProbe
-    from titan_lora.train import TrainingRun
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-BaseStream = Callable[[], Iterator[tuple[str, torch.Tensor]]]
 BACKOFF_CAP_S = 10.0
 
 
@@ -132,7 +130,6 @@ class WeightSyncer:
         cfg: WeightSync,
         device: torch.device,
         engine: EmbeddedEngine | None = None,
-        rollouts: RolloutClient | None = None,
         probe: ParityProbe | None = None,
     ) -> None:
         self.source = source
@@ -141,7 +138,6 @@ class WeightSyncer:
         self.cfg = cfg
         self.device = device
         self.engine = engine  # rank 0, when titan_lora started the engine itself
-        self.rollouts = rollouts  # rank 0
         self.probe = probe
         self.versions = AdapterVersions(cfg.lora_name, cfg.keep_versions)
         self.retirer = (Retirer(self.versions, emitter.retire_adapter, cfg.retire_timeout_s)
@@ -401,9 +397,3 @@ def _verify(ack: Ack, version: int, tensors: int, nbytes: int, what: str) -> Non
             f"{ack.nbytes} bytes; sent version {version}, {tensors} tensors, {nbytes} bytes"
         )
 
-
-def build_syncer(run: TrainingRun) -> WeightSyncer:
-    """The syncer for `run`, its engine started or attached, limits checked."""
-    from titan_lora.sync.wiring import wire_syncer
-
-    return wire_syncer(run)

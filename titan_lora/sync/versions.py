@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import threading
 from collections.abc import Iterator
+from typing import Protocol
 
 
 def versioned_name(lora_name: str, version: int) -> str:
@@ -24,6 +25,19 @@ class Lease:
 
     name: str
     version: int
+
+
+class ServedVersions(Protocol):
+    """Read-only view of the published versions: what an objective may see of them."""
+
+    @property
+    def active(self) -> Lease | None:
+        """The newest published version, or None before the first."""
+        ...
+
+    def lease(self) -> contextlib.AbstractContextManager[Lease]:
+        """Pin the active version while requests under it run."""
+        ...
 
 
 class AdapterVersions:

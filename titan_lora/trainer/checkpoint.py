@@ -17,8 +17,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
-from titan_lora.lora.layer import adapter_params, lora_modules
 from titan_lora.lora.finite import NonFiniteAdapterError, first_nonfinite_adapter
+from titan_lora.lora.layer import adapter_params, lora_modules
 
 logger = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step-(\d+)$")

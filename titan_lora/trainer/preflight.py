@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from titan_lora.clients.base import registered_emitters
 from titan_lora.clients.launch import VLLM_LORA_RANKS
 from titan_lora.trainer.checkpoint import check_resume_compatible
 from titan_lora.trainer.parallel import data_parallel_size
@@ -30,12 +31,7 @@ def check_parallelism(job_config) -> None:  # noqa: ANN001
 
 
 def check_emitter(emitter: str) -> None:
-    """Refuse an `[weight_sync] emitter` that no emitter module registers."""
-    import titan_lora.clients.disk  # noqa: F401  (each import registers its emitter)
-    import titan_lora.clients.sglang  # noqa: F401
-    import titan_lora.clients.vllm  # noqa: F401
-    from titan_lora.clients.base import registered_emitters
-
+    """Refuse an `[weight_sync] emitter` that is not registered."""
     if emitter not in registered_emitters():
         known = ", ".join(registered_emitters())
         raise ValueError(f"[weight_sync] emitter = {emitter!r} is unknown; use one of {known}")

@@ -7,7 +7,6 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from titan_lora.sync.syncer import WeightSyncer
 from titan_lora.trainer.parallel import DataParallelInfo
 from titan_lora.trainer.sft_data import SFTData
 
@@ -21,18 +20,13 @@ def masked_token_nll_sum(logits: torch.Tensor, labels: torch.Tensor, mask: torch
 class SFTObjective:
     """Loss of one step: this rank's share of the global batch, normalised by the global token count."""
 
-    def __init__(
-        self, data: SFTData, dp: DataParallelInfo, device: torch.device, syncer: WeightSyncer | None
-    ) -> None:
+    def __init__(self, data: SFTData, dp: DataParallelInfo, device: torch.device) -> None:
         self.data = data
         self.dp = dp
         self.device = device
-        self.syncer = syncer
 
     def before_training(self, step: int) -> None:
-        """Bring the engine (if any) to the current adapter before the first step."""
-        if self.syncer is not None:
-            self.syncer.sync(version=step)
+        """Nothing: the loop has already synced the engine."""
 
     def loss(self, model: nn.Module, step: int) -> tuple[torch.Tensor, dict[str, float]]:
         """(loss to backpropagate, metrics) for global batch `step`."""
@@ -49,8 +43,8 @@ class SFTObjective:
         return loss, {"loss": global_sum / global_tokens, "tokens": global_tokens}
 
     def after_step(self, step: int) -> dict[str, float]:
-        """The weight syncer's metrics of this step, if syncing is on."""
-        return {} if self.syncer is None else self.syncer.last_metrics
+        """Nothing beyond the loss: the loop logs the sync."""
+        return {}
 
     def progress_fields(self, metrics: dict[str, float]) -> dict[str, str]:
         """Loss, step time and, with syncing on, the sync time."""
@@ -60,4 +54,4 @@ class SFTObjective:
         return fields
 
     def close(self) -> None:
-        """Nothing to release: the syncer belongs to the run."""
+        """Nothing to release."""

@@ -1,0 +1,128 @@
+"""The composition root: every part of a job that talks to the engine, built once from its own config
+section and handed explicit arguments. Nothing below receives the run, and no config is rewritten:
+runtime facts (the embedded engine's address and key) travel as an `Endpoint`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from titan_lora.clients.base import Emitter, Endpoint, build_emitter
+from titan_lora.clients.http import JsonClient
+from titan_lora.clients.launch import EmbeddedEngine, engine_lora_rank
+from titan_lora.clients.rollout import RolloutClient, VLLMRolloutClient
+from titan_lora.config import WeightSync
+from titan_lora.rl.objective import GRPOObjective
+from titan_lora.rl.tasks import arith_prompt, make_problems
+from titan_lora.sync.adapter_source import AdapterSource
+from titan_lora.sync.base_stream import base_weights_source
+from titan_lora.sync.engine_access import EngineRollouts
+from titan_lora.sync.parity import ParityProbe
+from titan_lora.sync.syncer import WeightSyncer
+from titan_lora.trainer.metrics import MetricsLogger
+from titan_lora.trainer.objective import Objective
+from titan_lora.trainer.parallel import data_parallel_info
+from titan_lora.trainer.sft import SFTObjective
+from titan_lora.trainer.sft_data import SFTData
+
+
+def probe_sequences(tokenizer, n: int = 4) -> list[list[int]]:  # noqa: ANN001
+    """A fixed batch of chat-formatted arithmetic prompts with their answers, as token ids."""
+    seqs = []
+    for p in make_problems(n, seed=4242):
+        text = arith_prompt(tokenizer, p.question) + str(p.answer) + tokenizer.eos_token
+        seqs.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return seqs
+
+
+def embedded_engine(ws: WeightSync, hf_dir: str, device: torch.device, dump_folder: str,
+                    lora_rank: int) -> EmbeddedEngine:
+    """The engine process titan_lora starts itself: the vLLM engine, or the receiver (timing only).
+
+    Its API key is `[weight_sync] api_key`, or a random one; it reaches the engine by environment."""
+    log = os.path.join(dump_folder, "engine.log")
+    timeouts = {"start_timeout_s": ws.engine_start_timeout_s, "health_timeout_s": ws.health_timeout_s,
+                "api_key": ws.api_key}
+    if ws.engine == "receiver":
+        cuda = ["--device", str(device)] if device.type == "cuda" else []
+        return EmbeddedEngine("titan_lora.engines.receiver", ws.engine_port, cuda, log, **timeouts)
+    return EmbeddedEngine("titan_lora.engines.vllm_server", ws.engine_port, [
+        "--model", hf_dir, "--max-lora-rank", str(engine_lora_rank(lora_rank)),
+        "--max-loras", str(ws.keep_versions + 1), "--max-cpu-loras", str(ws.keep_versions + 2),
+        "--max-model-len", str(ws.engine_max_model_len), "--kv-cache-gib", str(ws.engine_kv_cache_gib),
+    ], log, **timeouts)
+
+
+@dataclasses.dataclass
+class EngineSide:
+    """Rank 0's handles on the engine: the process (when embedded), the emitter and the rollout client."""
+
+    engine: EmbeddedEngine | None = None
+    emitter: Emitter | None = None
+    rollouts: RolloutClient | None = None
+
+
+def connect_engine(ws: WeightSync, hf_dir: str, device: torch.device, dump_folder: str,
+                   lora_rank: int) -> EngineSide:
+    """Rank 0: start the embedded engine (no `engine_url`) or attach; the emitter and rollout client."""
+    engine = None
+    endpoint = Endpoint(ws.engine_url, ws.api_key)
+    if not ws.engine_url:
+        engine = embedded_engine(ws, hf_dir, device, dump_folder, lora_rank)
+        engine.start()
+        endpoint = Endpoint(engine.url, engine.api_key)
+    rollouts = None
+    if ws.emitter != "sglang" and (ws.engine == "vllm" or engine is None):
+        rollouts = VLLMRolloutClient(JsonClient(endpoint.url, endpoint.api_key, ws.timeout_s),
+                                     ws.rollout_timeout_s)
+    return EngineSide(engine, build_emitter(ws, endpoint), rollouts)
+
+
+def build_syncer(ws: WeightSync, side: EngineSide, adapter: AdapterSource, model: nn.Module,
+                 sd_adapter, hf_dir: str, device: torch.device) -> WeightSyncer:  # noqa: ANN001
+    """Collective: the syncer over `side` (rank 0's handles; empty elsewhere), engine limits checked."""
+    from transformers import AutoTokenizer
+
+    tied = json.loads((Path(hf_dir) / "config.json").read_text()).get("tie_word_embeddings", False)
+    probe = None
+    if ws.parity_every:
+        probe = ParityProbe(model, probe_sequences(AutoTokenizer.from_pretrained(hf_dir)), device,
+                            side.rollouts.score if side.rollouts else None, ws.parity_tolerance)
+    syncer = WeightSyncer(adapter, base_weights_source(model, sd_adapter, tied), side.emitter, ws, device,
+                          engine=side.engine, probe=probe)
+    syncer.check_engine()
+    return syncer
+
+
+def build_sync(job_config, adapter: AdapterSource, built, device: torch.device,  # noqa: ANN001
+               ) -> tuple[WeightSyncer, EngineRollouts]:
+    """Collective: the engine (rank 0 starts or attaches it), the syncer, and what objectives may use."""
+    ws = job_config.weight_sync
+    side = EngineSide()
+    if dist.get_rank() == 0:
+        side = connect_engine(ws, built.hf_dir, device, job_config.job.dump_folder, job_config.lora.rank)
+    syncer = build_syncer(ws, side, adapter, built.model, built.sd_adapter, built.hf_dir, device)
+    return syncer, EngineRollouts(side.rollouts, syncer.versions, syncer.with_engine)
+
+
+def build_objective(job_config, hf_dir: str, dims, device: torch.device, metrics: MetricsLogger,  # noqa: ANN001
+                    engine: EngineRollouts | None) -> Objective:
+    """The objective the job config asks for: GRPO (`[grpo] enabled`), else SFT."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    dp = data_parallel_info(dims)
+    if job_config.grpo.enabled:
+        return GRPOObjective(job_config.grpo, tokenizer, engine, dp, device, metrics)
+    training = job_config.training
+    global_batch = training.global_batch_size
+    if global_batch <= 0:
+        global_batch = training.local_batch_size * dp.size
+    data = SFTData(tokenizer, job_config.data.path, training.seq_len, global_batch, job_config.data.seed)
+    return SFTObjective(data, dp, device)
