@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
+from job_helpers import kill_tree, launch, scalars, shm_segments, short_config
 
-REPO = Path(__file__).resolve().parents[2]
 DOCUMENTED_TAGS = {
     "train/loss", "train/lr", "train/step_time_s", "train/memory_mib", "train/grad_norm",
     "rl/reward_mean", "rl/reward_std", "rl/response_len", "rl/logprob_gap_mean", "rl/logprob_gap_max",
@@ -20,64 +16,6 @@ DOCUMENTED_TAGS = {
     "sync/gather_ms", "sync/pack_ms", "sync/transfer_ms", "sync/apply_ms", "sync/total_ms", "sync/bytes",
     "sync/tensors", "sync/version", "sync/live_versions", "sync/parity_max_abs", "sync/parity_mean_abs",
 }
-
-
-def short_config(tmp: Path, steps: int) -> Path:
-    """The shipped GRPO config, made small enough for CI."""
-    text = (REPO / "train_configs/smollm2_grpo_arith.toml").read_text()
-    for old, new in [
-        (r'dump_folder = ".*"', f'dump_folder = "{tmp}/run"'),
-        (r'export_dir = ".*"', f'export_dir = "{tmp}/adapter"'),
-        (r"prompts_per_step = \d+", "prompts_per_step = 2"), (r"group_size = \d+", "group_size = 4"),
-        (r"max_new_tokens = \d+", "max_new_tokens = 4"), (r"eval_size = \d+", "eval_size = 6"),
-        (r"eval_every = \d+", "eval_every = 2"), (r"parity_every = \d+", "parity_every = 1"),
-        (r"steps = \d+", f"steps = {steps}"), (r"interval = \d+", "interval = 1"),
-    ]:
-        text, n = re.subn(rf"^{old}", new, text, flags=re.M)
-        assert n == 1, f"{old} not found once in the shipped config"
-    path = tmp / f"grpo_{steps}.toml"
-    path.write_text(text)
-    return path
-
-
-def launch(config: Path, log: Path) -> subprocess.Popen:
-    """torchrun the job in its own process group (so a kill takes the engine down too)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "titan_lora.train",
-           "--job.config_file", str(config)]
-    return subprocess.Popen(cmd, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL a process and every descendant, as an OOM killer or a lost node would."""
-    import psutil
-
-    parent = psutil.Process(pid)
-    for proc in [*parent.children(recursive=True), parent]:
-        try:
-            proc.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-
-
-def shm_segments() -> set[str]:
-    """The POSIX shared-memory segments on this host."""
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-
-
-def scalars(tb: Path) -> dict[str, dict[int, float]]:
-    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
-
-    mux = EventMultiplexer()
-    for f in sorted(tb.glob("events.*")):  # one file per run (the killed one and the resumed one)
-        mux.AddRun(str(f), name=f.name)
-    mux.Reload()
-    out: dict[str, dict[int, float]] = {}
-    for run in mux.Runs():
-        for tag in mux.Runs()[run]["scalars"]:
-            for e in mux.Scalars(run, tag):
-                out.setdefault(tag, {})[e.step] = e.value
-    return out
 
 
 @pytest.mark.slow

@@ -1,0 +1,71 @@
+"""Helpers for the slow tests that run the main GRPO job through its CLI (torchrun, 2 ranks)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED_GRPO = REPO / "train_configs/smollm2_grpo_arith.toml"
+
+
+def shipped_config(tmp: Path, name: str, **keys: object) -> Path:
+    """The shipped GRPO config writing under `tmp`, with each `key = value` line given in `keys` replaced."""
+    text = SHIPPED_GRPO.read_text()
+    for key, value in {"dump_folder": f'"{tmp}/run"', "export_dir": f'"{tmp}/adapter"', **keys}.items():
+        text, n = re.subn(rf"^{key} = .*$", f"{key} = {value}", text, flags=re.M)
+        assert n == 1, f"{key} not found once in the shipped config"
+    path = tmp / name
+    path.write_text(text)
+    return path
+
+
+def short_config(tmp: Path, steps: int) -> Path:
+    """The shipped GRPO config, made small enough for CI."""
+    return shipped_config(tmp, f"grpo_{steps}.toml", prompts_per_step=2, group_size=4, max_new_tokens=4,
+                          eval_size=6, eval_every=2, parity_every=1, steps=steps, interval=1)
+
+
+def launch(config: Path, log: Path) -> subprocess.Popen:
+    """torchrun the job in its own process group (so a kill takes the engine down too)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "titan_lora.train",
+           "--job.config_file", str(config)]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and every descendant, as an OOM killer or a lost node would."""
+    import psutil
+
+    parent = psutil.Process(pid)
+    for proc in [*parent.children(recursive=True), parent]:
+        try:
+            proc.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def shm_segments() -> set[str]:
+    """The POSIX shared-memory segments on this host."""
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def scalars(tb: Path) -> dict[str, dict[int, float]]:
+    """tag -> step -> value over every event file under `tb`."""
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+
+    mux = EventMultiplexer()
+    for f in sorted(tb.glob("events.*")):  # one file per run (the killed one and the resumed one)
+        mux.AddRun(str(f), name=f.name)
+    mux.Reload()
+    out: dict[str, dict[int, float]] = {}
+    for run in mux.Runs():
+        for tag in mux.Runs()[run]["scalars"]:
+            for e in mux.Scalars(run, tag):
+                out.setdefault(tag, {})[e.step] = e.value
+    return out
