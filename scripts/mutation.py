@@ -8,6 +8,10 @@ modified, and bounds the whole mutmut run with a timeout. Usage, from the reposi
     python scripts/mutation.py titan_lora/rl/grpo.py --timeout-s 1200
     python scripts/mutation.py titan_lora/lora/layer.py --equivalent 'titan_lora.lora.layer.x_f__mutmut_3'
     python scripts/mutation.py titan_lora/sync/syncer.py --workdir /tmp/mut --rerun-unkilled   # after new tests
+    python scripts/mutation.py titan_lora/rl/objective.py --tests tests/rl/a.py tests/rl/new.py \
+        --workdir /tmp/mut --rerun-unkilled --widen-tests          # a test file added to the selection
+    python scripts/mutation.py titan_lora/sync/wiring.py --tests tests/sync/test_base_stream.py \
+        --rerun 'titan_lora.sync.wiring.x_base_weights_source__mutmut_24'   # one mutant, other tests
 
 Kill rate = killed / (all mutants - those named with --equivalent). "no tests" mutants are in code that
 no fast test reaches. mutmut itself records which tests reach a function only in the pytest process;
@@ -157,6 +161,26 @@ def run_mutmut(workdir: Path, max_children: int, timeout_s: float, names: list[s
         return 124
 
 
+def widen_selection(workdir: Path, tests: list[str]) -> None:
+    """Record `tests` as the test selection of the earlier run in `workdir`, so that mutmut keeps its verdicts
+    and only collects statistics for the tests that are new. Refused unless every earlier entry is still
+    selected. The fingerprint is computed as mutmut 3.8 does (sha256 of the repr of the tuple, 12 hex digits)."""
+    import configparser
+    import hashlib
+    import json
+
+    cfg = configparser.ConfigParser()
+    cfg.read(workdir / "setup.cfg")
+    before = cfg["mutmut"]["pytest_add_cli_args_test_selection"].split()
+    uncovered = [t for t in before if not any(t == n or t.startswith(n.rstrip("/") + "/") for n in tests)]
+    if uncovered:
+        raise SystemExit(f"--widen-tests: the earlier selection had {uncovered}, which --tests leaves out")
+    stats_path = workdir / "mutants" / "mutmut-stats.json"
+    stats = json.loads(stats_path.read_text())
+    stats["config_fingerprint"]["test_selection"] = hashlib.sha256(repr(tuple(tests)).encode()).hexdigest()[:12]
+    stats_path.write_text(json.dumps(stats, indent=4))
+
+
 def results(workdir: Path) -> dict[str, str]:
     """mutant name -> status, from `mutmut results --all true`."""
     mutmut = shutil.which("mutmut", path=str(Path(sys.executable).parent)) or "mutmut"
@@ -199,6 +223,11 @@ def main() -> None:
                         help="a file of mutant names judged equivalent, one a line ('#' starts a comment)")
     parser.add_argument("--rerun-unkilled", action="store_true",
                         help="in an existing --workdir: run again every mutant not killed (after adding tests)")
+    parser.add_argument("--rerun", nargs="+", default=None, metavar="NAME",
+                        help="run only these mutants (mutmut names; '*' globs allowed), e.g. again after adding tests")
+    parser.add_argument("--widen-tests", action="store_true",
+                        help="with --rerun-unkilled: the new --tests only add to the earlier run's; keep its verdicts "
+                             "(more tests cannot turn a killed mutant into a survivor) instead of starting over")
     parser.add_argument("--show", action="store_true", help="print the diff of every survivor")
     args = parser.parse_args()
     if args.equivalent_file:
@@ -207,10 +236,12 @@ def main() -> None:
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="titan_lora_mutation_"))
     workdir.mkdir(parents=True, exist_ok=True)
+    if args.widen_tests:
+        widen_selection(workdir, args.tests)
     scratch_copy(workdir)
     (workdir / "setup.cfg").write_text(setup_cfg(args.modules, args.tests))
     print(f"mutmut in {workdir} on {' '.join(args.modules)}, fast suite: -m '{FAST}'", flush=True)
-    names = None
+    names = args.rerun
     if args.rerun_unkilled:
         if not (workdir / "mutants").is_dir():
             parser.error("--rerun-unkilled needs the --workdir of an earlier run")

@@ -120,6 +120,12 @@ def emitter(client: Client, **kwargs) -> SGLangEmitter:  # noqa: ANN003
     return SGLangEmitter(client, keep_versions=2, **kwargs)
 
 
+def own(caplog: pytest.LogCaptureFixture, *markers: str) -> list[str]:
+    """The emitter's log lines that carry one of `markers` (other tests' background retirers may also log)."""
+    return [r.getMessage() for r in caplog.records
+            if r.name == "titan_lora.emitters.sglang" and any(m in r.getMessage() for m in markers)]
+
+
 # ---- check_server, served_modules, check_adapter, adapter_modules, the config -------------------------
 
 
@@ -288,7 +294,7 @@ def test_an_in_place_update_keeps_requests_and_flushes_after_they_drain(caplog: 
     client.flushed = False
     with caplog.at_level(logging.WARNING, logger="titan_lora.emitters.sglang"):
         emitter(client, pause_mode="in_place").send_base(BASE, 1)
-    assert caplog.messages == ["SGLang kept its prefix cache after the base update (requests never drained); "
+    assert own(caplog, "prefix cache") == ["SGLang kept its prefix cache after the base update (requests never drained); "
                                "cached prefixes computed with the old base may be reused"]
 
 
@@ -298,7 +304,7 @@ def test_a_session_left_open_is_closed_and_reopened(caplog: pytest.LogCaptureFix
     with caplog.at_level(logging.WARNING, logger="titan_lora.emitters.sglang"):
         emitter(client).send_base(BASE, 1)
     assert client.names()[:4] == ["server_info", "begin", "end", "begin"]
-    assert caplog.messages == [f"closing a weight-update session left open on {URL}"]
+    assert own(caplog, URL) == [f"closing a weight-update session left open on {URL}"]
 
 
 def test_a_session_that_cannot_open_is_an_error() -> None:
@@ -406,12 +412,12 @@ def test_a_stale_copy_is_unloaded_and_the_adapter_loaded_again(caplog: pytest.Lo
     em = emitter(client)
     em.send_base(BASE, 1)
     client.calls.clear()
-    client.load = [ControlResult(False, "adapter policy-v1 is already loaded")]
+    client.load = [ControlResult(False, "adapter unit-v1 is already loaded")]
     with caplog.at_level(logging.WARNING, logger="titan_lora.emitters.sglang"):
-        em.send_adapter(adapter())
+        em.send_adapter(adapter("unit-v1"))
     assert client.names() == ["weight_version", "load", "unload", "load"]
-    assert client.calls[2] == ("unload", "policy-v1", 42.0)
-    assert caplog.messages == ["SGLang already holds policy-v1; replacing it"]
+    assert client.calls[2] == ("unload", "unit-v1", 42.0)
+    assert own(caplog, "unit-v1") == ["SGLang already holds unit-v1; replacing it"]
 
 
 def test_a_refused_load_is_an_error_and_nothing_is_unloaded() -> None:
@@ -439,18 +445,18 @@ def test_a_load_that_does_not_list_the_adapter_is_an_error() -> None:
 def test_retirement_outcomes(caplog: pytest.LogCaptureFixture) -> None:
     client = Client()
     em = emitter(client)
-    client.unload = [OK, ControlResult(False, "lora policy-v3 does not exist"),
+    client.unload = [OK, ControlResult(False, "lora unit-v3 does not exist"),
                      ControlResult(False, "in use by 2 requests"), SGLangTimeout("timed out")]
     with caplog.at_level(logging.WARNING, logger="titan_lora.emitters.sglang"):
-        assert em.retire_adapter("policy-v2", 5.0) is True
-        assert em.retire_adapter("policy-v3", 5.0) is True, "already gone counts as retired"
-        assert em.retire_adapter("policy-v4", 5.0) is False
-        assert em.retire_adapter("policy-v5", 2.5) is False
-    assert client.calls == [("unload", "policy-v2", 5.0), ("unload", "policy-v3", 5.0),
-                            ("unload", "policy-v4", 5.0), ("unload", "policy-v5", 2.5)]
-    assert caplog.messages == [
-        "SGLang refused to unload policy-v4: in use by 2 requests",
-        f"unloading policy-v5 on {URL} took over 2.5s; the server keeps working on it",
+        assert em.retire_adapter("unit-v2", 5.0) is True
+        assert em.retire_adapter("unit-v3", 5.0) is True, "already gone counts as retired"
+        assert em.retire_adapter("unit-v4", 5.0) is False
+        assert em.retire_adapter("unit-v5", 2.5) is False
+    assert client.calls == [("unload", "unit-v2", 5.0), ("unload", "unit-v3", 5.0),
+                            ("unload", "unit-v4", 5.0), ("unload", "unit-v5", 2.5)]
+    assert own(caplog, "unit-v") == [
+        "SGLang refused to unload unit-v4: in use by 2 requests",
+        f"unloading unit-v5 on {URL} took over 2.5s; the server keeps working on it",
     ]
 
 
@@ -480,3 +486,34 @@ def test_a_bucket_is_packed_on_its_tensors_device() -> None:
     tensors = {"a": torch.empty(4, device="meta"), "b": torch.empty(2, device="meta")}
     (entries,) = plan_buckets(tensors, 1 << 20)
     assert pack_bucket(entries, tensors).flat.device.type == "meta"
+
+
+def test_colocated_payloads_are_pickled_once_per_rank_through_the_cuda_reducer(monkeypatch: pytest.MonkeyPatch) -> None:
+    # On CUDA each rank's payload carries its own IPC handle: the reducer runs once per rank. The CUDA
+    # reducer is replaced by one that pickles the values, so the path runs without a GPU.
+    reduced: list[torch.Tensor] = []
+    monkeypatch.setattr(sglang, "_reduce_cuda_by_uuid", lambda t: reduced.append(t) or (torch.tensor, (t.tolist(),)))
+    flat = torch.arange(6, dtype=torch.uint8)
+    out = serialize_for_ranks({"flattened_tensor": flat, "metadata": []}, 3, cuda=True)
+    assert len(out) == 3 and reduced == [flat, flat, flat]
+    for payload in out:
+        assert payload.isascii()
+        back = pickle.loads(base64.b64decode(payload))
+        assert torch.equal(back["flattened_tensor"], flat) and back["metadata"] == []
+
+
+def test_the_servers_limits_are_checked_naming_its_address() -> None:
+    client = Client()
+    client.info = info(enable_lora=False)
+    with pytest.raises(EmitterError, match=f"^SGLang at {URL} was started without LoRA"):
+        emitter(client).engine_limits()
+
+
+def test_a_flushed_in_place_update_warns_nothing_and_the_base_time_is_milliseconds(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = itertools.count(100)
+    monkeypatch.setattr(sglang.time, "perf_counter", lambda: float(next(clock)))
+    with caplog.at_level(logging.WARNING, logger="titan_lora.emitters.sglang"):
+        ack = emitter(Client(), pause_mode="in_place").send_base(BASE, 1)
+    assert own(caplog, "prefix cache") == []
+    assert ack.phases_ms == {"base_ms": 1e3}, "read at 100 and 101"

@@ -226,3 +226,22 @@ def test_an_https_address_uses_tls(monkeypatch: pytest.MonkeyPatch) -> None:
         JsonClient("https://engine.example", timeout_s=4.0).post("/x")
     assert made == [("Refused", "engine.example", 443, 4.0)]
     assert str(err.value) == "https://engine.example: TLS handshake failed"
+
+
+def test_an_address_keeps_every_character_but_trailing_slashes() -> None:
+    assert JsonClient("http://engineX:80/X//").base_url == "http://engineX:80/X"
+
+
+def test_status_300_is_an_error_and_undecodable_bodies_are_quoted_with_replacements(server: Recorder) -> None:
+    client = JsonClient(server.url)
+    server.script["/multiple"] = (300, b"choose")
+    server.script["/layout"] = (409, b"bad \xff layout")
+    server.script["/boom"] = (500, b"bad \xfe")
+    with pytest.raises(EmitterError, match=f"^{server.url}/multiple failed with HTTP 300: choose$"):
+        client.post("/multiple")
+    with pytest.raises(LayoutUnknownToEngine) as err:
+        client.post("/layout")
+    assert str(err.value) == "bad \ufffd layout"
+    with pytest.raises(EmitterError) as err:
+        client.post("/boom")
+    assert str(err.value) == f"{server.url}/boom failed with HTTP 500: bad \ufffd"

@@ -241,6 +241,20 @@ def test_a_stuck_unload_is_not_piled_up_and_is_retried_once_it_returned() -> Non
 
 
 # ---- counts, log lines, threads ---------------------------------------------------------------------
+# Other tests' retirers may still be unloading in the background: these tests use adapter names of their
+# own and look only at the log lines that name them.
+
+
+def _named(lora_name: str, *steps: int, keep: int = 2) -> AdapterVersions:
+    v = AdapterVersions(lora_name, keep)
+    for s in steps:
+        v.publish(s)
+    return v
+
+
+def _lines(caplog: pytest.LogCaptureFixture, lora_name: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "titan_lora.sync.retire" and f" {lora_name}-v" in r.getMessage()]
 
 
 def test_the_retirer_runs_on_a_named_daemon_thread() -> None:
@@ -254,28 +268,28 @@ def test_the_retirer_runs_on_a_named_daemon_thread() -> None:
 def test_failures_add_up_and_each_is_logged_with_its_figures(caplog: pytest.LogCaptureFixture) -> None:
     import logging
 
-    v = _versions(1, 2, 3, 4)
+    v = _named("rt-refused", 1, 2, 3, 4)
     r = Retirer(v, FakeUnload("refused"), timeout_s=1.2)
     with caplog.at_level(logging.WARNING, logger="titan_lora.sync.retire"):
         r.schedule_expired()
         assert r.wait_idle(5)
     assert r.failed == 2 and r.retired == 0 and v.live == [1, 2, 3, 4]
-    assert caplog.messages == [f"adapter policy-v{k} did not drain in the engine within 0.6 s; trying again later"
-                               for k in (1, 2)]
+    assert _lines(caplog, "rt-refused") == [
+        f"adapter rt-refused-v{k} did not drain in the engine within 0.6 s; trying again later" for k in (1, 2)]
 
 
 def test_versions_still_leased_are_counted_and_logged(caplog: pytest.LogCaptureFixture) -> None:
     import logging
 
-    v = _versions(1, 2, 3, 4)
+    v = _named("rt-leased", 1, 2, 3, 4)
     unload = FakeUnload()
     r = Retirer(v, unload, timeout_s=0.1)
     with _leases(v, 1, 2), caplog.at_level(logging.WARNING, logger="titan_lora.sync.retire"):
         r.schedule_expired()
         assert r.wait_idle(5)
     assert r.failed == 2 and unload.calls == []
-    assert caplog.messages == [f"adapter policy-v{k} still has 2 request(s) in flight after 0.1 s; it stays loaded"
-                               for k in (1, 2)]
+    assert _lines(caplog, "rt-leased") == [
+        f"adapter rt-leased-v{k} still has 2 request(s) in flight after 0.1 s; it stays loaded" for k in (1, 2)]
 
 
 class _leases:  # noqa: N801
@@ -300,7 +314,7 @@ class _leases:  # noqa: N801
 def test_a_hung_unload_is_counted_logged_and_runs_on_a_daemon_thread(caplog: pytest.LogCaptureFixture) -> None:
     import logging
 
-    v = _versions(1, 2, 3, 4)
+    v = _named("rt-hung", 1, 2, 3, 4)
     gate = threading.Event()
     daemon: list[bool] = []
 
@@ -315,8 +329,8 @@ def test_a_hung_unload_is_counted_logged_and_runs_on_a_daemon_thread(caplog: pyt
             r.schedule_expired()
             assert r.wait_idle(5)
         assert r.failed == 2 and daemon == [True, True]
-        assert caplog.messages == [f"unloading adapter policy-v{k} did not return within 0.2 s; trying again later"
-                                   for k in (1, 2)]
+        assert _lines(caplog, "rt-hung") == [
+            f"unloading adapter rt-hung-v{k} did not return within 0.2 s; trying again later" for k in (1, 2)]
     finally:
         gate.set()
         r.close()
@@ -325,11 +339,13 @@ def test_a_hung_unload_is_counted_logged_and_runs_on_a_daemon_thread(caplog: pyt
 def test_an_unload_that_raises_is_logged_with_the_error(caplog: pytest.LogCaptureFixture) -> None:
     import logging
 
-    r = Retirer(_versions(1, 2, 3), FakeUnload("raise"), timeout_s=1)
+    r = Retirer(_named("rt-raise", 1, 2, 3), FakeUnload("raise"), timeout_s=1)
     with caplog.at_level(logging.WARNING, logger="titan_lora.sync.retire"):
         r.schedule_expired()
         assert r.wait_idle(5)
-    assert "unloading adapter policy-v1 failed: engine went away" in caplog.messages and r.failed == 1
+    assert _lines(caplog, "rt-raise") == ["unloading adapter rt-raise-v1 failed: engine went away",
+                                          "adapter rt-raise-v1 did not drain in the engine within 0.5 s; trying "
+                                          "again later"] and r.failed == 1
 
 
 def test_a_retired_version_leaves_no_unload_call_behind() -> None:

@@ -76,4 +76,5 @@ def test_each_retry_is_logged_with_what_failed_and_why(sleeps: list[float], capl
 
     with caplog.at_level(logging.WARNING, logger="titan_lora.sync.syncer"):
         assert with_retries(flaky, 2, "posting bucket 3") == "ack"
-    assert caplog.messages == ["posting bucket 3 failed (connection reset); retrying"]
+    assert [r.getMessage() for r in caplog.records if r.name == "titan_lora.sync.syncer"] == [
+        "posting bucket 3 failed (connection reset); retrying"]

@@ -841,7 +841,8 @@ def test_every_gated_version_and_failed_probe_is_counted_and_logged(rig, caplog)
         r.syncer.sync(4)
         r.syncer.sync(5)
     assert r.syncer.counters["probe_failures"] == 2
-    assert caplog.messages[0] == ("the parity probe failed (the parity probe: RuntimeError: score request failed); "
+    assert [r.getMessage() for r in caplog.records if r.name == "titan_lora.sync.syncer"][0] == (
+        "the parity probe failed (the parity probe: RuntimeError: score request failed); "
                                   "training goes on")
 
 
@@ -876,3 +877,19 @@ def test_a_sync_whose_engine_keeps_failing_names_the_version(rig) -> None:  # no
     with pytest.raises(EngineFailed) as err:
         r.syncer.sync(2)
     assert str(err.value).startswith("syncing adapter version 2: the engine still fails after 1 recoveries")
+
+
+def test_an_engine_that_errs_right_after_coming_back_ends_the_recovery(rig) -> None:  # noqa: ANN001
+    r = rig(retries=0)
+    r.syncer.sync(1)
+    # the revival reaches it; then reading its incarnation for the base fails with a plain error
+    r.emitter.fail["incarnation"] = [None, EmitterError("HTTP 500")]
+
+    def fn() -> None:
+        raise EngineUnreachable("down")
+
+    with pytest.raises(EmitterError) as err:
+        r.syncer.with_engine(fn, "rollouts")
+    assert str(err.value) == ("reaching the engine: EmitterError: reaching the engine failed after 1 attempts: "
+                              "HTTP 500")
+    assert r.syncer.counters["engine_recoveries"] == 1
