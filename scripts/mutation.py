@@ -13,8 +13,8 @@ modified, and bounds the whole mutmut run with a timeout. Usage, from the reposi
     python scripts/mutation.py titan_lora/sync/wiring.py --tests tests/sync/test_base_stream.py \
         --rerun 'titan_lora.sync.wiring.x_base_weights_source__mutmut_24'   # one mutant, other tests
 
-Kill rate = killed / (all mutants - those named with --equivalent). "no tests" mutants are in code that
-no fast test reaches. mutmut itself records which tests reach a function only in the pytest process;
+Kill rate = (killed + timed out) / (mutants checked - those named with --equivalent). "no tests" mutants are
+in code that no fast test reaches. mutmut itself records which tests reach a function only in the pytest process;
 this script adds the functions reached in processes the tests start (spawned ranks, engine processes):
 while mutmut collects its statistics, a `sitecustomize` in those processes writes each function they
 enter to a file, and a pytest plugin credits it to the test that was running (see `HITS_PLUGIN`).
