@@ -145,20 +145,31 @@ def run_mutmut(workdir: Path, max_children: int, timeout_s: float, names: list[s
     mutmut = shutil.which("mutmut", path=str(Path(sys.executable).parent)) or "mutmut"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # mutmut puts mutants/ first itself
     env["OMP_NUM_THREADS"] = "1"
-    # Its own process group: on timeout its workers and the processes their tests started go with it.
+    # Its own process group: on timeout, or when this script is stopped, its workers and the processes their
+    # tests started go with it (a mutmut left running would go on writing results into `workdir`).
     proc = subprocess.Popen([mutmut, "run", "--max-children", str(max_children), *(names or [])], cwd=workdir,
                             env=env, start_new_session=True)
-    try:
-        return proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
+
+    def stop() -> None:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        stop()
         print(f"mutmut run stopped after {timeout_s:.0f} s; the figures below cover the mutants it finished")
         return 124
+    except BaseException:  # SIGTERM (via sys.exit) or Ctrl-C
+        stop()
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def widen_selection(workdir: Path, tests: list[str]) -> None:
