@@ -47,3 +47,36 @@ def randomize_adapters(model: torch.nn.Module, seed: int = 1, std: float = 0.05)
         g = torch.Generator().manual_seed(seed * 7919 + i)
         fill_param(m.lora_A, torch.randn(m.lora_A.shape, generator=g) * std)
         fill_param(m.lora_B, torch.randn(m.lora_B.shape, generator=g) * std)
+
+
+class StubSdAdapter:
+    """A state-dict adapter stand-in: renames by a table (None: no HF weight) and doubles the values."""
+
+    names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+             "output.weight": "lm_head.weight", "freqs_cis": None}
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, torch.device, tuple[int, ...]]] = []
+
+    def to_hf(self, state: dict) -> dict:
+        out = {}
+        for name, t in state.items():
+            self.seen.append((name, t.device, tuple(t.shape)))
+            if self.names[name] is not None:
+                out[self.names[name]] = t * 2
+        return out
+
+
+class StubBaseModel(torch.nn.Module):
+    """A few base weights (one without an HF name) and two adapter params, for the base stream."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Module()
+        self.a.lora_B = torch.nn.Parameter(torch.ones(2, 1))  # an adapter param first: skipped, not the end
+        self.tok_embeddings = torch.nn.Embedding(4, 2)
+        self.norm = torch.nn.LayerNorm(2, bias=False)
+        self.output = torch.nn.Linear(2, 4, bias=False)
+        self.freqs_cis = torch.nn.Parameter(torch.ones(3))
+        self.q = torch.nn.Module()
+        self.q.lora_A = torch.nn.Parameter(torch.ones(1, 2))  # an adapter param: never part of the base

@@ -1,4 +1,5 @@
-"""The embedded engine as the composition root builds it: a random API key by default, secrets never on argv."""
+"""The composition root: the embedded engine (a random API key by default, secrets never on argv), the probe
+batch, and what build_sync hands the syncer and the objective."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_helpers import StubBaseModel, StubSdAdapter
 
 from titan_lora.compose import embedded_engine
 from titan_lora.config import WeightSync
@@ -36,3 +38,201 @@ def test_a_configured_key_is_kept_and_stays_off_argv(tmp_path: Path) -> None:
         assert engine.api_key == "s3cret-key" and not any("s3cret-key" in a for a in engine.args)
     finally:
         engine.stop()
+
+
+# ---- the engine's command line, the probe batch and build_sync, in one process ------------------
+
+
+def test_the_receiver_engine_logs_to_the_dump_folder_and_takes_no_device_on_cpu(tmp_path: Path) -> None:
+    engine = _engine(tmp_path, WeightSync(enabled=True, engine="receiver", engine_port=0))
+    try:
+        assert engine.module == "titan_lora.engines.receiver" and engine.args == []
+        assert engine.log_path == tmp_path / "engine.log"
+    finally:
+        engine.stop()
+
+
+def test_the_receiver_engine_gets_the_trainers_cuda_device(tmp_path: Path) -> None:
+    cfg = WeightSync(enabled=True, engine="receiver")  # only the device's name is used: no GPU needed
+    engine = embedded_engine(cfg, str(tmp_path / "hf"), torch.device("cuda", 1), str(tmp_path), lora_rank=8)
+    try:
+        assert engine.args == ["--device", "cuda:1"]
+    finally:
+        engine.stop()
+
+
+def test_the_vllm_engine_command_line_holds_the_model_rank_and_slots(tmp_path: Path) -> None:
+    cfg = WeightSync(enabled=True, engine="vllm", keep_versions=3, engine_max_model_len=640,
+                     engine_kv_cache_gib=5)
+    # vLLM takes ranks 8, 16, 32, ...: rank 12 gets 16
+    engine = embedded_engine(cfg, str(tmp_path / "hf"), torch.device("cpu"), str(tmp_path), lora_rank=12)
+    try:
+        assert engine.module == "titan_lora.engines.vllm_server"
+        assert engine.args == ["--model", str(tmp_path / "hf"), "--max-lora-rank", "16", "--max-loras", "4",
+                               "--max-cpu-loras", "5", "--max-model-len", "640", "--kv-cache-gib", "5"]
+        assert engine.log_path == tmp_path / "engine.log"
+    finally:
+        engine.stop()
+
+
+class _Tokenizer:
+    """Characters as token ids; a visible chat template."""
+
+    eos_token = "</s>"
+
+    def apply_chat_template(self, messages, tokenize: bool, add_generation_prompt: bool) -> str:  # noqa: ANN001
+        assert tokenize is False and add_generation_prompt is True
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        assert add_special_tokens is False
+        return {"input_ids": [ord(c) for c in text]}
+
+
+@pytest.mark.parametrize("n", [None, 2])
+def test_the_probe_batch_is_chat_prompts_with_their_answers(n: int | None) -> None:
+    from titan_lora.compose import probe_sequences
+    from titan_lora.rl.tasks import INSTRUCTION, make_problems
+
+    seqs = probe_sequences(_Tokenizer()) if n is None else probe_sequences(_Tokenizer(), n)
+    problems = make_problems(4 if n is None else n, seed=4242)
+    assert ["".join(map(chr, s)) for s in seqs] == [
+        f"<user>{p.question} {INSTRUCTION}<assistant>{p.answer}</s>" for p in problems]
+
+
+class _FakeSyncer:
+    """Stands in for WeightSyncer in build_sync: records how it was built and checked."""
+
+    made: list[_FakeSyncer] = []
+
+    def __init__(self, source, base, emitter, cfg, device, engine=None, probe=None) -> None:  # noqa: ANN001
+        self.source, self.base, self.emitter, self.cfg, self.device = source, base, emitter, cfg, device
+        self.engine, self.probe = engine, probe
+        self.versions = object()
+        self.checked = False
+        _FakeSyncer.made.append(self)
+
+    def check_engine(self) -> None:
+        self.checked = True
+
+    def with_engine(self, fn, what: str):  # noqa: ANN001, ANN201
+        return fn()
+
+
+class _FakeEngine:
+    url, api_key = "http://127.0.0.1:4321", "engine-key"
+
+    def __init__(self) -> None:
+        self.started = False
+
+    def start(self) -> None:
+        self.started = True
+
+
+def _wire(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, rank: int = 0, tied: bool | None = True, **ws):  # noqa: ANN003, ANN202
+    """build_sync on a stand-in model with the syncer and engine faked: (syncer, EngineRollouts, engines,
+    job config, built)."""
+    import json
+    import types
+
+    import transformers
+
+    from titan_lora import compose
+
+    (tmp_path / "hf").mkdir(exist_ok=True)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({} if tied is None else {"tie_word_embeddings": tied}))
+    loaded: list[str] = []
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda path: (loaded.append(path), _Tokenizer())[1])
+    monkeypatch.setattr(compose.dist, "get_rank", lambda: rank)
+    monkeypatch.setattr(compose, "WeightSyncer", _FakeSyncer)
+    engines: list[_FakeEngine] = []
+
+    def embedded(*args) -> _FakeEngine:  # noqa: ANN002
+        engines.append(_FakeEngine())
+        engines[-1].made_from = args
+        return engines[-1]
+
+    monkeypatch.setattr(compose, "embedded_engine", embedded)
+    job_config = types.SimpleNamespace(weight_sync=WeightSync(**{"enabled": True, "parity_every": 0, **ws}),
+                                       job=types.SimpleNamespace(dump_folder=str(tmp_path)),
+                                       lora=types.SimpleNamespace(rank=8))
+    built = types.SimpleNamespace(hf_dir=str(tmp_path / "hf"), model=StubBaseModel(), sd_adapter=StubSdAdapter())
+    adapter, device = object(), torch.device("cpu")
+    _FakeSyncer.made.clear()
+    syncer, rollouts = compose.build_sync(job_config, adapter, built, device)
+    assert syncer is _FakeSyncer.made[-1] and syncer.checked
+    assert loaded == ([str(tmp_path / "hf")] if ws.get("parity_every") else [])
+    assert syncer.source is adapter and syncer.device == device
+    assert rollouts.versions is syncer.versions and rollouts.call("x".upper, "what") == "X"
+    return syncer, rollouts, engines, job_config, built
+
+
+def test_wiring_an_attached_vllm_engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from titan_lora.clients.vllm import VLLMBucketEmitter
+
+    syncer, rollouts, engines, job_config, _ = _wire(monkeypatch, tmp_path, engine_url="http://10.0.0.5:8000",
+                                                     api_key="k1", timeout_s=33.0, rollout_timeout_s=44.0,
+                                                     bucket_mb=3)
+    assert engines == [] and syncer.engine is None and syncer.cfg is job_config.weight_sync
+    assert isinstance(syncer.emitter, VLLMBucketEmitter) and syncer.emitter.bucket_bytes == 3 << 20
+    assert (syncer.emitter.client.base_url, syncer.emitter.client.api_key) == ("http://10.0.0.5:8000", "k1")
+    assert rollouts.client.timeout_s == 44.0 and rollouts.client.client.timeout_s == 33.0
+    assert (rollouts.client.client.base_url, rollouts.client.client.api_key) == ("http://10.0.0.5:8000", "k1")
+    assert syncer.probe is None
+    # tied embeddings: the stream leaves lm_head out
+    assert [n for n, _ in syncer.base()] == ["model.embed_tokens.weight", "model.norm.weight"]
+
+
+def test_wiring_an_embedded_engine_uses_its_address_and_key(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    syncer, rollouts, engines, job_config, built = _wire(monkeypatch, tmp_path, tied=False, engine_url="",
+                                                         api_key="")
+    assert len(engines) == 1 and engines[0].started and syncer.engine is engines[0]
+    assert engines[0].made_from == (job_config.weight_sync, built.hf_dir, torch.device("cpu"), str(tmp_path), 8)
+    assert syncer.emitter.client.base_url == _FakeEngine.url and syncer.emitter.client.api_key == "engine-key"
+    assert rollouts.client.client.base_url == _FakeEngine.url and rollouts.client.client.api_key == "engine-key"
+    assert syncer.cfg is job_config.weight_sync and job_config.weight_sync.engine_url == "", \
+        "the config is never rewritten: the engine's address travels as an Endpoint"
+    assert [n for n, _ in syncer.base()][-1] == "lm_head.weight"
+
+
+def test_wiring_an_embedded_receiver_has_no_rollouts(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    _, rollouts, engines, _, _ = _wire(monkeypatch, tmp_path, engine_url="", engine="receiver")
+    assert engines[0].started and rollouts.client is None
+
+
+def test_wiring_sglang_has_no_vllm_rollouts(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from titan_lora.clients.sglang import SGLangEmitter
+
+    syncer, rollouts, _, _, _ = _wire(monkeypatch, tmp_path, emitter="sglang", engine_url="http://sglang:30000")
+    assert isinstance(syncer.emitter, SGLangEmitter) and rollouts.client is None
+
+
+def test_wiring_on_other_ranks_builds_no_emitter_or_engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    syncer, rollouts, engines, _, _ = _wire(monkeypatch, tmp_path, rank=1, engine_url="")
+    assert engines == [] and (syncer.emitter, syncer.engine, rollouts.client) == (None, None, None)
+
+
+def test_wiring_the_parity_probe(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from titan_lora.rl.tasks import INSTRUCTION, make_problems
+
+    syncer, rollouts, _, _, built = _wire(monkeypatch, tmp_path, engine_url="http://10.0.0.5:8000",
+                                          parity_every=3, parity_tolerance=0.02)
+    probe = syncer.probe
+    assert probe.model is built.model and probe.device == torch.device("cpu") and probe.tolerance == 0.02
+    assert probe.score == rollouts.client.score
+    first = make_problems(4, seed=4242)[0]
+    assert "".join(map(chr, probe.sequences[0])) == f"<user>{first.question} {INSTRUCTION}<assistant>{first.answer}</s>"
+    assert len(probe.sequences) == 4
+
+
+def test_wiring_a_probe_without_rollouts_has_no_score(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    syncer, _, _, _, _ = _wire(monkeypatch, tmp_path, engine_url="", engine="receiver", parity_every=2)
+    assert syncer.probe is not None and syncer.probe.score is None
+
+
+def test_without_a_tie_setting_the_base_stream_keeps_lm_head(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    syncer, _, _, _, _ = _wire(monkeypatch, tmp_path, tied=None, engine_url="http://10.0.0.5:8000")
+    assert [n for n, _ in syncer.base()][-1] == "lm_head.weight"
+
+

@@ -4,6 +4,7 @@ posted once a bucket failed, and wrong content or counts in an ack refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable, Iterator
 
@@ -14,6 +15,7 @@ from reading_engine import ReadingEngine
 from titan_lora.clients.base import AdapterPayload
 from titan_lora.clients.vllm import VLLMBucketEmitter
 from titan_lora.transfer.errors import TransferError
+from titan_lora.transfer.protocol import EngineLimits
 from titan_lora.transfer.transport import home_of, shared_tensor
 
 TENSOR_BYTES = 64 * 1024 * 4
@@ -159,3 +161,250 @@ def test_tensors_already_in_shared_memory_go_in_place_with_their_checksum(emitte
     assert [b["segment"] for b in engine.bodies] == [buf.describe(k * TENSOR_BYTES) for k in range(4)]
     assert emitter._buffers == [], "no packing buffer is needed for tensors already in shared memory"
     assert all(torch.equal(engine.adapters["policy-v5"][n], t) for n, t in payload.tensors.items())
+
+
+# ---- the engine's info and unload routes, request bodies, phase times, buffers ----------------------
+
+
+class RouteEngine(ReadingEngine):
+    """A ReadingEngine that also answers /titan/info and /titan/unload and records every request."""
+
+    def __init__(self, info: dict | None = None, unloaded: object = True, **kwargs) -> None:  # noqa: ANN003
+        super().__init__(**kwargs)
+        self.info = info or {}
+        self.unloaded = unloaded
+        self.requests: list[tuple[str, dict | None, float | None]] = []
+        self.threads: list[str] = []
+
+    def post(self, route: str, body: dict | None = None, timeout_s: float | None = None) -> dict:
+        import threading
+
+        self.requests.append((route, body, timeout_s))
+        self.threads.append(threading.current_thread().name)
+        if route == "/titan/info":
+            assert body is None
+            return self.info
+        if route == "/titan/unload":
+            return {"unloaded": self.unloaded}
+        return super().post(route, body, timeout_s)
+
+
+def _small_payload(n: int = 2) -> AdapterPayload:
+    tensors = {f"base_model.model.layers.{i}.q_proj.lora_A.weight": torch.full((8, 8), float(i + 1))
+               for i in range(n)}  # 256 bytes each
+    return AdapterPayload("policy-v9", 9, tensors, {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]})
+
+
+def test_the_engines_limits_come_from_its_info() -> None:
+    engine = RouteEngine({"max_lora_rank": 16, "max_loras": 4, "target_modules": ["v_proj", "q_proj"]})
+    emitter = VLLMBucketEmitter(engine, bucket_mb=1)
+    try:
+        assert emitter.engine_limits() == EngineLimits(16, 4, frozenset({"q_proj", "v_proj"}))
+        engine.info = {"max_lora_rank": 8, "max_loras": 2, "target_modules": None}
+        assert emitter.engine_limits() == EngineLimits(8, 2, None)
+        assert [r for r, _, _ in engine.requests] == ["/titan/info", "/titan/info"]
+    finally:
+        emitter.close()
+
+
+def test_the_incarnation_says_when_the_engine_holds_no_base() -> None:
+    engine = RouteEngine({"incarnation": "boot-7f", "base_version": 3})
+    emitter = VLLMBucketEmitter(engine, bucket_mb=1)
+    try:
+        assert emitter.engine_incarnation() == "boot-7f"
+        engine.info = {"incarnation": "boot-7f", "base_version": 0}
+        assert emitter.engine_incarnation() == "boot-7f"
+        engine.info = {"incarnation": "boot-7f", "base_version": None}
+        assert emitter.engine_incarnation() == "boot-7f:no-base"
+    finally:
+        emitter.close()
+
+
+@pytest.mark.parametrize("answer, want", [(True, True), (False, False), (1, True), (0, False)])
+def test_retire_asks_the_engine_to_unload_within_the_timeout(answer: object, want: bool) -> None:
+    engine = RouteEngine(unloaded=answer)
+    emitter = VLLMBucketEmitter(engine, bucket_mb=1)
+    try:
+        assert emitter.retire_adapter("policy-v2", 7.5) is want
+        assert engine.requests == [("/titan/unload", {"name": "policy-v2", "timeout_s": 7.5}, 17.5)]
+    finally:
+        emitter.close()
+
+
+def test_buckets_are_megabytes() -> None:
+    emitter = VLLMBucketEmitter(RouteEngine(), bucket_mb=3)
+    try:
+        assert emitter.bucket_bytes == 3 * 1024 * 1024
+    finally:
+        emitter.close()
+
+
+def test_bucket_requests_name_the_transfer_its_kind_and_the_commit(emitter_for: Make) -> None:
+    engine = RouteEngine(delay_s=0)
+    emitter = emitter_for(engine, bucket_bytes=256)
+    payload = _small_payload()
+    emitter.send_adapter(payload)
+    emitter.send_base(iter(payload.tensors.items()), version=9)
+    adapter, base = engine.bodies[:2], engine.bodies[2:]
+    assert [b["kind"] for b in engine.bodies] == ["adapter", "adapter", "base", "base"]
+    ids = {b["transfer_id"] for b in adapter}, {b["transfer_id"] for b in base}
+    assert all(len(i) == 1 for i in ids) and ids[0] != ids[1]
+    assert all(isinstance(i, str) and len(i) == 32 for (i,) in ids)
+    assert adapter[-1]["commit"] == {"name": "policy-v9", "version": 9,
+                                     "peft_config": {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}}
+    assert engine.requests[-1] == ("/titan/base", {"transfer_id": base[0]["transfer_id"], "version": 9}, None)
+    assert all(t.startswith("titan-bucket") for t, (r, _, _) in zip(engine.threads, engine.requests)
+               if r == "/titan/bucket"), "buckets are posted from the emitter's own thread"
+
+
+def test_a_layout_goes_with_its_header_once_and_again_after_the_engine_forgot_it(emitter_for: Make) -> None:
+    from titan_lora.transfer.buckets import LayoutCache
+
+    engine = RouteEngine(delay_s=0)
+    emitter = emitter_for(engine, bucket_bytes=1024)
+    payload = _small_payload()
+    emitter.send_adapter(payload)
+    emitter.send_adapter(dataclasses.replace(payload, name="policy-v10", version=10))
+    assert ["header" in b for b in engine.bodies] == [True, False], "a known layout travels as its id"
+    engine.layouts = LayoutCache()  # the engine restarted
+    engine.bodies.clear()
+    emitter.send_adapter(dataclasses.replace(payload, name="policy-v11", version=11))
+    first, retry = engine.bodies
+    assert "header" not in first and retry == {**first, "header": [e.to_json() for e in _entries(payload)]}
+    assert [r for r, _, _ in engine.requests[-2:]] == ["/titan/bucket", "/titan/bucket"]
+    assert "policy-v11" in engine.adapters
+
+
+def _entries(payload: AdapterPayload) -> list:
+    from titan_lora.transfer.buckets import plan_buckets
+
+    (entries,) = plan_buckets(payload.tensors, 1024)
+    return entries
+
+
+def test_phase_times_are_milliseconds_of_the_clock(emitter_for: Make, monkeypatch: pytest.MonkeyPatch) -> None:
+    import itertools
+
+    from titan_lora.clients import vllm
+
+    engine = RouteEngine(delay_s=0)
+    emitter = emitter_for(engine, bucket_bytes=256)  # two buckets
+    clock = itertools.count(100)  # every reading advances one second
+    monkeypatch.setattr(vllm.time, "perf_counter", lambda: float(next(clock)))
+    ack = emitter.send_adapter(_small_payload())
+    # started 100; bucket 1 packed 101..102, checksummed 103..104; bucket 2 packed 105..106, checksummed
+    # 107..108; done at 109; the engine's own apply time (1 ms) is moved out of the transfer.
+    assert ack.phases_ms == {"pack_ms": 2e3, "checksum_ms": 2e3, "transfer_ms": 5e3 - 1.0, "buckets": 2,
+                             "apply_ms": 1.0}
+    clock = itertools.count(100)
+    emitter = emitter_for(engine, bucket_bytes=1024)
+    ack = emitter.send_base(iter(_small_payload(2).tensors.items()), version=1)
+    # started 100; two tensors packed 101..102 and 103..104 into one bucket; checksummed 105..106; done at
+    # 107; the base applied 108..109
+    assert ack.phases_ms == {"pack_ms": 2e3, "checksum_ms": 1e3, "transfer_ms": 4e3, "buckets": 1,
+                             "apply_ms": 1e3}
+
+
+def test_a_commit_that_is_not_acknowledged_fails_the_adapter(emitter_for: Make) -> None:
+    class NoCommit(RouteEngine):
+        def _bucket(self, body: dict) -> dict:
+            ack = super()._bucket(body)
+            ack.pop("commit", None)
+            return ack
+
+    with pytest.raises(TransferError) as err:
+        emitter_for(NoCommit(delay_s=0)).send_adapter(_small_payload())
+    assert str(err.value) == "the engine did not acknowledge the commit of adapter policy-v9"
+
+
+@pytest.mark.parametrize("kind", ["adapter", "base"])
+def test_a_wrong_count_names_what_was_sent(emitter_for: Make, kind: str) -> None:
+    emitter = emitter_for(RouteEngine(delay_s=0, count_error=1), bucket_bytes=1024)
+    with pytest.raises(TransferError) as err:
+        if kind == "adapter":
+            emitter.send_adapter(_small_payload())
+        else:
+            emitter.send_base(iter(_small_payload().tensors.items()), version=1)
+    what = "adapter policy-v9" if kind == "adapter" else "base weights"
+    assert str(err.value) == f"the engine acknowledged 3 tensors / 512 bytes of the {what}, but 2 / 512 were sent"
+
+
+def test_a_checksum_mismatch_names_the_bucket_the_transfer_and_both_sums(emitter_for: Make) -> None:
+    engine = RouteEngine(delay_s=0, checksums=False)
+    with pytest.raises(TransferError) as err:
+        emitter_for(engine).send_adapter(_small_payload())
+    body = engine.bodies[0]
+    assert str(err.value) == (f"checksum mismatch in bucket 0 of the adapter transfer {body['transfer_id']}: sent "
+                              f"{body['checksum']}, the engine copied out None (None: the engine does not "
+                              "checksum; run the same titan_lora on both sides)")
+
+
+def test_two_packing_buffers_are_kept_while_tensors_fit_and_replaced_when_not(emitter_for: Make) -> None:
+    engine = RouteEngine(delay_s=0)
+    emitter = emitter_for(engine, bucket_bytes=256)
+    one = {"w": torch.ones(64)}  # exactly one bucket (256 bytes)
+    emitter.send_base(iter(one.items()), version=1)
+    first = list(emitter._buffers)
+    assert len(first) == 2 and all(b.size == 256 for b in first)
+    emitter.send_base(iter(one.items()), version=2)
+    emitter.send_adapter(AdapterPayload("policy-v3", 3, {"a.lora_A.weight": torch.ones(64)}, {}))
+    assert all(a is b for a, b in zip(emitter._buffers, first)), "buffers that fit were replaced"
+    emitter.send_base(iter({"big": torch.ones(100)}.items()), version=4)  # 400 bytes: larger buffers
+    assert len(emitter._buffers) == 2 and all(b.size == 400 for b in emitter._buffers)
+
+
+def test_tensors_that_fill_a_bucket_exactly_share_it(emitter_for: Make) -> None:
+    engine = RouteEngine(delay_s=0)
+    emitter = emitter_for(engine, bucket_bytes=512)
+    ack = emitter.send_base(iter({"a": torch.ones(64), "b": torch.ones(64), "c": torch.ones(1)}.items()), version=1)
+    assert ack.phases_ms["buckets"] == 2 and [len(b["header"]) for b in engine.bodies] == [2, 1]
+
+
+def test_packing_buffers_that_cannot_be_made_are_an_emitter_error(emitter_for: Make,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from titan_lora.clients import vllm
+
+    def no_shm(n: int, size: int, device: torch.device) -> list:
+        raise OSError("cannot reserve 1 MiB of shared memory")
+
+    monkeypatch.setattr(vllm, "make_buffers", no_shm)
+    emitter = emitter_for(RouteEngine(delay_s=0))
+    with pytest.raises(TransferError) as err:
+        emitter.send_adapter(_small_payload())
+    assert str(err.value) == "cannot reserve 1 MiB of shared memory" and emitter._buffers == []
+
+
+def test_close_collects_cuda_ipc_blocks_only_for_cuda_buffers_and_may_repeat(monkeypatch: pytest.MonkeyPatch) -> None:
+    collected: list[int] = []
+    monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: collected.append(1))
+
+    class Buf:
+        def __init__(self, device: str) -> None:
+            self.device, self.closed = torch.device(device), False
+
+        def close(self) -> None:
+            self.closed = True
+
+    emitter = VLLMBucketEmitter(RouteEngine(), bucket_mb=1)
+    bufs = [Buf("cpu"), Buf("cpu")]
+    emitter._buffers = bufs
+    emitter.close()
+    assert collected == [] and all(b.closed for b in bufs) and emitter._buffers == []
+    emitter.close()
+    emitter = VLLMBucketEmitter(RouteEngine(), bucket_mb=1)
+    emitter._buffers = [Buf("cuda")]
+    emitter.close()
+    assert collected == [1]
+
+
+def test_a_wrong_checksum_is_quoted_in_the_error(emitter_for: Make) -> None:
+    class WrongSum(RouteEngine):
+        def _bucket(self, body: dict) -> dict:
+            return {**super()._bucket(body), "checksum": "s64:0000000000000000:512"}
+
+    engine = WrongSum(delay_s=0)
+    with pytest.raises(TransferError) as err:
+        emitter_for(engine, bucket_bytes=1024).send_adapter(_small_payload())
+    assert str(err.value).endswith(f"sent {engine.bodies[0]['checksum']}, the engine copied out "
+                                   "s64:0000000000000000:512 (None: the engine does not checksum; run the same "
+                                   "titan_lora on both sides)")

@@ -6,11 +6,14 @@ from __future__ import annotations
 import gc
 import hashlib
 
+import pytest
 import torch
 from dist_helpers import run_ranks
+from model_helpers import StubBaseModel, StubSdAdapter
 from syncer_helpers import build_syncer, expected_base, sync_cfg
 from torch.distributed.tensor import DTensor
 
+from titan_lora.sync.base_stream import base_weights_source
 from titan_lora.transfer.errors import TransferError
 from titan_lora.transfer.protocol import Ack
 
@@ -108,3 +111,36 @@ def _stream(rank: int, world: int) -> None:
 
 def test_the_base_streams_one_tensor_at_a_time_other_ranks_keep_nothing_and_a_retry_reruns_it() -> None:
     run_ranks(2, _stream)
+
+
+# ---- the stream in one process, on a stand-in model -------------------------------------------------
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_base_stream_yields_each_hf_weight_converted_and_skips_adapters_and_unmapped(tied: bool) -> None:
+    model, sd = StubBaseModel(), StubSdAdapter()
+    got = list(base_weights_source(model, sd, tied_embeddings=tied)())
+    want = ["model.embed_tokens.weight", "model.norm.weight"] + ([] if tied else ["lm_head.weight"])
+    assert [n for n, _ in got] == want
+    params = {"model.embed_tokens.weight": model.tok_embeddings.weight, "model.norm.weight": model.norm.weight,
+              "lm_head.weight": model.output.weight}
+    for name, t in got:
+        assert torch.equal(t, params[name].detach() * 2), "the converted tensor, not the param"
+    # names are found on meta tensors of the param's shape, then each kept tensor is converted alone
+    assert ("tok_embeddings.weight", torch.device("meta"), (4, 2)) in sd.seen
+    assert ("freqs_cis", torch.device("meta"), (3,)) in sd.seen
+    assert ("tok_embeddings.weight", torch.device("cpu"), (4, 2)) in sd.seen
+    assert not any("lora" in name for name, _, _ in sd.seen)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_under_a_process_group_only_rank_0_gets_the_base(monkeypatch: pytest.MonkeyPatch, rank: int) -> None:
+    from titan_lora.sync import base_stream
+
+    monkeypatch.setattr(base_stream.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(base_stream.dist, "get_rank", lambda: rank)
+    sd = StubSdAdapter()
+    got = list(base_stream.base_weights_source(StubBaseModel(), sd, tied_embeddings=False)())
+    assert [n for n, _ in got] == (["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+                                   if rank == 0 else [])
+    assert sum(device == torch.device("meta") for _, device, _ in sd.seen) == 4, "every rank maps every name"

@@ -92,3 +92,13 @@ def test_mixed_dtypes_and_empty_lists_are_refused() -> None:
         ShardGatherer([("a", torch.zeros(2)), ("b", torch.zeros(2, dtype=torch.bfloat16))])
     with pytest.raises(ValueError, match="converter"):
         ShardGatherer([])
+
+
+def test_a_sum_that_overflows_is_still_finite_element_by_element() -> None:
+    big = torch.full((2, 2), 3e38)  # finite float32 values whose sum is inf
+    gatherer = ShardGatherer([("a.lora_A", big)])
+    gatherer.gather()
+    assert gatherer.all_finite()
+    big[0, 1] = float("nan")
+    gatherer.gather()
+    assert not gatherer.all_finite()

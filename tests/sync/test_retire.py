@@ -238,3 +238,134 @@ def test_a_stuck_unload_is_not_piled_up_and_is_retried_once_it_returned() -> Non
     finally:
         gate.set()
         r.close()
+
+
+# ---- counts, log lines, threads ---------------------------------------------------------------------
+# Other tests' retirers may still be unloading in the background: these tests use adapter names of their
+# own and look only at the log lines that name them.
+
+
+def _named(lora_name: str, *steps: int, keep: int = 2) -> AdapterVersions:
+    v = AdapterVersions(lora_name, keep)
+    for s in steps:
+        v.publish(s)
+    return v
+
+
+def _lines(caplog: pytest.LogCaptureFixture, lora_name: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "titan_lora.sync.retire" and f" {lora_name}-v" in r.getMessage()]
+
+
+def test_the_retirer_runs_on_a_named_daemon_thread() -> None:
+    r = Retirer(_versions(1), FakeUnload(), timeout_s=1)
+    try:
+        assert r._thread.name == "titan-lora-retirer" and r._thread.daemon is True
+    finally:
+        r.close()
+
+
+def test_failures_add_up_and_each_is_logged_with_its_figures(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    v = _named("rt-refused", 1, 2, 3, 4)
+    r = Retirer(v, FakeUnload("refused"), timeout_s=1.2)
+    with caplog.at_level(logging.WARNING, logger="titan_lora.sync.retire"):
+        r.schedule_expired()
+        assert r.wait_idle(5)
+    assert r.failed == 2 and r.retired == 0 and v.live == [1, 2, 3, 4]
+    assert _lines(caplog, "rt-refused") == [
+        f"adapter rt-refused-v{k} did not drain in the engine within 0.6 s; trying again later" for k in (1, 2)]
+
+
+def test_versions_still_leased_are_counted_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    v = _named("rt-leased", 1, 2, 3, 4)
+    unload = FakeUnload()
+    r = Retirer(v, unload, timeout_s=0.1)
+    with _leases(v, 1, 2), caplog.at_level(logging.WARNING, logger="titan_lora.sync.retire"):
+        r.schedule_expired()
+        assert r.wait_idle(5)
+    assert r.failed == 2 and unload.calls == []
+    assert _lines(caplog, "rt-leased") == [
+        f"adapter rt-leased-v{k} still has 2 request(s) in flight after 0.1 s; it stays loaded" for k in (1, 2)]
+
+
+class _leases:  # noqa: N801
+    """Two leases on each of the given versions, taken while each was active (context manager)."""
+
+    def __init__(self, v: AdapterVersions, *versions: int) -> None:
+        self.v, self.versions = v, versions
+
+    def __enter__(self) -> None:
+        # lease() takes the active version only: set the counts the way it records them
+        with self.v._cond:
+            for version in self.versions:
+                self.v._leases[version] = 2
+
+    def __exit__(self, *exc) -> None:  # noqa: ANN002
+        with self.v._cond:
+            for version in self.versions:
+                self.v._leases.pop(version, None)
+            self.v._cond.notify_all()
+
+
+def test_a_hung_unload_is_counted_logged_and_runs_on_a_daemon_thread(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    v = _named("rt-hung", 1, 2, 3, 4)
+    gate = threading.Event()
+    daemon: list[bool] = []
+
+    def unload(name: str, timeout_s: float) -> bool:
+        daemon.append(threading.current_thread().daemon)
+        gate.wait(10)
+        return True
+
+    r = Retirer(v, unload, timeout_s=0.2)
+    try:
+        with caplog.at_level(logging.WARNING, logger="titan_lora.sync.retire"):
+            r.schedule_expired()
+            assert r.wait_idle(5)
+        assert r.failed == 2 and daemon == [True, True]
+        assert _lines(caplog, "rt-hung") == [
+            f"unloading adapter rt-hung-v{k} did not return within 0.2 s; trying again later" for k in (1, 2)]
+    finally:
+        gate.set()
+        r.close()
+
+
+def test_an_unload_that_raises_is_logged_with_the_error(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    r = Retirer(_named("rt-raise", 1, 2, 3), FakeUnload("raise"), timeout_s=1)
+    with caplog.at_level(logging.WARNING, logger="titan_lora.sync.retire"):
+        r.schedule_expired()
+        assert r.wait_idle(5)
+    assert _lines(caplog, "rt-raise") == ["unloading adapter rt-raise-v1 failed: engine went away",
+                                          "adapter rt-raise-v1 did not drain in the engine within 0.5 s; trying "
+                                          "again later"] and r.failed == 1
+
+
+def test_a_retired_version_leaves_no_unload_call_behind() -> None:
+    r = Retirer(_versions(1, 2, 3, 4), FakeUnload(), timeout_s=1)
+    r.schedule_expired()
+    assert r.wait_idle(5) and r.retired == 2 and r._calls == {}
+
+
+def test_wait_idle_is_bounded_and_its_waiter_is_a_daemon() -> None:
+    v = _versions(1, 2, 3)
+    gate = threading.Event()
+    r = Retirer(v, FakeUnload("hang", block=gate), timeout_s=5)
+    try:
+        r.schedule_expired()
+        before = set(threading.enumerate())
+        started = time.monotonic()
+        assert r.wait_idle(0.1) is False  # from the main thread: a non-daemon caller
+        assert time.monotonic() - started < 3, "wait_idle returned within its timeout"
+        waiters = list(set(threading.enumerate()) - before)
+        assert waiters and all(t.daemon for t in waiters), "a waiter left behind would keep the process alive"
+    finally:
+        gate.set()
+        r.close()

@@ -61,3 +61,19 @@ def test_a_transient_failure_is_retried_until_it_succeeds(sleeps: list[float]) -
         return "ack"
 
     assert with_retries(flaky, 3, "posting a bucket", alive=lambda: True) == "ack" and sleeps == [1.0, 2.0]
+
+
+def test_each_retry_is_logged_with_what_failed_and_why(sleeps: list[float], caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    outcomes = iter([TransferError("connection reset"), None])
+
+    def flaky() -> str:
+        if (err := next(outcomes)) is not None:
+            raise err
+        return "ack"
+
+    with caplog.at_level(logging.WARNING, logger="titan_lora.sync.syncer"):
+        assert with_retries(flaky, 2, "posting bucket 3") == "ack"
+    assert [r.getMessage() for r in caplog.records if r.name == "titan_lora.sync.syncer"] == [
+        "posting bucket 3 failed (connection reset); retrying"]

@@ -127,3 +127,12 @@ def test_a_lease_held_across_forget_all_is_released_cleanly() -> None:
     with v.lease():
         v.forget_all()
     assert v.in_flight(1) == 0
+
+
+def test_a_stale_publish_says_that_versions_are_steps() -> None:
+    v = AdapterVersions("policy", 2)
+    v.publish(5)
+    with pytest.raises(ValueError) as err:
+        v.publish(5)
+    assert str(err.value) == ("adapter version 5 is not newer than the active 5; versions are training steps "
+                              "and must grow")

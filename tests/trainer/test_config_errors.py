@@ -64,6 +64,9 @@ BAD = {
     "retire timeout": (_sync("retire_timeout_s = 0"), ["[weight_sync] retire_timeout_s", "> 0"]),
     "engine restarts": (_sync("engine_restarts = -1"), ["[weight_sync] engine_restarts", ">= 0"]),
     "unknown emitter": (_sync('emitter = "vlm"'), ["[weight_sync] emitter", "'vlm'", "disk, sglang, vllm"]),
+    "sglang without an engine_url": (
+        _sync('emitter = "sglang"'), ['emitter = "sglang" attaches to a running SGLang server', "engine_url"],
+    ),
     "bucket larger than /dev/shm": (
         _sync("bucket_mb = 100000000"),
         ["[weight_sync] bucket_mb = 100000000", "/dev/shm", "lower bucket_mb"],

@@ -159,3 +159,94 @@ def test_bucket_checksum_sees_every_byte_and_its_position():
     assert bucket_checksum(data[:-1]) != reference  # length counts
     # an unaligned view (a bucket 1 byte in) is handled
     assert bucket_checksum(data[1:]) == bucket_checksum(data[1:].clone())
+
+
+# ---- exact values: the checksum and layout ids against independent re-computations --------------------
+
+
+def _reference_checksum(data: bytes) -> str:
+    """bucket_checksum written again from its definition, in plain Python: sums (mod 2**64) of
+    little-endian 64-bit words per 8 KiB chunk, then of the remaining words, then of the remaining bytes;
+    BLAKE2b (8-byte digest) of the sums as signed 64-bit little-endian integers."""
+    import hashlib
+
+    def signed(v: int) -> int:
+        v %= 2**64
+        return v - 2**64 if v >= 2**63 else v
+
+    def words_sum(chunk: bytes) -> int:
+        return signed(sum(int.from_bytes(chunk[i : i + 8], "little") for i in range(0, len(chunk), 8)))
+
+    chunk = 1024 * 8
+    full = len(data) // chunk
+    sums = [words_sum(data[k * chunk : (k + 1) * chunk]) for k in range(full)]
+    rest = data[full * chunk :]
+    if rest:
+        whole = len(rest) // 8 * 8
+        sums += [words_sum(rest[:whole]), sum(rest[whole:])]
+    if not sums:
+        sums = [0]
+    raw = b"".join(s.to_bytes(8, "little", signed=True) for s in sums)
+    return f"s64:{hashlib.blake2b(raw, digest_size=8).hexdigest()}:{len(data)}"
+
+
+@pytest.mark.parametrize("n", [0, 5, 8, 8 * 1024, 2 * 8192 + 8 * 9 + 5, 20000])
+def test_bucket_checksum_equals_its_definition(n: int) -> None:
+    from titan_lora.transfer.buckets import bucket_checksum
+
+    data = (torch.arange(n, dtype=torch.int64) * 2654435761 % 251).to(torch.uint8)
+    assert bucket_checksum(data) == _reference_checksum(bytes(data.tolist()))
+
+
+@pytest.mark.parametrize("offset", [1, 9, 16])
+def test_bucket_checksum_of_an_unaligned_view(offset: int) -> None:
+    from titan_lora.transfer.buckets import bucket_checksum
+
+    base = (torch.arange(9000, dtype=torch.int64) % 253).to(torch.uint8)
+    view = base[offset:]
+    assert bucket_checksum(view) == _reference_checksum(bytes(view.tolist()))
+
+
+def test_layout_id_is_a_16_hex_digest_of_names_shapes_dtypes_offsets() -> None:
+    import hashlib
+
+    from titan_lora.transfer.buckets import layout_id
+
+    entries = [Entry("a", (2, 3), "float32", 0, 24), Entry("b", (5,), "bfloat16", 64, 10)]
+    text = "a:(2, 3):float32:0|b:(5,):bfloat16:64"
+    assert layout_id(entries) == hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def test_an_empty_bucket_has_size_zero() -> None:
+    assert bucket_size([]) == 0
+
+
+def test_an_unknown_layout_is_named() -> None:
+    from titan_lora.transfer.buckets import LayoutCache, UnknownLayout
+
+    with pytest.raises(UnknownLayout) as err:
+        LayoutCache().resolve("abc123", None)
+    assert err.value.args == ("unknown bucket layout abc123",)
+
+
+def test_a_non_contiguous_view_in_the_same_storage_is_packed_by_value() -> None:
+    from titan_lora.transfer.buckets import one_run
+
+    storage = torch.arange(32, dtype=torch.float32)
+    square = storage[16:32].view(4, 4).t()  # same storage, at the bucket offset, but transposed
+    tensors = {"a": storage[:16], "b": square}
+    (entries,) = plan_buckets(tensors, 1 << 20)
+    assert entries[1].offset == 64 and one_run(entries, tensors) is None
+    buf = torch.zeros(bucket_size(entries), dtype=torch.uint8)
+    pack(buf, entries, tensors)
+    assert torch.equal(unpack(buf, entries)["b"], square)
+
+
+def test_a_run_lies_on_the_tensors_device() -> None:
+    from titan_lora.transfer.buckets import one_run
+
+    storage = torch.empty(32, dtype=torch.float32, device="meta")
+    tensors = {"a": storage[:16], "b": storage[16:]}
+    (entries,) = plan_buckets(tensors, 1 << 20)
+    run = one_run(entries, tensors)
+    assert run is not None and run.device.type == "meta" and run.numel() == 128

@@ -138,3 +138,200 @@ def test_cuda_buffers_carved_from_one_segment_are_read_apart() -> None:
     torch.multiprocessing.spawn(_read_in_engine, args=(descs, [0x11, 0x22, 0x22]), nprocs=1)
     for buf in bufs:
         buf.close()
+
+
+# ---- CUDA descriptors without a GPU, shared-memory reservation, fallbacks ---------------------------
+
+# What torch's reduce_tensor returns for a CUDA tensor: 15 fields, distinctive values for each.
+_REDUCED = (torch.Tensor, (64,), (1,), 0, None, None, 1, b"segment-handle", 8192, 128, None, b"ref-counter",
+            16, b"event", True)
+
+
+class _TorchOnCuda:
+    """transport's view of torch with CUDA allocation and streams recorded instead of run."""
+
+    def __init__(self) -> None:
+        self.allocated: list[tuple] = []
+        self.synced: list[torch.device] = []
+        outer = self
+
+        class _Stream:
+            def __init__(self, device: torch.device) -> None:
+                self.device = device
+
+            def synchronize(self) -> None:
+                outer.synced.append(self.device)
+
+        self.cuda = type("cuda", (), {"current_stream": staticmethod(lambda device: _Stream(device))})
+
+    def empty(self, size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        self.allocated.append((size, dtype, device))
+        return torch.empty(size, dtype=dtype)
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(torch, name)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> _TorchOnCuda:
+    fake = _TorchOnCuda()
+    monkeypatch.setattr(transport, "torch", fake)
+    fake.reduced = []
+    monkeypatch.setattr(transport.reductions, "reduce_tensor",
+                        lambda t: fake.reduced.append(t) or ("rebuild", _REDUCED))
+    return fake
+
+
+def test_a_cuda_buffer_is_allocated_on_its_device_and_described_by_its_ipc_handle(fake_cuda) -> None:  # noqa: ANN001
+    device = torch.device("cuda", 1)
+    buf = BucketBuffer(64, device)
+    assert fake_cuda.allocated == [(64, torch.uint8, device)] and buf._shm is None
+    assert buf.describe(32) == {
+        "kind": "cuda_ipc", "size": [64], "stride": [1], "tensor_offset": 0, "device": 1,
+        "handle": "c2VnbWVudC1oYW5kbGU=", "storage_bytes": 8192, "storage_offset": 128,
+        "ref_handle": "cmVmLWNvdW50ZXI=", "ref_offset": 16, "event_handle": "ZXZlbnQ=", "event_sync": True,
+        "offset": 32}
+    assert len(fake_cuda.reduced) == 1 and fake_cuda.reduced[0] is buf.tensor, "the buffer itself is shared"
+    buf.synchronize()
+    assert fake_cuda.synced == [device]
+    buf.close()
+    assert not hasattr(buf, "tensor")
+
+
+def test_a_cpu_buffer_needs_no_stream_synchronisation(fake_cuda) -> None:  # noqa: ANN001
+    buf = BucketBuffer(64, torch.device("cpu"))
+    try:
+        buf.synchronize()
+        assert fake_cuda.synced == [] and fake_cuda.allocated == []
+    finally:
+        buf.close()
+
+
+def test_a_cuda_descriptor_rebuilds_the_same_ipc_tensor(fake_cuda, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    rebuilt: list[tuple] = []
+    monkeypatch.setattr(transport.reductions, "rebuild_cuda_tensor",
+                        lambda *args: rebuilt.append(args) or torch.arange(64, dtype=torch.uint8))
+    desc = BucketBuffer(64, torch.device("cuda", 1)).describe(8)
+    got = BufferCache().get(desc)
+    assert torch.equal(got, torch.arange(8, 64, dtype=torch.uint8)), "the bucket offset applies to the mapping"
+    assert rebuilt == [(torch.Tensor, (64,), (1,), 0, torch.storage.UntypedStorage, torch.uint8, 1,
+                        b"segment-handle", 8192, 128, False, b"ref-counter", 16, b"event", True)]
+    rebuilt.clear()
+    transport._open({**desc, "event_handle": ""})
+    assert rebuilt[0][13] == b"", "no event: an empty handle"
+
+
+def test_an_unknown_device_or_transport_is_refused() -> None:
+    with pytest.raises(ValueError) as err:
+        BucketBuffer(64, torch.device("meta"))
+    assert str(err.value) == "no bucket transport for device type 'meta'"
+    with pytest.raises(ValueError) as err:
+        transport._open({"kind": "rdma"})
+    assert str(err.value) == "unknown bucket transport 'rdma'"
+
+
+def test_a_shm_buffer_reserves_exactly_its_size_and_is_the_file_in_dev_shm() -> None:
+    buf = BucketBuffer(4096, torch.device("cpu"))
+    try:
+        path = os.path.join(transport.SHM_DIR, buf._shm.name)
+        assert os.stat(path).st_size == 4096
+        buf.tensor[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+        with open(path, "rb") as f:
+            assert f.read(4) == b"\x01\x02\x03\x04", "the tensor maps the segment in /dev/shm itself"
+    finally:
+        buf.close()
+    assert not os.path.exists(path)
+
+
+def test_shared_memory_that_cannot_be_reserved_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[str] = []
+    real = transport.shared_memory.SharedMemory
+
+    def record(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        shm = real(*args, **kwargs)
+        made.append(shm.name)
+        return shm
+
+    def full(fd: int, offset: int, size: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(transport.shared_memory, "SharedMemory", record)
+    monkeypatch.setattr(transport.os, "posix_fallocate", full)
+    with pytest.raises(OSError) as err:
+        BucketBuffer(3 * 2**20, torch.device("cpu"))
+    assert str(err.value) == ("cannot reserve 3 MiB of shared memory in /dev/shm ([Errno 28] No space left on "
+                              "device): enlarge it (docker: --shm-size) or lower [weight_sync] bucket_mb")
+    assert isinstance(err.value.__cause__, OSError)
+    assert made and not os.path.exists(os.path.join(transport.SHM_DIR, made[0])), "the segment was removed"
+
+
+def test_shared_tensors_are_sized_by_their_dtype() -> None:
+    t = shared_tensor(6, torch.bfloat16, torch.device("cpu"))
+    buf, offset = home_of(t)
+    assert (t.dtype, t.shape, offset, buf.size) == (torch.bfloat16, (6,), 0, 12)
+
+
+def test_without_shared_memory_a_shared_tensor_is_a_plain_zeroed_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_shm(size: int, device: torch.device) -> None:
+        raise OSError("no /dev/shm")
+
+    monkeypatch.setattr(transport, "BucketBuffer", no_shm)
+    t = shared_tensor(5, torch.bfloat16, torch.device("cpu"))
+    assert (t.shape, t.dtype, t.device) == ((5,), torch.bfloat16, torch.device("cpu"))
+    assert torch.count_nonzero(t) == 0 and home_of(t) is None
+
+
+def test_a_missing_segment_says_where_the_engine_must_run() -> None:
+    desc = {"kind": "shm", "name": "psm_titan_lora_absent", "size": 4096, "offset": 0}
+    with pytest.raises(FileNotFoundError) as err:
+        BufferCache().get(desc)
+    assert str(err.value) == ("shared memory /dev/shm/psm_titan_lora_absent (4096 bytes) is not visible here: "
+                              "the engine must run on the trainer's host and see its /dev/shm (same container "
+                              "or --ipc=host)")
+
+
+def test_a_cuda_buffer_without_an_event_has_an_empty_event_handle(fake_cuda, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    no_event = (*_REDUCED[:13], b"", False)
+    monkeypatch.setattr(transport.reductions, "reduce_tensor", lambda t: ("rebuild", no_event))
+    desc = BucketBuffer(64, torch.device("cuda", 0)).describe()
+    assert (desc["event_handle"], desc["event_sync"]) == ("", False)
+
+
+def test_without_a_transport_a_shared_tensor_stays_on_its_device() -> None:
+    t = shared_tensor(3, torch.float16, torch.device("meta"))  # no bucket transport on "meta": a plain tensor
+    assert (t.device.type, t.dtype, t.shape) == ("meta", torch.float16, (3,)) and home_of(t) is None
+
+
+def test_one_buffer_is_one_mapping_whatever_the_key_order_and_offset() -> None:
+    buf = BucketBuffer(4096, torch.device("cpu"))
+    try:
+        cache = BufferCache()
+        desc = buf.describe(128)
+        reordered = dict(reversed(list(desc.items())))
+        first, second = cache.get(desc), cache.get(reordered)
+        assert len(cache) == 1 and first.numel() == second.numel() == 4096 - 128
+        bare = {k: v for k, v in desc.items() if k != "offset"}
+        assert cache.get(bare).numel() == 4096, "no offset: the bucket starts at the buffer's start"
+    finally:
+        buf.close()
+
+
+def test_the_cache_holds_32_mappings_by_default() -> None:
+    assert BufferCache().max_entries == 32
+
+
+def test_prune_keeps_the_mappings_of_segments_that_still_exist(monkeypatch: pytest.MonkeyPatch) -> None:
+    bufs = make_buffers(2, 4096, torch.device("cpu"))
+    opens: list[str] = []
+    real_open = transport._open
+    monkeypatch.setattr(transport, "_open", lambda desc: opens.append(desc["name"]) or real_open(desc))
+    try:
+        cache = BufferCache()
+        for buf in bufs:
+            cache.get(buf.describe())
+        bufs[1].close()
+        assert cache.prune() == 1
+        cache.get(bufs[0].describe())
+        assert opens == [bufs[0]._shm.name, bufs[1]._shm.name], "the live segment's mapping was dropped"
+    finally:
+        bufs[0].close()

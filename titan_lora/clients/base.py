@@ -118,7 +118,7 @@ def build_emitter(cfg: WeightSync, endpoint: Endpoint) -> Emitter:
     factory = _EMITTERS.get(cfg.emitter)
     if factory is None:
         raise ValueError(f"[weight_sync] emitter = {cfg.emitter!r} is not registered; known emitters: "
-                         f"{', '.join(registered_emitters())}")
+                         f"{', '.join(registered_emitters()) or 'none'}")
     if isinstance(factory, str):
         module, attr = factory.split(":")
         factory = _EMITTERS[cfg.emitter] = getattr(importlib.import_module(module), attr)
