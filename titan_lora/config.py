@@ -59,6 +59,8 @@ class WeightSync:
     engine_port: int = 0
     """Port of the embedded engine; 0: any free port."""
     api_key: str = ""
+    admin_api_key: str = ""
+    """SGLang's --admin-api-key: sent on its weight, LoRA, pause, flush and memory routes only."""
     lora_name: str = "policy"
     bucket_mb: int = 32
     keep_versions: int = 2

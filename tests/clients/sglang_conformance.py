@@ -4,9 +4,11 @@ Written from SGLang's source, independently of the client under test. It checks 
 structs, decodes payloads under SGLang's SafeUnpickler allow-list, applies the base to a HF LlamaForCausalLM
 and adapters through PEFT (scale lora_alpha / r: SGLang ignores use_rslora) and serves /generate. Loads and
 unloads share one lock, and an unload waits for the adapter's in-flight requests: it blocks later loads too.
-It is stricter than SGLang where a lax server would hide a client bug: it refuses unknown fields (SGLang
-ignores them outside sampling_params), an adapter load before the base (a server started with dummy weights
-would serve garbage) and shared-memory tensor handles (an engine on another host could not open them).
+Like SGLang it ignores unknown top-level fields (it records them in `Engine.ignored`), and a control
+request that raises inside SGLang's scheduler ends the server here too (`EngineCrash`): the connection drops
+and the port closes. It is stricter than SGLang where a lax server would hide a client bug: it refuses an
+adapter load before the base (a server started with dummy weights would serve garbage) and, as a remote host,
+shared-memory tensor handles (an engine on another host could not open them).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import hashlib
 import io
 import itertools
 import json
+import math
 import pickle
 import threading
 import time
@@ -33,6 +36,11 @@ import torch
 from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 from torch.multiprocessing import reductions
 from transformers import LlamaConfig, LlamaForCausalLM
+
+
+class EngineCrash(Exception):
+    """An exception inside SGLang's scheduler: the server shuts down (scheduler.py runs control requests
+    with no error catching)."""
 
 
 class RefusedError(Exception):
@@ -67,9 +75,15 @@ BOOL: Check = lambda v: isinstance(v, bool)  # noqa: E731
 NUM: Check = lambda v: _int(v) or isinstance(v, float)  # noqa: E731
 SELECTOR, TAGS = LIT("target", "draft", "all"), OPT(LIST(LIT("kv_cache", "weights", "cuda_graph")))
 BASE_REQ = {"rid": OPT(STR), "http_worker_ipc": OPT(STR)}
+# http_server.py routes marked ADMIN_OPTIONAL (utils/auth.py); the rest are NORMAL.
+ADMIN_OPTIONAL = {"/begin_weight_update", "/end_weight_update", "/update_weights_from_tensor",
+                  "/get_weights_by_name", "/load_lora_adapter_from_tensors", "/unload_lora_adapter",
+                  "/pause_generation", "/continue_generation", "/flush_cache", "/release_memory_occupation",
+                  "/resume_memory_occupation"}
 SCHEMAS: dict[str, tuple[dict[str, Check], dict[str, Check]]] = {  # path: (required, optional)
     "/begin_weight_update": ({}, {"selector": SELECTOR}),
     "/end_weight_update": ({}, {}),
+    "/get_weights_by_name": ({"name": STR}, {"truncate_size": _int}),
     "/update_weights_from_tensor": ({"serialized_named_tensors": LIST(_b64)}, {
         "load_format": OPT(STR), "flush_cache": BOOL, "abort_all_requests": BOOL,
         "weight_version": OPT(STR), "selector": SELECTOR, "torch_empty_cache": BOOL}),
@@ -95,8 +109,9 @@ SAMPLING = {"max_new_tokens": OPT(_int), "temperature": OPT(NUM), "top_p": OPT(N
             "skip_special_tokens": OPT(BOOL)}
 
 
-def validate(path: str, body: Any) -> None:
-    """Refuse a body that does not match the 0.5.23 struct of `path` (400, SGLang's validation shape)."""
+def validate(path: str, body: Any, ignored: list[str] | None = None) -> None:
+    """Refuse a body that does not match the 0.5.23 struct of `path` (400, SGLang's validation shape);
+    unknown top-level fields are ignored, as SGLang does, and appended to `ignored`."""
     problems = [] if isinstance(body, dict) else ["the body is not a JSON object"]
     body = body if isinstance(body, dict) else {}
     required, optional = SCHEMAS[path]
@@ -104,7 +119,8 @@ def validate(path: str, body: Any) -> None:
     problems += [f"missing field `{k}`" for k in required if k not in body]
     for key, value in body.items():
         if key not in fields:
-            problems.append(f"unknown field `{key}` (SGLang 0.5.23 would silently ignore it)")
+            if ignored is not None:
+                ignored.append(f"{path}:{key}")
         elif not fields[key](value):
             problems.append(f"field `{key}` has the wrong type: {type(value).__name__}")
     for key, value in ((body.get("sampling_params") or {}) if not problems else {}).items():
@@ -188,9 +204,14 @@ class ServerArgs:
     tp_size: int = 1
     dp_size: int = 1
     api_key: str | None = None
+    admin_api_key: str | None = None
+    enable_dp_attention: bool = False
+    enable_memory_saver: bool = False
     weight_version: str = "default"
     remote: bool = True  # refuse shared-memory handles, as an engine on another host would fail
     gen_delays_s: tuple[float, ...] = (0.0,)  # how long each /generate holds its adapter, cycled
+    reload_stall_s: float = 30.0  # the implicit reload of a retired name: a hub download that stalls
+    partial_load_failures: int = 0  # the next N adapter loads fail on TP rank 1 only (tp_size > 1)
 
 
 _FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
@@ -218,7 +239,13 @@ class Engine:
         self.cond = threading.Condition()
         self.lora_update_lock, self.model_lock = threading.Lock(), threading.Lock()
         self.calls: list[tuple[str, dict]] = []  # (path, body without tensors), in arrival order
-        self.released: list[list[str] | None] = []  # tags of memory release/resume calls
+        self.released: list[list[str] | None] = []  # tags of memory release/resume calls that freed memory
+        self.offloaded: set[str] = set()  # tags released and not yet resumed
+        self.ignored: list[str] = []  # "path:field" of unknown fields SGLang would ignore
+        self.skipped: list[str] = []  # base names the loader skipped (Llama's load_weights, silently)
+        self.ever_loaded: set[str] = set()  # names a /generate would try to reload implicitly
+        self.unfused: set[str] = set()  # adapters whose q/k/v or gate/up could not be stacked
+        self.incomplete: set[str] = set()  # names parked by a load that failed on some TP ranks
         self.running = self.loaded_high_water = self.lru_evictions = self.blocked_unloads = 0
         self._delays = itertools.cycle(args.gen_delays_s)
 
@@ -226,9 +253,8 @@ class Engine:
         try:
             return decode_tensors(body["serialized_named_tensors"], self.args.tp_size,
                                   body.get("load_format"), self.args.remote)
-        except Exception as err:  # SGLang fails the call with the exception's text
-            msg = f"cannot decode tensors: {err}"
-            raise RefusedError({"success": False, "message": msg, "error_message": msg}) from err
+        except Exception as err:  # raised inside the scheduler: the server dies
+            raise EngineCrash(f"cannot decode tensors: {err}") from err
 
     def _lora(self, error: str = "") -> dict:
         """A LoRAUpdateOutput: success unless `error`, with the adapters loaded now."""
@@ -249,9 +275,12 @@ class Engine:
             return {"success": False, "message": "update_weights_from_tensor must run between "
                     "begin_weight_update() and end_weight_update()"}
         tensors = self._decode(body)
-        bad = [n for n, t in tensors.items() if n not in self.params or t.shape != self.params[n].shape]
-        if bad:
-            return {"success": False, "message": f"Failed to update weights: unknown names/shapes {bad[:5]}"}
+        # Llama's load_weights skips a name it does not know (llama.py:759, :779): nothing fails.
+        self.skipped += [n for n in tensors if n not in self.params]
+        tensors = {n: t for n, t in tensors.items() if n in self.params}
+        bad = [(n, tuple(t.shape)) for n, t in tensors.items() if t.shape != self.params[n].shape]
+        if bad:  # the weight loader's copy raises inside the scheduler
+            raise EngineCrash(f"shape mismatch in load_weights: {bad[:3]}")
         with self.model_lock, torch.no_grad():
             for name, t in tensors.items():
                 self.params[name].copy_(t)
@@ -272,9 +301,25 @@ class Engine:
         if expected is not None:
             got = {n: hashlib.sha256(t.contiguous().flatten().view(torch.uint8).numpy()).hexdigest()
                    for n, t in tensors.items()}
-            if got != expected:
-                return self._lora(f"[LORA-CHECK] rank0 adapter sync MISMATCH of {len(expected)} expected")
+            if got != expected:  # a RuntimeError in tp_worker.py: the server dies
+                raise EngineCrash(f"[LORA-CHECK] rank0 adapter sync MISMATCH of {len(expected)} expected")
+        if str(cfg.get("peft_type", "")).lower() != "lora":  # an assert in LoRAAdapter.__init__ (lora.py)
+            raise EngineCrash(f"AssertionError: peft_type {cfg.get('peft_type')!r} is not lora")
         with self.lora_update_lock:
+            if self.args.enable_dp_attention and self.args.dp_size > 1 and not body.get("pinned"):
+                return self._lora("With DP attention, only pinned LoRA adapters can be loaded (lora_manager.py)")
+            if name in self.incomplete:
+                return self._lora(f"LoRA adapter {name} has an incomplete unload; unload it before loading "
+                                  "it again")
+            if self.args.partial_load_failures and self.args.tp_size > 1:
+                self.args.partial_load_failures -= 1
+                self.incomplete.add(name)  # rank 0 loaded it, rank 1 did not
+                return self._lora(f"Failed to load LoRA adapter {name} on tp rank 1")
+            modules = {m for n in tensors if (m := n.split(".lora_")[0].rsplit(".", 1)[-1])}
+            qkv = modules & {"q_proj", "k_proj", "v_proj"}
+            if "q_proj" in qkv and "v_proj" not in qkv:  # normalize_qkv_proj indexes v_proj: a bare KeyError
+                missing = next(n for n in tensors if ".q_proj." in n).replace("q_proj", "v_proj")
+                return self._lora(repr(KeyError(missing)))
             served = _normalized(self.args.lora_target_modules or [])
             fits = _normalized(cfg["target_modules"]) <= served or "all" in served
             if self.base_missing:
@@ -291,7 +336,10 @@ class Engine:
                 self._install(name, cfg, tensors)
             except ValueError as err:
                 return self._lora(str(err))
+            if (qkv and "q_proj" not in qkv) or ("up_proj" in modules and "gate_proj" not in modules):
+                self.unfused.add(name)  # never stacked: loads fine, fails in the first forward that uses it
             with self.cond:
+                self.ever_loaded.add(name)
                 self.registry[name] = lora_id = f"{name}#{time.monotonic_ns()}"
                 self.counters[lora_id] = 0
                 self.loaded_high_water = max(self.loaded_high_water, len(self.registry))
@@ -320,6 +368,9 @@ class Engine:
             return self._unload_locked(body["lora_name"])
 
     def _unload_locked(self, name: str) -> dict:
+        if name in self.incomplete:  # the unload finishes what the failed load left on rank 0
+            self.incomplete.discard(name)
+            return self._lora()
         with self.cond:
             lora_id = self.pending_unloads.get(name) or self.registry.pop(name, None)
             if lora_id is None:
@@ -340,6 +391,11 @@ class Engine:
         """Count a request on adapter `name` while inside (what an in-flight /generate does)."""
         with self.cond:
             self.cond.wait_for(lambda: self.paused is None)  # a paused server holds new requests
+            if name is not None and name not in self.registry and name in self.ever_loaded:
+                # tokenizer_manager reloads a known name from its path, "__tensor__" here: a blocking hub
+                # download from the scheduler before it fails.
+                self.cond.wait(self.args.reload_stall_s)
+                raise RefusedError({"error": {"message": f"Repository Not Found for url: .../__tensor__ ({name})"}})
             if name is not None and name not in self.registry:
                 raise RefusedError({"error": {"message": "The following requested LoRA adapters are not "
                                               f"loaded: {name}\nLoaded adapters: {list(self.registry)}."}})
@@ -364,6 +420,9 @@ class Engine:
         params, ids = body.get("sampling_params") or {}, list(body["input_ids"])
         start = -1 if body.get("logprob_start_len") is None else body["logprob_start_len"]  # SGLang's default
         with self.hold(body.get("lora_path")):
+            if body.get("lora_path") in self.unfused:  # lora.py / utils.py: no stacked buffer for it
+                raise EngineCrash(f"KeyError in the LoRA forward of {body['lora_path']}: q/k/v or gate/up "
+                                  "were never stacked")
             time.sleep(next(self._delays))
             with self.model_lock, torch.no_grad(), self._adapter(body.get("lora_path")) as model:
                 prompt_lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
@@ -395,6 +454,26 @@ class Engine:
             self.peft.set_adapter(name)
             yield self.peft
 
+    def memory(self, release: bool, body: dict) -> dict:
+        """/release_memory_occupation and /resume_memory_occupation (weight_updater.py:339-366)."""
+        tags = set(body.get("tags") or ["kv_cache", "weights", "cuda_graph"])
+        if release and self.running:
+            raise EngineCrash("AssertionError: release_memory_occupation should be called only when server "
+                              "is idle.")
+        if not release and not tags <= self.offloaded:
+            raise EngineCrash(f"resume of {sorted(tags - self.offloaded)}, which were never released")
+        self.offloaded = self.offloaded | tags if release else self.offloaded - tags
+        if self.args.enable_memory_saver:  # without the memory saver, nothing is freed or re-allocated
+            self.released.append(body.get("tags"))
+        return {"success": True, "message": "Success"}
+
+    def weights_by_name(self, body: dict) -> Any:
+        """/get_weights_by_name: the first rows as float lists; None (an error) for an unknown name."""
+        param = self.params.get(body["name"])
+        if param is None:
+            return None
+        return param.detach().float()[:body.get("truncate_size", 100)].tolist()
+
     def pause(self, mode: str | None) -> dict:
         """/pause_generation (a mode) and /continue_generation (None); paused, new requests wait."""
         with self.cond:
@@ -414,6 +493,7 @@ class ConformanceServer:
         self._http.daemon_threads = True
         self._http.conformance = self  # type: ignore[attr-defined]
         self.url = f"http://127.0.0.1:{self._http.server_address[1]}"
+        self.dead: str | None = None  # why the server died (an exception in a control request)
         # A short poll interval: shutdown() waits up to one interval.
         self._thread = threading.Thread(target=self._http.serve_forever, args=(0.02,), daemon=True)
 
@@ -422,7 +502,8 @@ class ConformanceServer:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._http.shutdown()
+        if self.dead is None:
+            self._http.shutdown()
         self._http.server_close()
 
     def restart(self) -> None:
@@ -434,12 +515,24 @@ class ConformanceServer:
         return {"version": "0.5.23", "enable_lora": a.enable_lora, "max_lora_rank": a.max_lora_rank,
                 "lora_target_modules": a.lora_target_modules, "max_loaded_loras": a.max_loaded_loras,
                 "max_loras_per_batch": a.max_loras_per_batch, "tp_size": a.tp_size, "dp_size": a.dp_size,
+                "enable_dp_attention": a.enable_dp_attention, "enable_memory_saver": a.enable_memory_saver,
+                "device": "cpu",
                 "weight_version": a.weight_version, "startup_time": {}, "internal_states": []}
+
+    def _auth(self, path: str, auth: str | None) -> int:
+        """0, or the status utils/auth.py answers (auth.py:127-150): admin-optional routes take only the
+        admin key when one is set, every other route only the API key."""
+        if path.startswith(("/health", "/ready", "/metrics")):
+            return 0
+        admin, key = self.args.admin_api_key, self.args.api_key
+        want = (admin or key) if path in ADMIN_OPTIONAL else key
+        return 401 if want and auth != f"Bearer {want}" else 0
 
     def route(self, method: str, path: str, query: dict, body: Any, auth: str | None) -> tuple[int, Any]:
         """Answer one request as SGLang would: (status, JSON-able body or text)."""
-        if self.args.api_key and not path.startswith("/health") and auth != f"Bearer {self.args.api_key}":
-            return 401, {"error": "Unauthorized"}
+        denied = self._auth(path, auth)
+        if denied:
+            return denied, {"error": "Unauthorized" if denied == 401 else "Forbidden"}
         e = self.engine
         gets = {"/server_info": self.server_info, "/get_server_info": self.server_info,
                 "/model_info": lambda: {"model_path": "conformance", "weight_version": e.weight_version}}
@@ -456,14 +549,34 @@ class ConformanceServer:
                  "/end_weight_update": lambda b: e.session(False),
                  "/pause_generation": lambda b: e.pause(b.get("mode", "abort")),
                  "/continue_generation": lambda b: e.pause(None),
-                 "/release_memory_occupation": lambda b: e.released.append(b.get("tags")),
-                 "/resume_memory_occupation": lambda b: e.released.append(b.get("tags"))}
+                 "/release_memory_occupation": lambda b: e.memory(True, b),
+                 "/resume_memory_occupation": lambda b: e.memory(False, b),
+                 "/get_weights_by_name": e.weights_by_name}
         if method != "POST" or path not in posts:
             return 404, {"detail": "Not Found"}
-        validate(path, body)
+        validate(path, body, e.ignored)
         e.calls.append((path, {k: v for k, v in body.items() if k != "serialized_named_tensors"}))
         out = posts[path](body)
+        if out is None:
+            return 400, {"object": "error", "message": "Get parameter by name failed", "code": 400}
         return (400 if isinstance(out, dict) and out.get("success") is False else 200), out
+
+    def die(self, reason: str) -> None:
+        """The scheduler raised: SGLang's process ends, so the port closes and nothing answers again."""
+        self.dead = reason
+        self._http.shutdown()  # handlers run on their own threads, so this cannot wait on itself
+        self._http.socket.close()
+
+
+def _finite(value: Any) -> Any:
+    """`value` with every non-finite float replaced by None, as orjson serializes it."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -478,9 +591,14 @@ class _Handler(BaseHTTPRequestHandler):
                 method, url.path, urllib.parse.parse_qs(url.query), body, self.headers.get("Authorization"))
         except RefusedError as err:
             status, out = err.status, err.body
+        except EngineCrash as err:  # the request gets no answer, and the server goes away
+            self.close_connection = True
+            self.server.conformance.die(str(err))  # type: ignore[attr-defined]
+            return
         except json.JSONDecodeError as err:
             status, out = 400, {"object": "error", "message": f"invalid JSON: {err}", "code": 400}
-        data = out.encode() if isinstance(out, str) else json.dumps(out).encode()
+        # orjson, which SGLang answers with, writes a non-finite float as null.
+        data = out.encode() if isinstance(out, str) else json.dumps(_finite(out)).encode()
         self.send_response(status)
         self.send_header("Content-Type", "text/plain" if isinstance(out, str) else "application/json")
         self.send_header("Content-Length", str(len(data)))

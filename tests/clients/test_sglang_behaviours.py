@@ -149,7 +149,8 @@ def test_peft_options_sglang_ignores_are_refused_before_sending(option: str, val
 def test_adapter_config_folds_rslora_into_alpha_and_needs_the_core_keys() -> None:
     cfg = sglang_adapter_config({"r": 4, "lora_alpha": 8, "use_rslora": True, "target_modules": {"v", "q"}})
     # alpha / sqrt(r) = 4 must equal alpha' / r: alpha' = 8 * sqrt(4) = 16.
-    assert cfg == {"r": 4, "lora_alpha": 16.0, "use_rslora": False, "target_modules": ["q", "v"]}
+    assert cfg == {"r": 4, "lora_alpha": 16.0, "use_rslora": False, "target_modules": ["q", "v"],
+                   "peft_type": "LORA"}
     assert sglang_adapter_config({"r": 4, "lora_alpha": 8, "target_modules": ["q"]})["lora_alpha"] == 8
     with pytest.raises(TransferError, match=r"lacks \['lora_alpha'\]"):
         sglang_adapter_config({"r": 4, "target_modules": ["q"]})

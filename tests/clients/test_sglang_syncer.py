@@ -25,7 +25,7 @@ def test_smollm2_syncs_serve_the_trainers_logprobs(smollm2_dir):
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     ids = tokenizer(arith_prompt(tokenizer, make_problems(1, seed=3)[0].question), add_special_tokens=False)["input_ids"]
     server_cfg = {"max_lora_rank": 8, "lora_target_modules": ALL_LINEAR, "max_loaded_loras": 3,
-                  "max_loras_per_batch": 3}
+                  "max_loras_per_batch": 4}
     with ConformanceServer(LlamaConfig.from_pretrained(smollm2_dir), **server_cfg) as srv:
         cfg = WeightSync(enabled=True, emitter="sglang", engine_url=srv.url, keep_versions=2, timeout_s=120,
                          retries=1, parity_every=0)

@@ -39,8 +39,8 @@ OK = ControlResult(True, "ok")
 
 def info(**overrides) -> ServerInfo:  # noqa: ANN003
     base = dict(version="0.5.23", enable_lora=True, max_lora_rank=16,
-                lora_target_modules=frozenset({"q_proj", "v_proj"}), max_loaded_loras=4, max_loras_per_batch=3,
-                tp_size=2, dp_size=1)
+                lora_target_modules=frozenset({"q_proj", "v_proj"}), max_loaded_loras=4, max_loras_per_batch=4,
+                tp_size=2, dp_size=1, enable_memory_saver=True)
     return ServerInfo(**{**base, **overrides})
 
 
@@ -59,6 +59,8 @@ class Client:
         self.load: list[ControlResult] = []
         self.unload: list[object] = []
         self.flushed = True
+        self.weights = dict(BASE)  # what /get_weights_by_name reads; absent: SGLang answers None
+        self.probes: list[tuple[str, int]] = []  # get_weights_by_name calls, kept out of `calls`
 
     def server_info(self) -> ServerInfo:
         self.calls.append(("server_info",))
@@ -95,6 +97,10 @@ class Client:
             raise answer
         return answer
 
+    def get_weights_by_name(self, name: str, truncate_size: int) -> list | None:
+        self.probes.append((name, truncate_size))
+        return self.weights[name][:truncate_size].tolist() if name in self.weights else None
+
     def pause_generation(self, mode: str) -> None:
         self.calls.append(("pause", mode))
 
@@ -119,9 +125,9 @@ BASE = {"model.embed_tokens.weight": torch.arange(8.0).view(2, 4), "model.norm.w
 
 
 def adapter(name: str = "policy-v1", r: int = 8) -> AdapterPayload:
-    tensors = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(r, 4),
-               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(4, r)}
-    return AdapterPayload(name, 1, tensors, {"r": r, "lora_alpha": 16, "target_modules": ["q_proj"]})
+    tensors = {f"base_model.model.model.layers.0.self_attn.{m}.lora_{ab}.weight": t
+               for m in ("q_proj", "v_proj") for ab, t in (("A", torch.ones(r, 4)), ("B", torch.zeros(4, r)))}
+    return AdapterPayload(name, 1, tensors, {"r": r, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]})
 
 
 def emitter(client: Client, **kwargs) -> SGLangEmitter:  # noqa: ANN003
@@ -156,8 +162,9 @@ def test_limits_are_the_smaller_slot_count_and_the_served_modules() -> None:
                                     "<modules|all>"),
     ({"max_loaded_loras": 2}, "holds max_loaded_loras=2 adapters, fewer than keep_versions + 1 = 3: restart it "
                               "with --max-loaded-loras 3 (or lower [weight_sync] keep_versions)"),
-    ({"max_loras_per_batch": 2}, "holds max_loras_per_batch=2 adapters, fewer than keep_versions + 1 = 3: "
-                                 "restart it with --max-loras-per-batch 3 (or lower [weight_sync] keep_versions)"),
+    ({"max_loras_per_batch": 3}, "holds max_loras_per_batch=3 adapters, fewer than keep_versions + 1 = 3 plus one "
+                                 "for base-only requests: restart it with --max-loras-per-batch 4 (or lower "
+                                 "[weight_sync] keep_versions)"),
 ])
 def test_a_server_that_cannot_serve_the_window_names_the_flag(overrides: dict, message: str) -> None:
     with pytest.raises(TransferError) as err:
@@ -166,7 +173,7 @@ def test_a_server_that_cannot_serve_the_window_names_the_flag(overrides: dict, m
 
 
 def test_exactly_keep_plus_one_slots_are_enough() -> None:
-    assert check_server(info(max_loaded_loras=3, max_loras_per_batch=3), URL, 2).max_loras == 3
+    assert check_server(info(max_loaded_loras=3, max_loras_per_batch=4), URL, 2).max_loras == 3
 
 
 def test_served_modules_expand_fused_groups() -> None:
@@ -187,16 +194,17 @@ def test_adapter_modules_are_the_adapted_leaves_and_a_non_peft_name_is_refused()
 
 def test_check_adapter_bounds_and_messages() -> None:
     limits = EngineLimits(8, 3, frozenset({"v_proj", "q_proj"}))
-    check_adapter(limits, URL, 8, {"q_proj"})
+    check_adapter(limits, URL, 8, {"q_proj", "v_proj"})
     check_adapter(EngineLimits(8, 3, None), URL, 8, {"anything"})
     with pytest.raises(TransferError) as err:
-        check_adapter(limits, URL, 9, {"q_proj"})
+        check_adapter(limits, URL, 9, {"q_proj", "v_proj"})
     assert str(err.value) == (f"SGLang at {URL} serves LoRA rank <= 8, the adapter has rank 9: restart it with "
                               "--max-lora-rank 9")
     with pytest.raises(TransferError) as err:
-        check_adapter(limits, URL, 8, {"q_proj", "up_proj", "o_proj"})
-    assert str(err.value) == (f"SGLang at {URL} does not adapt ['o_proj', 'up_proj'] (it serves ['q_proj', "
-                              "'v_proj']): restart it with --lora-target-modules o_proj q_proj up_proj (or all)")
+        check_adapter(limits, URL, 8, {"q_proj", "v_proj", "gate_proj", "o_proj"})
+    assert str(err.value) == (f"SGLang at {URL} does not adapt ['gate_proj', 'o_proj'] (it serves ['q_proj', "
+                              "'v_proj']): restart it with --lora-target-modules gate_proj o_proj q_proj v_proj "
+                              "(or all)")
 
 
 def test_refused_config_keys_are_named_and_values_must_be_json() -> None:
@@ -392,10 +400,11 @@ def test_the_adapter_request_and_its_ack(monkeypatch: pytest.MonkeyPatch) -> Non
     assert client.names() == ["weight_version", "load"], "the limits read with the base are reused"
     req = client.calls[1][1]
     assert req.lora_name == "policy-v1" and req.load_format == "flattened_bucket"
-    assert req.config_dict == {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}
+    assert req.config_dict == {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"],
+                               "peft_type": "LORA"}
     assert serialized == [(2, False)] and len(req.serialized_named_tensors) == 2
     assert set(req.expected_checksums) == set(payload.tensors)
-    assert (ack.version, ack.num_tensors, ack.nbytes) == (1, 2, payload.nbytes)
+    assert (ack.version, ack.num_tensors, ack.nbytes) == (1, 4, payload.nbytes)
     assert ack.phases_ms == {"pack_ms": 1e3, "serialize_ms": 1e3, "transfer_apply_ms": 1e3}
 
 
@@ -425,7 +434,8 @@ def test_a_stale_copy_is_unloaded_and_the_adapter_loaded_again(caplog: pytest.Lo
         em.send_adapter(adapter("unit-v1"))
     assert client.names() == ["weight_version", "load", "unload", "load"]
     assert client.calls[2] == ("unload", "unit-v1", 42.0)
-    assert own(caplog, "unit-v1") == ["SGLang already holds unit-v1; replacing it"]
+    assert own(caplog, "unit-v1") == ["SGLang holds unit-v1 (adapter unit-v1 is already loaded); unloading it "
+                                      "and loading again"]
 
 
 def test_a_refused_load_is_an_error_and_nothing_is_unloaded() -> None:
@@ -475,7 +485,8 @@ def test_kv_cache_release_and_resume_and_limits_pass_through() -> None:
     em.resume_kv_cache()
     assert em.engine_limits() == check_server(client.info, URL, 2)
     em.close()
-    assert client.names() == ["release_kv", "resume_kv", "server_info"]
+    assert client.names() == ["server_info", "flush", "release_kv", "resume_kv", "server_info"]
+    assert client.calls[1] == ("flush", 42.0), "it waits, bounded, for the server to be idle"
 
 
 def test_the_registered_builder_wires_the_config() -> None:

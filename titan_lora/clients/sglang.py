@@ -20,14 +20,10 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
-import enum
 import hashlib
 import io
-import json
 import logging
-import math
 import pickle
-import re
 import sys
 import time
 import types
@@ -48,6 +44,15 @@ from titan_lora.clients.sglang_api import (
     SGLangTimeout,
     UpdateWeightsFromTensorReqInput,
 )
+from titan_lora.clients.sglang_checks import (
+    adapter_modules,
+    check_adapter,
+    check_fused_targets,
+    check_server,
+    engine_sees_gpu,
+    served_modules,
+    sglang_adapter_config,
+)
 from titan_lora.transfer.buckets import Entry, bucket_size, pack, plan_buckets, stream_buckets
 from titan_lora.transfer.errors import EngineWeightsLost, TransferError
 from titan_lora.transfer.protocol import Ack, EngineLimits
@@ -55,13 +60,16 @@ from titan_lora.transfer.protocol import Ack, EngineLimits
 if TYPE_CHECKING:
     from titan_lora.config import WeightSync
 
+__all__ = ["Bucket", "SGLangEmitter", "adapter_modules", "build_sglang_emitter", "check_adapter",
+           "check_fused_targets", "check_server", "pack_bucket", "serialize_for_ranks", "served_modules",
+           "sglang_adapter_config"]
+
 logger = logging.getLogger(__name__)
 
 FLATTENED_BUCKET = "flattened_bucket"
 _CUDA_DEVICE_ARG = 6  # index of the device in rebuild_cuda_tensor's args (sglang/srt/utils/patch_torch.py)
-# SGLang fuses these projections: a server target covers its whole group (sglang/srt/lora/utils.py).
-_FUSED = ({"q_proj", "k_proj", "v_proj", "qkv_proj"}, {"gate_proj", "up_proj", "gate_up_proj"})
-_LORA_WEIGHT = re.compile(r"\.([^.]+)\.lora_(?:A|B|embedding_A|embedding_B)(?:\.weight)?$")
+_SAMPLE_ROWS = 2  # rows read back per sampled base tensor after an update
+_SAMPLES = 8  # base tensors read back after an update
 
 
 # ---- payload format ------------------------------------------------------------------------------
@@ -79,6 +87,10 @@ class Bucket:
         # SimpleNamespace is on SGLang's unpickling allow-list and carries the attributes its
         # FlattenedTensorBucket reads; SGLang's own metadata class cannot be pickled without sglang.
         return {"flattened_tensor": self.flat, "metadata": self.metadata}
+
+    def on_cpu(self) -> Bucket:
+        """The same bucket with its bytes in host memory (for an engine that cannot open our GPU)."""
+        return self if not self.flat.is_cuda else Bucket(self.flat.cpu(), self.metadata)
 
     def checksums(self) -> dict[str, str]:
         """sha256 per tensor over its bytes, as SGLang checks `expected_checksums`."""
@@ -123,101 +135,16 @@ def serialize_for_ranks(obj: Mapping[str, Any], tp_size: int, cuda: bool) -> lis
     return out
 
 
-# ---- adapter config and server limits ------------------------------------------------------------
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, (set, frozenset)):
-        return sorted(value)
-    if isinstance(value, enum.Enum):
-        return value.value
-    raise TypeError(f"adapter_config value {value!r} is not JSON-serializable")
-
-
-def sglang_adapter_config(peft_config: Mapping[str, Any]) -> dict[str, Any]:
-    """The adapter_config to send: JSON-clean, with rsLoRA folded into `lora_alpha`.
-
-    SGLang 0.5.23 reads only r, lora_alpha, target_modules and use_dora, and scales by lora_alpha / r
-    (sglang/srt/lora/lora.py): it would serve an rsLoRA adapter with the wrong scale, and silently
-    drop per-module ranks/alphas and modules_to_save.
-    """
-    cfg = json.loads(json.dumps(dict(peft_config), default=_jsonable))
-    missing = [k for k in ("r", "lora_alpha", "target_modules") if k not in cfg]
-    if missing:
-        raise TransferError(f"adapter_config lacks {missing}: export the PEFT LoraConfig.to_dict()")
-    ignored = [k for k in ("rank_pattern", "alpha_pattern", "modules_to_save", "use_dora") if cfg.get(k)]
-    if cfg.get("bias", "none") != "none":
-        ignored.append(f"bias={cfg['bias']!r}")
-    if ignored:
-        raise TransferError(f"the adapter_config sets {ignored}, which SGLang 0.5.23 ignores or refuses; "
-                           "train the adapter without them")
-    if cfg.get("use_rslora"):
-        cfg["lora_alpha"] = cfg["lora_alpha"] * math.sqrt(cfg["r"])  # alpha/sqrt(r) == alpha'/r
-        cfg["use_rslora"] = False
-    return cfg
-
-
-def served_modules(targets: frozenset[str] | None) -> frozenset[str] | None:
-    """HF leaf names a server with `--lora-target-modules targets` adapts; None: every linear."""
-    if targets is None or "all" in targets:
-        return None
-    out = set(targets)
-    for group in _FUSED:
-        if out & group:
-            out |= group
-    return frozenset(out)
-
-
-def adapter_modules(names: Sequence[str]) -> set[str]:
-    """Leaf module names that an adapter's tensors adapt (`...q_proj.lora_A.weight` -> q_proj)."""
-    found = {m.group(1) for n in names if (m := _LORA_WEIGHT.search(n))}
-    if not found:
-        raise TransferError(f"no LoRA tensor names in the adapter (e.g. {list(names)[:2]}); expected PEFT "
-                           "names such as base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight")
-    return found
-
-
-def check_server(info: ServerInfo, url: str, keep_versions: int) -> EngineLimits:
-    """EngineLimits of a server, or an error naming the SGLang flag that must change."""
-    def fail(problem: str, fix: str) -> TransferError:
-        return TransferError(f"SGLang at {url} {problem}: restart it with {fix}")
-
-    if not info.enable_lora:
-        raise fail("was started without LoRA", "--enable-lora --max-lora-rank R --lora-target-modules ...")
-    if info.dp_size != 1:
-        raise fail(f"runs dp_size={info.dp_size}, and 0.5.23 loads adapters only with one replica",
-                   "--dp-size 1 (one server per replica)")
-    if info.max_lora_rank is None or info.lora_target_modules is None:
-        raise fail("did not state its LoRA rank and targets (they were inferred from --lora-paths)",
-                   "--max-lora-rank R --lora-target-modules <modules|all>")
-    slots = keep_versions + 1  # the retention window plus the version being loaded
-    for flag, value in (("--max-loaded-loras", info.max_loaded_loras),
-                        ("--max-loras-per-batch", info.max_loras_per_batch)):
-        if value is not None and value < slots:
-            raise fail(f"holds {flag.strip('-').replace('-', '_')}={value} adapters, fewer than "
-                       f"keep_versions + 1 = {slots}",
-                       f"{flag} {slots} (or lower [weight_sync] keep_versions)")
-    caps = [v for v in (info.max_loaded_loras, info.max_loras_per_batch) if v is not None]
-    return EngineLimits(info.max_lora_rank, min(caps), served_modules(info.lora_target_modules))
-
-
-def check_adapter(limits: EngineLimits, url: str, rank: int, modules: set[str]) -> None:
-    """Raise, naming the SGLang flag, if the server cannot hold an adapter of `rank` on `modules`."""
-    if rank > limits.max_lora_rank:
-        raise TransferError(f"SGLang at {url} serves LoRA rank <= {limits.max_lora_rank}, the adapter has "
-                           f"rank {rank}: restart it with --max-lora-rank {rank}")
-    missing = set() if limits.target_modules is None else modules - limits.target_modules
-    if missing:
-        raise TransferError(f"SGLang at {url} does not adapt {sorted(missing)} (it serves "
-                           f"{sorted(limits.target_modules or [])}): restart it with --lora-target-modules "
-                           f"{' '.join(sorted(modules))} (or all)")
-
-
 # ---- the emitter ---------------------------------------------------------------------------------
 
 
 class SGLangEmitter:
-    """Trainer side of weight sync into one SGLang 0.5.23 server; only rank 0 calls it."""
+    """Trainer side of weight sync into one SGLang 0.5.23 server; only rank 0 calls it.
+
+    A control request that raises ends an SGLang server, so nothing is sent that SGLang would raise
+    on: names and shapes are checked against the served model, checksums locally, targets against
+    SGLang's fusing rules, and CUDA IPC handles go only to an engine known to be able to open them.
+    """
 
     def __init__(self, client: SGLangClient, *, keep_versions: int, pause_mode: str = "none",
                  bucket_bytes: int = 32 << 20, verify_checksums: bool = True) -> None:
@@ -230,6 +157,9 @@ class SGLangEmitter:
         self._installed: str | None = None  # weight_version of our last base: the incarnation we fed
         self._info: ServerInfo | None = None
         self._limits: EngineLimits | None = None
+        self._colocated: dict[int, bool] = {}  # our GPU index -> can the engine open its IPC handles
+        self._served_shapes: dict[str, tuple[int, ...] | None] = {}  # base name -> served trailing dims
+        self._kv_released = False
 
     def _refresh(self) -> EngineLimits:
         self._info = self.client.server_info()
@@ -244,6 +174,21 @@ class SGLangEmitter:
         """The served weight_version: ours after send_base, the launch value after a restart."""
         return self.client.weight_version()
 
+    def _wire(self, bucket: Bucket) -> list[str]:
+        """The bucket's payloads: CUDA IPC handles only for an engine that can open them, else bytes."""
+        assert self._info is not None
+        if bucket.flat.is_cuda:
+            index = bucket.flat.device.index or 0
+            if index not in self._colocated:  # probed once per GPU
+                host, port = self.client.host_port
+                self._colocated[index] = engine_sees_gpu(host, port, self._info, index)
+                logger.info("SGLang at %s %s GPU %d: payloads go as %s", self.client.url,
+                            "sees" if self._colocated[index] else "cannot open handles of", index,
+                            "CUDA IPC handles" if self._colocated[index] else "bytes")
+            if not self._colocated[index]:
+                bucket = bucket.on_cpu()
+        return serialize_for_ranks(bucket.payload(), self._info.tp_size, bucket.flat.is_cuda)
+
     @contextlib.contextmanager
     def _paused(self) -> Iterator[None]:
         if self._pause_mode == "none":
@@ -257,7 +202,7 @@ class SGLangEmitter:
 
     def send_base(self, tensors: BaseTensors, version: int) -> Ack:
         """Install the full base (HF names), bucket by bucket in one weight-update session, packing each
-        bucket as its tensors arrive."""
+        bucket as its tensors arrive; then read a sample back by name."""
         t0 = time.perf_counter()
         self._refresh()
         assert self._info is not None
@@ -267,7 +212,7 @@ class SGLangEmitter:
         with self._paused():
             self._begin_session()
             try:
-                count, nbytes = self._stream_base(tensors, version, token, in_place)
+                count, nbytes, sample = self._stream_base(tensors, version, token, in_place)
             finally:
                 end = self.client.end_weight_update()
             if not end.success:
@@ -282,24 +227,61 @@ class SGLangEmitter:
         if served != token:
             raise TransferError(f"SGLang acknowledged base version {version} but serves weight_version "
                                f"{served!r}, not {token!r}: the update did not take effect")
+        self._read_back(sample, version)  # the flip alone proves nothing: a loader skips what it misses
         self._installed = token
         return Ack(version, count, nbytes, {"base_ms": (time.perf_counter() - t0) * 1e3})
 
-    def _stream_base(self, tensors: BaseTensors, version: int, token: str, in_place: bool) -> tuple[int, int]:
-        """Send the base bucket by bucket, each packed once its tensors arrived; (tensors, bytes) sent."""
-        assert self._info is not None
-        count, nbytes = 0, 0
+    def _stream_base(self, tensors: BaseTensors, version: int, token: str,
+                     in_place: bool) -> tuple[int, int, dict[str, torch.Tensor]]:
+        """Send the base bucket by bucket, each packed once its tensors arrived and checked against the
+        served model; (tensors, bytes, a sample of leading rows to read back) sent."""
+        count, nbytes, sample = 0, 0, {}
         for i, (entries, group, last) in enumerate(stream_buckets(base_items(tensors), self._bucket_bytes)):
+            self._check_base_names(entries)
             bucket = pack_bucket(entries, group)
             req = UpdateWeightsFromTensorReqInput(
-                serialize_for_ranks(bucket.payload(), self._info.tp_size, bucket.flat.is_cuda),
-                load_format=FLATTENED_BUCKET, flush_cache=last and not in_place,
+                self._wire(bucket), load_format=FLATTENED_BUCKET, flush_cache=last and not in_place,
                 weight_version=token if last else None)  # the version flips only when complete
             res = self.client.update_weights_from_tensor(req)
             if not res.success:
                 raise TransferError(f"SGLang refused base bucket {i + 1} of version {version}: {res.message}")
             count, nbytes = count + len(entries), nbytes + sum(e.nbytes for e in entries)
-        return count, nbytes
+            if len(sample) < _SAMPLES:
+                first = group[entries[0].name].detach()
+                rows = first[:_SAMPLE_ROWS] if first.dim() else first.reshape(1)
+                sample[entries[0].name] = rows.float().cpu().clone()
+        return count, nbytes, sample
+
+    def _check_base_names(self, entries: Sequence[Entry]) -> None:
+        """Refuse tensors the served model lacks (its loader would skip them silently) or whose trailing
+        dims differ (a wrong shape raises inside SGLang and ends the server). One probe per name."""
+        for e in entries:
+            if e.name not in self._served_shapes:
+                rows = self.client.get_weights_by_name(e.name, 1)
+                # A 2-D+ parameter answers [[row...]]: its trailing dims; a 1-D one only its first value.
+                self._served_shapes[e.name] = None if rows is None else _trailing_dims(rows)
+        unknown = [e.name for e in entries if self._served_shapes[e.name] is None]
+        if unknown:
+            raise TransferError(f"SGLang at {self.client.url} serves no parameter named {unknown[:5]}: its "
+                               "loader would skip them silently; export the base in the served model's HF "
+                               "names (check the model family's state-dict adapter)")
+        wrong = [(e.name, tuple(e.shape), self._served_shapes[e.name]) for e in entries
+                 if len(e.shape) > 1 and tuple(e.shape[1:]) != self._served_shapes[e.name]]
+        if wrong:
+            raise TransferError(f"base tensors whose trailing dims differ from the served model's "
+                               f"(name, ours, served): {wrong[:3]}; SGLang would crash on them: check that "
+                               "the trainer and the server load the same model")
+
+    def _read_back(self, sample: Mapping[str, torch.Tensor], version: int) -> None:
+        """Compare the leading rows of sampled base tensors, as the server now serves them, to ours."""
+        for name, ours in sample.items():
+            rows = self.client.get_weights_by_name(name, _SAMPLE_ROWS)
+            served = None if rows is None else torch.tensor(rows, dtype=torch.float32).reshape(ours.shape)
+            # rtol covers a server that stores the weights in bf16
+            if served is None or not torch.allclose(served, ours, rtol=1e-2, atol=1e-3):
+                raise TransferError(f"SGLang took base version {version} but serves {name} differently from "
+                                   "what was sent: the loader skipped or remapped it; check the HF names "
+                                   "of the export against the served model")
 
     def _begin_session(self) -> None:
         res = self.client.begin_weight_update()
@@ -318,25 +300,24 @@ class SGLangEmitter:
             raise EngineWeightsLost(f"SGLang at {self.client.url} serves weight_version {served!r}, not the "
                                     f"base this trainer sent ({self._installed!r}): send the base first")
         limits = self._limits or self._refresh()
-        assert self._info is not None
         config = sglang_adapter_config(payload.peft_config)
         check_adapter(limits, self.client.url, int(config["r"]), adapter_modules(list(payload.tensors)))
         t0 = time.perf_counter()
         [entries] = plan_buckets(payload.tensors, sys.maxsize)  # one bucket: the load is all or nothing
         bucket = pack_bucket(entries, payload.tensors)
+        checksums = _verified_checksums(bucket, payload.tensors) if self._verify else None
         t1 = time.perf_counter()
         req = LoadLoRAAdapterFromTensorsReqInput(
-            lora_name=payload.name, config_dict=config,
-            serialized_named_tensors=serialize_for_ranks(bucket.payload(), self._info.tp_size,
-                                                         bucket.flat.is_cuda),
-            load_format=FLATTENED_BUCKET, expected_checksums=bucket.checksums() if self._verify else None)
+            lora_name=payload.name, config_dict=config, serialized_named_tensors=self._wire(bucket),
+            load_format=FLATTENED_BUCKET, expected_checksums=checksums)
         t2 = time.perf_counter()
         with self._paused():
             res = self.client.load_lora_adapter_from_tensors(req)
-            if not res.success and "already loaded" in res.message:
-                # A stale copy under this name: an attempt that timed out on our side but finished, or a
-                # previous run that reached this step. This run never published it: replace it.
-                logger.warning("SGLang already holds %s; replacing it", payload.name)
+            if not res.success and ("already loaded" in res.message or "incomplete unload" in res.message):
+                # "already loaded": a stale copy (an attempt that timed out on our side but finished, or a
+                # previous run that reached this step). "incomplete unload": a load that failed on some TP
+                # ranks parked the name. This run never published it: unload it and load again.
+                logger.warning("SGLang holds %s (%s); unloading it and loading again", payload.name, res.message)
                 if self.retire_adapter(payload.name, self.client.timeout_s):
                     res = self.client.load_lora_adapter_from_tensors(req)
         t3 = time.perf_counter()
@@ -363,20 +344,58 @@ class SGLangEmitter:
         return False
 
     def release_kv_cache(self) -> None:
-        """Free the engine's KV cache (never its weights: in adapter mode the base must stay)."""
+        """Free the engine's KV cache (never its weights: in adapter mode the base must stay).
+
+        SGLang asserts that it is idle inside the scheduler (a busy server dies) and frees nothing
+        without --enable-memory-saver, so this needs the flag and waits, bounded, for the server to drain.
+        """
+        info = self._info or self.client.server_info()
+        if not info.enable_memory_saver:
+            raise TransferError(f"SGLang at {self.client.url} was started without --enable-memory-saver, so "
+                               "releasing its KV cache would free nothing: restart it with that flag")
+        if not self.client.flush_cache(wait_idle_s=self.client.timeout_s):
+            raise TransferError(f"SGLang at {self.client.url} still runs requests after {self.client.timeout_s}s;"
+                               " releasing memory now would end the server: finish the rollouts first")
         self.client.release_kv_cache()
+        self._kv_released = True
 
     def resume_kv_cache(self) -> None:
-        """Re-allocate the KV cache after `release_kv_cache`."""
+        """Re-allocate the KV cache after `release_kv_cache` (SGLang dies resuming what it never released)."""
+        if not self._kv_released:
+            raise TransferError("resume_kv_cache without release_kv_cache: SGLang would fail on a tag it never "
+                               "released and end the server")
         self.client.resume_kv_cache()
+        self._kv_released = False
 
     def close(self) -> None:
         """Nothing to release: the client opens one connection per request."""
 
 
+def _trailing_dims(rows: list[Any]) -> tuple[int, ...]:
+    """The dims after the first of a parameter answered as nested lists ([] for a 1-D one)."""
+    dims: list[int] = []
+    node = rows[0] if rows else None
+    while isinstance(node, list):
+        dims.append(len(node))
+        node = node[0] if node else None
+    return tuple(dims)
+
+
+def _verified_checksums(bucket: Bucket, tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """The bucket's per-tensor sha256, checked against the source tensors: SGLang raises on a mismatch,
+    and a raise ends the server, so a packing fault must stop here."""
+    sums = bucket.checksums()
+    for name, t in tensors.items():
+        ours = hashlib.sha256(t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy()).hexdigest()
+        if sums.get(name) != ours:
+            raise TransferError(f"the packed bytes of {name} differ from the tensor; nothing was sent "
+                               "(a packing fault: report it)")
+    return sums
+
+
 def build_sglang_emitter(cfg: WeightSync, endpoint: Endpoint) -> SGLangEmitter:
     """The SGLang emitter for `[weight_sync] emitter = "sglang"`, to the server at `endpoint`."""
     client = SGLangClient(endpoint.url, api_key=endpoint.api_key, timeout_s=cfg.timeout_s,
-                          retries=cfg.retries)
+                          retries=cfg.retries, admin_api_key=cfg.admin_api_key)
     return SGLangEmitter(client, keep_versions=cfg.keep_versions, pause_mode=cfg.pause_mode,
                          bucket_bytes=cfg.bucket_mb << 20)

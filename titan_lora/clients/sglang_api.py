@@ -15,6 +15,7 @@ import dataclasses
 import http.client
 import json
 import logging
+import math
 import time
 import urllib.parse
 from collections.abc import Mapping, Sequence
@@ -25,6 +26,12 @@ from titan_lora.transfer.errors import TransferError
 logger = logging.getLogger(__name__)
 
 SGLANG_VERSION = "0.5.23"
+# Routes marked ADMIN_OPTIONAL in 0.5.23's http_server.py: with --admin-api-key set they take only that
+# key (utils/auth.py); every other route takes only --api-key.
+ADMIN_PATHS = frozenset({
+    "/begin_weight_update", "/end_weight_update", "/update_weights_from_tensor", "/get_weights_by_name",
+    "/load_lora_adapter_from_tensors", "/unload_lora_adapter", "/pause_generation", "/continue_generation",
+    "/flush_cache", "/release_memory_occupation", "/resume_memory_occupation"})
 PauseMode = Literal["abort", "retract", "in_place"]
 
 
@@ -107,6 +114,14 @@ class MemoryOccupationReqInput:
 
 
 @dataclasses.dataclass(frozen=True)
+class GetWeightsByNameReqInput:
+    """The first `truncate_size` rows of one served parameter, by its HF name."""
+
+    name: str
+    truncate_size: int = 100
+
+
+@dataclasses.dataclass(frozen=True)
 class GenerateReqInput:
     """The `/generate` fields titan_lora uses; `lora_path` is the adapter's served name."""
 
@@ -140,12 +155,15 @@ class ServerInfo:
     max_loras_per_batch: int
     tp_size: int
     dp_size: int
+    attn_dp_size: int = 1  # dp_size with --enable-dp-attention, else 1
+    enable_memory_saver: bool = False
+    device: str | None = None
 
     @classmethod
     def from_json(cls, info: Mapping[str, Any]) -> ServerInfo:
         """Parse `/server_info`; raises if a field SGLang 0.5.23 reports is missing."""
         keys = ("enable_lora", "max_lora_rank", "lora_target_modules", "max_loaded_loras",
-                "max_loras_per_batch", "tp_size", "dp_size")
+                "max_loras_per_batch", "tp_size", "dp_size", "enable_dp_attention", "enable_memory_saver")
         missing = [k for k in keys if k not in info]
         if missing:
             raise SGLangError(
@@ -162,6 +180,9 @@ class ServerInfo:
             max_loras_per_batch=int(info["max_loras_per_batch"]),
             tp_size=int(info["tp_size"]),
             dp_size=int(info["dp_size"]),
+            attn_dp_size=int(info["dp_size"]) if info["enable_dp_attention"] else 1,
+            enable_memory_saver=bool(info["enable_memory_saver"]),
+            device=info.get("device"),
         )
 
 
@@ -176,7 +197,11 @@ class ControlResult:
 
 @dataclasses.dataclass(frozen=True)
 class GenerateOutput:
-    """One `/generate` answer, with per-token log-probs (`input_logprobs[0]` is None at position 0)."""
+    """One `/generate` answer, with per-token log-probs (`input_logprobs[0]` is None at position 0).
+
+    SGLang serializes with orjson, which writes a non-finite float as null: a null log-prob anywhere
+    else is read as -inf (a log-probability is never +inf).
+    """
 
     text: str
     output_ids: list[int]
@@ -184,6 +209,14 @@ class GenerateOutput:
     input_logprobs: list[float | None]
     finish_reason: Any
     weight_version: str | None
+
+
+def _logprobs(entries: Sequence[Sequence[Any]] | None, first_is_none: bool) -> list[float | None]:
+    """The log-probs out of SGLang's [logprob, token_id, text] triples, null read as -inf."""
+    out: list[float | None] = [-math.inf if e[0] is None else float(e[0]) for e in entries or []]
+    if first_is_none and out:
+        out[0] = None  # the first prompt token has no log-prob at all
+    return out
 
 
 def _error_text(payload: Any) -> str:
@@ -208,7 +241,8 @@ class _NotDelivered(Exception):
 class SGLangClient:
     """Blocking client for one SGLang 0.5.23 server; thread-safe (one connection per request)."""
 
-    def __init__(self, url: str, api_key: str = "", timeout_s: float = 120.0, retries: int = 3) -> None:
+    def __init__(self, url: str, api_key: str = "", timeout_s: float = 120.0, retries: int = 3,
+                 admin_api_key: str = "") -> None:
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(
@@ -224,9 +258,15 @@ class SGLangClient:
         self._https = parts.scheme == "https"
         self._host = parts.hostname
         self._port = parts.port or (443 if self._https else 80)
-        self._api_key = api_key
+        self._api_key, self._admin_api_key = api_key, admin_api_key
+        self.retired: set[str] = set()  # names unloaded through this client: never generate on them
         self.timeout_s = timeout_s
         self.retries = retries
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        """The server's host and port, as configured."""
+        return self._host, self._port
 
     def _connect(self, timeout_s: float) -> http.client.HTTPConnection:
         cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
@@ -238,12 +278,17 @@ class SGLangClient:
             raise _NotDelivered(str(err)) from err
         return conn
 
+    def _key(self, path: str) -> str:
+        """The key `path` takes: the admin key on admin routes (if we have one), else the API key."""
+        admin = path.split("?", 1)[0] in ADMIN_PATHS
+        return (self._admin_api_key or self._api_key) if admin else self._api_key
+
     def _once(self, method: str, path: str, body: bytes | None, timeout_s: float) -> tuple[int, bytes]:
         deadline = time.monotonic() + timeout_s
         conn = self._connect(timeout_s)
         headers = {"Content-Type": "application/json"}
-        if self._api_key:
-            headers["Authorization"] = f"Bearer {self._api_key}"
+        if key := self._key(path):
+            headers["Authorization"] = f"Bearer {key}"
         try:
             # Socket timeouts are per operation; re-arming them from one deadline bounds the call.
             conn.sock.settimeout(max(deadline - time.monotonic(), 1e-3))
@@ -294,22 +339,21 @@ class SGLangClient:
         return status, payload
 
     def _raise_for_auth(self, status: int, path: str) -> None:
-        if status == 401 and self._api_key:
-            raise SGLangAuthError(
-                f"SGLang at {self.url} rejected the API key on {path} (401 Unauthorized): set "
-                "[weight_sync] api_key to the key the server was started with (--api-key, or "
-                "--admin-api-key when the server has one: it then guards the weight endpoints)"
-            )
-        if status == 401:
-            raise SGLangAuthError(
-                f"SGLang at {self.url} requires an API key (401 Unauthorized on {path}): set "
-                "[weight_sync] api_key to the server's --api-key"
-            )
         if status == 403:
             raise SGLangAuthError(
                 f"SGLang at {self.url} forbids {path} (403): the endpoint needs the server's "
-                "--admin-api-key; set [weight_sync] api_key to it"
+                "--admin-api-key; start the server with one and set [weight_sync] admin_api_key to it"
             )
+        if status != 401:
+            return
+        if path.split("?", 1)[0] in ADMIN_PATHS:
+            # With both --api-key and --admin-api-key set, these routes take only the admin key.
+            fix = ("[weight_sync] admin_api_key to the server's --admin-api-key (or api_key to its --api-key "
+                   "if it has no admin key)")
+        else:
+            fix = "[weight_sync] api_key to the server's --api-key (these routes never take the admin key)"
+        problem = "rejected the API key on" if self._key(path) else "requires an API key on"
+        raise SGLangAuthError(f"SGLang at {self.url} {problem} {path} (401 Unauthorized): set {fix}")
 
     def _ok(self, method: str, path: str, body: Any = None, **kw: Any) -> Any:
         """A call that must answer 200; anything else raises with the server's message."""
@@ -338,6 +382,15 @@ class SGLangClient:
         """The weight version the server serves now (`/model_info`); it resets when the server restarts."""
         return str(self._ok("GET", "/model_info", idempotent=True)["weight_version"])
 
+    def get_weights_by_name(self, name: str, truncate_size: int) -> list[Any] | None:
+        """The first `truncate_size` rows of served parameter `name` as float lists; None: no such name.
+
+        SGLang's model runner catches the model's error and answers None for a name it does not have.
+        """
+        status, payload = self._call("POST", "/get_weights_by_name",
+                                     _body(GetWeightsByNameReqInput(name, truncate_size)), idempotent=True)
+        return payload if status == 200 and isinstance(payload, list) else None
+
     def begin_weight_update(self) -> ControlResult:
         """`POST /begin_weight_update`."""
         return self._control("/begin_weight_update", BeginWeightUpdateReqInput())
@@ -352,12 +405,19 @@ class SGLangClient:
 
     def load_lora_adapter_from_tensors(self, req: LoadLoRAAdapterFromTensorsReqInput) -> ControlResult:
         """`POST /load_lora_adapter_from_tensors`."""
-        return self._control("/load_lora_adapter_from_tensors", req)
+        res = self._control("/load_lora_adapter_from_tensors", req)
+        if res.success:
+            self.retired.discard(req.lora_name)
+        return res
 
     def unload_lora_adapter(self, lora_name: str, timeout_s: float) -> ControlResult:
         """`POST /unload_lora_adapter`, bounded by `timeout_s` and never retried (it may be queued)."""
         req = UnloadLoRAAdapterReqInput(lora_name)
-        return self._control("/unload_lora_adapter", req, timeout_s=timeout_s, retry=False)
+        self.retired.add(lora_name)  # unregistered as soon as the server takes the unload
+        res = self._control("/unload_lora_adapter", req, timeout_s=timeout_s, retry=False)
+        if not res.success and "does not exist" not in res.message:
+            self.retired.discard(lora_name)  # refused: the server still holds it
+        return res
 
     def pause_generation(self, mode: PauseMode) -> None:
         """`POST /pause_generation`."""
@@ -388,6 +448,11 @@ class SGLangClient:
 
         `logprob_start_len=0` also returns the prompt's log-probs (for the parity probe).
         """
+        if lease_name in self.retired:
+            # SGLang would reload a retired name from its placeholder path "__tensor__": a blocking hub
+            # download inside the scheduler, before it fails.
+            raise SGLangError(f"adapter {lease_name!r} was retired from SGLang at {self.url}; take the "
+                              "name from AdapterVersions.lease(), which never hands out a retired version")
         text, ids = (prompt_or_ids, None) if isinstance(prompt_or_ids, str) else (None, list(prompt_or_ids))
         req = GenerateReqInput(text=text, input_ids=ids, sampling_params=dict(sampling_params),
                                lora_path=lease_name, return_logprob=True, logprob_start_len=logprob_start_len)
@@ -399,8 +464,8 @@ class SGLangClient:
         return GenerateOutput(
             text=out.get("text", ""),
             output_ids=list(out.get("output_ids") or []),
-            output_logprobs=[e[0] for e in meta.get("output_token_logprobs") or []],
-            input_logprobs=[e[0] for e in meta.get("input_token_logprobs") or []],
+            output_logprobs=_logprobs(meta.get("output_token_logprobs"), False),  # type: ignore[arg-type]
+            input_logprobs=_logprobs(meta.get("input_token_logprobs"), logprob_start_len == 0),
             finish_reason=meta.get("finish_reason"),
             weight_version=meta.get("weight_version"),
         )
