@@ -516,6 +516,24 @@ def test_an_embedded_engine_that_dies_is_restarted_and_its_log_is_shown(rig) -> 
     assert r.engine.events[:3] == ["restart", ("check", 3.0), ("check", 3.0)]
 
 
+def test_a_failed_recovery_is_named_beside_the_last_error(rig) -> None:  # noqa: ANN001
+    r = rig(engine=True, engine_restarts=1)
+    r.syncer.sync(1)
+
+    def fn() -> None:
+        r.engine.alive = False
+        raise EngineUnreachable("reset")
+
+    def no_start() -> bool:
+        raise EngineDied("the engine exited at start: address already in use")
+
+    r.engine.ensure_running = no_start
+    with pytest.raises(EngineFailed) as err:
+        r.syncer.with_engine(fn, "rollouts")
+    assert "last error: rollouts: EngineUnreachable: reset; last recovery failed: bringing the engine back: " \
+           "EngineDied: the engine exited at start: address already in use" in str(err.value)
+
+
 def test_an_embedded_engine_that_hangs_is_not_retried_but_restarted(rig, sleeps) -> None:  # noqa: ANN001
     r = rig(engine=True, retries=3, health_timeout_s=3.0)
     r.syncer.sync(1)
