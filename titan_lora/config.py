@@ -165,13 +165,16 @@ def check_writable_dir(path: str, key: str) -> None:
 
 
 NONFINITE_POLICIES = ("stop", "rollback")
+BACKOFF_CAP_S = 10.0
+"""The longest sleep between two retries of one request."""
 DEFAULT_PG_TIMEOUT_S = 600.0
 
 
 def rank0_wait_budget_s(ws: WeightSync) -> float:
     """The longest rank 0 may work between two collectives: retries and engine restarts included."""
     # An adapter install may first wait up to retire_timeout_s for lagging retirements.
-    per_try = max(ws.rollout_timeout_s, (ws.retries + 1) * (ws.timeout_s + 10.0) + ws.retire_timeout_s)
+    transfer = (ws.retries + 1) * (ws.timeout_s + BACKOFF_CAP_S) + ws.retire_timeout_s
+    per_try = max(ws.rollout_timeout_s, transfer)
     restarts = ws.engine_restarts * (ws.engine_start_timeout_s + ws.health_timeout_s)
     return (ws.engine_restarts + 1) * per_try + restarts
 

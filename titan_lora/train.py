@@ -100,7 +100,7 @@ class TrainingRun:
                 f"{what}; stopped ([weight_sync] on_nonfinite = \"stop\"). The checkpoints saved so far are "
                 "finite: lower the learning rate or check the data, or set on_nonfinite = \"rollback\""
             )
-        if not self.cfg.checkpoint.enable or not self.checkpointer.steps():
+        if not self.checkpointer.steps():  # preflight refused rollback without [checkpoint] enable
             raise NonFiniteAdapterError(
                 f"{what}, and there is no checkpoint to roll back to yet: set [checkpoint] enable = true "
                 "with a smaller [checkpoint] interval, or [weight_sync] on_nonfinite = \"stop\""

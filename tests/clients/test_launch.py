@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from titan_lora.clients.http import JsonClient
-from titan_lora.clients.launch import API_KEY_ENV, EmbeddedEngine
+from titan_lora.clients.launch import EmbeddedEngine
+from titan_lora.transfer.protocol import API_KEY_ENV
 from titan_lora.transfer.errors import TransferError
 
 SHIM = "receiver_shim"

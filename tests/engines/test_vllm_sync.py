@@ -19,8 +19,6 @@ import torch.distributed as dist
 from dist_helpers import free_port
 from model_helpers import SMOLLM2_LORA, build_from, job_config_from, randomize_adapters
 
-import titan_lora.clients.disk  # noqa: F401  (registers "disk")
-import titan_lora.clients.vllm  # noqa: F401  (registers "vllm")
 from titan_lora.clients.base import Endpoint, build_emitter
 from titan_lora.clients.http import JsonClient
 from titan_lora.clients.launch import EmbeddedEngine

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_helpers import run_ranks
-from model_helpers import DEBUG_LORA, job_config_from
+from model_helpers import DEBUG_LORA, full_adapter, job_config_from
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
@@ -53,11 +53,6 @@ class FakeSyncer:
         pass
 
 
-def _full(model) -> dict[str, torch.Tensor]:  # noqa: ANN001
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for n, p in adapter_params(model)}
-
-
 def _run(policy: str, dump: Path, nan_step: int = NAN_STEP):  # noqa: ANN202
     """A 5-step SFT run whose loss turns NaN at `nan_step`; records what it logs."""
     import titan_lora.train as train
@@ -77,7 +72,7 @@ def _run(policy: str, dump: Path, nan_step: int = NAN_STEP):  # noqa: ANN202
     log = run.metrics.log
 
     def record(step: int, scalars) -> None:  # noqa: ANN001  (every rank logs: the gather is collective)
-        logged[step] = {**scalars, "adapter": _full(run.model)}
+        logged[step] = {**scalars, "adapter": full_adapter(adapter_params(run.model))}
         log(step, scalars)
 
     run.metrics.log = record

@@ -27,8 +27,6 @@ from titan_lora.transfer.errors import EngineDied, EngineUnreachable, TransferEr
 
 logger = logging.getLogger(__name__)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-API_KEY_ENV = "TITAN_LORA_API_KEY"
-NONCE_ENV = "TITAN_LORA_ENGINE_NONCE"
 
 
 def free_port() -> int:
@@ -60,7 +58,8 @@ def engine_lora_rank(rank: int) -> int:
     for allowed in VLLM_LORA_RANKS:
         if allowed >= rank:
             return allowed
-    raise ValueError(f"[lora] rank = {rank} is above vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}")
+    raise ValueError(f"[lora] rank = {rank} is above vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}; "
+                     f"lower [lora] rank to at most {VLLM_LORA_RANKS[-1]}")
 
 
 def _die_with_parent() -> None:
@@ -94,7 +93,7 @@ class EmbeddedEngine:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.nonce = secrets.token_hex(16)
         cmd = [sys.executable, "-m", self.module, "--port", str(self.port), *self.args]
-        env = {**os.environ, API_KEY_ENV: self.api_key, NONCE_ENV: self.nonce}
+        env = {**os.environ, protocol.API_KEY_ENV: self.api_key, protocol.NONCE_ENV: self.nonce}
         logger.info("starting %s (log: %s)", self.module, self.log_path)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,

@@ -31,7 +31,6 @@ class RolloutClient(Protocol):
         ...
 
 
-HTTP_MARGIN_S = 10.0  # the engine's own deadline answers first; the HTTP timeout only catches a silent one
 
 
 class VLLMRolloutClient:
@@ -46,7 +45,7 @@ class VLLMRolloutClient:
 
     def _post(self, route: str, body: dict) -> dict:
         return self.client.post(route, {**body, "timeout_s": self.timeout_s},
-                                timeout_s=self.timeout_s + HTTP_MARGIN_S)
+                                timeout_s=self.timeout_s + protocol.HTTP_MARGIN_S)
 
     def generate(self, prompts: list[list[int]], adapter: str | None, max_tokens: int,
                  temperature: float, seed: int | None, stop_token_ids: list[int]) -> list[Completion]:

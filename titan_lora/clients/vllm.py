@@ -323,7 +323,8 @@ class VLLMBucketEmitter:
 
     def retire_adapter(self, name: str, timeout_s: float) -> bool:
         """Ask the engine to unload `name` once its requests drained; False if it did not in time."""
-        reply = self.client.post(protocol.path(protocol.UNLOAD), {"name": name, "timeout_s": timeout_s}, timeout_s=timeout_s + 10)
+        reply = self.client.post(protocol.path(protocol.UNLOAD), {"name": name, "timeout_s": timeout_s},
+                                 timeout_s=timeout_s + protocol.HTTP_MARGIN_S)
         return bool(reply["unloaded"])
 
     def close(self) -> None:

@@ -8,13 +8,12 @@ from pathlib import Path
 import torch
 
 from titan_lora.clients.base import registered_emitters
-from titan_lora.clients.launch import VLLM_LORA_RANKS
+from titan_lora.clients.launch import engine_lora_rank
 from titan_lora.trainer.checkpoint import check_resume_compatible
 from titan_lora.trainer.parallel import data_parallel_size
+from titan_lora.transfer.transport import SHM_DIR
 
-SHM_DIR = "/dev/shm"
 SHM_EMITTERS = ("vllm", "disk")  # their buckets travel through POSIX shared memory on CPU
-VLLM_MAX_LORA_RANK = VLLM_LORA_RANKS[-1]  # the embedded engine rounds smaller ranks up to an allowed one
 
 
 def check_parallelism(job_config) -> None:  # noqa: ANN001
@@ -52,15 +51,6 @@ def check_shared_memory(bucket_mb: int, shm_dir: str = SHM_DIR) -> None:
         )
 
 
-def check_engine_rank(rank: int) -> None:
-    """Refuse a LoRA rank that no vLLM engine can serve."""
-    if rank > VLLM_MAX_LORA_RANK:
-        raise ValueError(
-            f"[lora] rank = {rank} is above vLLM's largest max_lora_rank {VLLM_MAX_LORA_RANK}; "
-            f"lower [lora] rank to at most {VLLM_MAX_LORA_RANK}"
-        )
-
-
 def check_grpo_split(prompts_per_step: int, group_size: int, dp_size: int) -> None:
     """Refuse a GRPO batch that the data-parallel ranks cannot share equally."""
     n = prompts_per_step * group_size
@@ -81,7 +71,7 @@ def check_sync(job_config) -> None:  # noqa: ANN001
         check_shared_memory(ws.bucket_mb)
     embedded_receiver = not ws.engine_url and ws.engine == "receiver"  # no vLLM: no rank limit
     if ws.emitter in ("vllm", "disk") and not embedded_receiver and "lora" in job_config.model.converters:
-        check_engine_rank(job_config.lora.rank)
+        engine_lora_rank(job_config.lora.rank)  # raises when no vLLM engine can serve the rank
 
 
 def check_rollback(job_config) -> None:  # noqa: ANN001
