@@ -13,8 +13,8 @@ import pytest
 
 from titan_lora.clients.http import JsonClient
 from titan_lora.clients.launch import EmbeddedEngine
-from titan_lora.transfer.protocol import API_KEY_ENV
 from titan_lora.transfer.errors import TransferError
+from titan_lora.transfer.protocol import API_KEY_ENV
 
 SHIM = "receiver_shim"
 
