@@ -21,7 +21,8 @@ FIRST_ADAPTER = "layers.0.attention.wq.lora_A"  # the first adapter tensor in mo
 
 
 def _toml(policy: str, export_dir: Path) -> str:
-    return DEBUG_LORA.replace("[lora]\n", f'[lora]\nexport_dir = "{export_dir}"\n') + f"""
+    return DEBUG_LORA.replace("[lora]\n", f'[lora]\nexport_dir = "{export_dir}"\n').replace(
+        "[training]\n", f'[training]\non_nonfinite = "{policy}"\n') + """
 [optimizer]
 name = "AdamW"
 lr = 1e-2
@@ -34,7 +35,6 @@ interval = 2
 keep_latest_k = 1
 [weight_sync]
 enabled = true
-on_nonfinite = "{policy}"
 """
 
 

@@ -47,7 +47,7 @@ def reserve_port(port: int = 0) -> socket.socket:
         if err.errno == errno.EADDRINUSE:
             raise TransferError(
                 f"port {port} is already in use (another titan_lora engine or another server listens "
-                "on it); set [weight_sync] engine_port to a free port, or to 0 to pick one"
+                "on it); set [engine] port to a free port, or to 0 to pick one"
             ) from None
         raise
     return sock
@@ -115,8 +115,8 @@ class EmbeddedEngine:
         if info.get("nonce") != self.nonce:
             raise TransferError(
                 f"the engine answering on port {self.port} is not the one titan_lora started (its nonce "
-                f"differs): another engine serves that port; it is left untouched. Set [weight_sync] "
-                "engine_port to a free port, or to 0 to pick one"
+                f"differs): another engine serves that port; it is left untouched. Set [engine] "
+                "port to a free port, or to 0 to pick one"
             )
 
     def _wait_ready(self) -> None:
@@ -134,7 +134,7 @@ class EmbeddedEngine:
                 continue
             except TransferError as err:  # e.g. 401: a server that does not know our key
                 raise TransferError(f"port {self.port} is served by another server ({err}); set "
-                                   "[weight_sync] engine_port to a free port, or to 0 to pick one") from None
+                                   "[engine] port to a free port, or to 0 to pick one") from None
             self._check_identity(info)
             logger.info("%s ready at %s after %.0f s", self.module, self.url, time.monotonic() - started)
             return

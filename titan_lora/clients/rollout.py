@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
+from titan_lora.clients.base import Endpoint
 from titan_lora.clients.http import JsonClient
+from titan_lora.config import WeightSync
 from titan_lora.transfer import protocol
 
 
@@ -63,3 +65,8 @@ class VLLMRolloutClient:
     def score(self, sequences: list[list[int]], adapter: str | None) -> list[list[float]]:
         """Prompt log-probs through `/titan/score`."""
         return self._post(protocol.path(protocol.SCORE), {"sequences": sequences, "adapter": adapter})["logprobs"]
+
+
+def vllm_rollouts(endpoint: Endpoint, ws: WeightSync) -> VLLMRolloutClient:
+    """The rollout client of a titan_lora vLLM engine at `endpoint`."""
+    return VLLMRolloutClient(JsonClient(endpoint.url, endpoint.api_key, ws.timeout_s), ws.rollout_timeout_s)

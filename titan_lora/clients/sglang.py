@@ -41,6 +41,7 @@ import torch.multiprocessing  # noqa: F401  (registers torch's reducers on Forki
 from torch.multiprocessing import reductions
 
 from titan_lora.clients.base import AdapterPayload, BaseTensors, Endpoint, base_items
+from titan_lora.clients.kinds import EngineKind
 from titan_lora.clients.sglang_api import (
     LoadLoRAAdapterFromTensorsReqInput,
     ServerInfo,
@@ -53,7 +54,7 @@ from titan_lora.transfer.errors import EngineWeightsLost, TransferError
 from titan_lora.transfer.protocol import Ack, EngineLimits
 
 if TYPE_CHECKING:
-    from titan_lora.config import WeightSync
+    from titan_lora.config import Engine, WeightSync
 
 logger = logging.getLogger(__name__)
 
@@ -374,9 +375,12 @@ class SGLangEmitter:
         """Nothing to release: the client opens one connection per request."""
 
 
-def build_sglang_emitter(cfg: WeightSync, endpoint: Endpoint) -> SGLangEmitter:
-    """The SGLang emitter for `[weight_sync] emitter = "sglang"`, to the server at `endpoint`."""
-    client = SGLangClient(endpoint.url, api_key=endpoint.api_key, timeout_s=cfg.timeout_s,
-                          retries=cfg.retries)
-    return SGLangEmitter(client, keep_versions=cfg.keep_versions, pause_mode=cfg.pause_mode,
-                         bucket_bytes=cfg.bucket_mb << 20)
+def build_sglang_emitter(ws: WeightSync, engine: Engine, endpoint: Endpoint) -> SGLangEmitter:
+    """The SGLang emitter to the server at `endpoint`."""
+    client = SGLangClient(endpoint.url, api_key=endpoint.api_key, timeout_s=ws.timeout_s, retries=ws.retries)
+    return SGLangEmitter(client, keep_versions=ws.keep_versions, pause_mode=engine.pause_mode,
+                         bucket_bytes=ws.bucket_mb << 20)
+
+
+# Rollouts from SGLang are not wired into the loop yet; titan_lora attaches to a running server.
+SGLANG = EngineKind("sglang", build_sglang_emitter)

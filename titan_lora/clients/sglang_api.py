@@ -212,12 +212,12 @@ class SGLangClient:
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(
-                f"[weight_sync] engine_url = {url!r} is not an http(s) URL; "
+                f"[engine] url = {url!r} is not an http(s) URL; "
                 "give the server root, e.g. http://127.0.0.1:30000"
             )
         if parts.path.strip("/") or parts.query or parts.fragment or parts.username:
             raise ValueError(
-                f"[weight_sync] engine_url = {url!r}: give only scheme://host:port of the server root; "
+                f"[engine] url = {url!r}: give only scheme://host:port of the server root; "
                 "the client adds the endpoint paths itself"
             )
         self.url = f"{parts.scheme}://{parts.netloc}"
@@ -273,7 +273,7 @@ class SGLangClient:
                 if attempt == retries:
                     raise SGLangError(
                         f"cannot reach SGLang at {self.url} for {path} ({err}) after {attempt + 1} "
-                        "attempt(s): start the server or fix [weight_sync] engine_url"
+                        "attempt(s): start the server or fix [engine] url"
                     ) from err
             except (ConnectionError, http.client.HTTPException) as err:
                 if not idempotent or attempt == retries:
@@ -287,7 +287,7 @@ class SGLangClient:
         self._raise_for_auth(status, path)
         if 300 <= status < 400:
             raise SGLangError(f"SGLang at {self.url} answered {path} with a redirect ({status}); "
-                              "titan_lora follows none: point [weight_sync] engine_url at the server")
+                              "titan_lora follows none: point [engine] url at the server")
         if status == 404:
             raise SGLangError(f"SGLang at {self.url} has no {path} (404): this client speaks the "
                               f"HTTP API of SGLang {SGLANG_VERSION}; check the server version")
@@ -297,18 +297,18 @@ class SGLangClient:
         if status == 401 and self._api_key:
             raise SGLangAuthError(
                 f"SGLang at {self.url} rejected the API key on {path} (401 Unauthorized): set "
-                "[weight_sync] api_key to the key the server was started with (--api-key, or "
+                "[engine] api_key to the key the server was started with (--api-key, or "
                 "--admin-api-key when the server has one: it then guards the weight endpoints)"
             )
         if status == 401:
             raise SGLangAuthError(
                 f"SGLang at {self.url} requires an API key (401 Unauthorized on {path}): set "
-                "[weight_sync] api_key to the server's --api-key"
+                "[engine] api_key to the server's --api-key"
             )
         if status == 403:
             raise SGLangAuthError(
                 f"SGLang at {self.url} forbids {path} (403): the endpoint needs the server's "
-                "--admin-api-key; set [weight_sync] api_key to it"
+                "--admin-api-key; set [engine] api_key to it"
             )
 
     def _ok(self, method: str, path: str, body: Any = None, **kw: Any) -> Any:

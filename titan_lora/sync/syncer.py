@@ -246,11 +246,12 @@ class WeightSyncer:
             try:
                 self.emitter.engine_incarnation()
                 return
-            except EngineUnreachable:
+            except EngineUnreachable as err:
                 if time.monotonic() > deadline:
                     raise EngineUnreachable(
-                        f"the engine at {self.cfg.engine_url} did not come back within "
-                        f"{self.cfg.engine_start_timeout_s:.0f} s ([weight_sync] engine_start_timeout_s)"
+                        f"the attached engine ([engine] url) did not come back within "
+                        f"{self.cfg.engine_start_timeout_s:.0f} s ([weight_sync] engine_start_timeout_s); "
+                        f"last error: {err}"
                     ) from None
                 time.sleep(min(self.cfg.health_timeout_s, 2.0))
 
@@ -330,7 +331,7 @@ class WeightSyncer:
             active = self.versions.active
             raise NonFiniteAdapterError(
                 f"adapter version {version} holds NaN/Inf values: it was not sent (the engine keeps "
-                f"{active.name if active else 'the base'}). [weight_sync] on_nonfinite decides what the "
+                f"{active.name if active else 'the base'}). [training] on_nonfinite decides what the "
                 "run does: \"stop\" ends it here, \"rollback\" reloads the last finite checkpoint"
             )
 
