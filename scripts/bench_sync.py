@@ -227,28 +227,18 @@ def end_to_end(model, built, cfg, device: torch.device, iters: int, rank: int,  
                phases: list[dict[str, float]]) -> list[float]:
     """Gather + PEFT naming + bucket pack + checksum + CUDA IPC hand-off + receiver copy-out + ack, per
     version; the emitter's phase times are appended to `phases`."""
-    import subprocess
-
     from titan_lora.clients.http import JsonClient
-    from titan_lora.clients.launch import free_port
+    from titan_lora.clients.launch import EmbeddedEngine
     from titan_lora.clients.vllm import VLLMBucketEmitter
     from titan_lora.sync.adapter_source import AdapterSource
-    from titan_lora.transfer.errors import EngineUnreachable
 
     source = AdapterSource(model, built.sd_adapter, cfg.lora)
-    proc, emitter = None, None
+    engine, emitter = None, None
     if rank == 0:
-        port = free_port()
-        proc = subprocess.Popen([sys.executable, "-m", "titan_lora.engines.receiver", "--port", str(port),
-                                 "--device", str(device)])
-        client = JsonClient(f"http://127.0.0.1:{port}")
-        for _ in range(120):
-            try:
-                client.post("/titan/info")
-                break
-            except EngineUnreachable:
-                time.sleep(0.5)
-        emitter = VLLMBucketEmitter(client, bucket_mb=256)
+        engine = EmbeddedEngine("titan_lora.engines.receiver", 0, ["--device", str(device)],
+                                "bench-receiver.log", start_timeout_s=60.0)
+        engine.start()
+        emitter = VLLMBucketEmitter(JsonClient(engine.url, engine.api_key), bucket_mb=256)
     version = iter(range(1, 10_000))
 
     def one() -> None:  # retirement runs off the training path (a background thread), so not here
@@ -260,9 +250,9 @@ def end_to_end(model, built, cfg, device: torch.device, iters: int, rank: int,  
     try:
         return timed(one, iters, lambda: torch.cuda.synchronize(device))
     finally:
-        if proc is not None:
+        if engine is not None:
+            engine.stop()  # the receiver unmaps our buffers before the emitter frees them
             emitter.close()
-            proc.terminate()
 
 
 CPU_TOML = """

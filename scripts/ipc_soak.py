@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,14 +25,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from titan_lora.clients.base import AdapterPayload
-from titan_lora.clients.http import JsonClient
-from titan_lora.clients.launch import free_port  # noqa: E402
+from titan_lora.clients.base import AdapterPayload  # noqa: E402
+from titan_lora.clients.http import JsonClient  # noqa: E402
+from titan_lora.clients.launch import EmbeddedEngine  # noqa: E402
 from titan_lora.clients.vllm import VLLMBucketEmitter  # noqa: E402
-from titan_lora.transfer.errors import (
-    EngineUnreachable,  # noqa: E402
-    TransferError,  # noqa: E402
-)
+from titan_lora.transfer.errors import TransferError  # noqa: E402
 from titan_lora.transfer.transport import SHM_DIR  # noqa: E402
 
 # What a trainer and its receiver create in /dev/shm: bucket buffers, CUDA IPC ref counters, torch's
@@ -46,35 +42,10 @@ def shm_entries() -> set[str]:
     return set(os.listdir(SHM_DIR))
 
 
-def start_receiver(device: torch.device, port: int) -> subprocess.Popen:
-    """`python -m titan_lora.engines.receiver` on `port`, with no engine nonce in its environment."""
-    env = {k: v for k, v in os.environ.items() if k != "TITAN_LORA_ENGINE_NONCE"}
-    cmd = [sys.executable, "-m", "titan_lora.engines.receiver", "--port", str(port)]
-    if device.type == "cuda":
-        cmd += ["--device", str(device)]
-    return subprocess.Popen(cmd, env=env)
-
-
-def wait_ready(client: JsonClient, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
-    """Return once the receiver answers /titan/info; raise if it exits or does not answer in time."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the receiver exited with code {proc.returncode} before it answered")
-        try:
-            client.post("/titan/info")
-            return
-        except EngineUnreachable:
-            time.sleep(0.2)
-    raise RuntimeError(f"the receiver did not answer within {timeout_s:.0f} s")
-
-
-def answers(client: JsonClient, proc: subprocess.Popen) -> bool:
-    """Whether the receiver is still running and answering."""
-    try:
-        return proc.poll() is None and "incarnation" in client.post("/titan/info")
-    except TransferError:
-        return False
+def receiver(device: torch.device, log_path: str) -> EmbeddedEngine:
+    """`python -m titan_lora.engines.receiver` bound to `device` (not started)."""
+    args = ["--device", str(device)] if device.type == "cuda" else []
+    return EmbeddedEngine("titan_lora.engines.receiver", 0, args, log_path, start_timeout_s=120.0)
 
 
 def allocation_history(device: torch.device, model_gib: float, free_gib: float) -> list[torch.Tensor]:
@@ -93,13 +64,11 @@ def soak(args: argparse.Namespace) -> dict:
     gen = torch.Generator().manual_seed(0)
     tensors = {f"base_model.model.layers.{i}.mlp.down_proj.lora_A.weight":
                torch.randn(numel, generator=gen).to(device) for i in range(args.tensors)}
-    port = free_port()
-    proc = start_receiver(device, port)
-    client = JsonClient(f"http://127.0.0.1:{port}", timeout_s=60)
-    emitter = VLLMBucketEmitter(client, args.bucket_mb)
+    engine = receiver(device, args.log)
+    engine.start()
+    emitter = VLLMBucketEmitter(JsonClient(engine.url, engine.api_key, timeout_s=60), args.bucket_mb)
     figures = {"posts": 0, "mismatches": 0, "errors": 0, "receiver_alive": False}
     try:
-        wait_ready(client, proc)
         started, version = time.perf_counter(), 0
         while figures["posts"] < args.posts:
             version += 1
@@ -115,10 +84,9 @@ def soak(args: argparse.Namespace) -> dict:
                 if figures["mismatches"] + figures["errors"] >= args.max_failures:
                     break
         figures["seconds"] = time.perf_counter() - started
-        figures["receiver_alive"] = answers(client, proc)
+        figures["receiver_alive"] = engine.healthy(timeout_s=60)
     finally:
-        proc.terminate()  # the receiver unmaps our buffers as it exits; only then may we free them
-        proc.wait(timeout=60)
+        engine.stop()  # the receiver unmaps our buffers as it exits; only then may we free them
         emitter.close()
         del model
     return figures
@@ -135,6 +103,7 @@ def main() -> int:
     ap.add_argument("--model-gib", type=float, default=2.0, help="memory held as 'the model' (0 on CPU)")
     ap.add_argument("--free-gib", type=float, default=1.0, help="allocated and freed before the buffers")
     ap.add_argument("--max-failures", type=int, default=20, help="stop after this many failed transfers")
+    ap.add_argument("--log", default="ipc-soak-receiver.log", help="where the receiver process logs")
     args = ap.parse_args()
     if args.device == "cpu":  # host memory: no model to load, and the free has no segment to leave
         args.model_gib, args.free_gib = 0.0, min(args.free_gib, 0.01)

@@ -17,8 +17,6 @@ import argparse
 import dataclasses
 import json
 import os
-import secrets
-import subprocess
 import sys
 import threading
 import time
@@ -28,9 +26,11 @@ import torch
 
 from titan_lora.clients.base import AdapterPayload
 from titan_lora.clients.http import JsonClient
-from titan_lora.clients.launch import free_port
+from titan_lora.clients.launch import EmbeddedEngine
 from titan_lora.clients.rollout import VLLMRolloutClient
 from titan_lora.clients.vllm import VLLMBucketEmitter
+from titan_lora.config import LoRA
+from titan_lora.export.peft import peft_config
 from titan_lora.sync.retire import Retirer
 from titan_lora.sync.versions import AdapterVersions, versioned_name
 from titan_lora.transfer.errors import EngineUnreachable, TransferError
@@ -116,45 +116,12 @@ def adapter_tensors() -> dict[str, torch.Tensor]:
     return out
 
 
-def peft_config(model_dir: str) -> dict:
-    """The adapter_config of the soak adapter."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": model_dir, "r": RANK,
-            "lora_alpha": 16, "use_rslora": False, "lora_dropout": 0.0,
-            "target_modules": ["q_proj", "v_proj"], "bias": "none", "fan_in_fan_out": False,
-            "inference_mode": True, "modules_to_save": None}
-
-
-def start_engine(model_dir: str, port: int, api_key: str, log_path: Path,
-                 timeout_s: float) -> subprocess.Popen:
-    """The vLLM engine process, once it answers /titan/info."""
-    cmd = [sys.executable, "-m", "titan_lora.engines.vllm_server", "--model", model_dir, "--port", str(port),
-           "--max-lora-rank", str(RANK), "--max-loras", "3", "--max-cpu-loras", "4", "--max-model-len", "256",
-           "--kv-cache-gib", "1"]
-    env = {**os.environ, "TITAN_LORA_API_KEY": api_key}
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    client = JsonClient(f"http://127.0.0.1:{port}", api_key, timeout_s=5)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the engine exited with code {proc.returncode}; see {log_path}")
-        try:
-            client.post("/titan/info")
-            return proc
-        except EngineUnreachable:
-            time.sleep(1.0)
-    stop_engine(proc)
-    raise RuntimeError(f"the engine did not answer within {timeout_s:.0f} s; see {log_path}")
-
-
-def stop_engine(proc: subprocess.Popen) -> None:
-    """Terminate the engine and wait for it (kill after 30 s)."""
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=30)
+def engine(model_dir: str, log_path: Path, start_timeout_s: float) -> EmbeddedEngine:
+    """The vLLM engine process with room for the soak adapter (not started)."""
+    return EmbeddedEngine("titan_lora.engines.vllm_server", 0, [
+        "--model", model_dir, "--max-lora-rank", str(RANK), "--max-loras", "3", "--max-cpu-loras", "4",
+        "--max-model-len", "256", "--kv-cache-gib", "1",
+    ], str(log_path), start_timeout_s=start_timeout_s)
 
 
 class Sampler:
@@ -200,9 +167,9 @@ def soak(model_dir: str, syncs: int, keep_versions: int = 2, rss_from: int = 100
     result = SoakResult(syncs=syncs, keep_versions=keep_versions, rss_from_sync=rss_from,
                         shm_before=shm_entries())
     started = time.perf_counter()
-    api_key, port = secrets.token_hex(16), free_port()
-    proc = start_engine(model_dir, port, api_key, log_path, start_timeout_s)
-    url = f"http://127.0.0.1:{port}"
+    served = engine(model_dir, log_path, start_timeout_s)
+    served.start()
+    url, api_key = served.url, served.api_key
     emitter = VLLMBucketEmitter(JsonClient(url, api_key, call_timeout_s), bucket_mb=4)
     versions = AdapterVersions("soak", keep_versions)
     retirer = Retirer(versions, emitter.retire_adapter, timeout_s=min(30.0, call_timeout_s))
@@ -210,13 +177,13 @@ def soak(model_dir: str, syncs: int, keep_versions: int = 2, rss_from: int = 100
     info = JsonClient(url, api_key, call_timeout_s)
     mapped_before = shm_mapped(os.getpid())  # a test process may hold segments of earlier tests
     try:
-        _run_syncs(result, model_dir, emitter, versions, retirer, sampler, info, proc.pid)
-        result.shm_used = sorted((shm_mapped(os.getpid()) - mapped_before) | shm_mapped(proc.pid))
+        _run_syncs(result, model_dir, emitter, versions, retirer, sampler, info, served.proc.pid)
+        result.shm_used = sorted((shm_mapped(os.getpid()) - mapped_before) | shm_mapped(served.proc.pid))
     finally:
         sampler.stop(call_timeout_s + 15)
         retirer.close()
+        served.stop()  # before the emitter frees its buffers: the engine unmaps them first
         emitter.close()
-        stop_engine(proc)
     result.shm_after = shm_entries()
     result.shm_left = sorted(path for path in result.shm_used if os.path.exists(path))
     result.wall_s = time.perf_counter() - started
@@ -225,7 +192,8 @@ def soak(model_dir: str, syncs: int, keep_versions: int = 2, rss_from: int = 100
 
 def _run_syncs(result: SoakResult, model_dir: str, emitter: VLLMBucketEmitter, versions: AdapterVersions,
                retirer: Retirer, sampler: Sampler, info: JsonClient, pid: int) -> None:
-    tensors, config = adapter_tensors(), peft_config(model_dir)
+    tensors = adapter_tensors()
+    config = peft_config(LoRA(rank=RANK, alpha=16), ["q_proj", "v_proj"], model_dir)
     want_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     times: list[float] = []
     for version in range(1, result.syncs + 1):

@@ -80,3 +80,15 @@ class StubBaseModel(torch.nn.Module):
         self.freqs_cis = torch.nn.Parameter(torch.ones(3))
         self.q = torch.nn.Module()
         self.q.lora_A = torch.nn.Parameter(torch.ones(1, 2))  # an adapter param: never part of the base
+
+
+def full_copy(t: torch.Tensor) -> torch.Tensor:
+    """A detached copy of the whole tensor (collective for a DTensor: every rank must call it)."""
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def full_adapter(named) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    """`full_copy` of every (name, param) pair, e.g. of `adapter_params(model)` (collective)."""
+    return {n: full_copy(p) for n, p in named}

@@ -9,18 +9,21 @@ import pytest
 import torch
 from model_helpers import StubBaseModel, StubSdAdapter
 
+from titan_lora.clients.kinds import engine_kind
 from titan_lora.compose import embedded_engine
-from titan_lora.config import WeightSync
+from titan_lora.config import Engine, WeightSync
 
 
-def _engine(tmp_path: Path, cfg):  # noqa: ANN001, ANN202
-    return embedded_engine(cfg, str(tmp_path / "hf"), torch.device("cpu"), str(tmp_path), lora_rank=8)
+def _engine(tmp_path: Path, engine: Engine, ws: WeightSync | None = None, device: str = "cpu",
+            lora_rank: int = 8):  # noqa: ANN202
+    return embedded_engine(engine_kind(engine.kind), engine, ws or WeightSync(enabled=True), str(tmp_path / "hf"),
+                           torch.device(device), str(tmp_path), lora_rank)
 
 
-@pytest.mark.parametrize("engine_kind", ["vllm", "receiver"])
-def test_the_embedded_engine_gets_a_random_key_by_environment_only(tmp_path: Path, engine_kind: str) -> None:
-    cfg = WeightSync(enabled=True, engine=engine_kind, engine_start_timeout_s=123.0, health_timeout_s=4.0)
-    engines = [_engine(tmp_path, cfg) for _ in range(2)]
+@pytest.mark.parametrize("kind", ["vllm", "receiver"])
+def test_the_embedded_engine_gets_a_random_key_by_environment_only(tmp_path: Path, kind: str) -> None:
+    ws = WeightSync(enabled=True, engine_start_timeout_s=123.0, health_timeout_s=4.0)
+    engines = [_engine(tmp_path, Engine(kind=kind), ws) for _ in range(2)]
     try:
         keys = [e.api_key for e in engines]
         assert all(len(k) >= 32 for k in keys) and keys[0] != keys[1], "an empty api_key must become random"
@@ -33,7 +36,7 @@ def test_the_embedded_engine_gets_a_random_key_by_environment_only(tmp_path: Pat
 
 
 def test_a_configured_key_is_kept_and_stays_off_argv(tmp_path: Path) -> None:
-    engine = _engine(tmp_path, WeightSync(enabled=True, api_key="s3cret-key"))
+    engine = _engine(tmp_path, Engine(api_key="s3cret-key"))
     try:
         assert engine.api_key == "s3cret-key" and not any("s3cret-key" in a for a in engine.args)
     finally:
@@ -44,7 +47,7 @@ def test_a_configured_key_is_kept_and_stays_off_argv(tmp_path: Path) -> None:
 
 
 def test_the_receiver_engine_logs_to_the_dump_folder_and_takes_no_device_on_cpu(tmp_path: Path) -> None:
-    engine = _engine(tmp_path, WeightSync(enabled=True, engine="receiver", engine_port=0))
+    engine = _engine(tmp_path, Engine(kind="receiver", port=0))
     try:
         assert engine.module == "titan_lora.engines.receiver" and engine.args == []
         assert engine.log_path == tmp_path / "engine.log"
@@ -53,8 +56,8 @@ def test_the_receiver_engine_logs_to_the_dump_folder_and_takes_no_device_on_cpu(
 
 
 def test_the_receiver_engine_gets_the_trainers_cuda_device(tmp_path: Path) -> None:
-    cfg = WeightSync(enabled=True, engine="receiver")  # only the device's name is used: no GPU needed
-    engine = embedded_engine(cfg, str(tmp_path / "hf"), torch.device("cuda", 1), str(tmp_path), lora_rank=8)
+    # only the device's name is used: no GPU needed
+    engine = _engine(tmp_path, Engine(kind="receiver"), device="cuda:1")
     try:
         assert engine.args == ["--device", "cuda:1"]
     finally:
@@ -62,10 +65,9 @@ def test_the_receiver_engine_gets_the_trainers_cuda_device(tmp_path: Path) -> No
 
 
 def test_the_vllm_engine_command_line_holds_the_model_rank_and_slots(tmp_path: Path) -> None:
-    cfg = WeightSync(enabled=True, engine="vllm", keep_versions=3, engine_max_model_len=640,
-                     engine_kv_cache_gib=5)
+    engine_cfg = Engine(kind="vllm", max_model_len=640, kv_cache_gib=5)
     # vLLM takes ranks 8, 16, 32, ...: rank 12 gets 16
-    engine = embedded_engine(cfg, str(tmp_path / "hf"), torch.device("cpu"), str(tmp_path), lora_rank=12)
+    engine = _engine(tmp_path, engine_cfg, WeightSync(enabled=True, keep_versions=3), lora_rank=12)
     try:
         assert engine.module == "titan_lora.engines.vllm_server"
         assert engine.args == ["--model", str(tmp_path / "hf"), "--max-lora-rank", "16", "--max-loras", "4",
@@ -129,7 +131,8 @@ class _FakeEngine:
         self.started = True
 
 
-def _wire(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, rank: int = 0, tied: bool | None = True, **ws):  # noqa: ANN003, ANN202
+def _wire(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, rank: int = 0, tied: bool | None = True,  # noqa: ANN202
+          engine: Engine | None = None, **ws):  # noqa: ANN003
     """build_sync on a stand-in model with the syncer and engine faked: (syncer, EngineRollouts, engines,
     job config, built)."""
     import json
@@ -155,6 +158,7 @@ def _wire(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, rank: int = 0, tied: 
 
     monkeypatch.setattr(compose, "embedded_engine", embedded)
     job_config = types.SimpleNamespace(weight_sync=WeightSync(**{"enabled": True, "parity_every": 0, **ws}),
+                                       engine=engine or Engine(),
                                        job=types.SimpleNamespace(dump_folder=str(tmp_path)),
                                        lora=types.SimpleNamespace(rank=8))
     built = types.SimpleNamespace(hf_dir=str(tmp_path / "hf"), model=StubBaseModel(), sd_adapter=StubSdAdapter())
@@ -171,9 +175,9 @@ def _wire(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, rank: int = 0, tied: 
 def test_wiring_an_attached_vllm_engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from titan_lora.clients.vllm import VLLMBucketEmitter
 
-    syncer, rollouts, engines, job_config, _ = _wire(monkeypatch, tmp_path, engine_url="http://10.0.0.5:8000",
-                                                     api_key="k1", timeout_s=33.0, rollout_timeout_s=44.0,
-                                                     bucket_mb=3)
+    attached = Engine(url="http://10.0.0.5:8000", api_key="k1")
+    syncer, rollouts, engines, job_config, _ = _wire(monkeypatch, tmp_path, engine=attached, timeout_s=33.0,
+                                                     rollout_timeout_s=44.0, bucket_mb=3)
     assert engines == [] and syncer.engine is None and syncer.cfg is job_config.weight_sync
     assert isinstance(syncer.emitter, VLLMBucketEmitter) and syncer.emitter.bucket_bytes == 3 << 20
     assert (syncer.emitter.client.base_url, syncer.emitter.client.api_key) == ("http://10.0.0.5:8000", "k1")
@@ -185,38 +189,38 @@ def test_wiring_an_attached_vllm_engine(monkeypatch: pytest.MonkeyPatch, tmp_pat
 
 
 def test_wiring_an_embedded_engine_uses_its_address_and_key(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    syncer, rollouts, engines, job_config, built = _wire(monkeypatch, tmp_path, tied=False, engine_url="",
-                                                         api_key="")
+    syncer, rollouts, engines, job_config, built = _wire(monkeypatch, tmp_path, tied=False)
     assert len(engines) == 1 and engines[0].started and syncer.engine is engines[0]
-    assert engines[0].made_from == (job_config.weight_sync, built.hf_dir, torch.device("cpu"), str(tmp_path), 8)
+    assert engines[0].made_from == (engine_kind("vllm"), job_config.engine, job_config.weight_sync, built.hf_dir,
+                                    torch.device("cpu"), str(tmp_path), 8)
     assert syncer.emitter.client.base_url == _FakeEngine.url and syncer.emitter.client.api_key == "engine-key"
     assert rollouts.client.client.base_url == _FakeEngine.url and rollouts.client.client.api_key == "engine-key"
-    assert syncer.cfg is job_config.weight_sync and job_config.weight_sync.engine_url == "", \
+    assert syncer.cfg is job_config.weight_sync and job_config.engine.url == "", \
         "the config is never rewritten: the engine's address travels as an Endpoint"
     assert [n for n, _ in syncer.base()][-1] == "lm_head.weight"
 
 
 def test_wiring_an_embedded_receiver_has_no_rollouts(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    _, rollouts, engines, _, _ = _wire(monkeypatch, tmp_path, engine_url="", engine="receiver")
+    _, rollouts, engines, _, _ = _wire(monkeypatch, tmp_path, engine=Engine(kind="receiver"))
     assert engines[0].started and rollouts.client is None
 
 
 def test_wiring_sglang_has_no_vllm_rollouts(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from titan_lora.clients.sglang import SGLangEmitter
 
-    syncer, rollouts, _, _, _ = _wire(monkeypatch, tmp_path, emitter="sglang", engine_url="http://sglang:30000")
+    syncer, rollouts, _, _, _ = _wire(monkeypatch, tmp_path, engine=Engine(kind="sglang", url="http://sglang:30000"))
     assert isinstance(syncer.emitter, SGLangEmitter) and rollouts.client is None
 
 
 def test_wiring_on_other_ranks_builds_no_emitter_or_engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    syncer, rollouts, engines, _, _ = _wire(monkeypatch, tmp_path, rank=1, engine_url="")
+    syncer, rollouts, engines, _, _ = _wire(monkeypatch, tmp_path, rank=1)
     assert engines == [] and (syncer.emitter, syncer.engine, rollouts.client) == (None, None, None)
 
 
 def test_wiring_the_parity_probe(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from titan_lora.rl.tasks import INSTRUCTION, make_problems
 
-    syncer, rollouts, _, _, built = _wire(monkeypatch, tmp_path, engine_url="http://10.0.0.5:8000",
+    syncer, rollouts, _, _, built = _wire(monkeypatch, tmp_path, engine=Engine(url="http://10.0.0.5:8000"),
                                           parity_every=3, parity_tolerance=0.02)
     probe = syncer.probe
     assert probe.model is built.model and probe.device == torch.device("cpu") and probe.tolerance == 0.02
@@ -227,12 +231,12 @@ def test_wiring_the_parity_probe(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 
 
 def test_wiring_a_probe_without_rollouts_has_no_score(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    syncer, _, _, _, _ = _wire(monkeypatch, tmp_path, engine_url="", engine="receiver", parity_every=2)
+    syncer, _, _, _, _ = _wire(monkeypatch, tmp_path, engine=Engine(kind="receiver"), parity_every=2)
     assert syncer.probe is not None and syncer.probe.score is None
 
 
 def test_without_a_tie_setting_the_base_stream_keeps_lm_head(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    syncer, _, _, _, _ = _wire(monkeypatch, tmp_path, tied=None, engine_url="http://10.0.0.5:8000")
+    syncer, _, _, _, _ = _wire(monkeypatch, tmp_path, tied=None, engine=Engine(url="http://10.0.0.5:8000"))
     assert [n for n, _ in syncer.base()][-1] == "lm_head.weight"
 
 

@@ -13,11 +13,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from titan_lora.clients.base import Emitter, Endpoint, build_emitter
-from titan_lora.clients.http import JsonClient
-from titan_lora.clients.launch import EmbeddedEngine, engine_lora_rank
-from titan_lora.clients.rollout import RolloutClient, VLLMRolloutClient
-from titan_lora.config import WeightSync
+from titan_lora.clients.base import Emitter, Endpoint
+from titan_lora.clients.kinds import EngineKind, LaunchRequest, engine_kind
+from titan_lora.clients.launch import EmbeddedEngine
+from titan_lora.clients.rollout import RolloutClient
+from titan_lora.config import Engine, WeightSync
 from titan_lora.rl.objective import GRPOObjective
 from titan_lora.rl.tasks import arith_prompt, make_problems
 from titan_lora.sync.adapter_source import AdapterSource
@@ -41,22 +41,15 @@ def probe_sequences(tokenizer, n: int = 4) -> list[list[int]]:  # noqa: ANN001
     return seqs
 
 
-def embedded_engine(ws: WeightSync, hf_dir: str, device: torch.device, dump_folder: str,
-                    lora_rank: int) -> EmbeddedEngine:
-    """The engine process titan_lora starts itself: the vLLM engine, or the receiver (timing only).
+def embedded_engine(kind: EngineKind, engine: Engine, ws: WeightSync, hf_dir: str, device: torch.device,
+                    dump_folder: str, lora_rank: int) -> EmbeddedEngine:
+    """The engine process titan_lora starts itself, as its kind's launcher plans it.
 
-    Its API key is `[weight_sync] api_key`, or a random one; it reaches the engine by environment."""
-    log = os.path.join(dump_folder, "engine.log")
-    timeouts = {"start_timeout_s": ws.engine_start_timeout_s, "health_timeout_s": ws.health_timeout_s,
-                "api_key": ws.api_key}
-    if ws.engine == "receiver":
-        cuda = ["--device", str(device)] if device.type == "cuda" else []
-        return EmbeddedEngine("titan_lora.engines.receiver", ws.engine_port, cuda, log, **timeouts)
-    return EmbeddedEngine("titan_lora.engines.vllm_server", ws.engine_port, [
-        "--model", hf_dir, "--max-lora-rank", str(engine_lora_rank(lora_rank)),
-        "--max-loras", str(ws.keep_versions + 1), "--max-cpu-loras", str(ws.keep_versions + 2),
-        "--max-model-len", str(ws.engine_max_model_len), "--kv-cache-gib", str(ws.engine_kv_cache_gib),
-    ], log, **timeouts)
+    Its API key is `[engine] api_key`, or a random one; it reaches the engine by environment."""
+    plan = kind.launch(LaunchRequest(engine, ws.keep_versions, hf_dir, device, lora_rank))
+    return EmbeddedEngine(plan.module, engine.port, plan.args, os.path.join(dump_folder, "engine.log"),
+                          start_timeout_s=ws.engine_start_timeout_s, api_key=engine.api_key,
+                          health_timeout_s=ws.health_timeout_s)
 
 
 @dataclasses.dataclass
@@ -68,20 +61,18 @@ class EngineSide:
     rollouts: RolloutClient | None = None
 
 
-def connect_engine(ws: WeightSync, hf_dir: str, device: torch.device, dump_folder: str,
+def connect_engine(engine: Engine, ws: WeightSync, hf_dir: str, device: torch.device, dump_folder: str,
                    lora_rank: int) -> EngineSide:
-    """Rank 0: start the embedded engine (no `engine_url`) or attach; the emitter and rollout client."""
-    engine = None
-    endpoint = Endpoint(ws.engine_url, ws.api_key)
-    if not ws.engine_url:
-        engine = embedded_engine(ws, hf_dir, device, dump_folder, lora_rank)
-        engine.start()
-        endpoint = Endpoint(engine.url, engine.api_key)
-    rollouts = None
-    if ws.emitter != "sglang" and (ws.engine == "vllm" or engine is None):
-        rollouts = VLLMRolloutClient(JsonClient(endpoint.url, endpoint.api_key, ws.timeout_s),
-                                     ws.rollout_timeout_s)
-    return EngineSide(engine, build_emitter(ws, endpoint), rollouts)
+    """Rank 0: start the engine (no `[engine] url`) or attach; the emitter and rollout client."""
+    kind = engine_kind(engine.kind)
+    process = None
+    endpoint = Endpoint(engine.url, engine.api_key)
+    if not engine.url:
+        process = embedded_engine(kind, engine, ws, hf_dir, device, dump_folder, lora_rank)
+        process.start()
+        endpoint = Endpoint(process.url, process.api_key)
+    rollouts = kind.rollouts(endpoint, ws) if kind.rollouts else None
+    return EngineSide(process, kind.emitter(ws, engine, endpoint), rollouts)
 
 
 def build_syncer(ws: WeightSync, side: EngineSide, adapter: AdapterSource, model: nn.Module,
@@ -106,7 +97,8 @@ def build_sync(job_config, adapter: AdapterSource, built, device: torch.device, 
     ws = job_config.weight_sync
     side = EngineSide()
     if dist.get_rank() == 0:
-        side = connect_engine(ws, built.hf_dir, device, job_config.job.dump_folder, job_config.lora.rank)
+        side = connect_engine(job_config.engine, ws, built.hf_dir, device, job_config.job.dump_folder,
+                              job_config.lora.rank)
     syncer = build_syncer(ws, side, adapter, built.model, built.sd_adapter, built.hf_dir, device)
     return syncer, EngineRollouts(side.rollouts, syncer.versions, syncer.with_engine)
 

@@ -46,21 +46,44 @@ class Data:
 
 
 @dataclass
+class Training:
+    """Keys titan_lora adds to torchtitan's `[training]`."""
+
+    on_nonfinite: str = "stop"
+    """A NaN/Inf adapter after an optimizer step: "stop" with an error, or "rollback" to the last
+    checkpoint and skip that batch (needs [checkpoint] enable)."""
+
+
+@dataclass
+class Engine:
+    """`[engine]`: the inference engine that serves the adapter: its kind, where it is, how it starts."""
+
+    kind: str = "vllm"
+    """A registered engine kind: vllm, vllm-disk (vLLM loading PEFT directories: the baseline),
+    sglang, receiver (no inference: timing only), or `package.module:KIND` for a plug-in."""
+    url: str = ""
+    """Attach to a running engine at this address; empty: titan_lora starts one (kinds that can)."""
+    port: int = 0
+    """Port of the engine titan_lora starts; 0: any free port."""
+    api_key: str = ""
+    """The engine's API key; empty with a started engine: a random one."""
+    admin_api_key: str = ""
+    """SGLang only: its --admin-api-key, sent on its weight, LoRA, pause, flush and memory routes only."""
+    max_model_len: int = 512
+    """vLLM started by titan_lora: --max-model-len."""
+    kv_cache_gib: int = 2
+    """vLLM started by titan_lora: KV-cache size in GiB."""
+    pause_mode: str = "none"
+    """SGLang only: none | abort | retract | in_place."""
+    disk_dir: str = ""
+    """vllm-disk only: where PEFT directories are written; empty: a temporary directory."""
+
+
+@dataclass
 class WeightSync:
-    """`[weight_sync]`: keep an inference engine on the newest adapter after every optimizer step."""
+    """`[weight_sync]`: keep the engine on the newest adapter after every optimizer step."""
 
     enabled: bool = False
-    emitter: str = "vllm"
-    """vllm | sglang | disk."""
-    engine_url: str = ""
-    """Attach to a running engine at this address; empty: titan_lora starts an embedded engine."""
-    engine: str = "vllm"
-    """Embedded engine when engine_url is empty: "vllm", or "receiver" (no inference: timing only)."""
-    engine_port: int = 0
-    """Port of the embedded engine; 0: any free port."""
-    api_key: str = ""
-    admin_api_key: str = ""
-    """SGLang's --admin-api-key: sent on its weight, LoRA, pause, flush and memory routes only."""
     lora_name: str = "policy"
     bucket_mb: int = 32
     keep_versions: int = 2
@@ -71,15 +94,6 @@ class WeightSync:
     parity_every: int = 5
     """Run the trainer-vs-engine log-prob probe every N syncs; 0: never."""
     parity_tolerance: float = 1e-3
-    pause_mode: str = "none"
-    """SGLang only: none | abort | retract | in_place."""
-    disk_dir: str = ""
-    """Disk emitter: where PEFT directories are written; empty: a temporary directory."""
-    engine_max_model_len: int = 512
-    engine_kv_cache_gib: int = 2
-    on_nonfinite: str = "stop"
-    """A NaN/Inf adapter after an optimizer step: "stop" with an error, or "rollback" to the last
-    checkpoint and skip that batch (needs [checkpoint] enable). Applies with or without weight sync."""
     parity_gate: bool = False
     """true: a version whose parity probe exceeds parity_tolerance is not published."""
     rollout_timeout_s: float = 600.0
@@ -87,6 +101,7 @@ class WeightSync:
     health_timeout_s: float = 10.0
     """Bound of one engine health check; a hung engine is restarted."""
     engine_start_timeout_s: float = 600.0
+    """Bound of an engine's start, or of the wait for an attached engine to come back."""
     engine_restarts: int = 3
     """Engine restarts tried per failing operation before giving up."""
 
@@ -124,8 +139,10 @@ class JobConfig:
     """titan_lora's sections; torchtitan merges them into its JobConfig (`job.custom_config_module`)."""
 
     model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
     lora: LoRA = field(default_factory=LoRA)
     data: Data = field(default_factory=Data)
+    engine: Engine = field(default_factory=Engine)
     weight_sync: WeightSync = field(default_factory=WeightSync)
     grpo: GRPO = field(default_factory=GRPO)
 
@@ -167,13 +184,16 @@ def check_writable_dir(path: str, key: str) -> None:
 
 
 NONFINITE_POLICIES = ("stop", "rollback")
+BACKOFF_CAP_S = 10.0
+"""The longest sleep between two retries of one request."""
 DEFAULT_PG_TIMEOUT_S = 600.0
 
 
 def rank0_wait_budget_s(ws: WeightSync) -> float:
     """The longest rank 0 may work between two collectives: retries and engine restarts included."""
     # An adapter install may first wait up to retire_timeout_s for lagging retirements.
-    per_try = max(ws.rollout_timeout_s, (ws.retries + 1) * (ws.timeout_s + 10.0) + ws.retire_timeout_s)
+    transfer = (ws.retries + 1) * (ws.timeout_s + BACKOFF_CAP_S) + ws.retire_timeout_s
+    per_try = max(ws.rollout_timeout_s, transfer)
     restarts = ws.engine_restarts * (ws.engine_start_timeout_s + ws.health_timeout_s)
     return (ws.engine_restarts + 1) * per_try + restarts
 
@@ -195,10 +215,27 @@ def _check_sync_timeouts(cfg: WeightSync) -> None:
             raise ValueError(f"[weight_sync] {key} must be >= 0, got {getattr(cfg, key)}")
 
 
+def validate_training(cfg: Training) -> None:
+    """Reject titan_lora's `[training]` keys that cannot work."""
+    if cfg.on_nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(f'[training] on_nonfinite = {cfg.on_nonfinite!r}: use "stop" or "rollback"')
+
+
+PAUSE_MODES = ("none", "abort", "retract", "in_place")
+
+
+def validate_engine(cfg: Engine) -> None:
+    """Reject an `[engine]` section whose values cannot work (its kind is checked against the registry)."""
+    if cfg.pause_mode not in PAUSE_MODES:
+        raise ValueError(f"[engine] pause_mode = {cfg.pause_mode!r}: use {', '.join(PAUSE_MODES)}")
+    if not 0 <= cfg.port < 65536:
+        raise ValueError(f"[engine] port = {cfg.port}: use a TCP port, or 0 to pick a free one")
+    if cfg.disk_dir:
+        check_writable_dir(cfg.disk_dir, "[engine] disk_dir")
+
+
 def validate_weight_sync(cfg: WeightSync) -> None:
     """Reject a `[weight_sync]` section that cannot work."""
-    if cfg.on_nonfinite not in NONFINITE_POLICIES:  # checked even without sync: SFT uses it too
-        raise ValueError(f'[weight_sync] on_nonfinite = {cfg.on_nonfinite!r}: use "stop" or "rollback"')
     if not cfg.enabled:
         return
     if cfg.keep_versions < 2:
@@ -209,17 +246,6 @@ def validate_weight_sync(cfg: WeightSync) -> None:
     if cfg.bucket_mb <= 0:
         raise ValueError(f"[weight_sync] bucket_mb must be > 0, got {cfg.bucket_mb}")
     _check_sync_timeouts(cfg)
-    if cfg.pause_mode not in ("none", "abort", "retract", "in_place"):
-        raise ValueError(
-            f"[weight_sync] pause_mode = {cfg.pause_mode!r}: use none, abort, retract or in_place"
-        )
-    if cfg.emitter == "sglang" and not cfg.engine_url:
-        raise ValueError("[weight_sync] emitter = \"sglang\" attaches to a running SGLang server: set "
-                         "engine_url = \"http://host:port\" (titan_lora starts only vLLM engines itself)")
-    if cfg.engine not in ("vllm", "receiver"):
-        raise ValueError(f'[weight_sync] engine = {cfg.engine!r}: use "vllm" or "receiver"')
-    if cfg.disk_dir:
-        check_writable_dir(cfg.disk_dir, "[weight_sync] disk_dir")
 
 
 def validate_grpo(cfg: GRPO, weight_sync: WeightSync) -> None:
@@ -232,13 +258,6 @@ def validate_grpo(cfg: GRPO, weight_sync: WeightSync) -> None:
         raise ValueError("[grpo] prompts_per_step and max_new_tokens must be >= 1")
     if cfg.max_staleness < 0:
         raise ValueError(f"[grpo] max_staleness must be >= 0, got {cfg.max_staleness}")
-    ws = weight_sync
-    embedded_receiver = ws.enabled and not ws.engine_url and ws.engine == "receiver"
-    if cfg.rollouts and embedded_receiver:
-        raise ValueError('[weight_sync] engine = "receiver" runs no inference: set [grpo] rollouts = false')
-    if cfg.rollouts and weight_sync.emitter == "sglang":
-        raise ValueError('[grpo] rollouts come from titan_lora\'s vLLM engine; with emitter = "sglang" '
-                         "set [grpo] rollouts = false (SGLang rollouts are not wired into the loop yet)")
     if cfg.rollouts and not weight_sync.enabled:
         raise ValueError("[grpo] rollouts come from the engine: set [weight_sync] enabled = true "
                          "(or [grpo] rollouts = false to time training without an engine)")

@@ -93,17 +93,17 @@ class TrainingRun:
         return {**synced, "nonfinite_rollbacks": self.rollbacks}
 
     def handle_nonfinite(self, bad: str) -> None:
-        """`[weight_sync] on_nonfinite`: raise ("stop"), or reload the last checkpoint and skip this batch."""
+        """`[training] on_nonfinite`: raise ("stop"), or reload the last checkpoint and skip this batch."""
         what = f"step {self.step}: adapter tensor {bad} holds NaN/Inf after the optimizer step"
-        if self.cfg.weight_sync.on_nonfinite == "stop":
+        if self.cfg.training.on_nonfinite == "stop":
             raise NonFiniteAdapterError(
-                f"{what}; stopped ([weight_sync] on_nonfinite = \"stop\"). The checkpoints saved so far are "
+                f"{what}; stopped ([training] on_nonfinite = \"stop\"). The checkpoints saved so far are "
                 "finite: lower the learning rate or check the data, or set on_nonfinite = \"rollback\""
             )
-        if not self.cfg.checkpoint.enable or not self.checkpointer.steps():
+        if not self.checkpointer.steps():  # preflight refused rollback without [checkpoint] enable
             raise NonFiniteAdapterError(
                 f"{what}, and there is no checkpoint to roll back to yet: set [checkpoint] enable = true "
-                "with a smaller [checkpoint] interval, or [weight_sync] on_nonfinite = \"stop\""
+                "with a smaller [checkpoint] interval, or [training] on_nonfinite = \"stop\""
             )
         restored = self.checkpointer.load_latest()
         self.rollbacks += 1

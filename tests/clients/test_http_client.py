@@ -196,7 +196,7 @@ def test_error_statuses_say_what_to_do(server: Recorder) -> None:
     server.script["/moved"] = (302, b"elsewhere")
     with pytest.raises(TransferError) as err:
         client.post("/auth")
-    assert str(err.value) == (f"{server.url} refused the API key (HTTP 401): set [weight_sync] api_key to the key "
+    assert str(err.value) == (f"{server.url} refused the API key (HTTP 401): set [engine] api_key to the key "
                               "the engine was started with")
     with pytest.raises(LayoutUnknownToEngine) as err:
         client.post("/layout")

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from titan_lora.clients.http import JsonClient
-from titan_lora.clients.launch import API_KEY_ENV, EmbeddedEngine
+from titan_lora.clients.launch import EmbeddedEngine
 from titan_lora.transfer.errors import TransferError
+from titan_lora.transfer.protocol import API_KEY_ENV
 
 SHIM = "receiver_shim"
 
@@ -46,7 +47,7 @@ def _info(eng: EmbeddedEngine) -> dict:
 def test_a_busy_port_is_a_clear_error_and_the_other_engine_is_left_alone(
         engine: EmbeddedEngine, tmp_path: Path) -> None:
     other_pid, other_nonce = engine.proc.pid, engine.nonce
-    busy = rf"port {engine.port} is already in use.*\[weight_sync\] engine_port"
+    busy = rf"port {engine.port} is already in use.*\[engine\] port"
     with pytest.raises(TransferError, match=busy):
         _engine(tmp_path / "second", port=engine.port)
     assert engine.alive() and engine.proc.pid == other_pid
@@ -56,7 +57,7 @@ def test_a_busy_port_is_a_clear_error_and_the_other_engine_is_left_alone(
 def test_an_engine_that_does_not_echo_our_nonce_is_refused(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.setenv("SHIM_FOREIGN_NONCE", "1")
     eng = _engine(tmp_path)
-    with pytest.raises(TransferError, match=r"not the one titan_lora started.*\[weight_sync\] engine_port"):
+    with pytest.raises(TransferError, match=r"not the one titan_lora started.*\[engine\] port"):
         eng.start()
     assert eng.proc.poll() is not None, "our own child is stopped after the refusal"
 

@@ -22,10 +22,11 @@ from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 from sglang_conformance import ConformanceServer, decode_tensors
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from titan_lora.clients.base import AdapterPayload, Endpoint, build_emitter
+from titan_lora.clients.base import AdapterPayload, Endpoint
+from titan_lora.clients.kinds import engine_kind
 from titan_lora.clients.sglang import pack_bucket, serialize_for_ranks, sglang_adapter_config
 from titan_lora.clients.sglang_api import LoadLoRAAdapterFromTensorsReqInput, SGLangClient, SGLangError
-from titan_lora.config import WeightSync
+from titan_lora.config import Engine, WeightSync
 from titan_lora.sync.retire import Retirer
 from titan_lora.sync.versions import AdapterVersions, versioned_name
 from titan_lora.transfer.buckets import plan_buckets
@@ -93,11 +94,12 @@ class Driver:
             self.retirer.schedule_expired()
 
 
-def emitter_for(srv: ConformanceServer, **cfg):
-    """The registered SGLang emitter, built from a [weight_sync] section the way the syncer builds it."""
-    cfg = {"enabled": True, "emitter": "sglang", "engine_url": srv.url, "timeout_s": 10.0, "retries": 1,
-           **cfg}
-    return build_emitter(WeightSync(**cfg), Endpoint(cfg["engine_url"], cfg.get("api_key", "")))
+def emitter_for(srv: ConformanceServer, api_key: str = "", admin_api_key: str = "", pause_mode: str = "none",
+                **cfg):  # noqa: ANN003, ANN201
+    """The registered SGLang emitter, built from [engine] and [weight_sync] the way the composition root does."""
+    ws = WeightSync(**{"enabled": True, "timeout_s": 10.0, "retries": 1, **cfg})
+    engine = Engine(kind="sglang", url=srv.url, api_key=api_key, admin_api_key=admin_api_key, pause_mode=pause_mode)
+    return engine_kind("sglang").emitter(ws, engine, Endpoint(engine.url, engine.api_key))
 
 
 def calls(srv: ConformanceServer, *paths: str) -> list[str]:

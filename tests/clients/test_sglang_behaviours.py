@@ -301,7 +301,7 @@ def test_an_undelivered_request_is_retried_then_names_the_fix() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     client = SGLangClient(f"http://127.0.0.1:{port}", timeout_s=5.0, retries=2)
-    with pytest.raises(SGLangError, match=r"after 3 attempt\(s\).*engine_url"):
+    with pytest.raises(SGLangError, match=r"after 3 attempt\(s\).*\[engine\] url"):
         client.begin_weight_update()  # nothing was sent, so even a state-changing call may be retried
     with pytest.raises(SGLangError, match=r"after 1 attempt\(s\)"):
         client.unload_lora_adapter("policy-v1", timeout_s=5.0)  # unloads are never retried

@@ -188,7 +188,7 @@ def test_api_key_and_admin_api_key_each_go_where_sglang_takes_them() -> None:
         assert _post(srv, "/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}},
                      "admin")[0] == 401
         only_user = emitter_for(srv, api_key="user")
-        with pytest.raises(TransferError, match="401.*set \\[weight_sync\\] admin_api_key"):
+        with pytest.raises(TransferError, match="401.*set \\[engine\\] admin_api_key"):
             only_user.send_base(trainer.base, 2)
         assert only_user.engine_limits().max_lora_rank == 8  # /server_info takes the normal key
 

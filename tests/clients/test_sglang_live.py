@@ -16,9 +16,10 @@ import torch
 from test_sglang import GREEDY, PROMPT, Driver, Trainer, assert_parity
 from transformers import LlamaForCausalLM
 
-from titan_lora.clients.base import Endpoint, build_emitter
+from titan_lora.clients.base import Endpoint
+from titan_lora.clients.kinds import engine_kind
 from titan_lora.clients.sglang_api import SGLangAuthError, SGLangClient, SGLangError
-from titan_lora.config import WeightSync
+from titan_lora.config import Engine, WeightSync
 from titan_lora.sync.retire import Retirer
 from titan_lora.sync.versions import AdapterVersions
 from titan_lora.transfer.errors import EngineWeightsLost
@@ -39,11 +40,11 @@ def trainer() -> Trainer:
     return Trainer(r=8, base=LlamaForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval())
 
 
-def live_emitter(**cfg):
+def live_emitter(pause_mode: str = "none", **cfg):
     """The registered SGLang emitter for the live server."""
-    cfg = {"enabled": True, "emitter": "sglang", "engine_url": URL, "api_key": API_KEY, "keep_versions": 2,
-           "timeout_s": 300.0, **cfg}
-    return build_emitter(WeightSync(**cfg), Endpoint(cfg["engine_url"], cfg["api_key"]))
+    ws = WeightSync(**{"enabled": True, "keep_versions": 2, "timeout_s": 300.0, **cfg})
+    engine = Engine(kind="sglang", url=URL, api_key=API_KEY, pause_mode=pause_mode)
+    return engine_kind("sglang").emitter(ws, engine, Endpoint(URL, API_KEY))
 
 
 def test_limits_base_adapters_parity_and_incarnation(trainer: Trainer) -> None:

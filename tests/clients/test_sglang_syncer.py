@@ -8,8 +8,9 @@ from model_helpers import SMOLLM2_LORA, build_from, job_config_from, randomize_a
 from sglang_conformance import ConformanceServer
 from transformers import AutoTokenizer, LlamaConfig
 
-from titan_lora.clients.base import Endpoint, build_emitter
-from titan_lora.config import WeightSync
+from titan_lora.clients.base import Endpoint
+from titan_lora.clients.kinds import engine_kind
+from titan_lora.config import Engine, WeightSync
 from titan_lora.rl.tasks import arith_prompt, make_problems
 from titan_lora.sync.adapter_source import AdapterSource
 from titan_lora.sync.base_stream import base_weights_source
@@ -27,11 +28,11 @@ def test_smollm2_syncs_serve_the_trainers_logprobs(smollm2_dir):
     server_cfg = {"max_lora_rank": 8, "lora_target_modules": ALL_LINEAR, "max_loaded_loras": 3,
                   "max_loras_per_batch": 4}
     with ConformanceServer(LlamaConfig.from_pretrained(smollm2_dir), **server_cfg) as srv:
-        cfg = WeightSync(enabled=True, emitter="sglang", engine_url=srv.url, keep_versions=2, timeout_s=120,
-                         retries=1, parity_every=0)
+        cfg = WeightSync(enabled=True, keep_versions=2, timeout_s=120, retries=1, parity_every=0)
+        emitter = engine_kind("sglang").emitter(cfg, Engine(kind="sglang", url=srv.url), Endpoint(srv.url))
         source = AdapterSource(built.model, built.sd_adapter, job_config_from(SMOLLM2_LORA).lora)
         syncer = WeightSyncer(source, base_weights_source(built.model, built.sd_adapter, tied_embeddings=True),
-                              build_emitter(cfg, Endpoint(srv.url)), cfg, torch.device("cpu"))
+                              emitter, cfg, torch.device("cpu"))
         syncer.check_engine()
         served_by_version = []
         try:

@@ -28,7 +28,7 @@ from titan_lora.clients.sglang import (
     sglang_adapter_config,
 )
 from titan_lora.clients.sglang_api import ControlResult, ServerInfo, SGLangTimeout
-from titan_lora.config import WeightSync
+from titan_lora.config import Engine, WeightSync
 from titan_lora.transfer.buckets import plan_buckets
 from titan_lora.transfer.errors import EngineWeightsLost, TransferError
 from titan_lora.transfer.protocol import EngineLimits
@@ -490,12 +490,11 @@ def test_kv_cache_release_and_resume_and_limits_pass_through() -> None:
 
 
 def test_the_registered_builder_wires_the_config() -> None:
-    cfg = WeightSync(enabled=True, emitter="sglang", engine_url=URL, api_key="k", timeout_s=9.0, retries=4,
-                     keep_versions=3, pause_mode="in_place", bucket_mb=5)
-    em = sglang.build_sglang_emitter(cfg, Endpoint(URL, "k"))
+    cfg = WeightSync(enabled=True, timeout_s=9.0, retries=4, keep_versions=3, bucket_mb=5)
+    em = sglang.build_sglang_emitter(cfg, Engine(kind="sglang", url=URL, pause_mode="in_place"), Endpoint(URL, "k"))
     assert (em.client.url, em.client.timeout_s) == (URL, 9.0)
     assert (em._keep_versions, em._pause_mode, em._bucket_bytes, em._verify) == (3, "in_place", 5 << 20, True)
-    # an empty engine_url never gets here: validate_weight_sync refuses it (tests/trainer/test_config_errors.py)
+    # an empty [engine] url never gets here: preflight refuses it (tests/trainer/test_config_errors.py)
 
 
 def test_a_bucket_is_packed_on_its_tensors_device() -> None:

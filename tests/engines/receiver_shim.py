@@ -1,9 +1,8 @@
 """The real receiver process for tests, plus two test-only additions.
 
-- It echoes the launcher's nonce (contract C2) if the receiver does not yet.
 - A `/titan/digest` route: SHA-256 of every tensor the receiver HOLDS, for the base or one adapter,
   so a test can check the engine's bytes against the trainer's with an oracle of its own.
-`SHIM_FOREIGN_NONCE=1` makes it echo another nonce: an engine the launcher did not start.
+- `SHIM_FOREIGN_NONCE=1` makes it echo another nonce: an engine the launcher did not start.
 """
 
 from __future__ import annotations
@@ -18,9 +17,8 @@ from titan_lora.engines import receiver
 _info = receiver.ReceiverService.info
 
 
-def _info_with_nonce(self: receiver.ReceiverService, req: dict) -> dict:
+def _info_with_foreign_nonce(self: receiver.ReceiverService, req: dict) -> dict:
     out = _info(self, req)
-    out.setdefault("nonce", os.environ.get("TITAN_LORA_ENGINE_NONCE", ""))
     if os.environ.get("SHIM_FOREIGN_NONCE"):
         out["nonce"] = "someone-else"
     return out
@@ -44,7 +42,7 @@ def _handler_with_digest(routes: dict, *args):  # noqa: ANN002, ANN202
     return _make_handler({**routes, "digest": lambda req: _digest(service, req)}, *args)
 
 
-receiver.ReceiverService.info = _info_with_nonce
+receiver.ReceiverService.info = _info_with_foreign_nonce
 receiver.make_handler = _handler_with_digest
 
 if __name__ == "__main__":

@@ -9,10 +9,7 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
-import time
 import uuid
 
 import pytest
@@ -20,8 +17,9 @@ import torch
 from dist_helpers import free_port
 
 from titan_lora.clients.http import JsonClient
+from titan_lora.clients.launch import EmbeddedEngine
 from titan_lora.engines.receiver import build_server
-from titan_lora.transfer.buckets import bucket_size, layout_id, pack, plan_buckets
+from titan_lora.transfer.buckets import bucket_checksum, bucket_size, layout_id, pack, plan_buckets
 from titan_lora.transfer.errors import TransferError
 from titan_lora.transfer.transport import BucketBuffer
 
@@ -73,14 +71,8 @@ def _bucket(buf: BucketBuffer, tensors: dict, transfer_id: str,
     pack(buf.tensor, entries, tensors)
     sent = buf.tensor[: bucket_size(entries)].clone()
     body = {"transfer_id": transfer_id, "kind": kind, "segment": buf.describe(), "layout": layout_id(entries),
-            "header": [e.to_json() for e in entries], "checksum": _digest(sent)}
+            "header": [e.to_json() for e in entries], "checksum": bucket_checksum(sent)}
     return body, sent
-
-
-def _digest(data: torch.Tensor) -> str:
-    from titan_lora.transfer.buckets import bucket_checksum
-
-    return bucket_checksum(data)
 
 
 def test_no_key_is_refused_before_the_body_is_read(receiver) -> None:
@@ -149,7 +141,7 @@ def test_the_ack_carries_the_checksum_of_the_bytes_the_engine_holds(receiver, bu
     body, sent = _bucket(buffer, tensors, uuid.uuid4().hex)
     body["commit"] = {"name": "policy-v1", "version": 1, "peft_config": {}}
     ack = JsonClient(_url(server), KEY).post("/titan/bucket", body)
-    assert ack["checksum"] == _digest(sent) and ack["tensors"] == 4 and ack["bytes"] == 4 * 8 * 16 * 4
+    assert ack["checksum"] == bucket_checksum(sent) and ack["tensors"] == 4 and ack["bytes"] == 4 * 8 * 16 * 4
     held = service.adapters["policy-v1"]
     assert all(torch.equal(held[k], v) for k, v in tensors.items())
 
@@ -201,28 +193,18 @@ def test_the_fault_hook_pauses_inside_a_bucket_and_touches_the_marker(receiver, 
         post.join(0.01)
     assert marker.exists() and not acks, "the marker must appear while the bucket is still being handled"
     post.join(30)
-    assert acks and acks[0]["checksum"] == _digest(sent)
+    assert acks and acks[0]["checksum"] == bucket_checksum(sent)
 
 
 def test_sigterm_releases_the_mappings_and_exits_cleanly(tmp_path) -> None:  # noqa: ANN001
     """An engine that exits while mapping the trainer's CUDA buffers leaves their IPC ref-counter files in
     /dev/shm: on SIGTERM the receiver must unwind and release its mappings (exit code 0, and it says so)."""
-    port, log = free_port(), tmp_path / "receiver.log"
-    env = {**os.environ, "TITAN_LORA_API_KEY": KEY}
-    with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "titan_lora.engines.receiver", "--port", str(port)],
-                                stdout=out, stderr=subprocess.STDOUT, env=env)
+    log = tmp_path / "receiver.log"
+    engine = EmbeddedEngine("titan_lora.engines.receiver", 0, [], str(log), start_timeout_s=20.0)
+    engine.start()  # returns once it answers /titan/info
     try:
-        client = JsonClient(f"http://127.0.0.1:{port}", KEY, timeout_s=5)
-        for _ in range(200):
-            try:
-                client.post("/titan/info")
-                break
-            except TransferError:
-                time.sleep(0.1)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0, log.read_text()
+        engine.proc.send_signal(signal.SIGTERM)
+        assert engine.proc.wait(timeout=30) == 0, log.read_text()
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        engine.stop()
     assert "mappings released" in log.read_text()

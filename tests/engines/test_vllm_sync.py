@@ -19,14 +19,13 @@ import torch.distributed as dist
 from dist_helpers import free_port
 from model_helpers import SMOLLM2_LORA, build_from, job_config_from, randomize_adapters
 
-import titan_lora.clients.disk  # noqa: F401  (registers "disk")
-import titan_lora.clients.vllm  # noqa: F401  (registers "vllm")
-from titan_lora.clients.base import Endpoint, build_emitter
+from titan_lora.clients.base import Endpoint
 from titan_lora.clients.http import JsonClient
+from titan_lora.clients.kinds import engine_kind
 from titan_lora.clients.launch import EmbeddedEngine
 from titan_lora.clients.rollout import VLLMRolloutClient
 from titan_lora.compose import probe_sequences
-from titan_lora.config import WeightSync
+from titan_lora.config import Engine, WeightSync
 from titan_lora.lora.finite import NonFiniteAdapterError
 from titan_lora.lora.layer import adapter_params
 from titan_lora.rl.tasks import arith_prompt
@@ -56,6 +55,11 @@ class Ctx:
     tokenizer: object
     sequences: list[list[int]]
     cfg: WeightSync
+
+    @property
+    def endpoint(self) -> Endpoint:
+        """The module's engine."""
+        return Endpoint(self.engine.url, self.engine.api_key)
 
     def info(self) -> dict:
         return self.client.post("/titan/info")
@@ -94,9 +98,9 @@ def trainer_greedy(model: torch.nn.Module, prompt: list[int], max_tokens: int, e
     return out
 
 
-def endpoint(cfg: WeightSync) -> Endpoint:
-    """The engine the section names (the tests attach to the module's engine)."""
-    return Endpoint(cfg.engine_url, cfg.api_key)
+def emitter_to(kind: str, endpoint: Endpoint, cfg: WeightSync, engine: Engine | None = None):  # noqa: ANN201
+    """The emitter that `[engine] kind` selects, attached to `endpoint`."""
+    return engine_kind(kind).emitter(cfg, engine or Engine(kind=kind), endpoint)
 
 
 @pytest.fixture(scope="module")
@@ -116,12 +120,11 @@ def ctx(smollm2_dir, tmp_path_factory) -> Ctx:
     try:
         built = build_from(SMOLLM2_LORA)  # 1 trainer rank, pretrained SmolLM2 + rank-8 LoRA
         lora = job_config_from(SMOLLM2_LORA).lora
-        cfg = WeightSync(enabled=True, emitter="vllm", engine_url=engine.url, api_key=engine.api_key,
-                         keep_versions=2, bucket_mb=4,
+        cfg = WeightSync(enabled=True, keep_versions=2, bucket_mb=4,
                          timeout_s=60, retries=1, retire_timeout_s=60, parity_every=0)
         source = AdapterSource(built.model, built.sd_adapter, lora, cfg.lora_name, built.hf_dir)
         syncer = WeightSyncer(source, base_weights_source(built.model, built.sd_adapter, True),
-                              build_emitter(cfg, Endpoint(engine.url, engine.api_key)), cfg, CPU, engine=engine)
+                              emitter_to("vllm", Endpoint(engine.url, engine.api_key), cfg), cfg, CPU, engine=engine)
         client = JsonClient(engine.url, engine.api_key, timeout_s=300)
         tokenizer = AutoTokenizer.from_pretrained(built.hf_dir)
         yield Ctx(engine, built, lora, source, syncer, client, VLLMRolloutClient(client), tokenizer,
@@ -133,13 +136,14 @@ def ctx(smollm2_dir, tmp_path_factory) -> Ctx:
 
 
 def test_unreachable_engine_fails_after_bounded_retries(ctx: Ctx) -> None:
-    cfg = WeightSync(enabled=True, engine_url=f"http://127.0.0.1:{free_port()}", retries=1, timeout_s=2)
-    syncer = WeightSyncer(ctx.source, lambda: None, build_emitter(cfg, endpoint(cfg)), cfg, CPU)
+    cfg = WeightSync(enabled=True, retries=1, timeout_s=2)
+    url = f"http://127.0.0.1:{free_port()}"
+    syncer = WeightSyncer(ctx.source, lambda: None, emitter_to("vllm", Endpoint(url), cfg), cfg, CPU)
     started = time.perf_counter()
     with pytest.raises(TransferError) as err:
         syncer.sync(1)
     elapsed = time.perf_counter() - started
-    assert "failed after 2 attempts" in str(err.value) and cfg.engine_url in str(err.value)
+    assert "failed after 2 attempts" in str(err.value) and url in str(err.value)
     with pytest.raises(TransferError, match="failed after 2 attempts"):
         syncer.check_engine()
     assert elapsed < 15, f"an unreachable engine took {elapsed:.1f} s to report"
@@ -150,7 +154,7 @@ def test_unreachable_engine_fails_after_bounded_retries(ctx: Ctx) -> None:
 def test_check_engine_accepts_our_rank_and_rejects_a_larger_one(ctx: Ctx) -> None:
     ctx.syncer.check_engine()  # rank 8 against --max-lora-rank 8
     too_big = AdapterSource(ctx.built.model, ctx.built.sd_adapter, dataclasses.replace(ctx.lora, rank=16))
-    emitter = build_emitter(ctx.cfg, endpoint(ctx.cfg))
+    emitter = emitter_to("vllm", ctx.endpoint, ctx.cfg)
     syncer = WeightSyncer(too_big, lambda: None, emitter, ctx.cfg, CPU)
     with pytest.raises(TransferError) as err:
         syncer.check_engine()
@@ -255,8 +259,7 @@ def test_the_previous_version_is_retired_after_keep_versions_more_syncs(ctx: Ctx
 
 
 def test_the_disk_emitter_loads_a_version_with_the_same_logprobs(ctx: Ctx, tmp_path) -> None:
-    disk_cfg = dataclasses.replace(ctx.cfg, emitter="disk", disk_dir=str(tmp_path))
-    disk = build_emitter(disk_cfg, endpoint(disk_cfg))
+    disk = emitter_to("vllm-disk", ctx.endpoint, ctx.cfg, Engine(kind="vllm-disk", disk_dir=str(tmp_path)))
     source = AdapterSource(ctx.built.model, ctx.built.sd_adapter, ctx.lora, "disk", ctx.built.hf_dir)
     payload = source.snapshot(4)
     started = time.perf_counter()

@@ -6,11 +6,10 @@ import json
 
 import torch
 from safetensors.torch import load_file
-
-from titan_lora.config import LoRA
 from torchtitan.models.llama3 import TransformerModelArgs
 from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter
 
+from titan_lora.config import LoRA
 from titan_lora.export.peft import peft_config, peft_name_and_heads, save_peft_dir
 
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from dist_helpers import free_port, run_ranks
-from model_helpers import DEBUG_LORA, build_from, randomize_adapters
+from model_helpers import DEBUG_LORA, build_from, full_copy, randomize_adapters
 from torch.distributed.tensor import DTensor
 
 from titan_lora.lora.layer import (
@@ -33,10 +33,6 @@ def _one_rank_group() -> None:
     """build_from starts a 1-rank gloo group in this process; give it a port nobody else uses."""
     if not dist.is_initialized():
         os.environ["MASTER_PORT"] = str(free_port())
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
 # ---------------------------------------------------------------- the layer itself
@@ -243,7 +239,7 @@ def test_only_adapters_require_and_receive_grad() -> None:
 
 def _init_on_ranks(rank: int, world: int, out: str) -> None:
     built = build_from(DEBUG_LORA)
-    full = {n: _full(p) for n, p in adapter_params(built.model)}  # collective, same order on every rank
+    full = {n: full_copy(p) for n, p in adapter_params(built.model)}  # collective, same order on every rank
     assert all(isinstance(p, DTensor) for _, p in adapter_params(built.model)), "FSDP should shard adapters"
     if rank == 0:
         torch.save(full, out)
@@ -252,7 +248,7 @@ def _init_on_ranks(rank: int, world: int, out: str) -> None:
 def test_init_is_identical_for_one_and_two_ranks(tmp_path) -> None:
     run_ranks(2, _init_on_ranks, str(tmp_path / "two.pt"))
     two = torch.load(tmp_path / "two.pt")
-    one = {n: _full(p) for n, p in adapter_params(build_from(DEBUG_LORA).model)}
+    one = {n: full_copy(p) for n, p in adapter_params(build_from(DEBUG_LORA).model)}
     assert list(one) == list(two)
     for name in one:
         assert torch.equal(one[name], two[name]), f"{name} initialised differently on 2 ranks"

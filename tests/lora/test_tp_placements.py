@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_helpers import free_port, run_ranks
-from model_helpers import DEBUG_LORA, build_from, randomize_adapters
+from model_helpers import DEBUG_LORA, build_from, full_copy, randomize_adapters
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from titan_lora.lora.layer import adapter_params, fill_param, lora_modules
@@ -19,10 +19,6 @@ TP2_FSDP2 = ("--parallelism.tensor_parallel_degree=2", "--parallelism.data_paral
 COLWISE = {"wq", "wk", "wv", "w1", "w3"}
 ROWWISE = {"wo", "w2"}
 TOKENS = torch.randint(0, 49152, (2, 16), generator=torch.Generator().manual_seed(0))
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
 def _check_placements(model: torch.nn.Module) -> None:
@@ -62,16 +58,16 @@ def _tp_ranks(rank: int, world: int, ref_path: str, out_path: str) -> None:
     _check_placements(model)
     ref = torch.load(ref_path)
     named = adapter_params(model)
-    init = {n: _full(p) for n, p in named}
+    init = {n: full_copy(p) for n, p in named}
     # Same weights as the 1-rank reference, then the same randomized adapters.
     for name, param in model.named_parameters():
         fill_param(param, ref["state"][name])
     randomize_adapters(model)
     with torch.no_grad():
         logits = model(TOKENS)
-    logits = _full(logits)  # vocab-sharded under loss parallel: collective over tp
+    logits = full_copy(logits)  # vocab-sharded under loss parallel: collective over tp
     gathered = ShardGatherer(named).gather()
-    full = {n: _full(p) for n, p in named}
+    full = {n: full_copy(p) for n, p in named}
     if rank == 0:
         torch.save({"init": init, "logits": logits, "gathered": {k: v.clone() for k, v in gathered.items()},
                     "full": full}, out_path)

@@ -55,8 +55,9 @@ def chaos_config(tmp: Path, port: int) -> Path:
     path = short_config(tmp, steps=5)
     text = path.read_text()
     text = re.sub(r"^eval_every = \d+", "eval_every = 0", text, flags=re.M)
-    text = re.sub(r"^\[weight_sync\]\n", f'[weight_sync]\nengine_port = {port}\napi_key = "{API_KEY}"\n'
-                  "rollout_timeout_s = 20\nhealth_timeout_s = 5\n", text, flags=re.M)
+    text = re.sub(r"^port = .*$", f'port = {port}\napi_key = "{API_KEY}"', text, count=1, flags=re.M)
+    text = re.sub(r"^\[weight_sync\]\n", "[weight_sync]\nrollout_timeout_s = 20\nhealth_timeout_s = 5\n", text,
+                  flags=re.M)
     path.write_text(text)
     return path
 

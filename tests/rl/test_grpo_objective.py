@@ -10,6 +10,8 @@ g = -adv / tokens on completion positions and 0 elsewhere.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -61,7 +63,7 @@ def _objective(dp: DataParallelInfo | None = None, **overrides) -> GRPOObjective
 def _sample(first: int, n_prompt: int, n_completion: int, version: int, advantage: float) -> Sample:
     """Token ids first, first + 1, ... (distinct across samples when `first` values are spaced)."""
     ids = list(range(first, first + n_prompt + n_completion))
-    engine_logprobs = [-1.0] * n_completion
+    engine_logprobs = [-math.log(VOCAB)] * n_completion  # what the zero table gives: the policy that drew it
     return Sample(ids[:n_prompt], ids[n_prompt:], engine_logprobs, 1.0 + advantage, advantage, version, "")
 
 
@@ -156,6 +158,21 @@ def test_on_policy_loss_and_gradient_are_minus_advantage_over_tokens() -> None:
     for tok, g in _expected_dlogp(samples, tokens).items():
         label = tok + 1  # every sample's ids are consecutive
         assert _dlogp(model.table.grad, tok, label) == pytest.approx(g, abs=1e-6), f"input token {tok}"
+
+
+def test_a_sample_of_an_older_version_is_weighed_by_the_engine_log_probs_it_was_drawn_with() -> None:
+    # Version 3 is kept (max_staleness 1) but the trainer is at 4: ratio = exp(logp - engine logp).
+    # Token 1: ratio 2, clipped to 1.2 (no gradient); token 2: ratio 1.1, inside the clip.
+    ln_v = math.log(VOCAB)
+    s = Sample([1, 2], [3, 4], [-ln_v - math.log(2.0), -ln_v - math.log(1.1)], 2.0, 1.0, STEP - 2, "")
+    model = LogitTable()
+    loss, metrics = _loss(_objective(), [s], model)
+    assert loss.item() == pytest.approx(-(1.2 + 1.1) / 2, abs=1e-5)
+    assert metrics["rl/clip_frac"] == pytest.approx(0.5)
+    assert metrics["rl/logprob_gap_max"] == 0.0, "the gap measures current-version samples only"
+    loss.backward()
+    assert _dlogp(model.table.grad, 2, 3) == pytest.approx(0.0, abs=1e-6), "clipped: no gradient"
+    assert _dlogp(model.table.grad, 3, 4) == pytest.approx(-1.1 / 2, abs=1e-5)
 
 
 def test_a_positive_advantage_raises_the_sampled_tokens_probability() -> None:

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
-import types
 from pathlib import Path
 
 import torch
@@ -19,8 +17,8 @@ from titan_lora.config import WeightSync
 from titan_lora.export.peft import to_peft_names
 from titan_lora.lora.layer import adapter_params, clean_fqn, is_adapter_param
 from titan_lora.sync.adapter_source import AdapterSource
-from titan_lora.sync.syncer import WeightSyncer
 from titan_lora.sync.base_stream import base_weights_source
+from titan_lora.sync.syncer import WeightSyncer
 
 SHIM_DIR = str(Path(__file__).parent.parent / "engines")
 CPU = torch.device("cpu")
@@ -31,15 +29,11 @@ def shim_on_path() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [SHIM_DIR, os.environ.get("PYTHONPATH")]))
 
 
-def sync_cfg(**overrides) -> types.SimpleNamespace:  # noqa: ANN003
-    """[weight_sync] with the keys of contract C5 that WeightSync gains in the trainer branch.
-
-    A SimpleNamespace stand-in (every WeightSync field + the new keys), short timeouts for tests."""
-    base = dataclasses.asdict(WeightSync(enabled=True, bucket_mb=1, retries=1, timeout_s=10.0,
-                                         retire_timeout_s=5.0, parity_every=0))
-    new = {"on_nonfinite": "stop", "parity_gate": False, "rollout_timeout_s": 30.0, "health_timeout_s": 2.0,
-           "engine_start_timeout_s": 60.0, "engine_restarts": 2}
-    return types.SimpleNamespace(**{**base, **new, **overrides})
+def sync_cfg(**overrides) -> WeightSync:  # noqa: ANN003
+    """[weight_sync] for the syncer tests: small buckets, one retry, short timeouts."""
+    return WeightSync(**{"enabled": True, "bucket_mb": 1, "retries": 1, "timeout_s": 10.0, "retire_timeout_s": 5.0,
+                         "parity_every": 0, "rollout_timeout_s": 30.0, "health_timeout_s": 2.0,
+                         "engine_start_timeout_s": 60.0, "engine_restarts": 2, **overrides})
 
 
 def start_receiver(tmp: str, max_loras: int = 8) -> EmbeddedEngine:
@@ -48,21 +42,6 @@ def start_receiver(tmp: str, max_loras: int = 8) -> EmbeddedEngine:
                             start_timeout_s=60, health_timeout_s=2.0)
     engine.start()
     return engine
-
-
-class MappingStream(dict):
-    """The base stream collected into a dict that iterates as (name, tensor) pairs, so both the
-    Mapping-taking emitter and the streaming one of contract C4 accept it (until C4 lands on main)."""
-
-    def __iter__(self):  # noqa: ANN204
-        return iter(self.items())
-
-
-class StreamEmitter(VLLMBucketEmitter):
-    """The real vLLM bucket emitter, its `send_base` fed from the syncer's stream."""
-
-    def send_base(self, tensors, version):  # noqa: ANN001, ANN201
-        return super().send_base(MappingStream(tensors), version)
 
 
 def build_syncer(rank: int, cfg, engine: EmbeddedEngine | None, url: str = "", key: str = "",  # noqa: ANN001
@@ -74,7 +53,7 @@ def build_syncer(rank: int, cfg, engine: EmbeddedEngine | None, url: str = "", k
     emitter = None
     if rank == 0:
         url, key = (engine.url, engine.api_key) if engine is not None else (url, key)
-        emitter = StreamEmitter(JsonClient(url, key, cfg.timeout_s), cfg.bucket_mb)
+        emitter = VLLMBucketEmitter(JsonClient(url, key, cfg.timeout_s), cfg.bucket_mb)
     base = base_weights_source(built.model, built.sd_adapter, tied_embeddings=True)
     return built, WeightSyncer(source, base, emitter, cfg, CPU, engine=engine, probe=probe)
 

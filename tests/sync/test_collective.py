@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from titan_lora.transfer.errors import TransferError
 from titan_lora.sync.collective import RankZeroError, on_rank0, share
+from titan_lora.transfer.errors import TransferError
 
 
 def test_share_without_a_process_group_is_the_value_itself() -> None:

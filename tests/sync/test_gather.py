@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_helpers import run_ranks
-from model_helpers import DEBUG_LORA, build_from, randomize_adapters
+from model_helpers import DEBUG_LORA, build_from, full_adapter, randomize_adapters
 from torch.distributed.tensor import DTensor
 
 from titan_lora.lora.layer import adapter_params
@@ -14,10 +14,6 @@ from titan_lora.sync.gather import ShardGatherer
 
 # rank 3 does not split evenly over 2 FSDP ranks: every lora_A (3 x in) is sharded 2 + 1 rows.
 RANK3 = DEBUG_LORA.replace("rank = 8", "rank = 3")
-
-
-def _full(named) -> dict[str, torch.Tensor]:  # noqa: ANN001
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in named}
 
 
 def _gather_on_ranks(rank: int, world: int, scatter: str) -> None:
@@ -31,7 +27,7 @@ def _gather_on_ranks(rank: int, world: int, scatter: str) -> None:
     gatherer = ShardGatherer(named, scatter=scatter)
     assert gatherer.nbytes == sum(p.numel() for _, p in named) * 4
     got = gatherer.gather()
-    want = _full(named)  # the per-parameter reference (a collective on every rank, same order)
+    want = full_adapter(named)  # the per-parameter reference (a collective on every rank, same order)
     if rank != 0:
         assert got is None, "only rank 0 receives the gathered adapter"
     else:
@@ -46,7 +42,7 @@ def _gather_on_ranks(rank: int, world: int, scatter: str) -> None:
         for i, (_, p) in enumerate(named):
             p.to_local().mul_(-2.0).add_(0.01 * i)
     got = gatherer.gather()
-    want = _full(named)
+    want = full_adapter(named)
     if rank == 0:
         assert all(torch.equal(got[n], want[n]) for n in want), "a second gather returned stale values"
         assert gatherer.all_finite()

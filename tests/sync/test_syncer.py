@@ -195,7 +195,7 @@ def _nonfinite(rank: int, world: int, tmp: str) -> None:
         with torch.no_grad():  # every rank poisons its shard of one adapter tensor
             p = adapter_params(built.model)[0][1]
             (p.to_local() if hasattr(p, "to_local") else p).fill_(float("nan"))
-        with pytest.raises(NonFiniteAdapterError, match=r"version 2 .*NaN.*\[weight_sync\] on_nonfinite"):
+        with pytest.raises(NonFiniteAdapterError, match=r"version 2 .*NaN.*\[training\] on_nonfinite"):
             syncer.sync(2)
         if rank == 0:
             assert engine_adapters(syncer) == ["policy-v1"] and syncer.versions.active.name == "policy-v1"

@@ -28,7 +28,6 @@ from titan_lora.sync.versions import versioned_name
 from titan_lora.transfer.errors import EngineDied, EngineUnreachable, EngineWeightsLost, TransferError
 from titan_lora.transfer.protocol import Ack, EngineLimits
 
-URL = "http://engine.test:8000"
 # Two base tensors: 3*2*4 + 5*4 = 44 bytes. Two adapter tensors: 2*4*4 + 4*2*4 = 64 bytes.
 BASE = [("model.embed_tokens.weight", torch.ones(3, 2)), ("model.norm.weight", torch.ones(5))]
 BASE_BYTES, ADAPTER_BYTES = 44, 64
@@ -36,7 +35,7 @@ BASE_BYTES, ADAPTER_BYTES = 44, 64
 
 def cfg(**overrides) -> WeightSync:  # noqa: ANN003
     """[weight_sync] for these tests: one retry, two engine restarts, short timeouts."""
-    base = WeightSync(enabled=True, engine_url=URL, retries=1, keep_versions=2, retire_timeout_s=5.0,
+    base = WeightSync(enabled=True, retries=1, keep_versions=2, retire_timeout_s=5.0,
                       parity_every=0, health_timeout_s=2.0, engine_start_timeout_s=30.0, engine_restarts=2)
     return dataclasses.replace(base, **overrides)
 
@@ -402,7 +401,7 @@ def test_a_nonfinite_adapter_is_never_sent(rig) -> None:  # noqa: ANN001
     with pytest.raises(NonFiniteAdapterError) as err:
         r.syncer.sync(1)
     assert str(err.value).startswith("adapter version 1 holds NaN/Inf values: it was not sent (the engine keeps "
-                                     "the base). [weight_sync] on_nonfinite decides what the run does: \"stop\"")
+                                     "the base). [training] on_nonfinite decides what the run does: \"stop\"")
     assert r.emitter.calls == []
     r.source.finite = True
     r.syncer.sync(1)
@@ -514,6 +513,24 @@ def test_an_embedded_engine_that_dies_is_restarted_and_its_log_is_shown(rig) -> 
     assert str(err.value).endswith("last error: rollouts: EngineUnreachable: reset\n"
                                    "last lines of /runs/engine.log:\nengine: last line")
     assert r.engine.events[:3] == ["restart", ("check", 3.0), ("check", 3.0)]
+
+
+def test_a_failed_recovery_is_named_beside_the_last_error(rig) -> None:  # noqa: ANN001
+    r = rig(engine=True, engine_restarts=1)
+    r.syncer.sync(1)
+
+    def fn() -> None:
+        r.engine.alive = False
+        raise EngineUnreachable("reset")
+
+    def no_start() -> bool:
+        raise EngineDied("the engine exited at start: address already in use")
+
+    r.engine.ensure_running = no_start
+    with pytest.raises(EngineFailed) as err:
+        r.syncer.with_engine(fn, "rollouts")
+    assert "last error: rollouts: EngineUnreachable: reset; last recovery failed: bringing the engine back: " \
+           "EngineDied: the engine exited at start: address already in use" in str(err.value)
 
 
 def test_an_embedded_engine_that_hangs_is_not_retried_but_restarted(rig, sleeps) -> None:  # noqa: ANN001
@@ -632,8 +649,8 @@ def test_polling_an_attached_engine_is_bounded(rig, monkeypatch: pytest.MonkeyPa
     r.emitter.fail["incarnation"] = [EngineUnreachable("refused")] * 10
     with pytest.raises(EngineUnreachable) as err:
         r.syncer._revive()
-    assert str(err.value) == (f"the engine at {URL} did not come back within 6 s ([weight_sync] "
-                              "engine_start_timeout_s)")
+    assert str(err.value) == ("the attached engine ([engine] url) did not come back within 6 s ([weight_sync] "
+                              "engine_start_timeout_s); last error: refused")
     assert slept == [2.0, 2.0, 2.0, 2.0], "min(health timeout, 2 s) apart, until past the deadline"
 
 

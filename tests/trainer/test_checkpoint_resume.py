@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_helpers import run_ranks
-from model_helpers import DEBUG_LORA, job_config_from
-from torch.distributed.tensor import DTensor
+from model_helpers import DEBUG_LORA, full_adapter, job_config_from
 
 from titan_lora.lora.layer import adapter_params
 
@@ -55,8 +54,7 @@ def _train(rank: int, world: int, dump: str, out: str, same_base_for_any_world: 
     run.metrics.log = record
     try:
         run.train()
-        final = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-                 for n, p in adapter_params(run.model)}
+        final = full_adapter(adapter_params(run.model))
     finally:
         run.close()
     if rank == 0:

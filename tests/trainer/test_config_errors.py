@@ -17,8 +17,15 @@ def _lora(extra: str) -> str:
     return DEBUG_LORA.replace("[lora]\n", f"[lora]\n{extra}\n")
 
 
-def _sync(extra: str, enabled: bool = True) -> str:
-    return DEBUG_LORA + f"[weight_sync]\nenabled = {str(enabled).lower()}\n{extra}\n"
+def _sync(extra: str, enabled: bool = True, engine: str = "") -> str:
+    return DEBUG_LORA + f"[engine]\n{engine}\n[weight_sync]\nenabled = {str(enabled).lower()}\n{extra}\n"
+
+
+def _training(extra: str) -> str:
+    return DEBUG_LORA.replace("[training]\n", f"[training]\n{extra}\n")
+
+
+GRPO_WITH_ROLLOUTS = "[grpo]\nenabled = true\nprompts_per_step = 2\ngroup_size = 2\n"
 
 
 def test_the_reference_config_is_valid(tmp_path) -> None:
@@ -53,19 +60,44 @@ BAD = {
     ),
     "export_dir under /proc": (_lora('export_dir = "/proc/titan_lora_export"'), ["[lora] export_dir", "/proc"]),
     "on_nonfinite, even without sync": (
-        _sync('on_nonfinite = "skip"', enabled=False), ["[weight_sync] on_nonfinite", "'skip'", "rollback"],
+        _training('on_nonfinite = "skip"'), ["[training] on_nonfinite", "'skip'", "rollback"],
     ),
     "rollback without checkpoints": (
-        _sync('on_nonfinite = "rollback"', enabled=False), ["on_nonfinite", "[checkpoint] enable = true"],
+        _training('on_nonfinite = "rollback"'), ["[training] on_nonfinite", "[checkpoint] enable = true"],
     ),
     "rollout timeout": (_sync("rollout_timeout_s = 0"), ["[weight_sync] rollout_timeout_s", "> 0"]),
     "health timeout": (_sync("health_timeout_s = -1"), ["[weight_sync] health_timeout_s", "> 0"]),
     "engine start timeout": (_sync("engine_start_timeout_s = 0"), ["[weight_sync] engine_start_timeout_s"]),
     "retire timeout": (_sync("retire_timeout_s = 0"), ["[weight_sync] retire_timeout_s", "> 0"]),
     "engine restarts": (_sync("engine_restarts = -1"), ["[weight_sync] engine_restarts", ">= 0"]),
-    "unknown emitter": (_sync('emitter = "vlm"'), ["[weight_sync] emitter", "'vlm'", "disk, sglang, vllm"]),
-    "sglang without an engine_url": (
-        _sync('emitter = "sglang"'), ['emitter = "sglang" attaches to a running SGLang server', "engine_url"],
+    "unknown engine kind": (
+        _sync("", engine='kind = "vlm"'), ["[engine] kind = 'vlm'", "receiver, sglang, vllm, vllm-disk"],
+    ),
+    "sglang without a url": (
+        _sync("", engine='kind = "sglang"'), ["[engine] kind = 'sglang' attaches to a running server", "url = "],
+    ),
+    "rollouts from the receiver": (
+        _sync("", engine='kind = "receiver"') + GRPO_WITH_ROLLOUTS,
+        ["[engine] kind = 'receiver' runs no rollouts", "[grpo] rollouts = false"],
+    ),
+    "rollouts from sglang": (
+        _sync("", engine='kind = "sglang"\nurl = "http://sglang:30000"') + GRPO_WITH_ROLLOUTS,
+        ["[engine] kind = 'sglang' runs no rollouts", "[grpo] rollouts = false"],
+    ),
+    "targets sglang cannot fuse": (
+        _sync("", engine='kind = "sglang"\nurl = "http://sglang:30000"').replace('"all-linear"', '["wq", "wk"]'),
+        ["[engine] kind = 'sglang'", "['k_proj', 'q_proj']", "add the missing modules to [lora] target_modules"],
+    ),
+    "pause mode": (_sync("", engine='pause_mode = "stop"'), ["[engine] pause_mode = 'stop'", "in_place"]),
+    "engine port": (_sync("", engine="port = 70000"), ["[engine] port = 70000", "0 to pick"]),
+    "a key that moved to [engine]": (
+        _sync('engine_url = "http://e:8000"'), ["[weight_sync] engine_url has moved: use [engine] url"],
+    ),
+    "the emitter key that became the engine kind": (
+        _sync('emitter = "disk"'), ["[weight_sync] emitter has moved", '"vllm-disk" for emitter = "disk"'],
+    ),
+    "on_nonfinite in its old section": (
+        _sync('on_nonfinite = "stop"'), ["[weight_sync] on_nonfinite has moved: use [training] on_nonfinite"],
     ),
     "bucket larger than /dev/shm": (
         _sync("bucket_mb = 100000000"),
@@ -113,17 +145,21 @@ def test_cli_exits_2_with_the_message_on_stderr(tmp_path) -> None:
     assert not dump.exists(), "nothing should be built or written for a bad config"
 
 
-def test_the_new_weight_sync_keys_parse_with_their_defaults() -> None:
-    ws = job_config_from(_sync("")).weight_sync
-    assert (ws.on_nonfinite, ws.parity_gate, ws.rollout_timeout_s, ws.health_timeout_s,
+def test_the_engine_and_weight_sync_keys_parse_with_their_defaults() -> None:
+    cfg = job_config_from(_sync(""))
+    ws, engine = cfg.weight_sync, cfg.engine
+    assert (cfg.training.on_nonfinite, ws.parity_gate, ws.rollout_timeout_s, ws.health_timeout_s,
             ws.engine_start_timeout_s, ws.engine_restarts) == ("stop", False, 600.0, 10.0, 600.0, 3)
-    toml = _sync('on_nonfinite = "rollback"\nparity_gate = true') + "[checkpoint]\nenable = true\n"
-    ws = job_config_from(toml)
-    assert (ws.weight_sync.on_nonfinite, ws.weight_sync.parity_gate) == ("rollback", True)
+    assert (engine.kind, engine.url, engine.port, engine.api_key, engine.pause_mode) == ("vllm", "", 0, "", "none")
+    toml = _training('on_nonfinite = "rollback"') + "[weight_sync]\nparity_gate = true\n[checkpoint]\nenable = true\n"
+    cfg = job_config_from(toml)
+    assert (cfg.training.on_nonfinite, cfg.weight_sync.parity_gate) == ("rollback", True)
+    attached = job_config_from(_sync("", engine='kind = "vllm-disk"\nurl = "http://e:8000"\napi_key = "k"')).engine
+    assert (attached.kind, attached.url, attached.api_key) == ("vllm-disk", "http://e:8000", "k")
 
 
 def test_the_timing_receiver_takes_any_rank() -> None:
-    assert job_config_from(_sync('engine = "receiver"').replace("rank = 8", "rank = 1024")).lora.rank == 1024
+    assert job_config_from(_sync("", engine='kind = "receiver"').replace("rank = 8", "rank = 1024")).lora.rank == 1024
 
 
 def test_a_grpo_batch_that_dp_ranks_cannot_share_is_refused(monkeypatch) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_helpers import run_ranks
-from model_helpers import DEBUG_LORA, job_config_from
+from model_helpers import DEBUG_LORA, full_adapter, job_config_from
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
@@ -21,7 +21,8 @@ FIRST_ADAPTER = "layers.0.attention.wq.lora_A"  # the first adapter tensor in mo
 
 
 def _toml(policy: str, export_dir: Path) -> str:
-    return DEBUG_LORA.replace("[lora]\n", f'[lora]\nexport_dir = "{export_dir}"\n') + f"""
+    return DEBUG_LORA.replace("[lora]\n", f'[lora]\nexport_dir = "{export_dir}"\n').replace(
+        "[training]\n", f'[training]\non_nonfinite = "{policy}"\n') + """
 [optimizer]
 name = "AdamW"
 lr = 1e-2
@@ -34,7 +35,6 @@ interval = 2
 keep_latest_k = 1
 [weight_sync]
 enabled = true
-on_nonfinite = "{policy}"
 """
 
 
@@ -51,11 +51,6 @@ class FakeSyncer:
 
     def close(self) -> None:
         pass
-
-
-def _full(model) -> dict[str, torch.Tensor]:  # noqa: ANN001
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for n, p in adapter_params(model)}
 
 
 def _run(policy: str, dump: Path, nan_step: int = NAN_STEP):  # noqa: ANN202
@@ -77,7 +72,7 @@ def _run(policy: str, dump: Path, nan_step: int = NAN_STEP):  # noqa: ANN202
     log = run.metrics.log
 
     def record(step: int, scalars) -> None:  # noqa: ANN001  (every rank logs: the gather is collective)
-        logged[step] = {**scalars, "adapter": _full(run.model)}
+        logged[step] = {**scalars, "adapter": full_adapter(adapter_params(run.model))}
         log(step, scalars)
 
     run.metrics.log = record

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import torch
 from dist_helpers import run_ranks
-from model_helpers import DEBUG_LORA, job_config_from, randomize_adapters
-from torch.distributed.tensor import DTensor
+from model_helpers import DEBUG_LORA, full_copy, job_config_from, randomize_adapters
 
 from titan_lora.lora.layer import adapter_params, fill_param, is_adapter_param
 
@@ -23,10 +22,6 @@ warmup_steps = 0
 [checkpoint]
 enable = false
 """
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
 @torch.no_grad()
@@ -53,8 +48,8 @@ def _one_step(rank: int, world: int, dump: str, out: str) -> None:
         _seeded_base(model)
         randomize_adapters(model, seed=5)  # B != 0, so lora_A gets a gradient as well
         named = adapter_params(model)
-        before = {n: _full(p) for n, p in named}
-        base_before = {n: _full(p) for n, p in model.named_parameters() if not is_adapter_param(n)}
+        before = {n: full_copy(p) for n, p in named}
+        base_before = {n: full_copy(p) for n, p in model.named_parameters() if not is_adapter_param(n)}
 
         in_optimizer = {id(p) for opt in run.optimizers.optimizers for g in opt.param_groups for p in g["params"]}
         assert in_optimizer == {id(p) for _, p in named}, "the optimizer must hold exactly the adapter params"
@@ -62,12 +57,12 @@ def _one_step(rank: int, world: int, dump: str, out: str) -> None:
         run.step = 1
         metrics = run.train_step()
 
-        grads = {n: _full(p.grad) for n, p in named}
-        after = {n: _full(p) for n, p in named}
+        grads = {n: full_copy(p.grad) for n, p in named}
+        after = {n: full_copy(p) for n, p in named}
         for n, p in model.named_parameters():
             if not is_adapter_param(n):
                 assert not p.requires_grad and p.grad is None, f"a gradient reached the base weight {n}"
-        base_after = {n: _full(p) for n, p in model.named_parameters() if not is_adapter_param(n)}
+        base_after = {n: full_copy(p) for n, p in model.named_parameters() if not is_adapter_param(n)}
         if rank == 0:
             torch.save({"loss": metrics["loss"], "tokens": metrics["tokens"], "grad_norm": metrics["grad_norm"],
                         "before": before, "after": after, "grads": grads,

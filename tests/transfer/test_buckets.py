@@ -1,4 +1,4 @@
-"""The bucket wire format: plan, pack, unpack and the JSON header (no engine needed)."""
+"""The bucket wire format: plan, pack, copy out and the JSON header (no engine needed)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from titan_lora.transfer.buckets import ALIGN, Entry, bucket_size, pack, plan_buckets, unpack
+from titan_lora.transfer.buckets import ALIGN, Entry, bucket_size, copy_out, pack, plan_buckets
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -31,7 +31,7 @@ def _round_trip(tensors: dict[str, torch.Tensor], bucket_bytes: int) -> tuple[li
         header = json.loads(json.dumps([e.to_json() for e in entries]))
         buffer = torch.empty(bucket_size(entries), dtype=torch.uint8)
         pack(buffer, entries, tensors)
-        got = unpack(buffer, [Entry.from_json(row) for row in header])
+        _, got = copy_out(buffer, [Entry.from_json(row) for row in header])
         buffer.fill_(0xFF)  # the sender reuses the buffer: what was unpacked must not change
         received.update(got)
     return plan, received
@@ -239,7 +239,7 @@ def test_a_non_contiguous_view_in_the_same_storage_is_packed_by_value() -> None:
     assert entries[1].offset == 64 and one_run(entries, tensors) is None
     buf = torch.zeros(bucket_size(entries), dtype=torch.uint8)
     pack(buf, entries, tensors)
-    assert torch.equal(unpack(buf, entries)["b"], square)
+    assert torch.equal(copy_out(buf, entries)[1]["b"], square)
 
 
 def test_a_run_lies_on_the_tensors_device() -> None:

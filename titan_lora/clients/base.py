@@ -8,17 +8,12 @@ the syncer (`titan_lora.sync`), not here, so every emitter shares them.
 from __future__ import annotations
 
 import dataclasses
-import importlib
-from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from titan_lora.transfer.protocol import Ack, EngineLimits
-
-if TYPE_CHECKING:
-    from titan_lora.config import WeightSync
-
 
 # (HF name, tensor) pairs, produced one by one (each may run a collective); a mapping is taken as its items.
 BaseTensors = Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
@@ -85,41 +80,3 @@ class Endpoint:
 
     url: str
     api_key: str = ""
-
-
-EmitterFactory = Callable[["WeightSync", Endpoint], Emitter]
-# Built-in emitters load lazily (module:function), so importing the registry imports no emitter.
-_EMITTERS: dict[str, EmitterFactory | str] = {
-    "vllm": "titan_lora.clients.vllm:build_vllm_emitter",
-    "disk": "titan_lora.clients.disk:build_disk_emitter",
-    "sglang": "titan_lora.clients.sglang:build_sglang_emitter",
-}
-
-
-def register_emitter(name: str) -> Callable[[EmitterFactory], EmitterFactory]:
-    """Register an emitter factory under `name` for `[weight_sync] emitter = name` (plug-ins)."""
-
-    def wrap(factory: EmitterFactory) -> EmitterFactory:
-        if name in _EMITTERS:
-            raise ValueError(f"emitter {name!r} is already registered")
-        _EMITTERS[name] = factory
-        return factory
-
-    return wrap
-
-
-def registered_emitters() -> list[str]:
-    """The names `[weight_sync] emitter` accepts."""
-    return sorted(_EMITTERS)
-
-
-def build_emitter(cfg: WeightSync, endpoint: Endpoint) -> Emitter:
-    """Build the emitter that `cfg.emitter` names, talking to the engine at `endpoint`."""
-    factory = _EMITTERS.get(cfg.emitter)
-    if factory is None:
-        raise ValueError(f"[weight_sync] emitter = {cfg.emitter!r} is not registered; known emitters: "
-                         f"{', '.join(registered_emitters()) or 'none'}")
-    if isinstance(factory, str):
-        module, attr = factory.split(":")
-        factory = _EMITTERS[cfg.emitter] = getattr(importlib.import_module(module), attr)
-    return factory(cfg, endpoint)

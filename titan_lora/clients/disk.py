@@ -6,6 +6,7 @@ when no shared memory or IPC reaches the engine. Base weights still travel in bu
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import tempfile
 import time
@@ -13,8 +14,8 @@ from pathlib import Path
 
 from titan_lora.clients.base import AdapterPayload, Endpoint
 from titan_lora.clients.http import JsonClient
-from titan_lora.clients.vllm import VLLMBucketEmitter
-from titan_lora.config import WeightSync
+from titan_lora.clients.vllm import VLLM, VLLMBucketEmitter
+from titan_lora.config import Engine, WeightSync
 from titan_lora.export.peft import save_peft_dir
 from titan_lora.transfer import protocol
 from titan_lora.transfer.errors import check_name
@@ -56,6 +57,9 @@ class DiskEmitter(VLLMBucketEmitter):
             self._tmp.cleanup()
 
 
-def build_disk_emitter(cfg: WeightSync, endpoint: Endpoint) -> DiskEmitter:
-    """The disk emitter for `[weight_sync] emitter = "disk"`, to titan_lora's engine at `endpoint`."""
-    return DiskEmitter(JsonClient(endpoint.url, endpoint.api_key, cfg.timeout_s), cfg.bucket_mb, cfg.disk_dir)
+def build_disk_emitter(ws: WeightSync, engine: Engine, endpoint: Endpoint) -> DiskEmitter:
+    """The disk emitter (PEFT directories loaded by vLLM's own loader) to the engine at `endpoint`."""
+    return DiskEmitter(JsonClient(endpoint.url, endpoint.api_key, ws.timeout_s), ws.bucket_mb, engine.disk_dir)
+
+
+VLLM_DISK = dataclasses.replace(VLLM, name="vllm-disk", emitter=build_disk_emitter)

@@ -76,7 +76,7 @@ class JsonClient:
                 raise EngineUnreachable(f"{self.base_url}{path}: {err}") from None
         if resp.status == 401:
             raise TransferError(
-                f"{self.base_url} refused the API key (HTTP 401): set [weight_sync] api_key to the "
+                f"{self.base_url} refused the API key (HTTP 401): set [engine] api_key to the "
                 "key the engine was started with"
             )
         if resp.status == 409:

@@ -27,8 +27,6 @@ from titan_lora.transfer.errors import EngineDied, EngineUnreachable, TransferEr
 
 logger = logging.getLogger(__name__)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-API_KEY_ENV = "TITAN_LORA_API_KEY"
-NONCE_ENV = "TITAN_LORA_ENGINE_NONCE"
 
 
 def free_port() -> int:
@@ -49,7 +47,7 @@ def reserve_port(port: int = 0) -> socket.socket:
         if err.errno == errno.EADDRINUSE:
             raise TransferError(
                 f"port {port} is already in use (another titan_lora engine or another server listens "
-                "on it); set [weight_sync] engine_port to a free port, or to 0 to pick one"
+                "on it); set [engine] port to a free port, or to 0 to pick one"
             ) from None
         raise
     return sock
@@ -60,7 +58,8 @@ def engine_lora_rank(rank: int) -> int:
     for allowed in VLLM_LORA_RANKS:
         if allowed >= rank:
             return allowed
-    raise ValueError(f"[lora] rank = {rank} is above vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}")
+    raise ValueError(f"[lora] rank = {rank} is above vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}; "
+                     f"lower [lora] rank to at most {VLLM_LORA_RANKS[-1]}")
 
 
 def _die_with_parent() -> None:
@@ -94,7 +93,7 @@ class EmbeddedEngine:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.nonce = secrets.token_hex(16)
         cmd = [sys.executable, "-m", self.module, "--port", str(self.port), *self.args]
-        env = {**os.environ, API_KEY_ENV: self.api_key, NONCE_ENV: self.nonce}
+        env = {**os.environ, protocol.API_KEY_ENV: self.api_key, protocol.NONCE_ENV: self.nonce}
         logger.info("starting %s (log: %s)", self.module, self.log_path)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -116,8 +115,8 @@ class EmbeddedEngine:
         if info.get("nonce") != self.nonce:
             raise TransferError(
                 f"the engine answering on port {self.port} is not the one titan_lora started (its nonce "
-                f"differs): another engine serves that port; it is left untouched. Set [weight_sync] "
-                "engine_port to a free port, or to 0 to pick one"
+                f"differs): another engine serves that port; it is left untouched. Set [engine] "
+                "port to a free port, or to 0 to pick one"
             )
 
     def _wait_ready(self) -> None:
@@ -135,7 +134,7 @@ class EmbeddedEngine:
                 continue
             except TransferError as err:  # e.g. 401: a server that does not know our key
                 raise TransferError(f"port {self.port} is served by another server ({err}); set "
-                                   "[weight_sync] engine_port to a free port, or to 0 to pick one") from None
+                                   "[engine] port to a free port, or to 0 to pick one") from None
             self._check_identity(info)
             logger.info("%s ready at %s after %.0f s", self.module, self.url, time.monotonic() - started)
             return

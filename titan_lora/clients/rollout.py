@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
+from titan_lora.clients.base import Endpoint
 from titan_lora.clients.http import JsonClient
+from titan_lora.config import WeightSync
 from titan_lora.transfer import protocol
 
 
@@ -31,7 +33,6 @@ class RolloutClient(Protocol):
         ...
 
 
-HTTP_MARGIN_S = 10.0  # the engine's own deadline answers first; the HTTP timeout only catches a silent one
 
 
 class VLLMRolloutClient:
@@ -46,7 +47,7 @@ class VLLMRolloutClient:
 
     def _post(self, route: str, body: dict) -> dict:
         return self.client.post(route, {**body, "timeout_s": self.timeout_s},
-                                timeout_s=self.timeout_s + HTTP_MARGIN_S)
+                                timeout_s=self.timeout_s + protocol.HTTP_MARGIN_S)
 
     def generate(self, prompts: list[list[int]], adapter: str | None, max_tokens: int,
                  temperature: float, seed: int | None, stop_token_ids: list[int]) -> list[Completion]:
@@ -64,3 +65,8 @@ class VLLMRolloutClient:
     def score(self, sequences: list[list[int]], adapter: str | None) -> list[list[float]]:
         """Prompt log-probs through `/titan/score`."""
         return self._post(protocol.path(protocol.SCORE), {"sequences": sequences, "adapter": adapter})["logprobs"]
+
+
+def vllm_rollouts(endpoint: Endpoint, ws: WeightSync) -> VLLMRolloutClient:
+    """The rollout client of a titan_lora vLLM engine at `endpoint`."""
+    return VLLMRolloutClient(JsonClient(endpoint.url, endpoint.api_key, ws.timeout_s), ws.rollout_timeout_s)

@@ -37,6 +37,7 @@ import torch.multiprocessing  # noqa: F401  (registers torch's reducers on Forki
 from torch.multiprocessing import reductions
 
 from titan_lora.clients.base import AdapterPayload, BaseTensors, Endpoint, base_items
+from titan_lora.clients.kinds import EngineKind
 from titan_lora.clients.sglang_api import (
     LoadLoRAAdapterFromTensorsReqInput,
     ServerInfo,
@@ -58,7 +59,7 @@ from titan_lora.transfer.errors import EngineWeightsLost, TransferError
 from titan_lora.transfer.protocol import Ack, EngineLimits
 
 if TYPE_CHECKING:
-    from titan_lora.config import WeightSync
+    from titan_lora.config import Engine, WeightSync
 
 __all__ = ["Bucket", "SGLangEmitter", "adapter_modules", "build_sglang_emitter", "check_adapter",
            "check_fused_targets", "check_server", "pack_bucket", "serialize_for_ranks", "served_modules",
@@ -393,9 +394,13 @@ def _verified_checksums(bucket: Bucket, tensors: Mapping[str, torch.Tensor]) -> 
     return sums
 
 
-def build_sglang_emitter(cfg: WeightSync, endpoint: Endpoint) -> SGLangEmitter:
-    """The SGLang emitter for `[weight_sync] emitter = "sglang"`, to the server at `endpoint`."""
-    client = SGLangClient(endpoint.url, api_key=endpoint.api_key, timeout_s=cfg.timeout_s,
-                          retries=cfg.retries, admin_api_key=cfg.admin_api_key)
-    return SGLangEmitter(client, keep_versions=cfg.keep_versions, pause_mode=cfg.pause_mode,
-                         bucket_bytes=cfg.bucket_mb << 20)
+def build_sglang_emitter(ws: WeightSync, engine: Engine, endpoint: Endpoint) -> SGLangEmitter:
+    """The SGLang emitter to the server at `endpoint`."""
+    client = SGLangClient(endpoint.url, api_key=endpoint.api_key, timeout_s=ws.timeout_s, retries=ws.retries,
+                          admin_api_key=engine.admin_api_key)
+    return SGLangEmitter(client, keep_versions=ws.keep_versions, pause_mode=engine.pause_mode,
+                         bucket_bytes=ws.bucket_mb << 20)
+
+
+# Rollouts from SGLang are not wired into the loop yet; titan_lora attaches to a running server.
+SGLANG = EngineKind("sglang", build_sglang_emitter, check_targets=check_fused_targets)

@@ -246,12 +246,12 @@ class SGLangClient:
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(
-                f"[weight_sync] engine_url = {url!r} is not an http(s) URL; "
+                f"[engine] url = {url!r} is not an http(s) URL; "
                 "give the server root, e.g. http://127.0.0.1:30000"
             )
         if parts.path.strip("/") or parts.query or parts.fragment or parts.username:
             raise ValueError(
-                f"[weight_sync] engine_url = {url!r}: give only scheme://host:port of the server root; "
+                f"[engine] url = {url!r}: give only scheme://host:port of the server root; "
                 "the client adds the endpoint paths itself"
             )
         self.url = f"{parts.scheme}://{parts.netloc}"
@@ -318,7 +318,7 @@ class SGLangClient:
                 if attempt == retries:
                     raise SGLangError(
                         f"cannot reach SGLang at {self.url} for {path} ({err}) after {attempt + 1} "
-                        "attempt(s): start the server or fix [weight_sync] engine_url"
+                        "attempt(s): start the server or fix [engine] url"
                     ) from err
             except (ConnectionError, http.client.HTTPException) as err:
                 if not idempotent or attempt == retries:
@@ -332,7 +332,7 @@ class SGLangClient:
         self._raise_for_auth(status, path)
         if 300 <= status < 400:
             raise SGLangError(f"SGLang at {self.url} answered {path} with a redirect ({status}); "
-                              "titan_lora follows none: point [weight_sync] engine_url at the server")
+                              "titan_lora follows none: point [engine] url at the server")
         if status == 404:
             raise SGLangError(f"SGLang at {self.url} has no {path} (404): this client speaks the "
                               f"HTTP API of SGLang {SGLANG_VERSION}; check the server version")
@@ -342,16 +342,16 @@ class SGLangClient:
         if status == 403:
             raise SGLangAuthError(
                 f"SGLang at {self.url} forbids {path} (403): the endpoint needs the server's "
-                "--admin-api-key; start the server with one and set [weight_sync] admin_api_key to it"
+                "--admin-api-key; start the server with one and set [engine] admin_api_key to it"
             )
         if status != 401:
             return
         if path.split("?", 1)[0] in ADMIN_PATHS:
             # With both --api-key and --admin-api-key set, these routes take only the admin key.
-            fix = ("[weight_sync] admin_api_key to the server's --admin-api-key (or api_key to its --api-key "
+            fix = ("[engine] admin_api_key to the server's --admin-api-key (or api_key to its --api-key "
                    "if it has no admin key)")
         else:
-            fix = "[weight_sync] api_key to the server's --api-key (these routes never take the admin key)"
+            fix = "[engine] api_key to the server's --api-key (these routes never take the admin key)"
         problem = "rejected the API key on" if self._key(path) else "requires an API key on"
         raise SGLangAuthError(f"SGLang at {self.url} {problem} {path} (401 Unauthorized): set {fix}")
 

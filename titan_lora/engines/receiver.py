@@ -28,15 +28,11 @@ import torch
 from titan_lora.engines.http_server import DEFAULT_MAX_BODY_MB, make_handler
 from titan_lora.engines.transfers import TransferStore, fault_pause
 from titan_lora.transfer import protocol
-from titan_lora.transfer.buckets import LayoutCache, bucket_size, tensor_views
+from titan_lora.transfer.buckets import LayoutCache, copy_out
 from titan_lora.transfer.errors import check_name
 from titan_lora.transfer.transport import BufferCache
 
 logger = logging.getLogger("titan_lora.receiver")
-
-
-def _size(tensors: dict[str, torch.Tensor]) -> dict:
-    return {"tensors": len(tensors), "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
 
 
 class ReceiverService:
@@ -46,7 +42,7 @@ class ReceiverService:
         self.incarnation = uuid.uuid4().hex
         self.max_lora_rank = max_lora_rank
         self.max_loras = max_loras
-        self.nonce = os.environ.get("TITAN_LORA_ENGINE_NONCE", "")
+        self.nonce = os.environ.get(protocol.NONCE_ENV, "")
         self.buffers = BufferCache()
         self.layouts = LayoutCache()
         self.transfers = TransferStore()
@@ -67,11 +63,8 @@ class ReceiverService:
         buffer = self.buffers.get(req["segment"])  # refuses anything but a bare segment name
         staged = self.transfers.stage(req["transfer_id"], req.get("kind", "adapter"), self.buffers.prune)
         fault_pause()
-        owned = buffer[: bucket_size(entries)].clone()
-        if owned.is_cuda:  # the copy must be done before the ack lets the trainer reuse the buffer
-            torch.cuda.current_stream(owned.device).synchronize()
-        ack = self.transfers.hold(req["transfer_id"], staged, owned, tensor_views(owned, entries),
-                                  req.get("checksum"))
+        owned, views = copy_out(buffer, entries)
+        ack = self.transfers.hold(req["transfer_id"], staged, owned, views, req.get("checksum"))
         if "commit" in req:  # an adapter's last bucket carries its commit
             ack["commit"] = self.adapter({**req["commit"], "transfer_id": req["transfer_id"]})
         return ack
@@ -80,17 +73,17 @@ class ReceiverService:
         """Keep the staged transfer as adapter `name`."""
         started = time.perf_counter()
         name = check_name(req["name"])
-        tensors = self.transfers.take(req["transfer_id"]).tensors
+        staged = self.transfers.take(req["transfer_id"])
         with self._lock:
-            self.adapters[name] = tensors
-        return {**_size(tensors), "name": req["name"], "version": req["version"],
+            self.adapters[name] = staged.tensors
+        return {**staged.size(), "name": req["name"], "version": req["version"],
                 "apply_ms": (time.perf_counter() - started) * 1e3}
 
     def base(self, req: dict) -> dict:
         """Keep the staged transfer as the base."""
-        self.base_weights = self.transfers.take(req["transfer_id"]).tensors
-        self.base_version = req["version"]
-        return {**_size(self.base_weights), "version": req["version"]}
+        staged = self.transfers.take(req["transfer_id"])
+        self.base_weights, self.base_version = staged.tensors, req["version"]
+        return {**staged.size(), "version": req["version"]}
 
     def unload(self, req: dict) -> dict:
         """Drop adapter `name`."""
@@ -107,7 +100,7 @@ def build_server(argv: list[str] | None = None) -> tuple[ThreadingHTTPServer, Re
     p.add_argument("--device", default="", help="CUDA device to bind (cuda:N) for IPC buffers")
     p.add_argument("--max-lora-rank", type=int, default=512)
     p.add_argument("--max-loras", type=int, default=8)
-    p.add_argument("--api-key", default=os.environ.get("TITAN_LORA_API_KEY", ""),
+    p.add_argument("--api-key", default=os.environ.get(protocol.API_KEY_ENV, ""),
                    help="for manual use; a launcher passes TITAN_LORA_API_KEY in the environment")
     p.add_argument("--max-body-mb", type=int, default=DEFAULT_MAX_BODY_MB,
                    help="largest request body accepted")

@@ -62,6 +62,10 @@ class Staged:
     nbytes: int = 0
     held: list[Any] = dataclasses.field(default_factory=list)  # storage to give back when it is dropped
 
+    def size(self) -> dict[str, int]:
+        """What an ack reports of these tensors."""
+        return {"tensors": len(self.tensors), "bytes": self.nbytes}
+
 
 class TransferStore:
     """Staged transfers by id, at most `KEEP_UNCOMMITTED[kind]` of each kind; `on_drop` gets every

@@ -31,7 +31,7 @@ from vllm.platforms import current_platform
 from titan_lora.engines import vllm_cpu_lora
 from titan_lora.engines.transfers import Staged, TransferStore, fault_pause
 from titan_lora.engines.vllm_fastpath import AdapterPlan, install_slot_writer, register
-from titan_lora.transfer.buckets import Entry, LayoutCache, bucket_size, tensor_views
+from titan_lora.transfer.buckets import Entry, LayoutCache, bucket_size, copy_out, tensor_views
 from titan_lora.transfer.host_copy import copy_flat
 from titan_lora.transfer.transport import BufferCache
 
@@ -162,10 +162,8 @@ class TitanLoRAWorkerExtension:
             slab = state.slabs.take(layout, entries)
             copy_flat(slab.data, buffer[: slab.data.numel()])
             return state.transfers.hold(transfer_id, staged, slab.data, slab.views, checksum, (layout, slab))
-        owned = buffer[: bucket_size(entries)].clone()
-        if owned.is_cuda:  # the copy must be done before the ack lets the trainer reuse the buffer
-            torch.cuda.current_stream(owned.device).synchronize()
-        return state.transfers.hold(transfer_id, staged, owned, tensor_views(owned, entries), checksum)
+        owned, views = copy_out(buffer, entries)
+        return state.transfers.hold(transfer_id, staged, owned, views, checksum)
 
     def titan_commit_adapter(self, transfer_id: str, lora_int_id: int, lora_name: str, peft_config: dict) -> dict:
         """Install the staged tensors as adapter `lora_int_id`; returns what was installed."""
@@ -182,19 +180,20 @@ class TitanLoRAWorkerExtension:
         except Exception:
             state.adapters.pop(lora_int_id)
             raise
-        return {"tensors": len(staged.tensors), "bytes": staged.nbytes}
+        return staged.size()
 
     def titan_commit_base(self, transfer_id: str) -> dict:
         """Load the staged tensors (HF names) as the base weights; adapters are re-installed."""
         state = self._titan_state()
-        tensors = state.transfers.take(transfer_id).tensors
+        staged = state.transfers.take(transfer_id)
         with set_current_vllm_config(self.vllm_config):
             # reload_weights re-runs the CPU/GPU weight repacking that a plain load_weights skips.
-            self.model_runner.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
+            self.model_runner.reload_weights(weights_iterator=iter(staged.tensors.items()),
+                                             is_checkpoint_format=True)
         manager = self.model_runner.lora_manager
         for lora_int_id in list(state.adapters):  # reload_weights dropped every adapter
             manager.add_adapter(LoRARequest(f"id{lora_int_id}", lora_int_id, ADAPTER_SCHEME))
-        return {"tensors": len(tensors), "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+        return staged.size()
 
     def titan_remove_adapter(self, lora_int_id: int) -> bool:
         """Forget adapter `lora_int_id` (the server only asks once no request uses it)."""

@@ -45,7 +45,7 @@ class EngineService:
         self.model = model
         self.request_timeout_s = request_timeout_s
         self.incarnation = uuid.uuid4().hex
-        self.nonce = os.environ.get("TITAN_LORA_ENGINE_NONCE", "")
+        self.nonce = os.environ.get(protocol.NONCE_ENV, "")
         self.base_version: int | None = None
         self.adapters: dict[str, int] = {}  # versioned name -> vLLM int id
         self._next_id = 1
@@ -218,7 +218,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="HF checkpoint directory")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8011)
-    p.add_argument("--api-key", default=os.environ.get("TITAN_LORA_API_KEY", ""),
+    p.add_argument("--api-key", default=os.environ.get(protocol.API_KEY_ENV, ""),
                    help="for manual use; a launcher passes TITAN_LORA_API_KEY in the environment")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-lora-rank", type=int, default=16)

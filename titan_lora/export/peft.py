@@ -135,11 +135,11 @@ def save_peft_dir(
     so a reader (or a crash) never sees a half-written or non-finite export.
     """
     out = Path(path)
-    check_finite(tensors)
+    cpu = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    check_finite(cpu)  # on the host copies: no device synchronisation per tensor
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = _sibling(out, "tmp")
     try:
-        cpu = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
         save_file(cpu, str(tmp / "adapter_model.safetensors"))
         (tmp / "adapter_config.json").write_text(json.dumps(dict(config), indent=2))
         replace_dir(tmp, out)

@@ -44,7 +44,3 @@ def first_nonfinite_adapter(model: nn.Module) -> str | None:
     first = int(index.item())
     return params[first][0] if first < len(params) else None
 
-
-def adapter_is_finite(model: nn.Module) -> bool:
-    """Collective: True on every rank when no rank's adapter shard holds NaN or Inf."""
-    return first_nonfinite_adapter(model) is None

@@ -150,11 +150,11 @@ class GRPOObjective:
         inputs, labels, mask = (t.to(self.device) for t in completion_batch(mine, self.pad_id))
         adv = torch.tensor([s.advantage for s in mine], device=self.device)
         logp = token_logprobs(model, inputs, labels)
-        if all(s.version == current for s in mine):
-            old = logp.detach()  # the sampling policy is the current one: recomputing gives the same
-        else:
-            with torch.no_grad():
-                old = token_logprobs(model, inputs, labels)
+        engine = self._engine_logprobs(mine, logp)
+        on_policy = torch.tensor([[s.version == current] for s in mine], device=self.device)
+        # An older version drew a stale sample: its ratio needs that version's log-probs, which the
+        # engine returned with the sample (the parity probe holds them to the trainer's).
+        old = torch.where(on_policy, logp.detach(), engine)
         per_token, clipped = clipped_policy_loss(logp, old, adv, self.cfg.clip_eps)
         kl = torch.zeros_like(per_token)
         if self.cfg.kl_coef > 0:
@@ -162,7 +162,7 @@ class GRPOObjective:
                 ref = token_logprobs(model, inputs, labels)
             kl = k3_kl(logp, ref)
             per_token = per_token + self.cfg.kl_coef * kl
-        gap = self._engine_gap(mine, old, mask)
+        gap = self._engine_gap(logp.detach(), engine, mask * on_policy)
         sums = torch.stack([mask.sum(), (per_token * mask).sum().detach(), (kl * mask).sum().detach(),
                             (clipped * mask).sum(), gap[0], gap[1], gap[2]])
         if self.dp.group is not None:
@@ -182,15 +182,20 @@ class GRPOObjective:
             "rl/sample_version": float(min(s.version for s in fresh)),
         }
 
-    def _engine_gap(self, mine: list[Sample], old: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """(sum, max, count) of |trainer - engine| log-probs over the completion tokens."""
-        engine = torch.zeros_like(old)
+    @staticmethod
+    def _engine_logprobs(mine: list[Sample], like: torch.Tensor) -> torch.Tensor:
+        """The engine's log-prob of each completion token, at the positions `like` holds them."""
+        engine = torch.zeros_like(like)
         for i, s in enumerate(mine):
             start = len(s.prompt_ids) - 1
             engine[i, start : start + len(s.engine_logprobs)] = torch.tensor(s.engine_logprobs)
+        return engine
+
+    def _engine_gap(self, trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """(sum, max, count) of |trainer - engine| log-probs over the masked completion tokens."""
         if not self.cfg.rollouts:
-            return torch.zeros(3, device=old.device)
-        diff = (old - engine).abs() * mask
+            return torch.zeros(3, device=trainer.device)
+        diff = (trainer - engine).abs() * mask
         return torch.stack([diff.sum(), diff.max(), mask.sum()])
 
     def after_step(self, step: int) -> dict[str, float]:

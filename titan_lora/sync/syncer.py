@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 
 from titan_lora.clients.base import AdapterPayload, Emitter
-from titan_lora.config import WeightSync
+from titan_lora.config import BACKOFF_CAP_S, WeightSync
 from titan_lora.lora.finite import NonFiniteAdapterError
 from titan_lora.sync.adapter_source import AdapterSource
 from titan_lora.sync.base_stream import BaseStream
@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-BACKOFF_CAP_S = 10.0
 
 
 class EngineFailed(TransferError):
@@ -203,6 +202,7 @@ class WeightSyncer:
 
     def _recovering(self, step: Callable[[], T], what: str, republish: bool) -> T:
         last: Exception | None = None
+        revival: Exception | None = None  # kept apart: the next try's error would hide why recovery failed
         for attempt in range(self.cfg.engine_restarts + 1):
             try:
                 return step()
@@ -216,10 +216,11 @@ class WeightSyncer:
                 try:
                     self._recover(republish)
                 except _EngineDown as again:
-                    last = again
+                    revival = again
         raise EngineFailed(
             f"{what}: the engine still fails after {self.cfg.engine_restarts} recoveries "
             f"([weight_sync] engine_restarts); last error: {last}"
+            + (f"; last recovery failed: {revival}" if revival else "")
             + (f"\nlast lines of {self.engine.log_path}:\n{self.engine.log_tail()}" if self.engine else "")
         )
 
@@ -245,11 +246,12 @@ class WeightSyncer:
             try:
                 self.emitter.engine_incarnation()
                 return
-            except EngineUnreachable:
+            except EngineUnreachable as err:
                 if time.monotonic() > deadline:
                     raise EngineUnreachable(
-                        f"the engine at {self.cfg.engine_url} did not come back within "
-                        f"{self.cfg.engine_start_timeout_s:.0f} s ([weight_sync] engine_start_timeout_s)"
+                        f"the attached engine ([engine] url) did not come back within "
+                        f"{self.cfg.engine_start_timeout_s:.0f} s ([weight_sync] engine_start_timeout_s); "
+                        f"last error: {err}"
                     ) from None
                 time.sleep(min(self.cfg.health_timeout_s, 2.0))
 
@@ -287,10 +289,11 @@ class WeightSyncer:
                 logger.warning("sending the base failed (%s); retrying", err)
                 backoff(attempt)
                 continue
-            return self._after_base(ack, tally, version, started)
+            self._after_base(ack, tally, version, started)
+            return
         raise AssertionError("unreachable")
 
-    def _after_base(self, ack: Ack | None, tally: _Tally, version: int, started: float) -> dict[str, float]:
+    def _after_base(self, ack: Ack | None, tally: _Tally, version: int, started: float) -> None:
         def verify() -> None:
             _verify(ack, version, tally.tensors, tally.nbytes, "base weights")
             self.versions.forget_all()  # a new incarnation holds none of our adapters
@@ -328,7 +331,7 @@ class WeightSyncer:
             active = self.versions.active
             raise NonFiniteAdapterError(
                 f"adapter version {version} holds NaN/Inf values: it was not sent (the engine keeps "
-                f"{active.name if active else 'the base'}). [weight_sync] on_nonfinite decides what the "
+                f"{active.name if active else 'the base'}). [training] on_nonfinite decides what the "
                 "run does: \"stop\" ends it here, \"rollback\" reloads the last finite checkpoint"
             )
 

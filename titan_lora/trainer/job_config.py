@@ -20,7 +20,14 @@ from titan_lora.lora.targets import resolve_targets
 from titan_lora.trainer.preflight import preflight
 
 CUSTOM_CONFIG_MODULE = "titan_lora.config"
-_OUR_SECTIONS = {"lora": ours.LoRA, "weight_sync": ours.WeightSync, "data": ours.Data, "grpo": ours.GRPO}
+_OUR_SECTIONS = {"lora": ours.LoRA, "engine": ours.Engine, "weight_sync": ours.WeightSync, "data": ours.Data,
+                 "grpo": ours.GRPO}
+# Keys that left [weight_sync] when the engine got its own section: old configs get the new place.
+_MOVED = {"engine_url": "[engine] url", "engine_port": "[engine] port", "api_key": "[engine] api_key",
+          "engine_max_model_len": "[engine] max_model_len", "engine_kv_cache_gib": "[engine] kv_cache_gib",
+          "pause_mode": "[engine] pause_mode", "disk_dir": "[engine] disk_dir",
+          "emitter": '[engine] kind ("vllm", "vllm-disk" for emitter = "disk", "sglang")',
+          "engine": '[engine] kind ("vllm" or "receiver")', "on_nonfinite": "[training] on_nonfinite"}
 
 
 def _config_path(argv: list[str]) -> str | None:
@@ -33,6 +40,8 @@ def _config_path(argv: list[str]) -> str | None:
 def _check_keys(section: str, given: dict, cls: type) -> None:
     known = {f.name for f in dataclasses.fields(cls)}
     for key in given:
+        if section == "weight_sync" and key in _MOVED:
+            raise ValueError(f"[weight_sync] {key} has moved: use {_MOVED[key]}")
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1)
             hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(sorted(known))}"
@@ -75,6 +84,8 @@ def load_job_config(argv: list[str]):  # noqa: ANN201 (a dataclass type made at 
     job_config = ConfigManager().parse_args(args)
     ours.validate_lora(job_config.lora)
     targets = check_targets(job_config)
+    ours.validate_training(job_config.training)
+    ours.validate_engine(job_config.engine)
     ours.validate_weight_sync(job_config.weight_sync)
     ours.validate_grpo(job_config.grpo, job_config.weight_sync)
     preflight(job_config, targets)

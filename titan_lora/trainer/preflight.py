@@ -7,14 +7,12 @@ from pathlib import Path
 
 import torch
 
-from titan_lora.clients.base import registered_emitters
-from titan_lora.clients.launch import VLLM_LORA_RANKS
+from titan_lora.clients.kinds import engine_kind
+from titan_lora.lora.targets import TITAN_TO_HF
 from titan_lora.trainer.checkpoint import check_resume_compatible
 from titan_lora.trainer.parallel import data_parallel_size
-
-SHM_DIR = "/dev/shm"
-SHM_EMITTERS = ("vllm", "disk")  # their buckets travel through POSIX shared memory on CPU
-VLLM_MAX_LORA_RANK = VLLM_LORA_RANKS[-1]  # the embedded engine rounds smaller ranks up to an allowed one
+from titan_lora.transfer.errors import TransferError
+from titan_lora.transfer.transport import SHM_DIR
 
 
 def check_parallelism(job_config) -> None:  # noqa: ANN001
@@ -28,13 +26,6 @@ def check_parallelism(job_config) -> None:  # noqa: ANN001
         )
     if job_config.compile.enable:
         raise ValueError("[compile] enable = true is not supported with LoRA yet; set it to false")
-
-
-def check_emitter(emitter: str) -> None:
-    """Refuse an `[weight_sync] emitter` that is not registered."""
-    if emitter not in registered_emitters():
-        known = ", ".join(registered_emitters())
-        raise ValueError(f"[weight_sync] emitter = {emitter!r} is unknown; use one of {known}")
 
 
 def check_shared_memory(bucket_mb: int, shm_dir: str = SHM_DIR) -> None:
@@ -52,15 +43,6 @@ def check_shared_memory(bucket_mb: int, shm_dir: str = SHM_DIR) -> None:
         )
 
 
-def check_engine_rank(rank: int) -> None:
-    """Refuse a LoRA rank that no vLLM engine can serve."""
-    if rank > VLLM_MAX_LORA_RANK:
-        raise ValueError(
-            f"[lora] rank = {rank} is above vLLM's largest max_lora_rank {VLLM_MAX_LORA_RANK}; "
-            f"lower [lora] rank to at most {VLLM_MAX_LORA_RANK}"
-        )
-
-
 def check_grpo_split(prompts_per_step: int, group_size: int, dp_size: int) -> None:
     """Refuse a GRPO batch that the data-parallel ranks cannot share equally."""
     n = prompts_per_step * group_size
@@ -71,23 +53,34 @@ def check_grpo_split(prompts_per_step: int, group_size: int, dp_size: int) -> No
         )
 
 
-def check_sync(job_config) -> None:  # noqa: ANN001
-    """The `[weight_sync]` checks that need the registry, the host or other sections."""
-    ws = job_config.weight_sync
+def check_engine(job_config, targets: list[str] | None) -> None:  # noqa: ANN001
+    """The `[engine]` checks that need its kind's capabilities, the host or other sections."""
+    ws, engine = job_config.weight_sync, job_config.engine
     if not ws.enabled:
         return
-    check_emitter(ws.emitter)
-    if ws.emitter in SHM_EMITTERS and not torch.cuda.is_available():
+    kind = engine_kind(engine.kind)
+    if kind.launch is None and not engine.url:
+        raise ValueError(f"[engine] kind = {engine.kind!r} attaches to a running server: set "
+                         'url = "http://host:port" (titan_lora starts only vllm, vllm-disk and receiver engines)')
+    if job_config.grpo.enabled and job_config.grpo.rollouts and kind.rollouts is None:
+        raise ValueError(f"[engine] kind = {engine.kind!r} runs no rollouts for titan_lora: set [grpo] "
+                         'rollouts = false, or use kind = "vllm"')
+    if kind.shm_buckets and not torch.cuda.is_available():
         check_shared_memory(ws.bucket_mb)
-    embedded_receiver = not ws.engine_url and ws.engine == "receiver"  # no vLLM: no rank limit
-    if ws.emitter in ("vllm", "disk") and not embedded_receiver and "lora" in job_config.model.converters:
-        check_engine_rank(job_config.lora.rank)
+    if kind.max_lora_rank is not None and "lora" in job_config.model.converters:
+        kind.max_lora_rank(job_config.lora.rank)  # raises when the engine cannot serve the rank
+    if kind.check_targets is not None and targets:
+        leaves = {TITAN_TO_HF.get(n.rsplit(".", 1)[-1], n.rsplit(".", 1)[-1]) for n in targets}
+        try:
+            kind.check_targets(leaves)
+        except TransferError as err:
+            raise ValueError(f"[engine] kind = {engine.kind!r}: {err}") from None
 
 
 def check_rollback(job_config) -> None:  # noqa: ANN001
     """Rolling back needs checkpoints to roll back to."""
-    if job_config.weight_sync.on_nonfinite == "rollback" and not job_config.checkpoint.enable:
-        raise ValueError('[weight_sync] on_nonfinite = "rollback" reloads the last checkpoint: set '
+    if job_config.training.on_nonfinite == "rollback" and not job_config.checkpoint.enable:
+        raise ValueError('[training] on_nonfinite = "rollback" reloads the last checkpoint: set '
                          '[checkpoint] enable = true (or on_nonfinite = "stop")')
 
 
@@ -95,7 +88,7 @@ def preflight(job_config, targets: list[str] | None) -> None:  # noqa: ANN001
     """Every cross-section check; `targets` are the adapted linears (None: no LoRA)."""
     check_parallelism(job_config)
     check_rollback(job_config)
-    check_sync(job_config)
+    check_engine(job_config, targets)
     if job_config.grpo.enabled:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         dp = data_parallel_size(job_config.parallelism, world_size)

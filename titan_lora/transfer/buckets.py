@@ -1,4 +1,4 @@
-"""The bucket wire format, shared by the trainer side (pack) and the engine side (unpack).
+"""The bucket wire format, shared by the trainer side (pack) and the engine side (copy_out).
 
 A bucket is a flat byte buffer holding whole tensors back to back, each aligned to 64 bytes, plus a
 JSON-able header of names, shapes, dtypes and offsets. No pickle crosses from one side to the other.
@@ -126,13 +126,12 @@ def tensor_views(storage: torch.Tensor, entries: Sequence[Entry]) -> dict[str, t
     }
 
 
-def unpack(buffer: torch.Tensor, entries: Sequence[Entry]) -> dict[str, torch.Tensor]:
-    """Copy every tensor out of `buffer` into fresh storage the receiver owns."""
-    owned = buffer[: bucket_size(entries)].clone()  # one copy; the tensors are views of it
-    out = tensor_views(owned, entries)
-    if buffer.is_cuda:  # the copies must be done before the ack lets the trainer reuse the buffer
-        torch.cuda.current_stream(buffer.device).synchronize()
-    return out
+def copy_out(buffer: torch.Tensor, entries: Sequence[Entry]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(storage the receiver owns, each tensor as a view of it): one copy of the bucket out of `buffer`."""
+    owned = buffer[: bucket_size(entries)].clone()
+    if owned.is_cuda:  # the copy must be done before the ack lets the trainer reuse the buffer
+        torch.cuda.current_stream(owned.device).synchronize()
+    return owned, tensor_views(owned, entries)
 
 
 def bucket_checksum(data: torch.Tensor) -> str:

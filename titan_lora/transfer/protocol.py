@@ -9,6 +9,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+API_KEY_ENV = "TITAN_LORA_API_KEY"
+"""The engine's API key reaches it through this environment variable, never its command line."""
+NONCE_ENV = "TITAN_LORA_ENGINE_NONCE"
+"""The launcher's nonce, echoed by INFO: proof that the engine on a port is the one we started."""
+
+HTTP_MARGIN_S = 10.0
+"""Added to a request's own deadline (which the engine enforces and answers) for the HTTP timeout, which
+then only catches an engine that went silent."""
+
 PREFIX = "/titan/"
 INFO = "info"
 """Incarnation, nonce, base version, live adapters, limits; GET or POST."""

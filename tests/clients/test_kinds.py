@@ -1,0 +1,83 @@
+"""The engine-kind registry: lazy built-ins, plug-ins by registration or by `module:KIND`, clear errors."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from titan_lora.clients import kinds
+from titan_lora.clients.base import Endpoint
+from titan_lora.clients.kinds import EngineKind, LaunchPlan, LaunchRequest, engine_kind, register_engine_kind
+from titan_lora.config import Engine, WeightSync
+
+
+@pytest.fixture
+def registry(monkeypatch: pytest.MonkeyPatch) -> dict:
+    fresh = dict(kinds._KINDS)
+    monkeypatch.setattr(kinds, "_KINDS", fresh)
+    return fresh
+
+
+def _echo_emitter(ws: WeightSync, engine: Engine, endpoint: Endpoint) -> tuple:
+    return ("emitter", ws.bucket_mb, engine.pause_mode, endpoint.url)
+
+
+def test_a_built_in_kind_is_imported_only_when_asked(registry: dict) -> None:
+    assert registry["vllm-disk"] == "titan_lora.clients.disk:VLLM_DISK"
+    kind = engine_kind("vllm-disk")
+    from titan_lora.clients.disk import VLLM_DISK, DiskEmitter
+
+    assert kind is VLLM_DISK and registry["vllm-disk"] is VLLM_DISK
+    emitter = kind.emitter(WeightSync(bucket_mb=3), Engine(disk_dir="/tmp"), Endpoint("http://e:1", "k"))
+    assert isinstance(emitter, DiskEmitter) and (emitter.client.base_url, emitter.client.api_key) == ("http://e:1", "k")
+    emitter.close()
+
+
+def test_the_built_in_kinds_declare_what_validation_asks() -> None:
+    caps = {name: (k.rollouts is not None, k.launch is not None, k.shm_buckets, k.max_lora_rank is not None,
+                   k.check_targets is not None)
+            for name in kinds.registered_engine_kinds() for k in [engine_kind(name)]}
+    # (rollouts, titan_lora can start it, shm buckets on CPU, vLLM's rank limit, a target-set rule)
+    assert caps == {"vllm": (True, True, True, True, False), "vllm-disk": (True, True, True, True, False),
+                    "receiver": (False, True, True, False, False), "sglang": (False, False, False, False, True)}
+
+
+def test_the_launchers_plan_the_engine_processes() -> None:
+    req = LaunchRequest(Engine(max_model_len=640, kv_cache_gib=5), 3, "/hf", torch.device("cuda", 1), 12)
+    assert engine_kind("vllm").launch(req) == LaunchPlan("titan_lora.engines.vllm_server", [
+        "--model", "/hf", "--max-lora-rank", "16", "--max-loras", "4", "--max-cpu-loras", "5",
+        "--max-model-len", "640", "--kv-cache-gib", "5"])
+    assert engine_kind("receiver").launch(req) == LaunchPlan("titan_lora.engines.receiver", ["--device", "cuda:1"])
+
+
+def test_a_registered_plug_in_is_selected_by_name(registry: dict) -> None:
+    mine = register_engine_kind(EngineKind("echo", _echo_emitter))
+    assert engine_kind("echo") is mine and "echo" in kinds.registered_engine_kinds()
+    assert mine.emitter(WeightSync(bucket_mb=7), Engine(pause_mode="abort"), Endpoint("http://e:2")) == (
+        "emitter", 7, "abort", "http://e:2")
+    with pytest.raises(ValueError) as err:
+        register_engine_kind(EngineKind("echo", _echo_emitter))
+    assert str(err.value) == "engine kind 'echo' is already registered"
+
+
+def test_a_plug_in_is_loaded_by_module_and_attribute(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = types.ModuleType("my_engines")
+    module.ECHO = EngineKind("echo", _echo_emitter)
+    module.NOT_A_KIND = object()
+    monkeypatch.setitem(sys.modules, "my_engines", module)
+    assert engine_kind("my_engines:ECHO") is module.ECHO
+    with pytest.raises(ValueError) as err:
+        engine_kind("my_engines:NOT_A_KIND")
+    assert str(err.value) == "[engine] kind = 'my_engines:NOT_A_KIND': 'my_engines:NOT_A_KIND' is not an EngineKind (got object)"
+    with pytest.raises(ValueError, match=r"^\[engine\] kind = 'no_such_pkg:X': cannot load 'no_such_pkg:X' \(No module"):
+        engine_kind("no_such_pkg:X")
+
+
+def test_an_unknown_kind_names_the_known_ones() -> None:
+    with pytest.raises(ValueError) as err:
+        engine_kind("vlm")
+    assert str(err.value) == ("[engine] kind = 'vlm' is not registered; known kinds: receiver, sglang, vllm, "
+                              "vllm-disk (or `package.module:KIND` for a plug-in)")

@@ -1,0 +1,108 @@
+"""Engine kinds: what titan_lora needs to reach one kind of engine and what that kind can do.
+
+One `EngineKind` bundles the emitter, the rollout client, the launcher and the capabilities that
+validation asks (never the kind's name). Built-in kinds load lazily (`module:attribute`), so the
+registry imports no client; a plug-in kind is registered with `register_engine_kind` or named in the
+config as `package.module:KIND`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+
+import torch
+
+from titan_lora.clients.base import Emitter, Endpoint
+from titan_lora.clients.rollout import RolloutClient
+from titan_lora.config import Engine, WeightSync
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchRequest:
+    """What a launcher may read to start an engine for this job."""
+
+    engine: Engine
+    keep_versions: int
+    hf_dir: str
+    device: torch.device
+    lora_rank: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchPlan:
+    """The engine process to start: `python -m module *args`."""
+
+    module: str
+    args: list[str]
+
+
+EmitterFactory = Callable[[WeightSync, Engine, Endpoint], Emitter]
+RolloutFactory = Callable[[Endpoint, WeightSync], RolloutClient]
+Launcher = Callable[[LaunchRequest], LaunchPlan]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineKind:
+    """One kind of engine: how to send it weights, sample from it and start it, and what it can do."""
+
+    name: str
+    emitter: EmitterFactory
+    rollouts: RolloutFactory | None = None
+    """None: the kind runs no inference (no rollouts, no eval, no parity probe)."""
+    launch: Launcher | None = None
+    """None: titan_lora cannot start it; `[engine] url` must name a running one."""
+    shm_buckets: bool = False
+    """On CPU its buckets travel through POSIX shared memory (sized against /dev/shm at start-up)."""
+    max_lora_rank: Callable[[int], int] | None = None
+    """The engine-side rank that holds a LoRA rank; raises when the engine cannot serve it."""
+    check_targets: Callable[[set[str]], None] | None = None
+    """Raises when the engine cannot serve an adapter on these HF leaf names (e.g. q_proj)."""
+
+
+# Built-in kinds load on first use (module:attribute), so importing the registry imports no client.
+_KINDS: dict[str, EngineKind | str] = {
+    "vllm": "titan_lora.clients.vllm:VLLM",
+    "vllm-disk": "titan_lora.clients.disk:VLLM_DISK",
+    "receiver": "titan_lora.clients.vllm:RECEIVER",
+    "sglang": "titan_lora.clients.sglang:SGLANG",
+}
+
+
+def register_engine_kind(kind: EngineKind) -> EngineKind:
+    """Register a plug-in kind under `kind.name`, for `[engine] kind = name`."""
+    if kind.name in _KINDS:
+        raise ValueError(f"engine kind {kind.name!r} is already registered")
+    _KINDS[kind.name] = kind
+    return kind
+
+
+def registered_engine_kinds() -> list[str]:
+    """The names `[engine] kind` accepts (besides `package.module:KIND`)."""
+    return sorted(_KINDS)
+
+
+def _load(ref: str, what: str) -> EngineKind:
+    module, _, attr = ref.partition(":")
+    try:
+        kind = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"{what}: cannot load {ref!r} ({err})") from None
+    if not isinstance(kind, EngineKind):
+        raise ValueError(f"{what}: {ref!r} is not an EngineKind (got {type(kind).__name__})")
+    return kind
+
+
+def engine_kind(name: str) -> EngineKind:
+    """The kind `[engine] kind` names: a registered name or `package.module:KIND`."""
+    what = f"[engine] kind = {name!r}"
+    found = _KINDS.get(name)
+    if found is None:
+        if ":" in name:
+            return _load(name, what)
+        raise ValueError(f"{what} is not registered; known kinds: {', '.join(registered_engine_kinds())} "
+                         "(or `package.module:KIND` for a plug-in)")
+    if isinstance(found, str):
+        found = _KINDS[name] = _load(found, what)
+    return found
