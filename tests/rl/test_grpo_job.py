@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import re
 import time
 
 import pytest
-from job_helpers import kill_tree, launch, scalars, shm_segments, short_config
+from job_helpers import kill_tree, launch, scalars, shm_segments, short_config, unlink_orphaned
 
 DOCUMENTED_TAGS = {
     "train/loss", "train/lr", "train/step_time_s", "train/memory_mib", "train/grad_norm",
@@ -31,9 +30,8 @@ def test_grpo_job_kill_and_resume(tmp_path, smollm2_dir):
         time.sleep(1)
     kill_tree(job.pid)  # torchrun's workers and the engine run in their own process groups
     job.wait()
-    for name in shm_segments() - segments_before:  # a killed process cannot unlink its buffers
-        if name.startswith("psm_"):
-            os.unlink(os.path.join("/dev/shm", name))
+    # A killed process cannot unlink its buffers; other jobs' segments are still mapped and stay.
+    unlink_orphaned({n for n in shm_segments() - segments_before if n.startswith("psm_")})
 
     # The checkpoint on disk, not the log: the kill can land between the write and its log line.
     complete = (tmp_path / "run/checkpoint").glob("step-*/.metadata")
