@@ -240,3 +240,20 @@ def test_without_a_tie_setting_the_base_stream_keeps_lm_head(monkeypatch: pytest
     assert [n for n, _ in syncer.base()][-1] == "lm_head.weight"
 
 
+
+
+def test_the_task_and_reward_are_resolved_before_anything_is_built() -> None:
+    import types
+
+    from titan_lora.compose import check_plugins
+    from titan_lora.config import GRPO
+
+    def job(**grpo) -> types.SimpleNamespace:  # noqa: ANN003
+        return types.SimpleNamespace(grpo=GRPO(**grpo))
+
+    check_plugins(job(enabled=True, task="reverse", reward="exact_match"))
+    check_plugins(job(enabled=False, task="nope"))  # no GRPO: nothing to resolve
+    with pytest.raises(ValueError, match=r"^\[grpo\] task = 'nope' is not registered; known: arith, reverse"):
+        check_plugins(job(enabled=True, task="nope"))
+    with pytest.raises(ValueError, match=r"^\[grpo\] reward = 'exact' is not registered; known: .*exact_match"):
+        check_plugins(job(enabled=True, reward="exact"))

@@ -19,6 +19,8 @@ from titan_lora.clients.launch import EmbeddedEngine
 from titan_lora.clients.rollout import RolloutClient
 from titan_lora.config import Engine, WeightSync
 from titan_lora.rl.objective import GRPOObjective
+from titan_lora.rl.rewards import get_reward
+from titan_lora.rl.task import build_task
 from titan_lora.rl.tasks import arith_prompt, make_problems
 from titan_lora.sync.adapter_source import AdapterSource
 from titan_lora.sync.base_stream import base_weights_source
@@ -103,6 +105,14 @@ def build_sync(job_config, adapter: AdapterSource, built, device: torch.device, 
     return syncer, EngineRollouts(side.rollouts, syncer.versions, syncer.with_engine)
 
 
+def check_plugins(job_config) -> None:  # noqa: ANN001
+    """Resolve the `[grpo]` task and reward by name before anything is built (a typo fails in seconds)."""
+    if job_config.grpo.enabled:
+        build_task(job_config.grpo).problems(1, 0)
+        if job_config.grpo.reward:
+            get_reward(job_config.grpo.reward)
+
+
 def build_objective(job_config, hf_dir: str, dims, device: torch.device, metrics: MetricsLogger,  # noqa: ANN001
                     engine: EngineRollouts | None) -> Objective:
     """The objective the job config asks for: GRPO (`[grpo] enabled`), else SFT."""
@@ -111,7 +121,7 @@ def build_objective(job_config, hf_dir: str, dims, device: torch.device, metrics
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     dp = data_parallel_info(dims)
     if job_config.grpo.enabled:
-        return GRPOObjective(job_config.grpo, tokenizer, engine, dp, device, metrics)
+        return GRPOObjective(job_config.grpo, build_task(job_config.grpo), tokenizer, engine, dp, device, metrics)
     training = job_config.training
     global_batch = training.global_batch_size
     if global_batch <= 0:

@@ -121,10 +121,14 @@ class GRPO:
     """Weight of the k3 KL to the base model (the adapter switched off); 0 skips that forward."""
     max_staleness: int = 1
     """Samples from adapter versions older than (current - max_staleness) are dropped and counted."""
-    reward: str = "exact_match"
-    """A registered reward name or `package.module:function`."""
+    task: str = "arith"
+    """A registered task (arith, reverse) or `package.module:factory` (docs/extending.md)."""
+    reward: str = ""
+    """Empty: the task's own reward; else a registered reward name or `package.module:function`."""
     task_digits: int = 1
+    """arith: operands of up to this many digits."""
     task_ops: str = "+-"
+    """arith: the operators drawn from."""
     train_size: int = 2000
     eval_size: int = 100
     eval_every: int = 5

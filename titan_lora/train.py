@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torchtitan.distributed.utils import clip_grad_norm_
 
-from titan_lora.compose import build_objective, build_sync
+from titan_lora.compose import build_objective, build_sync, check_plugins
 from titan_lora.config import process_group_timeout_s
 from titan_lora.lora.finite import NonFiniteAdapterError, first_nonfinite_adapter
 from titan_lora.sync.adapter_source import AdapterSource
@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     try:
         job_config = load_job_config(sys.argv[1:] if argv is None else argv)
+        check_plugins(job_config)
     except (ValueError, FileNotFoundError) as err:
         print(f"titan_lora: config error: {err}", file=sys.stderr)
         sys.exit(2)

@@ -1,4 +1,5 @@
-"""The engine-kind registry: lazy built-ins, plug-ins by registration or by `module:KIND`, clear errors."""
+"""The engine kinds: lazy built-ins, their capabilities and launchers, plug-ins by registration or by
+`module:KIND` (the registry's own rules: tests/test_registry.py)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,15 @@ from titan_lora.clients import kinds
 from titan_lora.clients.base import Endpoint
 from titan_lora.clients.kinds import EngineKind, LaunchPlan, LaunchRequest, engine_kind, register_engine_kind
 from titan_lora.config import Engine, WeightSync
+from titan_lora.registry import Registry
 
 
 @pytest.fixture
 def registry(monkeypatch: pytest.MonkeyPatch) -> dict:
-    fresh = dict(kinds._KINDS)
+    """A fresh copy of the kind registry for one test; returns its name -> entry table."""
+    fresh = Registry(kinds._KINDS.key, kinds._KINDS.noun, kinds.BUILT_IN_KINDS, EngineKind)
     monkeypatch.setattr(kinds, "_KINDS", fresh)
-    return fresh
+    return fresh._entries
 
 
 def _echo_emitter(ws: WeightSync, engine: Engine, endpoint: Endpoint) -> tuple:
@@ -63,7 +66,7 @@ def test_a_registered_plug_in_is_selected_by_name(registry: dict) -> None:
     assert str(err.value) == "engine kind 'echo' is already registered"
 
 
-def test_a_plug_in_is_loaded_by_module_and_attribute(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_plug_in_is_loaded_by_module_and_attribute(monkeypatch: pytest.MonkeyPatch, registry: dict) -> None:
     module = types.ModuleType("my_engines")
     module.ECHO = EngineKind("echo", _echo_emitter)
     module.NOT_A_KIND = object()
@@ -71,13 +74,14 @@ def test_a_plug_in_is_loaded_by_module_and_attribute(monkeypatch: pytest.MonkeyP
     assert engine_kind("my_engines:ECHO") is module.ECHO
     with pytest.raises(ValueError) as err:
         engine_kind("my_engines:NOT_A_KIND")
-    assert str(err.value) == "[engine] kind = 'my_engines:NOT_A_KIND': 'my_engines:NOT_A_KIND' is not an EngineKind (got object)"
+    assert str(err.value) == "[engine] kind = 'my_engines:NOT_A_KIND': expected EngineKind, got object"
     with pytest.raises(ValueError, match=r"^\[engine\] kind = 'no_such_pkg:X': cannot load 'no_such_pkg:X' \(No module"):
         engine_kind("no_such_pkg:X")
+    assert "my_engines:ECHO" not in registry, "a path is loaded, not registered"
 
 
 def test_an_unknown_kind_names_the_known_ones() -> None:
     with pytest.raises(ValueError) as err:
         engine_kind("vlm")
-    assert str(err.value) == ("[engine] kind = 'vlm' is not registered; known kinds: receiver, sglang, vllm, "
-                              "vllm-disk (or `package.module:KIND` for a plug-in)")
+    assert str(err.value) == ("[engine] kind = 'vlm' is not registered; known: receiver, sglang, vllm, "
+                              "vllm-disk (or `package.module:attribute` for a plug-in)")

@@ -86,9 +86,10 @@ def test_resumed_run_repeats_the_uninterrupted_rewards_exactly(uninterrupted, tm
 
 def test_heldout_answers_are_the_arithmetic_of_their_questions():
     """The accuracy oracle: every problem's answer is what its question asks, computed here from the text."""
-    from titan_lora.rl.tasks import train_and_heldout
+    from titan_lora.rl.task import train_and_heldout
+    from titan_lora.rl.tasks import ArithTask
 
-    train, held = train_and_heldout(2000, 100, seed=0)
+    train, held = train_and_heldout(ArithTask(), 2000, 100, seed=0)
     for p in train + held:
         a, op, b = re.fullmatch(r"What is (\d+) ([+-]) (\d+)\?", p.question).groups()
         assert p.answer == (int(a) + int(b) if op == "+" else int(a) - int(b)), p

@@ -21,6 +21,7 @@ from dist_helpers import run_ranks
 from titan_lora.config import GRPO
 from titan_lora.rl.objective import GRPOObjective, completion_batch
 from titan_lora.rl.rollout import Sample
+from titan_lora.rl.task import build_task
 from titan_lora.trainer.parallel import DataParallelInfo
 
 VOCAB = 64
@@ -57,7 +58,7 @@ def _objective(dp: DataParallelInfo | None = None, **overrides) -> GRPOObjective
     settings = dict(enabled=True, train_size=10, eval_size=2, max_staleness=1, clip_eps=0.2) | overrides
     cfg = GRPO(**settings)
     dp = dp or DataParallelInfo(0, 1, None)
-    return GRPOObjective(cfg, StubTokenizer(), None, dp, torch.device("cpu"), None)
+    return GRPOObjective(cfg, build_task(cfg), StubTokenizer(), None, dp, torch.device("cpu"), None)
 
 
 def _sample(first: int, n_prompt: int, n_completion: int, version: int, advantage: float) -> Sample:

@@ -9,6 +9,7 @@ from titan_lora.clients.rollout import Completion
 from titan_lora.config import GRPO
 from titan_lora.rl.objective import GRPOObjective, fresh_samples
 from titan_lora.rl.rollout import Sample
+from titan_lora.rl.task import build_task
 from titan_lora.sync.engine_access import EngineRollouts
 from titan_lora.sync.versions import AdapterVersions
 from titan_lora.trainer.parallel import DataParallelInfo
@@ -72,7 +73,7 @@ def tokenizer(smollm2_dir):  # noqa: ANN001, ANN201
 def _objective(tokenizer, syncer: FakeSyncer) -> GRPOObjective:  # noqa: ANN001
     cfg = GRPO(enabled=True, prompts_per_step=2, group_size=2, max_new_tokens=4, eval_size=6, eval_every=5)
     engine = EngineRollouts(syncer.rollouts, syncer.versions, syncer.with_engine)
-    return GRPOObjective(cfg, tokenizer, engine, DataParallelInfo(0, 1, None), torch.device("cpu"), None)
+    return GRPOObjective(cfg, build_task(cfg), tokenizer, engine, DataParallelInfo(0, 1, None), torch.device("cpu"), None)
 
 
 def test_rollouts_run_through_the_engine_recovery(tokenizer) -> None:

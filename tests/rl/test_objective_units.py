@@ -28,6 +28,7 @@ from titan_lora.config import GRPO
 from titan_lora.rl import objective
 from titan_lora.rl.objective import GRPOObjective, completion_batch, fresh_samples
 from titan_lora.rl.rollout import Sample
+from titan_lora.rl.task import build_task
 from titan_lora.sync.engine_access import EngineRollouts
 from titan_lora.sync.versions import Lease
 from titan_lora.trainer.parallel import DataParallelInfo
@@ -183,8 +184,8 @@ class RecordingTokenizer(StubTokenizer):
 
 def test_without_rollouts_samples_are_the_answers_and_scrambled_ones(monkeypatch: pytest.MonkeyPatch) -> None:
     tok = RecordingTokenizer()
-    obj = GRPOObjective(GRPO(enabled=True, train_size=10, eval_size=2, rollouts=False, group_size=4,
-                             prompts_per_step=2), tok, None, DataParallelInfo(0, 1, None), torch.device("cpu"), None)
+    cfg = GRPO(enabled=True, train_size=10, eval_size=2, rollouts=False, group_size=4, prompts_per_step=2)
+    obj = GRPOObjective(cfg, build_task(cfg), tok, None, DataParallelInfo(0, 1, None), torch.device("cpu"), None)
     monkeypatch.setattr(objective.dist, "get_rank", lambda: 0)
     tok.texts.clear()
     samples = obj._samples(STEP)
@@ -193,13 +194,13 @@ def test_without_rollouts_samples_are_the_answers_and_scrambled_ones(monkeypatch
     assert len(samples) == 8
     for i, s in enumerate(samples):
         p, g = problems[i // 4], i % 4
-        answer = str(p.answer if g % 2 == 0 else p.answer + g)
+        answer = str(p.answer) + ("" if g % 2 == 0 else str(g))
         assert s.text == answer and s.reward == float(g % 2 == 0) and s.version == STEP - 1
         assert s.prompt_ids == obj.encode(p)
         assert s.completion_ids == tok(answer + "<eos>", add_special_tokens=False)["input_ids"]
         assert s.engine_logprobs == [0.0] * len(s.completion_ids)
         assert s.advantage == pytest.approx(0.5 / (0.5 + 1e-6) * (1 if g % 2 == 0 else -1))
-    assert (str(problems[0].answer + 1) + "<eos>", False) in asked and all(flag is False for _, flag in asked)
+    assert (str(problems[0].answer) + "1<eos>", False) in asked and all(flag is False for _, flag in asked)
 
 
 class Syncer:
@@ -228,7 +229,7 @@ def _with(syncer: Syncer | None, **cfg) -> tuple[GRPOObjective, MetricsLog]:  # 
     log = MetricsLog()
     settings = dict(enabled=True, train_size=10, eval_size=2, eval_every=5) | cfg
     engine = None if syncer is None else EngineRollouts(syncer.rollouts, syncer.versions, syncer.with_engine)
-    obj = GRPOObjective(GRPO(**settings), StubTokenizer(), engine, DataParallelInfo(0, 1, None),
+    obj = GRPOObjective(GRPO(**settings), build_task(GRPO(**settings)), StubTokenizer(), engine, DataParallelInfo(0, 1, None),
                         torch.device("cpu"), log)
     return obj, log
 
@@ -305,7 +306,8 @@ class PaddedTokenizer(RecordingTokenizer):
 
 def test_the_objective_reads_pad_stop_and_prompts_from_the_tokenizer() -> None:
     tok = PaddedTokenizer()
-    obj = GRPOObjective(GRPO(enabled=True, train_size=10, eval_size=2, task_ops="+"), tok, None,
+    cfg = GRPO(enabled=True, train_size=10, eval_size=2, task_ops="+")
+    obj = GRPOObjective(cfg, build_task(cfg), tok, None,
                         DataParallelInfo(0, 1, None), torch.device("cpu"), None)
     assert obj.pad_id == 7 and obj.stop_ids == [PAD] and obj.device == torch.device("cpu")
     assert all(" + " in p.question for p in obj.train_problems + obj.heldout), "the configured operators"

@@ -1,7 +1,7 @@
 """Engine kinds: what titan_lora needs to reach one kind of engine and what that kind can do.
 
 One `EngineKind` bundles the emitter, the rollout client, the launcher and the capabilities that
-validation asks (never the kind's name). Built-in kinds load lazily (`module:attribute`), so the
+validation asks (never the kind's name). Built-in kinds load lazily (`titan_lora.registry`), so the
 registry imports no client; a plug-in kind is registered with `register_engine_kind` or named in the
 config as `package.module:KIND`.
 """
@@ -9,7 +9,6 @@ config as `package.module:KIND`.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections.abc import Callable
 
 import torch
@@ -17,6 +16,7 @@ import torch
 from titan_lora.clients.base import Emitter, Endpoint
 from titan_lora.clients.rollout import RolloutClient
 from titan_lora.config import Engine, WeightSync
+from titan_lora.registry import Registry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,48 +61,25 @@ class EngineKind:
     """Raises when the engine cannot serve an adapter on these HF leaf names (e.g. q_proj)."""
 
 
-# Built-in kinds load on first use (module:attribute), so importing the registry imports no client.
-_KINDS: dict[str, EngineKind | str] = {
+BUILT_IN_KINDS = {
     "vllm": "titan_lora.clients.vllm:VLLM",
     "vllm-disk": "titan_lora.clients.disk:VLLM_DISK",
     "receiver": "titan_lora.clients.vllm:RECEIVER",
     "sglang": "titan_lora.clients.sglang:SGLANG",
 }
+_KINDS: Registry[EngineKind] = Registry("[engine] kind", "engine kind", BUILT_IN_KINDS, accept=EngineKind)
 
 
 def register_engine_kind(kind: EngineKind) -> EngineKind:
     """Register a plug-in kind under `kind.name`, for `[engine] kind = name`."""
-    if kind.name in _KINDS:
-        raise ValueError(f"engine kind {kind.name!r} is already registered")
-    _KINDS[kind.name] = kind
-    return kind
+    return _KINDS.register(kind.name, kind)
 
 
 def registered_engine_kinds() -> list[str]:
     """The names `[engine] kind` accepts (besides `package.module:KIND`)."""
-    return sorted(_KINDS)
-
-
-def _load(ref: str, what: str) -> EngineKind:
-    module, _, attr = ref.partition(":")
-    try:
-        kind = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"{what}: cannot load {ref!r} ({err})") from None
-    if not isinstance(kind, EngineKind):
-        raise ValueError(f"{what}: {ref!r} is not an EngineKind (got {type(kind).__name__})")
-    return kind
+    return _KINDS.names()
 
 
 def engine_kind(name: str) -> EngineKind:
     """The kind `[engine] kind` names: a registered name or `package.module:KIND`."""
-    what = f"[engine] kind = {name!r}"
-    found = _KINDS.get(name)
-    if found is None:
-        if ":" in name:
-            return _load(name, what)
-        raise ValueError(f"{what} is not registered; known kinds: {', '.join(registered_engine_kinds())} "
-                         "(or `package.module:KIND` for a plug-in)")
-    if isinstance(found, str):
-        found = _KINDS[name] = _load(found, what)
-    return found
+    return _KINDS.get(name)

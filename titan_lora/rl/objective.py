@@ -15,7 +15,7 @@ from titan_lora.lora.layer import adapters_disabled
 from titan_lora.rl.grpo import clipped_policy_loss, group_advantages, k3_kl
 from titan_lora.rl.rewards import get_reward
 from titan_lora.rl.rollout import Sample, greedy_accuracy, sample_groups, share
-from titan_lora.rl.tasks import arith_prompt, train_and_heldout
+from titan_lora.rl.task import Task, task_prompt, train_and_heldout
 from titan_lora.sync.engine_access import EngineRollouts
 from titan_lora.trainer.parallel import DataParallelInfo
 from titan_lora.transfer.errors import TransferError
@@ -59,18 +59,19 @@ def token_logprobs(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor)
 class GRPOObjective:
     """One GRPO step per optimizer step, near-on-policy by default (staleness <= 1, one minibatch)."""
 
-    def __init__(self, cfg: GRPO, tokenizer, engine: EngineRollouts | None, dp: DataParallelInfo,  # noqa: ANN001
-                 device: torch.device, metrics_logger) -> None:  # noqa: ANN001
+    def __init__(self, cfg: GRPO, task: Task, tokenizer, engine: EngineRollouts | None,  # noqa: ANN001
+                 dp: DataParallelInfo, device: torch.device, metrics_logger) -> None:  # noqa: ANN001
         self.cfg = cfg
+        self.task = task
         self.tokenizer = tokenizer
         self.engine = engine
         self.dp = dp
         self.device = device
         self.metrics_logger = metrics_logger
-        self.reward = get_reward(cfg.reward)
-        self.train_problems, self.heldout = train_and_heldout(
-            cfg.train_size, cfg.eval_size, cfg.seed, cfg.task_digits, cfg.task_ops)
-        self.encode = lambda p: tokenizer(arith_prompt(tokenizer, p.question), add_special_tokens=False)["input_ids"]
+        self.reward = get_reward(cfg.reward) if cfg.reward else task.reward
+        self.train_problems, self.heldout = train_and_heldout(task, cfg.train_size, cfg.eval_size, cfg.seed)
+        self.encode = lambda p: tokenizer(task_prompt(tokenizer, task, p.question),
+                                          add_special_tokens=False)["input_ids"]
         self.heldout_ids = [self.encode(p) for p in self.heldout]
         self.stop_ids = [tokenizer.eos_token_id]
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -131,7 +132,7 @@ class GRPOObjective:
         for p in problems:
             prompt = self.encode(p)
             for g in range(self.cfg.group_size):
-                answer = str(p.answer if g % 2 == 0 else p.answer + g)
+                answer = str(p.answer) + ("" if g % 2 == 0 else str(g))  # any suffix makes it wrong
                 ids = self.tokenizer(answer + self.tokenizer.eos_token, add_special_tokens=False)["input_ids"]
                 out.append(Sample(prompt, ids, [0.0] * len(ids), float(g % 2 == 0), 0.0, step - 1, answer))
         adv = group_advantages(torch.tensor([s.reward for s in out]), self.cfg.group_size)

@@ -1,4 +1,4 @@
-"""The arithmetic task: seeded prompts, a held-out split, and the exact-match answer parser."""
+"""The arithmetic task (`[grpo] task = "arith"`): seeded `a op b` questions and the exact-match reward."""
 
 from __future__ import annotations
 
@@ -6,18 +6,12 @@ import dataclasses
 import random
 import re
 
+from titan_lora.config import GRPO
 from titan_lora.model.chat import chat_prompt
+from titan_lora.rl.task import Problem
 
 INSTRUCTION = "Answer with just the number."
 _LAST_INT = re.compile(r"-?\d+")
-
-
-@dataclasses.dataclass(frozen=True)
-class Problem:
-    """One arithmetic question and its answer."""
-
-    question: str
-    answer: int
 
 
 def make_problems(n: int, seed: int, max_digits: int = 1, ops: str = "+-") -> list[Problem]:
@@ -29,16 +23,6 @@ def make_problems(n: int, seed: int, max_digits: int = 1, ops: str = "+-") -> li
         a, b, op = rng.randint(0, hi), rng.randint(0, hi), rng.choice(ops)
         out.append(Problem(f"What is {a} {op} {b}?", a + b if op == "+" else a - b))
     return out
-
-
-def train_and_heldout(n_train: int, n_heldout: int, seed: int, max_digits: int = 1, ops: str = "+-"):  # noqa: ANN201
-    """Disjoint train and held-out problem lists (held-out questions never appear in train)."""
-    heldout = make_problems(n_heldout, seed + 1_000_000, max_digits, ops)
-    held_q = {p.question for p in heldout}
-    pool = [p for p in make_problems(n_train * 3, seed, max_digits, ops) if p.question not in held_q]
-    if len(pool) < n_train:
-        raise ValueError(f"only {len(pool)} distinct training problems for {max_digits} digit(s); lower the count")
-    return pool[:n_train], heldout
 
 
 def arith_prompt(tokenizer, question: str) -> str:  # noqa: ANN001
@@ -55,3 +39,25 @@ def parse_answer(text: str) -> int | None:
 def exact_match(completion: str, problem: Problem) -> float:
     """1.0 when the completion's last integer equals the answer, else 0.0."""
     return 1.0 if parse_answer(completion) == problem.answer else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ArithTask:
+    """Addition and subtraction of operands with up to `max_digits` digits, answered as an integer."""
+
+    max_digits: int = 1
+    ops: str = "+-"
+    instruction: str = INSTRUCTION
+
+    def problems(self, n: int, seed: int) -> list[Problem]:
+        """`n` seeded problems."""
+        return make_problems(n, seed, self.max_digits, self.ops)
+
+    def reward(self, completion: str, problem: Problem) -> float:
+        """Exact match of the completion's last integer."""
+        return exact_match(completion, problem)
+
+
+def arith_task(cfg: GRPO) -> ArithTask:
+    """The task from `[grpo] task_digits` and `task_ops`."""
+    return ArithTask(cfg.task_digits, cfg.task_ops)

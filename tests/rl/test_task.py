@@ -1,0 +1,77 @@
+"""The task registry (`[grpo] task`): built-in tasks from their section, plug-ins by name or path, the
+shared prompt and the disjoint train / held-out split."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from titan_lora.config import GRPO
+from titan_lora.rl import task as task_mod
+from titan_lora.rl.reverse import ReverseTask
+from titan_lora.rl.task import Problem, build_task, register_task, task_prompt, train_and_heldout
+from titan_lora.rl.tasks import ArithTask
+
+
+class EchoTask:
+    """A plug-in task: the answer is the question's number."""
+
+    instruction = "Repeat the number."
+
+    def problems(self, n: int, seed: int) -> list[Problem]:
+        return [Problem(f"Say {seed + i}.", seed + i) for i in range(n)]
+
+    def reward(self, completion: str, problem: Problem) -> float:
+        return float(completion.strip() == str(problem.answer))
+
+
+def test_the_built_in_tasks_are_built_from_the_grpo_section() -> None:
+    assert build_task(GRPO()) == ArithTask(1, "+-")
+    assert build_task(GRPO(task_digits=3, task_ops="-")) == ArithTask(3, "-")
+    assert build_task(GRPO(task="reverse")) == ReverseTask()
+
+
+def test_a_registered_task_and_a_task_by_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(task_mod._TASKS, "_entries", dict(task_mod._TASKS._entries))
+    register_task("echo", lambda cfg: EchoTask())
+    assert isinstance(build_task(GRPO(task="echo")), EchoTask)
+    module = types.ModuleType("my_tasks")
+    module.echo = lambda cfg: EchoTask()
+    monkeypatch.setitem(sys.modules, "my_tasks", module)
+    assert build_task(GRPO(task="my_tasks:echo")).problems(2, 5) == [Problem("Say 5.", 5), Problem("Say 6.", 6)]
+    with pytest.raises(ValueError) as err:
+        register_task("arith", lambda cfg: EchoTask())
+    assert str(err.value) == "task 'arith' is already registered"
+
+
+def test_an_unknown_task_names_the_known_ones() -> None:
+    with pytest.raises(ValueError) as err:
+        build_task(GRPO(task="arithmetic"))
+    assert str(err.value) == ("[grpo] task = 'arithmetic' is not registered; known: arith, reverse "
+                              "(or `package.module:attribute` for a plug-in)")
+
+
+class ChatTokenizer:
+    def apply_chat_template(self, messages: list, tokenize: bool, add_generation_prompt: bool) -> str:
+        return f"<user>{messages[0]['content']}<assistant>"
+
+
+def test_the_prompt_is_the_question_and_the_tasks_instruction_in_the_chat_template() -> None:
+    assert task_prompt(ChatTokenizer(), EchoTask(), "Say 3.") == "<user>Say 3. Repeat the number.<assistant>"
+    assert task_prompt(ChatTokenizer(), ArithTask(), "What is 1 + 2?") == (
+        "<user>What is 1 + 2? Answer with just the number.<assistant>")
+
+
+def test_train_and_heldout_are_disjoint_and_seeded_for_any_task() -> None:
+    for task in (ArithTask(max_digits=2), ReverseTask()):
+        train, held = train_and_heldout(task, 50, 20, seed=1)
+        assert len(train) == 50 and len(held) == 20
+        assert not {p.question for p in train} & {p.question for p in held}
+        assert (train, held) == train_and_heldout(task, 50, 20, seed=1)
+    one_question = types.SimpleNamespace(problems=lambda n, seed: [Problem("Say 1.", 1)] * n)
+    with pytest.raises(ValueError) as err:  # the held-out set takes the only question there is
+        train_and_heldout(one_question, 5, 2, seed=0)
+    assert str(err.value) == ("the task has only 0 training problems outside the held-out set for [grpo] "
+                              "train_size = 5; lower train_size or widen the task (e.g. task_digits)")
