@@ -1,0 +1,39 @@
+"""Fixtures of the in-process WeightSyncer tests: `sleeps` records back-off and polling delays instead of
+sleeping, and `rig` builds a WeightSyncer on one rank (no process group) around the fakes of
+inprocess_rig.py, closing each syncer's retirer after the test. Test files in this directory that define
+their own `sleeps` (test_retries.py) keep theirs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from inprocess_rig import Base, Emitter, Engine, Probe, Rig, Source, cfg
+
+from titan_lora.sync import syncer as syncer_mod
+from titan_lora.sync.syncer import WeightSyncer
+
+
+@pytest.fixture
+def sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """Back-off and polling delays, recorded instead of slept."""
+    delays: list[float] = []
+    monkeypatch.setattr(syncer_mod.time, "sleep", delays.append)
+    return delays
+
+
+@pytest.fixture
+def rig(sleeps):  # noqa: ANN001, ANN201
+    """make(**cfg overrides, engine=False, probe=None) -> Rig; every syncer made is closed after the test."""
+    made: list[WeightSyncer] = []
+
+    def make(engine: bool = False, probe: Probe | None = None, **overrides) -> Rig:  # noqa: ANN003
+        em, src, base = Emitter(), Source(), Base()
+        eng = Engine() if engine else None
+        s = WeightSyncer(src, base, em, cfg(**overrides), torch.device("cpu"), engine=eng, probe=probe)
+        made.append(s)
+        return Rig(s, em, src, base, eng, probe)
+
+    yield make
+    for s in made:
+        s.retirer.close()
