@@ -16,7 +16,7 @@ from titan_lora.clients.base import AdapterPayload
 from titan_lora.clients.vllm import VLLMBucketEmitter
 from titan_lora.transfer.errors import TransferError
 from titan_lora.transfer.protocol import EngineLimits
-from titan_lora.transfer.transport import home_of, shared_tensor
+from titan_lora.transfer.transport import lend_buffer
 
 TENSOR_BYTES = 64 * 1024 * 4
 Make = Callable[..., VLLMBucketEmitter]  # the emitter_for fixture
@@ -150,17 +150,21 @@ def test_a_failed_base_bucket_stops_the_base_transfer(emitter_for: Make) -> None
 
 
 def test_tensors_already_in_shared_memory_go_in_place_with_their_checksum(emitter_for: Make) -> None:
-    flat = shared_tensor(4 * 64 * 1024, torch.float32, torch.device("cpu"))  # as the gatherer writes it
+    flat, buf = lend_buffer(4 * 64 * 1024, torch.float32, torch.device("cpu"))  # as the gatherer writes it
     flat.copy_(torch.randn(flat.numel(), generator=torch.Generator().manual_seed(1)))
-    payload = AdapterPayload("policy-v5", 5, {f"t{i}": flat[i * 65536 : (i + 1) * 65536] for i in range(4)},
-                             {"r": 8, "lora_alpha": 8})
+    tensors = {f"t{i}": flat[i * 65536 : (i + 1) * 65536] for i in range(4)}
+    payload = AdapterPayload("policy-v5", 5, tensors, {"r": 8, "lora_alpha": 8}, home=buf)
     engine = ReadingEngine(delay_s=0.005)
     emitter = emitter_for(engine)
     emitter.send_adapter(payload)
-    buf, _ = home_of(flat)
     assert [b["segment"] for b in engine.bodies] == [buf.describe(k * TENSOR_BYTES) for k in range(4)]
     assert emitter._buffers == [], "no packing buffer is needed for tensors already in shared memory"
     assert all(torch.equal(engine.adapters["policy-v5"][n], t) for n, t in payload.tensors.items())
+    # The same tensors without the buffer named in the payload are packed: nothing is looked up.
+    engine.bodies.clear()
+    emitter.send_adapter(AdapterPayload("policy-v6", 6, tensors, {"r": 8, "lora_alpha": 8}))
+    assert all(b["segment"]["name"] != buf.describe()["name"] for b in engine.bodies) and emitter._buffers
+    assert all(torch.equal(engine.adapters["policy-v6"][n], t) for n, t in tensors.items())
 
 
 # ---- the engine's info and unload routes, request bodies, phase times, buffers ----------------------

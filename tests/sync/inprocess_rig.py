@@ -44,10 +44,7 @@ class Source:
         self.snapshots.append(version)
         tensors = {"m.q_proj.lora_A.weight": torch.full((2, 4), float(version)),
                    "m.q_proj.lora_B.weight": torch.zeros(4, 2)}
-        return AdapterPayload(versioned_name("policy", version), version, tensors, {"r": 2})
-
-    def snapshot_is_finite(self) -> bool:
-        return self.finite
+        return AdapterPayload(versioned_name("policy", version), version, tensors, {"r": 2}, finite=self.finite)
 
 
 class Base:

@@ -9,6 +9,7 @@ from model_helpers import DEBUG_LORA, build_from, job_config_from, randomize_ada
 from titan_lora.export.peft import to_peft_names
 from titan_lora.lora.layer import adapter_params
 from titan_lora.sync.adapter_source import AdapterSource
+from titan_lora.transfer.transport import offset_in
 
 
 def _compare(rank: int, world: int) -> None:
@@ -25,15 +26,16 @@ def _compare(rank: int, world: int) -> None:
         for name, tensor in expected.items():
             assert torch.equal(payload.tensors[name], tensor), name
         assert payload.nbytes == sum(t.numel() * t.element_size() for t in expected.values())
-        assert source.snapshot_is_finite()
+        assert payload.finite and payload.home is not None
+        assert all(offset_in(payload.home, t) is not None for t in payload.tensors.values()), "in the lent buffer"
     else:
         assert payload is None
     with torch.no_grad():  # every rank poisons its own shard of the first adapter tensor
         first = params[0][1]
         (first.to_local() if hasattr(first, "to_local") else first).fill_(float("nan"))
-    source.snapshot(version=8)  # collective: every rank takes part
+    poisoned = source.snapshot(version=8)  # collective: every rank takes part
     if rank == 0:
-        assert not source.snapshot_is_finite()
+        assert not poisoned.finite
 
 
 def test_snapshot_equals_peft_export_on_two_fsdp_ranks():

@@ -1,6 +1,6 @@
-"""Shared buffers: a tensor from `shared_tensor` is found again from any view; an engine-side mapping of
-its descriptor (with the bucket's byte offset) sees the same bytes; each buffer gets its own mapping,
-only bare segment names are mapped, and mappings of removed segments are released."""
+"""Shared buffers: a lent tensor's views are located in their buffer; an engine-side mapping of its
+descriptor (with the bucket's byte offset) sees the same bytes; each buffer gets its own mapping, only
+bare segment names are mapped, and mappings of removed segments are released."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from titan_lora.transfer import transport
-from titan_lora.transfer.transport import BucketBuffer, BufferCache, home_of, make_buffers, shared_tensor
+from titan_lora.transfer.transport import BucketBuffer, BufferCache, lend_buffer, make_buffers, offset_in
 
 
-def test_a_view_of_a_shared_tensor_is_sent_in_place_from_its_offset() -> None:
-    full = shared_tensor(1000, torch.float32, torch.device("cpu"))
-    assert torch.count_nonzero(full) == 0, "shared tensors start zeroed"
+def test_a_view_of_a_lent_tensor_is_sent_in_place_from_its_offset() -> None:
+    full, buf = lend_buffer(1000, torch.float32, torch.device("cpu"))
+    assert torch.count_nonzero(full) == 0, "lent tensors start zeroed"
     view = full[100:164]
     view.copy_(torch.arange(64, dtype=torch.float32))
-    buf, offset = home_of(view)
+    offset = offset_in(buf, view)
     assert offset == 400, "offset in bytes from the buffer's start"
 
     engine_side = BufferCache()  # holds the mapping open, as the engine does
@@ -29,8 +29,10 @@ def test_a_view_of_a_shared_tensor_is_sent_in_place_from_its_offset() -> None:
     assert torch.equal(mapped[: 64 * 4].view(torch.float32), view)
 
 
-def test_plain_tensors_have_no_home() -> None:
-    assert home_of(torch.zeros(8)) is None
+def test_a_tensor_elsewhere_has_no_offset_in_the_buffer() -> None:
+    _, buf = lend_buffer(8, torch.float32, torch.device("cpu"))
+    other, _ = lend_buffer(8, torch.float32, torch.device("cpu"))
+    assert offset_in(buf, torch.zeros(8)) is None and offset_in(buf, other[2:]) is None
 
 
 def test_an_engine_that_cannot_see_the_segment_refuses_instead_of_reading_zeros() -> None:
@@ -265,20 +267,19 @@ def test_shared_memory_that_cannot_be_reserved_names_the_fix(monkeypatch: pytest
     assert made and not os.path.exists(os.path.join(transport.SHM_DIR, made[0])), "the segment was removed"
 
 
-def test_shared_tensors_are_sized_by_their_dtype() -> None:
-    t = shared_tensor(6, torch.bfloat16, torch.device("cpu"))
-    buf, offset = home_of(t)
-    assert (t.dtype, t.shape, offset, buf.size) == (torch.bfloat16, (6,), 0, 12)
+def test_lent_tensors_are_sized_by_their_dtype() -> None:
+    t, buf = lend_buffer(6, torch.bfloat16, torch.device("cpu"))
+    assert (t.dtype, t.shape, offset_in(buf, t), buf.size) == (torch.bfloat16, (6,), 0, 12)
 
 
-def test_without_shared_memory_a_shared_tensor_is_a_plain_zeroed_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_shared_memory_a_lent_tensor_is_a_plain_zeroed_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
     def no_shm(size: int, device: torch.device) -> None:
         raise OSError("no /dev/shm")
 
     monkeypatch.setattr(transport, "BucketBuffer", no_shm)
-    t = shared_tensor(5, torch.bfloat16, torch.device("cpu"))
+    t, buf = lend_buffer(5, torch.bfloat16, torch.device("cpu"))
     assert (t.shape, t.dtype, t.device) == ((5,), torch.bfloat16, torch.device("cpu"))
-    assert torch.count_nonzero(t) == 0 and home_of(t) is None
+    assert torch.count_nonzero(t) == 0 and buf is None
 
 
 def test_a_missing_segment_says_where_the_engine_must_run() -> None:
@@ -297,9 +298,9 @@ def test_a_cuda_buffer_without_an_event_has_an_empty_event_handle(fake_cuda, mon
     assert (desc["event_handle"], desc["event_sync"]) == ("", False)
 
 
-def test_without_a_transport_a_shared_tensor_stays_on_its_device() -> None:
-    t = shared_tensor(3, torch.float16, torch.device("meta"))  # no bucket transport on "meta": a plain tensor
-    assert (t.device.type, t.dtype, t.shape) == ("meta", torch.float16, (3,)) and home_of(t) is None
+def test_without_a_transport_a_lent_tensor_stays_on_its_device() -> None:
+    t, buf = lend_buffer(3, torch.float16, torch.device("meta"))  # no bucket transport on "meta": a plain tensor
+    assert (t.device.type, t.dtype, t.shape) == ("meta", torch.float16, (3,)) and buf is None
 
 
 def test_one_buffer_is_one_mapping_whatever_the_key_order_and_offset() -> None:

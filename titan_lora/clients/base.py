@@ -14,6 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from titan_lora.transfer.protocol import Ack, EngineLimits
+from titan_lora.transfer.transport import BucketBuffer
 
 # (HF name, tensor) pairs, produced one by one (each may run a collective); a mapping is taken as its items.
 BaseTensors = Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
@@ -32,6 +33,10 @@ class AdapterPayload:
     version: int
     tensors: Mapping[str, torch.Tensor]
     peft_config: Mapping[str, Any]
+    home: BucketBuffer | None = None
+    """The shared buffer the tensors lie in (the gatherer's output), so they go with no packing copy."""
+    finite: bool = True
+    """False when a tensor holds NaN or Inf: it must not be sent."""
 
     @property
     def num_tensors(self) -> int:

@@ -2,9 +2,9 @@
 
 Bucket k is packed into buffer k % 2 while bucket k-1 is being copied out by the engine; a buffer is
 packed again only after the engine acknowledged that it copied the bucket it held (the overwrite
-race of verl #5934 cannot happen). A bucket whose tensors already lie in a shared buffer (the
-gatherer writes the adapter into one, from `transport.shared_tensor`) goes as it is, with no packing
-copy: that buffer is written again only by the next gather, after this transfer is acknowledged.
+race of verl #5934 cannot happen). A bucket whose tensors already lie in the shared buffer the payload
+names (the gatherer writes the adapter into one, from `transport.lend_buffer`) goes as it is, with no
+packing copy: that buffer is written again only by the next gather, after this transfer is acknowledged.
 The adapter's commit rides on its last bucket. Every bucket carries the checksum of its bytes as sent
 (`buckets.bucket_checksum`); the engine acks the checksum of the copy it holds, and any difference fails
 the transfer. The base is packed as its tensors arrive (a generator whose every step may run a
@@ -45,7 +45,7 @@ from titan_lora.transfer.buckets import (
 )
 from titan_lora.transfer.errors import LayoutUnknownToEngine, TransferError
 from titan_lora.transfer.protocol import Ack, EngineLimits
-from titan_lora.transfer.transport import BucketBuffer, home_of, make_buffers
+from titan_lora.transfer.transport import BucketBuffer, make_buffers, offset_in
 
 T = TypeVar("T")
 
@@ -190,15 +190,16 @@ class VLLMBucketEmitter:
             self._buffers = []
             raise TransferError(str(err)) from err
 
-    def _plan_for(self, tensors: Mapping[str, torch.Tensor]) -> list[_PlannedBucket]:
+    def _plan_for(self, tensors: Mapping[str, torch.Tensor], shared: BucketBuffer | None) -> list[_PlannedBucket]:
         """Buckets for `tensors`, reused while names, shapes, dtypes and storage stay the same (the
-        gatherer hands out the same views every sync)."""
-        key = tuple((name, t.data_ptr(), t.shape, t.dtype) for name, t in tensors.items())
+        gatherer hands out the same views every sync); a run that lies in `shared` goes from there."""
+        key = (id(shared), *((name, t.data_ptr(), t.shape, t.dtype) for name, t in tensors.items()))
         if key != self._plan_key:
             self._plan = []
             for entries in plan_buckets(tensors, self.bucket_bytes):
                 run = one_run(entries, tensors)
-                home = None if run is None else home_of(run)
+                offset = None if run is None or shared is None else offset_in(shared, run)
+                home = None if offset is None else (shared, offset)
                 self._plan.append(
                     _PlannedBucket(entries, run, layout_id(entries), bucket_size(entries), home))
             self._plan_key = key
@@ -215,10 +216,11 @@ class VLLMBucketEmitter:
             raise
 
     def _post_planned(
-        self, transfer: _Transfer, tensors: Mapping[str, torch.Tensor], commit: dict | None
+        self, transfer: _Transfer, tensors: Mapping[str, torch.Tensor], shared: BucketBuffer | None,
+        commit: dict | None,
     ) -> None:
         """Post `tensors` in planned buckets; `commit` rides on the last one."""
-        buckets = self._plan_for(tensors)
+        buckets = self._plan_for(tensors, shared)
         to_pack = [b for b in buckets if b.home is None]
         if to_pack:
             self._ensure_buffers(max(b.size for b in to_pack), next(iter(tensors.values())).device)
@@ -314,7 +316,8 @@ class VLLMBucketEmitter:
     def send_adapter(self, payload: AdapterPayload) -> Ack:
         """Stream the adapter; the last bucket asks the engine to register it under `payload.name`."""
         commit = {"name": payload.name, "version": payload.version, "peft_config": dict(payload.peft_config)}
-        _, streamed = self._transfer("adapter", lambda tr: self._post_planned(tr, payload.tensors, commit))
+        _, streamed = self._transfer("adapter", lambda tr: self._post_planned(tr, payload.tensors, payload.home,
+                                                                             commit))
         self._check(f"adapter {payload.name}", payload.num_tensors, payload.nbytes, streamed)
         ack = streamed.commit
         if ack is None:

@@ -47,11 +47,9 @@ class AdapterSource:
             version=version,
             tensors=dict(zip(self.peft_names, gathered.values())),
             peft_config=self.config,
+            home=self.gatherer.home,
+            finite=self.gatherer.all_finite(),  # one kernel, one host sync
         )
-
-    def snapshot_is_finite(self) -> bool:
-        """Rank 0: True when the last snapshot holds no NaN or Inf (one kernel, one host sync)."""
-        return self.gatherer.all_finite()
 
     def export(self, path: str | Path) -> Path | None:
         """Collective. Rank 0 writes a PEFT directory (adapter_config.json + safetensors) to `path`."""

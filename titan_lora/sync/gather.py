@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titan_lora.transfer.buckets import ALIGN
 from titan_lora.transfer.host_copy import balanced_cut, in_two
-from titan_lora.transfer.transport import shared_tensor
+from titan_lora.transfer.transport import lend_buffer
 
 # Maps a tensor of output positions, laid out as the output wants the param, into the trainer's
 # layout of that param (e.g. undoing a row permutation), so the scatter writes the output layout.
@@ -166,8 +166,8 @@ class ShardGatherer:
         # One extra slot at the end soaks up the padding of ranks whose shard is smaller. Zeros: the
         # alignment gaps between tensors are never written and must stay finite. Shared memory (or
         # CUDA IPC): a bucket emitter hands the engine this very buffer, with no packing copy.
-        self._full = (shared_tensor(self.total_numel + 1, self.dtype, device) if is_dst
-                      else torch.empty(0, dtype=self.dtype))
+        self._full, self.home = (lend_buffer(self.total_numel + 1, self.dtype, device) if is_dst
+                                 else (torch.empty(0, dtype=self.dtype), None))
         scatter = scatter or ("runs" if device.type == "cpu" else "index")
         if scatter not in ("runs", "index"):
             raise ValueError(f"scatter must be 'runs' or 'index', got {scatter!r}")

@@ -312,7 +312,7 @@ class WeightSyncer:
         t0 = time.perf_counter()
         payload = self.source.snapshot(version)  # collective
         metrics: dict[str, float] = {"gather_ms": (time.perf_counter() - t0) * 1e3}
-        self._check_finite(version)
+        self._check_finite(payload, version)
         self._base_ms = None
         metrics |= self._recovering(lambda: self._transfer(payload, version),
                                     f"syncing adapter version {version}", republish=False)
@@ -325,8 +325,8 @@ class WeightSyncer:
         self.last_metrics = {f"sync/{k}": float(v) for k, v in {**metrics, **self.counters}.items()}
         return self.last_metrics
 
-    def _check_finite(self, version: int) -> None:
-        finite = share(self.source.snapshot_is_finite() if self.emitter is not None else None)
+    def _check_finite(self, payload: AdapterPayload | None, version: int) -> None:
+        finite = share(payload.finite if self.emitter is not None else None)
         if not finite:
             active = self.versions.active
             raise NonFiniteAdapterError(

@@ -95,34 +95,36 @@ def make_buffers(n: int, size: int, device: torch.device) -> list[BucketBuffer]:
     return [BucketBuffer(size, device) for _ in range(n)]
 
 
-# Buffers handed out by `shared_tensor`, by the address of their first byte.
-_HOMES: dict[int, BucketBuffer] = {}
+# Lent buffers live as long as the process (their tensors may outlive any owner); names go at exit.
+_LENT: list[BucketBuffer] = []
 
 
 @atexit.register
-def _unlink_homes() -> None:
+def _unlink_lent() -> None:
     """Remove the shared-memory names at exit (the mappings go with the process)."""
-    for buf in _HOMES.values():
+    for buf in _LENT:
         if buf._shm is not None:
             buf._shm.unlink()
 
 
-def shared_tensor(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed tensor that an engine process can map, so that what is written into it needs no copy
-    into a bucket (a plain tensor where the host has no shared memory to spare)."""
+def lend_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, BucketBuffer | None]:
+    """A zeroed tensor that an engine process can map, and the buffer it lies in, so that what is written
+    into it goes to the engine with no packing copy. Where the host has no shared memory to spare: a
+    plain tensor and None."""
     size = numel * torch.empty(0, dtype=dtype).element_size()
     try:
         buf = BucketBuffer(size, device)
     except (OSError, ValueError, RuntimeError):
-        return torch.zeros(numel, dtype=dtype, device=device)
-    _HOMES[buf.tensor.data_ptr()] = buf  # lives as long as the process: the tensor may outlive any owner
-    return buf.tensor.zero_().view(dtype)
+        return torch.zeros(numel, dtype=dtype, device=device), None
+    _LENT.append(buf)
+    return buf.tensor.zero_().view(dtype), buf
 
 
-def home_of(tensor: torch.Tensor) -> tuple[BucketBuffer, int] | None:
-    """The shared buffer that `tensor` lies in and its byte offset there, if `shared_tensor` made it."""
-    buf = _HOMES.get(tensor.untyped_storage().data_ptr())
-    return None if buf is None else (buf, tensor.data_ptr() - buf.tensor.data_ptr())
+def offset_in(buf: BucketBuffer, tensor: torch.Tensor) -> int | None:
+    """The byte offset of `tensor` in `buf`, or None when it lies elsewhere."""
+    if tensor.untyped_storage().data_ptr() != buf.tensor.untyped_storage().data_ptr():
+        return None
+    return tensor.data_ptr() - buf.tensor.data_ptr()
 
 
 def _shm_path(name: str) -> str:
