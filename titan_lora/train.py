@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -145,8 +146,15 @@ class TrainingRun:
         self.metrics.close()
 
 
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse the config (failing fast on errors), then train."""
+    # SIGTERM (torchrun's, a scheduler's, `kill`) unwinds like Ctrl-C: the engine is stopped and the
+    # shared-memory buffers are unlinked, which a default SIGTERM death leaves behind in /dev/shm.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     rank0 = os.environ.get("RANK", "0") == "0"  # the other ranks would repeat every line; they keep warnings
     logging.basicConfig(
         level=logging.INFO if rank0 else logging.WARNING, format="[titan_lora %(asctime)s] %(message)s",
