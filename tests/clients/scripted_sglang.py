@@ -2,10 +2,16 @@
 test_sglang_units_base.py, test_sglang_units_adapter.py): `Client` stands in for SGLangClient, records each
 call and answers from attributes a test sets (no HTTP); `info` builds the ServerInfo it reports, `BASE` and
 `adapter` are the base weights and adapter payloads those tests send, `emitter` builds the SGLangEmitter
-under test and `own` picks the emitter's own log lines out of caplog.
+under test and `own` picks the emitter's own log lines out of caplog. `serving` runs a one-off HTTP
+handler for the tests that need a server answering one exact way.
 """
 
 from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
@@ -119,3 +125,15 @@ def own(caplog: pytest.LogCaptureFixture, *markers: str) -> list[str]:
     """The emitter's log lines that carry one of `markers` (other tests' background retirers may also log)."""
     return [r.getMessage() for r in caplog.records
             if r.name == "titan_lora.clients.sglang" and any(m in r.getMessage() for m in markers)]
+
+
+@contextlib.contextmanager
+def serving(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    """The URL of a local HTTP server answering with `handler`, for the duration of the block."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, args=(0.02,), daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -12,9 +12,10 @@ import logging
 import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
+from scripted_sglang import serving
 from sglang_conformance import ConformanceServer
 from test_sglang import GREEDY, PROMPT, SERVER, TINY, Driver, Trainer, assert_parity, calls, emitter_for
 
@@ -218,17 +219,12 @@ class _Forbidden(BaseHTTPRequestHandler):
 
 
 def test_403_names_the_admin_api_key() -> None:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Forbidden)
-    threading.Thread(target=server.serve_forever, args=(0.02,), daemon=True).start()
-    try:
-        client = SGLangClient(f"http://127.0.0.1:{server.server_address[1]}", api_key="user-key", retries=0)
+    with serving(_Forbidden) as url:
+        client = SGLangClient(url, api_key="user-key", retries=0)
         with pytest.raises(SGLangAuthError, match=r"forbids /server_info \(403\).*--admin-api-key"):
             client.server_info()
         with pytest.raises(SGLangAuthError, match="403"):
             client.unload_lora_adapter("policy-v1", timeout_s=1.0)
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def test_a_request_past_its_deadline_raises_a_timeout_naming_the_key_and_is_not_retried() -> None:

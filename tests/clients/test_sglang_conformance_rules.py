@@ -13,14 +13,14 @@ import io
 import json
 import math
 import pickle
-import threading
 import urllib.error
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from multiprocessing.reduction import ForkingPickler
 
 import pytest
 import torch
+from scripted_sglang import serving
 from sglang_conformance import SCHEMAS, ConformanceServer
 from test_sglang import GREEDY, PROMPT, SERVER, TINY, Driver, Trainer, assert_parity, calls, emitter_for
 
@@ -324,16 +324,10 @@ class _NullLogprob(BaseHTTPRequestHandler):
 
 
 def test_a_null_log_prob_reads_as_minus_infinity() -> None:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _NullLogprob)
-    threading.Thread(target=server.serve_forever, args=(0.02,), daemon=True).start()
-    try:
-        out = SGLangClient(f"http://127.0.0.1:{server.server_address[1]}", retries=0).generate(
-            [1, 2], None, GREEDY, logprob_start_len=0)
+    with serving(_NullLogprob) as url:
+        out = SGLangClient(url, retries=0).generate([1, 2], None, GREEDY, logprob_start_len=0)
         assert out.output_logprobs == [-0.5, -math.inf]
         assert out.input_logprobs == [None, -math.inf]  # only the first prompt token has none
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 # ---------------------------------------------------------------- unknown fields: SGLang ignores them
