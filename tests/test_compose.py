@@ -107,10 +107,9 @@ class _FakeSyncer:
 
     made: list[_FakeSyncer] = []
 
-    def __init__(self, source, base, emitter, cfg, device, engine=None, probe=None) -> None:  # noqa: ANN001
+    def __init__(self, source, base, emitter, cfg, device, *, versions, engine=None, probe=None) -> None:  # noqa: ANN001
         self.source, self.base, self.emitter, self.cfg, self.device = source, base, emitter, cfg, device
-        self.engine, self.probe = engine, probe
-        self.versions = object()
+        self.engine, self.probe, self.versions = engine, probe, versions
         self.checked = False
         _FakeSyncer.made.append(self)
 
@@ -177,7 +176,9 @@ def test_wiring_an_attached_vllm_engine(monkeypatch: pytest.MonkeyPatch, tmp_pat
 
     attached = Engine(url="http://10.0.0.5:8000", api_key="k1")
     syncer, rollouts, engines, job_config, _ = _wire(monkeypatch, tmp_path, engine=attached, timeout_s=33.0,
-                                                     rollout_timeout_s=44.0, bucket_mb=3)
+                                                     rollout_timeout_s=44.0, bucket_mb=3, lora_name="pol",
+                                                     keep_versions=3)
+    assert (syncer.versions.lora_name, syncer.versions.keep_versions) == ("pol", 3), "built by the root"
     assert engines == [] and syncer.engine is None and syncer.cfg is job_config.weight_sync
     assert isinstance(syncer.emitter, VLLMBucketEmitter) and syncer.emitter.bucket_bytes == 3 << 20
     assert (syncer.emitter.client.base_url, syncer.emitter.client.api_key) == ("http://10.0.0.5:8000", "k1")

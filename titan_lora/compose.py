@@ -27,6 +27,7 @@ from titan_lora.sync.base_stream import base_weights_source
 from titan_lora.sync.engine_access import EngineRollouts
 from titan_lora.sync.parity import ParityProbe
 from titan_lora.sync.syncer import WeightSyncer
+from titan_lora.sync.versions import AdapterVersions
 from titan_lora.trainer.metrics import MetricsLogger
 from titan_lora.trainer.objective import Objective
 from titan_lora.trainer.parallel import data_parallel_info
@@ -87,8 +88,9 @@ def build_syncer(ws: WeightSync, side: EngineSide, adapter: AdapterSource, model
     if ws.parity_every:
         probe = ParityProbe(model, probe_sequences(AutoTokenizer.from_pretrained(hf_dir)), device,
                             side.rollouts.score if side.rollouts else None, ws.parity_tolerance)
+    versions = AdapterVersions(ws.lora_name, ws.keep_versions)
     syncer = WeightSyncer(adapter, base_weights_source(model, sd_adapter, tied), side.emitter, ws, device,
-                          engine=side.engine, probe=probe)
+                          versions=versions, engine=side.engine, probe=probe)
     syncer.check_engine()
     return syncer
 

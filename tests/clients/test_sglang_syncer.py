@@ -16,6 +16,7 @@ from titan_lora.sync.adapter_source import AdapterSource
 from titan_lora.sync.base_stream import base_weights_source
 from titan_lora.sync.parity import trainer_logprobs
 from titan_lora.sync.syncer import WeightSyncer
+from titan_lora.sync.versions import AdapterVersions
 
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -32,7 +33,7 @@ def test_smollm2_syncs_serve_the_trainers_logprobs(smollm2_dir):
         emitter = engine_kind("sglang").emitter(cfg, Engine(kind="sglang", url=srv.url), Endpoint(srv.url))
         source = AdapterSource(built.model, built.sd_adapter, job_config_from(SMOLLM2_LORA).lora)
         syncer = WeightSyncer(source, base_weights_source(built.model, built.sd_adapter, tied_embeddings=True),
-                              emitter, cfg, torch.device("cpu"))
+                              emitter, cfg, torch.device("cpu"), versions=AdapterVersions("policy", 2))
         syncer.check_engine()
         served_by_version = []
         try:

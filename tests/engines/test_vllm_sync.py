@@ -9,13 +9,11 @@ then v8 after a base reload that kept v6 and v7.
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 import time
 
 import pytest
 import torch
-import torch.distributed as dist
 from dist_helpers import free_port
 from model_helpers import SMOLLM2_LORA, build_from, job_config_from, randomize_adapters
 
@@ -33,6 +31,7 @@ from titan_lora.sync.adapter_source import AdapterSource
 from titan_lora.sync.base_stream import base_weights_source
 from titan_lora.sync.parity import trainer_logprobs
 from titan_lora.sync.syncer import WeightSyncer
+from titan_lora.sync.versions import AdapterVersions
 from titan_lora.transfer.errors import TransferError
 
 pytestmark = pytest.mark.slow
@@ -105,8 +104,6 @@ def emitter_to(kind: str, endpoint: Endpoint, cfg: WeightSync, engine: Engine | 
 
 @pytest.fixture(scope="module")
 def ctx(smollm2_dir, tmp_path_factory) -> Ctx:
-    if not dist.is_initialized():
-        os.environ["MASTER_PORT"] = str(free_port())
     from transformers import AutoTokenizer
 
     log = tmp_path_factory.mktemp("engine") / "engine.log"
@@ -124,7 +121,8 @@ def ctx(smollm2_dir, tmp_path_factory) -> Ctx:
                          timeout_s=60, retries=1, retire_timeout_s=60, parity_every=0)
         source = AdapterSource(built.model, built.sd_adapter, lora, cfg.lora_name, built.hf_dir)
         syncer = WeightSyncer(source, base_weights_source(built.model, built.sd_adapter, True),
-                              emitter_to("vllm", Endpoint(engine.url, engine.api_key), cfg), cfg, CPU, engine=engine)
+                              emitter_to("vllm", Endpoint(engine.url, engine.api_key), cfg), cfg, CPU,
+                              versions=AdapterVersions("policy", 2), engine=engine)
         client = JsonClient(engine.url, engine.api_key, timeout_s=300)
         tokenizer = AutoTokenizer.from_pretrained(built.hf_dir)
         yield Ctx(engine, built, lora, source, syncer, client, VLLMRolloutClient(client), tokenizer,
@@ -138,7 +136,8 @@ def ctx(smollm2_dir, tmp_path_factory) -> Ctx:
 def test_unreachable_engine_fails_after_bounded_retries(ctx: Ctx) -> None:
     cfg = WeightSync(enabled=True, retries=1, timeout_s=2)
     url = f"http://127.0.0.1:{free_port()}"
-    syncer = WeightSyncer(ctx.source, lambda: None, emitter_to("vllm", Endpoint(url), cfg), cfg, CPU)
+    syncer = WeightSyncer(ctx.source, lambda: None, emitter_to("vllm", Endpoint(url), cfg), cfg, CPU,
+                          versions=AdapterVersions("policy", 2))
     started = time.perf_counter()
     with pytest.raises(TransferError) as err:
         syncer.sync(1)
@@ -155,7 +154,7 @@ def test_check_engine_accepts_our_rank_and_rejects_a_larger_one(ctx: Ctx) -> Non
     ctx.syncer.check_engine()  # rank 8 against --max-lora-rank 8
     too_big = AdapterSource(ctx.built.model, ctx.built.sd_adapter, dataclasses.replace(ctx.lora, rank=16))
     emitter = emitter_to("vllm", ctx.endpoint, ctx.cfg)
-    syncer = WeightSyncer(too_big, lambda: None, emitter, ctx.cfg, CPU)
+    syncer = WeightSyncer(too_big, lambda: None, emitter, ctx.cfg, CPU, versions=AdapterVersions("policy", 2))
     with pytest.raises(TransferError) as err:
         syncer.check_engine()
     assert "--max-lora-rank" in str(err.value) and "16" in str(err.value)

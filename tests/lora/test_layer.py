@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from dist_helpers import free_port, run_ranks
+from dist_helpers import run_ranks
 from model_helpers import DEBUG_LORA, build_from, full_copy, randomize_adapters
 from torch.distributed.tensor import DTensor
 
@@ -27,12 +24,6 @@ from titan_lora.lora.layer import (
 
 TOKENS = torch.randint(0, 49152, (2, 24), generator=torch.Generator().manual_seed(0))
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_rank_group() -> None:
-    """build_from starts a 1-rank gloo group in this process; give it a port nobody else uses."""
-    if not dist.is_initialized():
-        os.environ["MASTER_PORT"] = str(free_port())
 
 
 # ---------------------------------------------------------------- the layer itself

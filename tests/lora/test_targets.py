@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from dist_helpers import free_port
 from model_helpers import DEBUG_LORA, build_from
 
 from titan_lora.lora.layer import LoRALinear, lora_modules
@@ -16,11 +12,6 @@ from titan_lora.lora.targets import hf_leaf_names, resolve_targets
 
 ALL_LINEAR_LEAVES = ["w1", "w2", "w3", "wk", "wo", "wq", "wv"]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_rank_group() -> None:
-    if not dist.is_initialized():
-        os.environ["MASTER_PORT"] = str(free_port())
 
 
 class Tiny(nn.Module):

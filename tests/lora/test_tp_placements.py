@@ -3,12 +3,9 @@ sharded model computes what the 1-rank model computes."""
 
 from __future__ import annotations
 
-import os
-
-import pytest
 import torch
 import torch.distributed as dist
-from dist_helpers import free_port, run_ranks
+from dist_helpers import run_ranks
 from model_helpers import DEBUG_LORA, build_from, full_copy, randomize_adapters
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -74,12 +71,6 @@ def _tp_ranks(rank: int, world: int, ref_path: str, out_path: str) -> None:
     else:
         assert gathered is None
     dist.barrier()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_rank_group() -> None:
-    if not dist.is_initialized():
-        os.environ["MASTER_PORT"] = str(free_port())
 
 
 def test_tp2_fsdp2_placements_and_parity(tmp_path) -> None:

@@ -12,6 +12,7 @@ from inprocess_rig import Base, Emitter, Engine, Probe, Rig, Source, cfg
 
 from titan_lora.sync import syncer as syncer_mod
 from titan_lora.sync.syncer import WeightSyncer
+from titan_lora.sync.versions import AdapterVersions
 
 
 @pytest.fixture
@@ -30,7 +31,9 @@ def rig(sleeps):  # noqa: ANN001, ANN201
     def make(engine: bool = False, probe: Probe | None = None, **overrides) -> Rig:  # noqa: ANN003
         em, src, base = Emitter(), Source(), Base()
         eng = Engine() if engine else None
-        s = WeightSyncer(src, base, em, cfg(**overrides), torch.device("cpu"), engine=eng, probe=probe)
+        section = cfg(**overrides)
+        versions = AdapterVersions(section.lora_name, section.keep_versions)
+        s = WeightSyncer(src, base, em, section, torch.device("cpu"), versions=versions, engine=eng, probe=probe)
         made.append(s)
         return Rig(s, em, src, base, eng, probe)
 

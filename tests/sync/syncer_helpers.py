@@ -19,6 +19,7 @@ from titan_lora.lora.layer import adapter_params, clean_fqn, is_adapter_param
 from titan_lora.sync.adapter_source import AdapterSource
 from titan_lora.sync.base_stream import base_weights_source
 from titan_lora.sync.syncer import WeightSyncer
+from titan_lora.sync.versions import AdapterVersions
 
 SHIM_DIR = str(Path(__file__).parent.parent / "engines")
 CPU = torch.device("cpu")
@@ -55,7 +56,8 @@ def build_syncer(rank: int, cfg, engine: EmbeddedEngine | None, url: str = "", k
         url, key = (engine.url, engine.api_key) if engine is not None else (url, key)
         emitter = VLLMBucketEmitter(JsonClient(url, key, cfg.timeout_s), cfg.bucket_mb)
     base = base_weights_source(built.model, built.sd_adapter, tied_embeddings=True)
-    return built, WeightSyncer(source, base, emitter, cfg, CPU, engine=engine, probe=probe)
+    versions = AdapterVersions(cfg.lora_name, cfg.keep_versions)
+    return built, WeightSyncer(source, base, emitter, cfg, CPU, versions=versions, engine=engine, probe=probe)
 
 
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -13,6 +13,7 @@ import torch
 from inprocess_rig import Base, Probe, Source, cfg
 
 from titan_lora.sync.syncer import WeightSyncer
+from titan_lora.sync.versions import AdapterVersions
 
 # ---- retention -----------------------------------------------------------------------------------
 
@@ -123,7 +124,8 @@ def test_a_gated_version_is_retired_even_with_nothing_active(rig) -> None:  # no
 
 def test_other_ranks_probe_without_a_payload_and_publish_nothing(sleeps) -> None:  # noqa: ANN001
     probe = Probe()
-    other = WeightSyncer(Source(), Base(), None, cfg(parity_every=1), torch.device("cpu"), probe=probe)
+    other = WeightSyncer(Source(), Base(), None, cfg(parity_every=1), torch.device("cpu"),
+                         versions=AdapterVersions("policy", 2), probe=probe)
     assert other.retirer is None
     assert other._maybe_probe_and_publish(None) == {}
     assert probe.compared == [], "only rank 0 asks the engine"

@@ -128,6 +128,8 @@ class WeightSyncer:
         emitter: Emitter | None,
         cfg: WeightSync,
         device: torch.device,
+        *,
+        versions: AdapterVersions,
         engine: EmbeddedEngine | None = None,
         probe: ParityProbe | None = None,
     ) -> None:
@@ -138,7 +140,7 @@ class WeightSyncer:
         self.device = device
         self.engine = engine  # rank 0, when titan_lora started the engine itself
         self.probe = probe
-        self.versions = AdapterVersions(cfg.lora_name, cfg.keep_versions)
+        self.versions = versions  # the root's: objectives read the active version through it
         self.retirer = (Retirer(self.versions, emitter.retire_adapter, cfg.retire_timeout_s)
                         if emitter else None)
         self._base_incarnation: str | None = None

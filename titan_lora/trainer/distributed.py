@@ -26,12 +26,14 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
     """Start the default process group (NCCL on GPU, gloo on CPU); single process needs no launcher."""
     if dist.is_initialized():
         return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29571")
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "WORLD_SIZE" in os.environ:  # a launcher (torchrun) set the rendezvous
+        dist.init_process_group(backend=backend, timeout=timeout)
+        return
+    # One process, no launcher: an in-process store, so no TCP port can collide with another job's.
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = "0", "1"
+    dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
 def build_parallel_dims(parallelism, world_size: int, device: torch.device) -> ParallelDims:  # noqa: ANN001

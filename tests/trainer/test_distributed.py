@@ -1,0 +1,35 @@
+"""Process-group start-up: one process without a launcher needs no free TCP port."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+START = """
+import torch, torch.distributed as dist
+from titan_lora.trainer.distributed import init_distributed
+init_distributed(torch.device("cpu"))
+t = torch.ones(2)
+dist.all_reduce(t)
+print(dist.get_rank(), dist.get_world_size(), t.tolist())
+"""
+
+
+def test_a_single_process_starts_while_the_old_default_port_is_taken() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    with socket.socket() as busy:  # another job holding the port a fixed default would have used
+        try:
+            busy.bind(("127.0.0.1", 29571))
+            busy.listen()
+        except OSError:  # someone already holds it: taken either way
+            pass
+        runs = [subprocess.Popen([sys.executable, "-c", START], cwd=REPO, env=env, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+        outs = [r.communicate(timeout=120) for r in runs]
+    for run, (out, err) in zip(runs, outs):
+        assert run.returncode == 0, err[-2000:]
+        assert out.strip() == "0 1 [1.0, 1.0]"
