@@ -36,7 +36,9 @@ def test_a_sigterm_mid_run_stops_the_engine_and_unlinks_the_shared_buffers(tmp_p
     cmd = [sys.executable, "-m", "titan_lora.train", "--job.config_file", str(config),
            f"--job.dump_folder={tmp_path / 'run'}", "--training.steps=100000",
            f"--data.path={REPO / 'titan_lora/data/arith_sft.jsonl'}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    launcher = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")  # a user's shell has none
+    env = {**{k: v for k, v in os.environ.items() if k not in launcher}, "OMP_NUM_THREADS": "1",
+           "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 300

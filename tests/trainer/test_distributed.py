@@ -21,6 +21,13 @@ print(dist.get_rank(), dist.get_world_size(), t.tolist())
 
 def test_a_single_process_starts_while_the_old_default_port_is_taken() -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    _start_two(env)
+    # WORLD_SIZE=1 and RANK=0 left in the environment (a 1-rank test process sets them) mean no launcher.
+    _start_two({**env, "WORLD_SIZE": "1", "RANK": "0"})
+
+
+def _start_two(env: dict[str, str]) -> None:
+    """Start two 1-rank groups at once, with the old fixed port taken, and check each all-reduces."""
     with socket.socket() as busy:  # another job holding the port a fixed default would have used
         try:
             busy.bind(("127.0.0.1", 29571))

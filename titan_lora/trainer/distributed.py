@@ -28,7 +28,7 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
-    if "WORLD_SIZE" in os.environ:  # a launcher (torchrun) set the rendezvous
+    if "MASTER_ADDR" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a launcher's rendezvous
         dist.init_process_group(backend=backend, timeout=timeout)
         return
     # One process, no launcher: an in-process store, so no TCP port can collide with another job's.
