@@ -27,8 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan_lora.clients.base import AdapterPayload  # noqa: E402
 from titan_lora.clients.http import JsonClient  # noqa: E402
+from titan_lora.clients.kinds import LaunchRequest  # noqa: E402
 from titan_lora.clients.launch import EmbeddedEngine  # noqa: E402
-from titan_lora.clients.vllm import VLLMBucketEmitter  # noqa: E402
+from titan_lora.clients.vllm import VLLMBucketEmitter, receiver_launch  # noqa: E402
+from titan_lora.config import Engine  # noqa: E402
 from titan_lora.transfer.errors import TransferError  # noqa: E402
 from titan_lora.transfer.transport import SHM_DIR  # noqa: E402
 
@@ -43,9 +45,9 @@ def shm_entries() -> set[str]:
 
 
 def receiver(device: torch.device, log_path: str) -> EmbeddedEngine:
-    """`python -m titan_lora.engines.receiver` bound to `device` (not started)."""
-    args = ["--device", str(device)] if device.type == "cuda" else []
-    return EmbeddedEngine("titan_lora.engines.receiver", 0, args, log_path, start_timeout_s=120.0)
+    """The receiver as a job would start it, bound to `device` (not started)."""
+    plan = receiver_launch(LaunchRequest(Engine(), 2, "", device, 1))  # it reads only the device
+    return EmbeddedEngine(plan.module, 0, plan.args, log_path, start_timeout_s=120.0)
 
 
 def allocation_history(device: torch.device, model_gib: float, free_gib: float) -> list[torch.Tensor]:

@@ -26,10 +26,11 @@ import torch
 
 from titan_lora.clients.base import AdapterPayload
 from titan_lora.clients.http import JsonClient
+from titan_lora.clients.kinds import LaunchRequest
 from titan_lora.clients.launch import EmbeddedEngine
 from titan_lora.clients.rollout import VLLMRolloutClient
-from titan_lora.clients.vllm import VLLMBucketEmitter
-from titan_lora.config import LoRA
+from titan_lora.clients.vllm import VLLMBucketEmitter, vllm_launch
+from titan_lora.config import Engine, LoRA
 from titan_lora.export.peft import peft_config
 from titan_lora.sync.retire import Retirer
 from titan_lora.sync.versions import AdapterVersions, versioned_name
@@ -116,12 +117,11 @@ def adapter_tensors() -> dict[str, torch.Tensor]:
     return out
 
 
-def engine(model_dir: str, log_path: Path, start_timeout_s: float) -> EmbeddedEngine:
-    """The vLLM engine process with room for the soak adapter (not started)."""
-    return EmbeddedEngine("titan_lora.engines.vllm_server", 0, [
-        "--model", model_dir, "--max-lora-rank", str(RANK), "--max-loras", "3", "--max-cpu-loras", "4",
-        "--max-model-len", "256", "--kv-cache-gib", "1",
-    ], str(log_path), start_timeout_s=start_timeout_s)
+def engine(model_dir: str, keep_versions: int, log_path: Path, start_timeout_s: float) -> EmbeddedEngine:
+    """The vLLM engine process as a job would start it, with slots for `keep_versions` (not started)."""
+    plan = vllm_launch(LaunchRequest(Engine(max_model_len=256, kv_cache_gib=1), keep_versions, model_dir,
+                                     torch.device("cpu"), RANK))
+    return EmbeddedEngine(plan.module, 0, plan.args, str(log_path), start_timeout_s=start_timeout_s)
 
 
 class Sampler:
@@ -167,7 +167,7 @@ def soak(model_dir: str, syncs: int, keep_versions: int = 2, rss_from: int = 100
     result = SoakResult(syncs=syncs, keep_versions=keep_versions, rss_from_sync=rss_from,
                         shm_before=shm_entries())
     started = time.perf_counter()
-    served = engine(model_dir, log_path, start_timeout_s)
+    served = engine(model_dir, keep_versions, log_path, start_timeout_s)
     served.start()
     url, api_key = served.url, served.api_key
     emitter = VLLMBucketEmitter(JsonClient(url, api_key, call_timeout_s), bucket_mb=4)
