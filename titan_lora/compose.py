@@ -20,8 +20,8 @@ from titan_lora.clients.rollout import RolloutClient
 from titan_lora.config import Engine, WeightSync
 from titan_lora.rl.objective import GRPOObjective
 from titan_lora.rl.rewards import get_reward
-from titan_lora.rl.task import build_task
-from titan_lora.rl.tasks import arith_prompt, make_problems
+from titan_lora.rl.task import build_task, task_prompt
+from titan_lora.rl.tasks import ArithTask, make_problems
 from titan_lora.sync.adapter_source import AdapterSource
 from titan_lora.sync.base_stream import base_weights_source
 from titan_lora.sync.engine_access import EngineRollouts
@@ -39,7 +39,7 @@ def probe_sequences(tokenizer, n: int = 4) -> list[list[int]]:  # noqa: ANN001
     """A fixed batch of chat-formatted arithmetic prompts with their answers, as token ids."""
     seqs = []
     for p in make_problems(n, seed=4242):
-        text = arith_prompt(tokenizer, p.question) + str(p.answer) + tokenizer.eos_token
+        text = task_prompt(tokenizer, ArithTask(), p.question) + str(p.answer) + tokenizer.eos_token
         seqs.append(tokenizer(text, add_special_tokens=False)["input_ids"])
     return seqs
 

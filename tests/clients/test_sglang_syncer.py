@@ -11,7 +11,8 @@ from transformers import AutoTokenizer, LlamaConfig
 from titan_lora.clients.base import Endpoint
 from titan_lora.clients.kinds import engine_kind
 from titan_lora.config import Engine, WeightSync
-from titan_lora.rl.tasks import arith_prompt, make_problems
+from titan_lora.rl.task import task_prompt
+from titan_lora.rl.tasks import ArithTask, make_problems
 from titan_lora.sync.adapter_source import AdapterSource
 from titan_lora.sync.base_stream import base_weights_source
 from titan_lora.sync.parity import trainer_logprobs
@@ -25,7 +26,8 @@ ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 def test_smollm2_syncs_serve_the_trainers_logprobs(smollm2_dir):
     built = build_from(SMOLLM2_LORA)
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    ids = tokenizer(arith_prompt(tokenizer, make_problems(1, seed=3)[0].question), add_special_tokens=False)["input_ids"]
+    ids = tokenizer(task_prompt(tokenizer, ArithTask(), make_problems(1, seed=3)[0].question),
+                    add_special_tokens=False)["input_ids"]
     server_cfg = {"max_lora_rank": 8, "lora_target_modules": ALL_LINEAR, "max_loaded_loras": 3,
                   "max_loras_per_batch": 4}
     with ConformanceServer(LlamaConfig.from_pretrained(smollm2_dir), **server_cfg) as srv:

@@ -19,12 +19,11 @@ from scripted_sglang import URL, Client, emitter, info
 
 from titan_lora.clients import sglang
 from titan_lora.clients.base import Endpoint
-from titan_lora.clients.sglang import (
+from titan_lora.clients.sglang import pack_bucket, serialize_for_ranks
+from titan_lora.clients.sglang_checks import (
     adapter_modules,
     check_adapter,
     check_server,
-    pack_bucket,
-    serialize_for_ranks,
     served_modules,
     sglang_adapter_config,
 )

@@ -26,7 +26,8 @@ from titan_lora.compose import probe_sequences
 from titan_lora.config import Engine, WeightSync
 from titan_lora.lora.finite import NonFiniteAdapterError
 from titan_lora.lora.layer import adapter_params
-from titan_lora.rl.tasks import arith_prompt
+from titan_lora.rl.task import task_prompt
+from titan_lora.rl.tasks import ArithTask
 from titan_lora.sync.adapter_source import AdapterSource
 from titan_lora.sync.base_stream import base_weights_source
 from titan_lora.sync.parity import trainer_logprobs
@@ -188,7 +189,7 @@ def test_after_sync_k_the_engine_serves_version_k(ctx: Ctx) -> None:
 
     # Greedy decoding under v1: the engine and the trainer produce the same tokens.
     eos = ctx.tokenizer.eos_token_id
-    prompts = [ctx.tokenizer(arith_prompt(ctx.tokenizer, q), add_special_tokens=False)["input_ids"]
+    prompts = [ctx.tokenizer(task_prompt(ctx.tokenizer, ArithTask(), q), add_special_tokens=False)["input_ids"]
                for q in ("What is 12 + 7?", "What is 3 + 5?")]
     greedy_v1 = [c.token_ids for c in ctx.rollouts.generate(prompts, "policy-v1", 12, 0.0, None, [])]
     for prompt, got in zip(prompts, greedy_v1):
@@ -212,7 +213,7 @@ def test_after_sync_k_the_engine_serves_version_k(ctx: Ctx) -> None:
 
 
 def test_a_request_pinned_to_the_previous_version_completes_while_the_next_loads(ctx: Ctx) -> None:
-    prompt = ctx.tokenizer(arith_prompt(ctx.tokenizer, "Count from 1 to 100."), add_special_tokens=False)["input_ids"]
+    prompt = ctx.tokenizer(task_prompt(ctx.tokenizer, ArithTask(), "Count from 1 to 100."), add_special_tokens=False)["input_ids"]
     result: dict[str, object] = {}
 
     def pinned() -> None:

@@ -51,7 +51,6 @@ from titan_lora.clients.sglang_checks import (
     check_fused_targets,
     check_server,
     engine_sees_gpu,
-    served_modules,
     sglang_adapter_config,
 )
 from titan_lora.transfer.buckets import Entry, bucket_size, pack, plan_buckets, stream_buckets
@@ -60,10 +59,6 @@ from titan_lora.transfer.protocol import Ack, EngineLimits
 
 if TYPE_CHECKING:
     from titan_lora.config import Engine, WeightSync
-
-__all__ = ["Bucket", "SGLangEmitter", "adapter_modules", "build_sglang_emitter", "check_adapter",
-           "check_fused_targets", "check_server", "pack_bucket", "serialize_for_ranks", "served_modules",
-           "sglang_adapter_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -385,13 +380,12 @@ def _trailing_dims(rows: list[Any]) -> tuple[int, ...]:
 def _verified_checksums(bucket: Bucket, tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
     """The bucket's per-tensor sha256, checked against the source tensors: SGLang raises on a mismatch,
     and a raise ends the server, so a packing fault must stop here."""
-    sums = bucket.checksums()
-    for name, t in tensors.items():
-        ours = hashlib.sha256(t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy()).hexdigest()
-        if sums.get(name) != ours:
-            raise TransferError(f"the packed bytes of {name} differ from the tensor; nothing was sent "
-                               "(a packing fault: report it)")
-    return sums
+    for m in bucket.metadata:  # compared where the tensors live: no host copy, no second hash
+        source = tensors[m.name].detach().contiguous().view(-1).view(torch.uint8)
+        if not torch.equal(bucket.flat[m.start_idx : m.end_idx], source):
+            raise TransferError(f"the packed bytes of {m.name} differ from the tensor; nothing was sent "
+                                "(a packing fault: report it)")
+    return bucket.checksums()
 
 
 def build_sglang_emitter(ws: WeightSync, engine: Engine, endpoint: Endpoint) -> SGLangEmitter:

@@ -32,6 +32,13 @@ ADMIN_PATHS = frozenset({
     "/begin_weight_update", "/end_weight_update", "/update_weights_from_tensor", "/get_weights_by_name",
     "/load_lora_adapter_from_tensors", "/unload_lora_adapter", "/pause_generation", "/continue_generation",
     "/flush_cache", "/release_memory_occupation", "/resume_memory_occupation"})
+
+
+def _is_admin(path: str) -> bool:
+    """Whether `path` (query string ignored) is a route that takes the admin key."""
+    return path.split("?", 1)[0] in ADMIN_PATHS
+
+
 PauseMode = Literal["abort", "retract", "in_place"]
 
 
@@ -280,8 +287,7 @@ class SGLangClient:
 
     def _key(self, path: str) -> str:
         """The key `path` takes: the admin key on admin routes (if we have one), else the API key."""
-        admin = path.split("?", 1)[0] in ADMIN_PATHS
-        return (self._admin_api_key or self._api_key) if admin else self._api_key
+        return (self._admin_api_key or self._api_key) if _is_admin(path) else self._api_key
 
     def _once(self, method: str, path: str, body: bytes | None, timeout_s: float) -> tuple[int, bytes]:
         deadline = time.monotonic() + timeout_s
@@ -346,7 +352,7 @@ class SGLangClient:
             )
         if status != 401:
             return
-        if path.split("?", 1)[0] in ADMIN_PATHS:
+        if _is_admin(path):
             # With both --api-key and --admin-api-key set, these routes take only the admin key.
             fix = ("[engine] admin_api_key to the server's --admin-api-key (or api_key to its --api-key "
                    "if it has no admin key)")

@@ -62,7 +62,6 @@ class GRPOObjective:
     def __init__(self, cfg: GRPO, task: Task, tokenizer, engine: EngineRollouts | None,  # noqa: ANN001
                  dp: DataParallelInfo, device: torch.device, metrics_logger) -> None:  # noqa: ANN001
         self.cfg = cfg
-        self.task = task
         self.tokenizer = tokenizer
         self.engine = engine
         self.dp = dp

@@ -7,7 +7,6 @@ import random
 import re
 
 from titan_lora.config import GRPO
-from titan_lora.model.chat import chat_prompt
 from titan_lora.rl.task import Problem
 
 INSTRUCTION = "Answer with just the number."
@@ -23,11 +22,6 @@ def make_problems(n: int, seed: int, max_digits: int = 1, ops: str = "+-") -> li
         a, b, op = rng.randint(0, hi), rng.randint(0, hi), rng.choice(ops)
         out.append(Problem(f"What is {a} {op} {b}?", a + b if op == "+" else a - b))
     return out
-
-
-def arith_prompt(tokenizer, question: str) -> str:  # noqa: ANN001
-    """The question and the answer-format instruction, in the model's chat template."""
-    return chat_prompt(tokenizer, f"{question} {INSTRUCTION}")
 
 
 def parse_answer(text: str) -> int | None:

@@ -262,7 +262,8 @@ class WeightSyncer:
         """Collective: rank 0 validates the engine's limits; every rank raises on a mismatch."""
         def check() -> None:
             limits = self._retrying(self.emitter.engine_limits, "reading the engine's limits")
-            check_engine_limits(limits, self.source.rank, self.source.target_modules, self.cfg.keep_versions)
+            check_engine_limits(limits, self.source.rank, self.source.target_modules,
+                                self.versions.keep_versions)
 
         try:
             self._rank0(check, "checking the engine's limits")
