@@ -12,6 +12,7 @@ from pathlib import Path
 
 import psutil
 from model_helpers import DEBUG_LORA
+from shm_helpers import mapped_segments
 
 REPO = Path(__file__).resolve().parents[1]
 SYNCED_SFT = DEBUG_LORA + """
@@ -21,12 +22,6 @@ kind = "receiver"
 enabled = true
 parity_every = 0
 """
-
-
-def _mapped_segments(pid: int) -> set[str]:
-    """The /dev/shm names that process `pid` maps."""
-    with open(f"/proc/{pid}/maps") as maps:
-        return {line.rsplit("/dev/shm/", 1)[1].split()[0] for line in maps if "/dev/shm/psm_" in line}
 
 
 def test_a_sigterm_mid_run_stops_the_engine_and_unlinks_the_shared_buffers(tmp_path: Path) -> None:
@@ -46,7 +41,7 @@ def test_a_sigterm_mid_run_stops_the_engine_and_unlinks_the_shared_buffers(tmp_p
             assert proc.poll() is None, f"the job ended early:\n{log.read_text()[-3000:]}"
             assert time.monotonic() < deadline, f"no step 3 in 300 s:\n{log.read_text()[-3000:]}"
             time.sleep(0.2)
-        segments = _mapped_segments(proc.pid)
+        segments = {s for s in mapped_segments(proc.pid) if s.startswith("psm_")}
         engines = psutil.Process(proc.pid).children(recursive=True)
         assert segments and engines, "the trainer maps its gather buffer and runs the receiver"
         proc.send_signal(signal.SIGTERM)

@@ -12,20 +12,22 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import BaseHTTPRequestHandler
 from multiprocessing.reduction import ForkingPickler
 
 import pytest
 import torch
 import torch.multiprocessing  # noqa: F401  (torch's reducers on ForkingPickler)
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+from scripted_sglang import serving
 from sglang_conformance import ConformanceServer, decode_tensors
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from titan_lora.clients.base import AdapterPayload, Endpoint
 from titan_lora.clients.kinds import engine_kind
-from titan_lora.clients.sglang import pack_bucket, serialize_for_ranks, sglang_adapter_config
+from titan_lora.clients.sglang import SGLangEmitter, pack_bucket, serialize_for_ranks
 from titan_lora.clients.sglang_api import LoadLoRAAdapterFromTensorsReqInput, SGLangClient, SGLangError
+from titan_lora.clients.sglang_checks import sglang_adapter_config
 from titan_lora.config import Engine, WeightSync
 from titan_lora.sync.retire import Retirer
 from titan_lora.sync.versions import AdapterVersions, versioned_name
@@ -100,6 +102,21 @@ def emitter_for(srv: ConformanceServer, api_key: str = "", admin_api_key: str = 
     ws = WeightSync(**{"enabled": True, "timeout_s": 10.0, "retries": 1, **cfg})
     engine = Engine(kind="sglang", url=srv.url, api_key=api_key, admin_api_key=admin_api_key, pause_mode=pause_mode)
     return engine_kind("sglang").emitter(ws, engine, Endpoint(engine.url, engine.api_key))
+
+
+UPDATE, LOAD = "/update_weights_from_tensor", "/load_lora_adapter_from_tensors"
+
+
+def policy_versions() -> AdapterVersions:
+    """The retention window the tests sync under: "policy", two live versions."""
+    return AdapterVersions("policy", keep_versions=2)
+
+
+def emitter_at_v1(srv: ConformanceServer, trainer: Trainer) -> SGLangEmitter:
+    """An emitter whose server already holds the base and version 1 of `trainer`."""
+    emitter = emitter_for(srv)
+    Driver(emitter, policy_versions()).sync(trainer, 1)
+    return emitter
 
 
 def calls(srv: ConformanceServer, *paths: str) -> list[str]:
@@ -333,14 +350,12 @@ def test_nothing_reaches_a_host_the_config_did_not_name(monkeypatch: pytest.Monk
         def log_message(self, *args) -> None:
             pass
 
-    redirector = HTTPServer(("127.0.0.1", 0), Redirect)
-    threading.Thread(target=redirector.handle_request, daemon=True).start()
-    client = SGLangClient(f"http://127.0.0.1:{redirector.server_address[1]}", api_key="sekret", retries=0)
-    with pytest.raises(SGLangError, match="redirect"):
-        client.server_info()
-    with pytest.raises(socket.timeout):
-        elsewhere.accept()  # neither the proxy variables nor the redirect sent anything there
-    redirector.server_close()
+    with serving(Redirect) as url:
+        client = SGLangClient(url, api_key="sekret", retries=0)
+        with pytest.raises(SGLangError, match="redirect"):
+            client.server_info()
+        with pytest.raises(socket.timeout):
+            elsewhere.accept()  # neither the proxy variables nor the redirect sent anything there
     elsewhere.close()
     with pytest.raises(ValueError, match="scheme://host:port"):
         SGLangClient("http://127.0.0.1:30000/v1")

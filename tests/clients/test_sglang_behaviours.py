@@ -17,19 +17,26 @@ from http.server import BaseHTTPRequestHandler
 import pytest
 from scripted_sglang import serving
 from sglang_conformance import ConformanceServer
-from test_sglang import GREEDY, PROMPT, SERVER, TINY, Driver, Trainer, assert_parity, calls, emitter_for
+from test_sglang import (
+    GREEDY,
+    LOAD,
+    PROMPT,
+    SERVER,
+    TINY,
+    UPDATE,
+    Driver,
+    Trainer,
+    assert_parity,
+    calls,
+    emitter_at_v1,
+    emitter_for,
+    policy_versions,
+)
 
-from titan_lora.clients.sglang import SGLangEmitter, served_modules, sglang_adapter_config
+from titan_lora.clients.sglang import SGLangEmitter
 from titan_lora.clients.sglang_api import SGLangAuthError, SGLangClient, SGLangError, SGLangTimeout
-from titan_lora.sync.versions import AdapterVersions
+from titan_lora.clients.sglang_checks import served_modules, sglang_adapter_config
 from titan_lora.transfer.errors import EngineWeightsLost, TransferError
-
-UPDATE, LOAD = "/update_weights_from_tensor", "/load_lora_adapter_from_tensors"
-
-
-def _versions() -> AdapterVersions:
-    return AdapterVersions("policy", keep_versions=2)
-
 
 # ---------------------------------------------------------------- the loaded-adapters check
 
@@ -38,7 +45,7 @@ def _versions() -> AdapterVersions:
 def test_a_load_acked_but_not_listed_as_loaded_is_an_error_and_not_published(listed) -> None:  # noqa: ANN001
     trainer = Trainer()
     with ConformanceServer(TINY, **SERVER) as srv:
-        emitter, versions = emitter_for(srv), _versions()
+        emitter, versions = emitter_for(srv), policy_versions()
         driver = Driver(emitter, versions)
         driver.sync(trainer, 1)
         real = srv.engine.load_adapter
@@ -76,7 +83,7 @@ def test_a_multi_bucket_base_flushes_and_sets_the_version_only_with_its_last_buc
     trainer = Trainer()
     with ConformanceServer(TINY, **SERVER) as srv:
         emitter, received = _bucketed(srv, bucket_bytes=40_000)
-        driver = Driver(emitter, _versions())
+        driver = Driver(emitter, policy_versions())
         driver.sync(trainer, 7)
         updates = [b for p, b in srv.engine.calls if p == UPDATE]
         assert len(updates) >= 3, "the test needs several buckets"
@@ -102,7 +109,7 @@ def test_a_failed_bucket_closes_the_session_and_leaves_the_served_version() -> N
 
         srv.engine.update_base = second_fails
         with pytest.raises(TransferError, match=r"refused base bucket 2 of version 3: disk on fire"):
-            Driver(emitter, _versions()).sync(trainer, 3)
+            Driver(emitter, policy_versions()).sync(trainer, 3)
         assert len(seen) == 2, "no bucket is sent after a refused one"
         assert calls(srv)[-1] == "/end_weight_update" and not srv.engine.session_open
         assert emitter.client.weight_version() == "default"
@@ -119,7 +126,7 @@ def test_a_weight_update_session_left_open_is_closed_and_reopened(caplog) -> Non
         emitter = emitter_for(srv)
         assert emitter.client.begin_weight_update().success  # a trainer died inside its update
         with caplog.at_level(logging.WARNING, logger="titan_lora.clients.sglang"):
-            Driver(emitter, _versions()).sync(trainer, 1)
+            Driver(emitter, policy_versions()).sync(trainer, 1)
         session = calls(srv, "/begin_weight_update", "/end_weight_update", UPDATE)
         assert session == ["/begin_weight_update", "/begin_weight_update", "/end_weight_update",
                            "/begin_weight_update", UPDATE, "/end_weight_update"]
@@ -137,9 +144,7 @@ def test_a_weight_update_session_left_open_is_closed_and_reopened(caplog) -> Non
 def test_peft_options_sglang_ignores_are_refused_before_sending(option: str, value: object) -> None:
     trainer = Trainer()
     with ConformanceServer(TINY, **SERVER) as srv:
-        emitter = emitter_for(srv)
-        driver = Driver(emitter, _versions())
-        driver.sync(trainer, 1)
+        emitter = emitter_at_v1(srv, trainer)
         payload = trainer.step(2)
         payload = dataclasses.replace(payload, peft_config={**payload.peft_config, option: value})
         with pytest.raises(TransferError, match=f"{option}.*SGLang 0.5.23 ignores or refuses"):
@@ -173,7 +178,7 @@ def test_a_server_adapting_one_fused_member_takes_the_whole_group(server_targets
     trainer = Trainer()  # adapts q_proj, v_proj, down_proj: v_proj rides on the q/k/v group
     with ConformanceServer(TINY, **{**SERVER, "lora_target_modules": server_targets}) as srv:
         emitter = emitter_for(srv)
-        Driver(emitter, _versions()).sync(trainer, 1)
+        Driver(emitter, policy_versions()).sync(trainer, 1)
         assert_parity(emitter.client, trainer, "policy-v1")
 
 
@@ -181,7 +186,7 @@ def test_a_module_outside_every_served_group_is_refused_naming_the_flag() -> Non
     trainer = Trainer()
     with ConformanceServer(TINY, **{**SERVER, "lora_target_modules": ["qkv_proj", "gate_up_proj"]}) as srv:
         with pytest.raises(TransferError, match=r"does not adapt \['down_proj'\].*--lora-target-modules"):
-            Driver(emitter_for(srv), _versions()).sync(trainer, 1)
+            Driver(emitter_for(srv), policy_versions()).sync(trainer, 1)
         assert calls(srv, LOAD) == []
 
 
@@ -194,7 +199,7 @@ def test_a_data_parallel_server_is_refused_naming_dp_size() -> None:
         with pytest.raises(TransferError, match=r"dp_size=2.*--dp-size 1"):
             emitter.engine_limits()
         with pytest.raises(TransferError, match="--dp-size 1"):
-            Driver(emitter, _versions()).sync(Trainer(), 1)
+            Driver(emitter, policy_versions()).sync(Trainer(), 1)
         assert calls(srv, UPDATE, LOAD) == []
 
 
@@ -231,7 +236,7 @@ def test_a_request_past_its_deadline_raises_a_timeout_naming_the_key_and_is_not_
     trainer = Trainer()
     with ConformanceServer(TINY, gen_delays_s=(0.0, 2.0), **SERVER) as srv:
         emitter = emitter_for(srv, retries=2)
-        Driver(emitter, _versions()).sync(trainer, 1)
+        Driver(emitter, policy_versions()).sync(trainer, 1)
         emitter.client.generate(PROMPT, "policy-v1", GREEDY)  # the fast one
         t0 = time.monotonic()
         with pytest.raises(SGLangTimeout, match=r"did not answer /generate within 0\.3s.*timeout_s"):

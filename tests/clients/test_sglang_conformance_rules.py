@@ -22,18 +22,25 @@ import pytest
 import torch
 from scripted_sglang import serving
 from sglang_conformance import SCHEMAS, ConformanceServer
-from test_sglang import GREEDY, PROMPT, SERVER, TINY, Driver, Trainer, assert_parity, calls, emitter_for
+from test_sglang import (
+    GREEDY,
+    LOAD,
+    PROMPT,
+    SERVER,
+    TINY,
+    UPDATE,
+    Driver,
+    Trainer,
+    assert_parity,
+    calls,
+    emitter_at_v1,
+    emitter_for,
+    policy_versions,
+)
 
-from titan_lora.clients import sglang, sglang_api
+from titan_lora.clients import sglang, sglang_api, sglang_checks
 from titan_lora.clients.sglang_api import SGLangClient, SGLangError
-from titan_lora.sync.versions import AdapterVersions
 from titan_lora.transfer.errors import TransferError
-
-UPDATE, LOAD = "/update_weights_from_tensor", "/load_lora_adapter_from_tensors"
-
-
-def _versions() -> AdapterVersions:
-    return AdapterVersions("policy", keep_versions=2)
 
 
 def _post(srv: ConformanceServer, path: str, body: dict, key: str | None = None) -> tuple[int, dict]:
@@ -70,7 +77,7 @@ def test_a_base_tensor_of_the_wrong_shape_is_refused_before_sending() -> None:
     trainer.base[name] = trainer.base[name].t().contiguous()  # (128, 64) where the model has (64, 128)
     with ConformanceServer(TINY, **SERVER) as srv:
         with pytest.raises(TransferError, match=r"trailing dims differ.*down_proj.*\(128, 64\), \(128,\)"):
-            Driver(emitter_for(srv), _versions()).sync(trainer, 1)
+            Driver(emitter_for(srv), policy_versions()).sync(trainer, 1)
         assert srv.dead is None
         assert all(name not in b for p, b in srv.engine.calls if p == UPDATE)
 
@@ -84,7 +91,7 @@ def test_adapter_bytes_that_differ_from_the_tensors_never_leave(monkeypatch: pyt
         flat[entries[-1].offset] ^= 0xFF
 
     with ConformanceServer(TINY, **SERVER) as srv:
-        driver = Driver(emitter_for(srv), _versions())
+        driver = Driver(emitter_for(srv), policy_versions())
         driver.sync(trainer, 1)
         monkeypatch.setattr(sglang, "pack", corrupting_pack)
         with pytest.raises(TransferError, match="packed bytes of .* differ from the tensor"):
@@ -125,7 +132,7 @@ def test_a_gpu_bucket_for_an_engine_that_cannot_open_it_goes_as_bytes(monkeypatc
     with ConformanceServer(TINY, **SERVER) as srv:  # a CPU engine: it can open no CUDA handle
         emitter = emitter_for(srv)
         monkeypatch.setattr(sglang, "pack_bucket", gpu_bucket)
-        Driver(emitter, _versions()).sync(trainer, 1)
+        Driver(emitter, policy_versions()).sync(trainer, 1)
         assert srv.dead is None and emitter._colocated == {0: False}
         assert_parity(emitter.client, trainer, "policy-v1")
 
@@ -148,7 +155,7 @@ def test_only_a_local_cuda_engine_that_sees_the_gpu_is_colocated() -> None:
 def test_targets_sglang_cannot_fuse_are_refused_naming_the_fix(targets: list[str]) -> None:
     trainer = Trainer(targets=targets)
     with ConformanceServer(TINY, **SERVER) as srv:
-        driver = Driver(emitter_for(srv), _versions())
+        driver = Driver(emitter_for(srv), policy_versions())
         with pytest.raises(TransferError, match=r"cannot serve an adapter on .*add the missing modules"):
             driver.sync(trainer, 1)
         assert calls(srv, LOAD) == [] and srv.dead is None
@@ -157,13 +164,13 @@ def test_targets_sglang_cannot_fuse_are_refused_naming_the_fix(targets: list[str
 def test_the_conformance_server_mirrors_sglangs_fusing_failures() -> None:
     with ConformanceServer(TINY, **SERVER) as srv:
         emitter = emitter_for(srv)
-        Driver(emitter, _versions()).sync(Trainer(), 1)
+        Driver(emitter, policy_versions()).sync(Trainer(), 1)
         for targets, name in ((["q_proj"], "q-only"), (["v_proj"], "v-only")):
             payload = dataclasses.replace(Trainer(targets=targets).step(2), name=name)
             [entries] = sglang.plan_buckets(payload.tensors, 1 << 30)
             bucket = sglang.pack_bucket(entries, payload.tensors)
             res = emitter.client.load_lora_adapter_from_tensors(sglang_api.LoadLoRAAdapterFromTensorsReqInput(
-                name, sglang.sglang_adapter_config(payload.peft_config),
+                name, sglang_checks.sglang_adapter_config(payload.peft_config),
                 sglang.serialize_for_ranks(bucket.payload(), 1, cuda=False), load_format="flattened_bucket"))
             if name == "q-only":
                 assert not res.success and res.message.startswith("KeyError('") and "v_proj" in res.message
@@ -181,7 +188,7 @@ def test_api_key_and_admin_api_key_each_go_where_sglang_takes_them() -> None:
     trainer = Trainer()
     with ConformanceServer(TINY, api_key="user", admin_api_key="admin", **SERVER) as srv:
         emitter = emitter_for(srv, api_key="user", admin_api_key="admin")
-        Driver(emitter, _versions()).sync(trainer, 1)
+        Driver(emitter, policy_versions()).sync(trainer, 1)
         assert_parity(emitter.client, trainer, "policy-v1")
         # The split of utils/auth.py: each key is refused on the other's routes.
         assert _post(srv, "/unload_lora_adapter", {"lora_name": "policy-v1"}, "user")[0] == 401
@@ -201,7 +208,7 @@ def test_a_base_name_the_server_lacks_is_refused_not_skipped() -> None:
     trainer.base["model.layers.0.mlp.down_projj.weight"] = torch.zeros(64, 128)
     with ConformanceServer(TINY, **SERVER) as srv:
         with pytest.raises(TransferError, match=r"serves no parameter named \['model.layers.0.mlp.down_projj"):
-            Driver(emitter_for(srv), _versions()).sync(trainer, 1)
+            Driver(emitter_for(srv), policy_versions()).sync(trainer, 1)
         assert srv.engine.skipped == [] and srv.engine.weight_version == "default"
 
 
@@ -221,7 +228,7 @@ def test_a_base_the_server_did_not_apply_is_caught_by_reading_a_sample_back() ->
         emitter._check_base_names = lambda entries: None  # names pass; the apply is what fails
         srv.engine.update_base = loader_that_drops_embeddings
         with pytest.raises(TransferError, match="serves model.embed_tokens.weight differently"):
-            Driver(emitter, _versions()).sync(trainer, 1)
+            Driver(emitter, policy_versions()).sync(trainer, 1)
         assert srv.engine.weight_version.endswith("-base-v1"), "the version flipped all the same"
 
 
@@ -231,7 +238,7 @@ def test_a_base_the_server_did_not_apply_is_caught_by_reading_a_sample_back() ->
 def test_a_retired_name_is_never_sent_to_generate() -> None:
     with ConformanceServer(TINY, reload_stall_s=5.0, **SERVER) as srv:
         emitter = emitter_for(srv)
-        Driver(emitter, _versions()).sync(Trainer(), 1)
+        Driver(emitter, policy_versions()).sync(Trainer(), 1)
         assert emitter.retire_adapter("policy-v1", 5.0)
         with pytest.raises(SGLangError, match="'policy-v1' was retired"):
             emitter.client.generate(PROMPT, "policy-v1", GREEDY, timeout_s=1.0)
@@ -267,7 +274,7 @@ def test_a_load_that_failed_on_some_ranks_is_unloaded_and_loaded_again() -> None
     trainer = Trainer()
     with ConformanceServer(TINY, tp_size=2, partial_load_failures=1, **SERVER) as srv:
         emitter = emitter_for(srv)
-        driver = Driver(emitter, _versions())
+        driver = Driver(emitter, policy_versions())
         with pytest.raises(TransferError, match="on tp rank 1"):
             driver.sync(trainer, 1)
         assert "policy-v1" in srv.engine.incomplete
@@ -290,9 +297,7 @@ def test_a_dp_attention_server_is_refused_naming_its_flag() -> None:
 def test_an_adapter_config_without_peft_type_is_sent_as_lora() -> None:
     trainer = Trainer()
     with ConformanceServer(TINY, **SERVER) as srv:
-        emitter = emitter_for(srv)
-        driver = Driver(emitter, _versions())
-        driver.sync(trainer, 1)
+        emitter = emitter_at_v1(srv, trainer)
         payload = trainer.step(2)
         config = {k: v for k, v in payload.peft_config.items() if k != "peft_type"}
         emitter.send_adapter(dataclasses.replace(payload, peft_config=config))

@@ -50,30 +50,6 @@ def kill_tree(pid: int) -> None:
             pass
 
 
-def shm_segments() -> set[str]:
-    """The POSIX shared-memory segments on this host."""
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-
-
-def unlink_orphaned(names: set[str]) -> list[str]:
-    """Unlink the segments among `names` that no living process maps or holds open (a killed job's
-    buffers), leaving those of other jobs on the host alone. Returns the names unlinked."""
-    used: set[str] = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/maps") as maps:
-                used.update(line.rsplit("/dev/shm/", 1)[1].split()[0] for line in maps if "/dev/shm/" in line)
-            fds = f"/proc/{pid}/fd"
-            used.update(os.path.basename(os.readlink(f"{fds}/{fd}")) for fd in os.listdir(fds)
-                        if os.readlink(f"{fds}/{fd}").startswith("/dev/shm/"))
-        except OSError:  # the process ended meanwhile, or is not ours to read
-            continue
-    gone = sorted(names - used)
-    for name in gone:
-        os.unlink(os.path.join("/dev/shm", name))
-    return gone
-
-
 def scalars(tb: Path) -> dict[str, dict[int, float]]:
     """tag -> step -> value over every event file under `tb`."""
     from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from dist_helpers import free_port
-from test_grpo_job import kill_tree, launch, scalars, short_config
+from job_helpers import kill_tree, launch, scalars, short_config
 
 API_KEY = "chaos-test-key"
 

@@ -6,7 +6,8 @@ import re
 import time
 
 import pytest
-from job_helpers import kill_tree, launch, scalars, shm_segments, short_config, unlink_orphaned
+from job_helpers import kill_tree, launch, scalars, short_config
+from shm_helpers import shm_segments, unlink_orphaned
 
 DOCUMENTED_TAGS = {
     "train/loss", "train/lr", "train/step_time_s", "train/memory_mib", "train/grad_norm",

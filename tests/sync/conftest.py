@@ -1,7 +1,6 @@
 """Fixtures of the in-process WeightSyncer tests: `sleeps` records back-off and polling delays instead of
 sleeping, and `rig` builds a WeightSyncer on one rank (no process group) around the fakes of
-inprocess_rig.py, closing each syncer's retirer after the test. Test files in this directory that define
-their own `sleeps` (test_retries.py) keep theirs.
+inprocess_rig.py, closing each syncer's retirer after the test.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from model_helpers import DEBUG_LORA, build_from, job_config_from, randomize_adapters
+from model_helpers import DEBUG_LORA, build_from, full_adapter, full_copy, job_config_from, randomize_adapters
 
 from titan_lora.clients.http import JsonClient
 from titan_lora.clients.launch import EmbeddedEngine
@@ -62,16 +62,13 @@ def build_syncer(rank: int, cfg, engine: EmbeddedEngine | None, url: str = "", k
 
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Collective: every param as one full tensor, by its torchtitan name."""
-    return {clean_fqn(n): (p.full_tensor() if hasattr(p, "full_tensor") else p.detach()).clone()
-            for n, p in model.named_parameters()}
+    return {clean_fqn(n): full_copy(p) for n, p in model.named_parameters()}
 
 
 def expected_adapter(built) -> dict[str, torch.Tensor]:  # noqa: ANN001
     """Collective: the adapter in PEFT naming, from the model's params (the oracle: torchtitan names
     renamed and permuted by the export path, not by the gatherer)."""
-    full = {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
-            for n, p in adapter_params(built.model)}
-    return to_peft_names(full, built.sd_adapter)
+    return to_peft_names(full_adapter(adapter_params(built.model)), built.sd_adapter)
 
 
 def expected_base(built) -> dict[str, torch.Tensor]:  # noqa: ANN001

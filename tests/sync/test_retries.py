@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from titan_lora.sync import syncer
 from titan_lora.sync.syncer import with_retries
 from titan_lora.transfer.errors import EngineDied, EngineWeightsLost, TransferError
 
@@ -19,14 +18,6 @@ class Failing:
     def __call__(self) -> None:
         self.calls += 1
         raise self.error
-
-
-@pytest.fixture
-def sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
-    """Back-off delays, recorded instead of slept."""
-    delays: list[float] = []
-    monkeypatch.setattr(syncer.time, "sleep", delays.append)
-    return delays
 
 
 def test_back_off_doubles_and_is_capped_at_ten_seconds(sleeps: list[float]) -> None:
