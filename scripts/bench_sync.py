@@ -103,10 +103,12 @@ def cpu_bench(iters: int) -> None:
     from titan_lora.sync.adapter_source import AdapterSource
     from titan_lora.sync.base_stream import base_weights_source
     from titan_lora.transfer.buckets import bucket_checksum
+    from titan_lora.transfer.transport import lend_buffer
 
     built = build_from_toml(CPU_TOML, device=torch.device("cpu"))
     randomize(built.model)
-    source = AdapterSource(built.model, built.sd_adapter, job_config_from_toml(CPU_TOML).lora)
+    # The gather writes into shared memory, as the bucket emitter lends it in training (the disk path reads it too).
+    source = AdapterSource(built.model, built.sd_adapter, job_config_from_toml(CPU_TOML).lora, lend=lend_buffer)
     engine = EmbeddedEngine("titan_lora.engines.vllm_server", free_port(),
                             ["--model", built.hf_dir, "--max-lora-rank", "16", "--max-loras", "4", "--max-cpu-loras", "64"],
                             os.path.join(tempfile.gettempdir(), "titan_lora_bench_engine.log"))
@@ -227,18 +229,19 @@ def end_to_end(model, built, cfg, device: torch.device, iters: int, rank: int,  
                phases: list[dict[str, float]]) -> list[float]:
     """Gather + PEFT naming + bucket pack + checksum + CUDA IPC hand-off + receiver copy-out + ack, per
     version; the emitter's phase times are appended to `phases`."""
+    from titan_lora.clients.base import plain_buffer
     from titan_lora.clients.http import JsonClient
     from titan_lora.clients.launch import EmbeddedEngine
     from titan_lora.clients.vllm import VLLMBucketEmitter
     from titan_lora.sync.adapter_source import AdapterSource
 
-    source = AdapterSource(model, built.sd_adapter, cfg.lora)
     engine, emitter = None, None
     if rank == 0:
         engine = EmbeddedEngine("titan_lora.engines.receiver", 0, ["--device", str(device)],
                                 "bench-receiver.log", start_timeout_s=60.0)
         engine.start()
         emitter = VLLMBucketEmitter(JsonClient(engine.url, engine.api_key), bucket_mb=256)
+    source = AdapterSource(model, built.sd_adapter, cfg.lora, lend=emitter.lend_buffer if emitter else plain_buffer)
     version = iter(range(1, 10_000))
 
     def one() -> None:  # retirement runs off the training path (a background thread), so not here

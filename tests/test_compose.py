@@ -163,7 +163,8 @@ def _wire(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, rank: int = 0, tied: 
     built = types.SimpleNamespace(hf_dir=str(tmp_path / "hf"), model=StubBaseModel(), sd_adapter=StubSdAdapter())
     adapter, device = object(), torch.device("cpu")
     _FakeSyncer.made.clear()
-    syncer, rollouts = compose.build_sync(job_config, adapter, built, device)
+    side = compose.engine_side(job_config, built, device)
+    syncer, rollouts = compose.build_sync(job_config, adapter, built, device, side)
     assert syncer is _FakeSyncer.made[-1] and syncer.checked
     assert loaded == ([str(tmp_path / "hf")] if ws.get("parity_every") else [])
     assert syncer.source is adapter and syncer.device == device
@@ -258,3 +259,19 @@ def test_the_task_and_reward_are_resolved_before_anything_is_built() -> None:
         check_plugins(job(enabled=True, task="nope"))
     with pytest.raises(ValueError, match=r"^\[grpo\] reward = 'exact' is not registered; known: .*exact_match"):
         check_plugins(job(enabled=True, reward="exact"))
+
+
+def test_the_emitter_lends_the_gather_buffer(tmp_path: Path) -> None:
+    from titan_lora.clients.disk import DiskEmitter
+    from titan_lora.clients.http import JsonClient
+    from titan_lora.clients.vllm import VLLMBucketEmitter
+    from titan_lora.compose import EngineSide
+    from titan_lora.transfer.transport import offset_in
+
+    client = JsonClient("http://127.0.0.1:1", "")
+    tensor, home = EngineSide(emitter=VLLMBucketEmitter(client, 1)).lend(10, torch.float32, torch.device("cpu"))
+    assert home is not None and offset_in(home, tensor) == 0, "the bucket emitter lends memory the engine maps"
+    assert tensor.dtype == torch.float32 and tensor.numel() == 10 and not tensor.any()
+    for side in (EngineSide(), EngineSide(emitter=DiskEmitter(client, 1, str(tmp_path)))):
+        tensor, home = side.lend(10, torch.float32, torch.device("cpu"))
+        assert home is None and tensor.numel() == 10 and not tensor.any(), "plain memory: no segment to share"

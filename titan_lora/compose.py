@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from titan_lora.clients.base import Emitter, Endpoint
+from titan_lora.clients.base import Emitter, Endpoint, plain_buffer
 from titan_lora.clients.kinds import EngineKind, LaunchRequest, engine_kind
 from titan_lora.clients.launch import EmbeddedEngine
 from titan_lora.clients.rollout import RolloutClient
@@ -25,6 +25,7 @@ from titan_lora.rl.tasks import ArithTask, make_problems
 from titan_lora.sync.adapter_source import AdapterSource
 from titan_lora.sync.base_stream import base_weights_source
 from titan_lora.sync.engine_access import EngineRollouts
+from titan_lora.sync.gather import Lend
 from titan_lora.sync.parity import ParityProbe
 from titan_lora.sync.syncer import WeightSyncer
 from titan_lora.sync.versions import AdapterVersions
@@ -63,6 +64,11 @@ class EngineSide:
     emitter: Emitter | None = None
     rollouts: RolloutClient | None = None
 
+    @property
+    def lend(self) -> Lend:
+        """Where rank 0's gather writes the adapter: the emitter's transport buffer, else plain memory."""
+        return self.emitter.lend_buffer if self.emitter is not None else plain_buffer
+
 
 def connect_engine(engine: Engine, ws: WeightSync, hf_dir: str, device: torch.device, dump_folder: str,
                    lora_rank: int) -> EngineSide:
@@ -95,15 +101,19 @@ def build_syncer(ws: WeightSync, side: EngineSide, adapter: AdapterSource, model
     return syncer
 
 
+def engine_side(job_config, built, device: torch.device) -> EngineSide:  # noqa: ANN001
+    """Rank 0 starts or attaches the engine when `[weight_sync] enabled`; other ranks hold no handle."""
+    if not job_config.weight_sync.enabled or dist.get_rank() != 0:
+        return EngineSide()
+    return connect_engine(job_config.engine, job_config.weight_sync, built.hf_dir, device,
+                          job_config.job.dump_folder, job_config.lora.rank)
+
+
 def build_sync(job_config, adapter: AdapterSource, built, device: torch.device,  # noqa: ANN001
-               ) -> tuple[WeightSyncer, EngineRollouts]:
-    """Collective: the engine (rank 0 starts or attaches it), the syncer, and what objectives may use."""
-    ws = job_config.weight_sync
-    side = EngineSide()
-    if dist.get_rank() == 0:
-        side = connect_engine(job_config.engine, ws, built.hf_dir, device, job_config.job.dump_folder,
-                              job_config.lora.rank)
-    syncer = build_syncer(ws, side, adapter, built.model, built.sd_adapter, built.hf_dir, device)
+               side: EngineSide) -> tuple[WeightSyncer, EngineRollouts]:
+    """Collective: the syncer over `side` (from `engine_side`), and what objectives may use."""
+    syncer = build_syncer(job_config.weight_sync, side, adapter, built.model, built.sd_adapter, built.hf_dir,
+                          device)
     return syncer, EngineRollouts(side.rollouts, syncer.versions, syncer.with_engine)
 
 

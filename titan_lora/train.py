@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torchtitan.distributed.utils import clip_grad_norm_
 
-from titan_lora.compose import build_objective, build_sync, check_plugins
+from titan_lora.compose import build_objective, build_sync, check_plugins, engine_side
 from titan_lora.config import process_group_timeout_s
 from titan_lora.lora.finite import NonFiniteAdapterError, first_nonfinite_adapter
 from titan_lora.sync.adapter_source import AdapterSource
@@ -53,15 +53,16 @@ class TrainingRun:
             self.lr_schedulers, job_config.checkpoint.interval if job_config.checkpoint.enable else 0,
             max(job_config.checkpoint.keep_latest_k, 1),
         )
+        side = engine_side(job_config, self.built, self.device)
         # Full fine-tuning (no "lora" converter) trains and checkpoints nothing here but runs.
         self.adapter = AdapterSource(
             self.model, self.built.sd_adapter, job_config.lora, job_config.weight_sync.lora_name,
-            self.built.hf_dir,
+            self.built.hf_dir, lend=side.lend,
         ) if "lora" in job_config.model.converters else None
         self.step = self.checkpointer.load_latest() if job_config.checkpoint.enable else 0
         self.syncer, engine = None, None
         if job_config.weight_sync.enabled:
-            self.syncer, engine = build_sync(job_config, self.adapter, self.built, self.device)
+            self.syncer, engine = build_sync(job_config, self.adapter, self.built, self.device, side)
         self.objective = build_objective(job_config, self.built.hf_dir, self.dims, self.device, self.metrics,
                                          engine)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]

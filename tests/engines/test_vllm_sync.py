@@ -120,9 +120,10 @@ def ctx(smollm2_dir, tmp_path_factory) -> Ctx:
         lora = job_config_from(SMOLLM2_LORA).lora
         cfg = WeightSync(enabled=True, keep_versions=2, bucket_mb=4,
                          timeout_s=60, retries=1, retire_timeout_s=60, parity_every=0)
-        source = AdapterSource(built.model, built.sd_adapter, lora, cfg.lora_name, built.hf_dir)
-        syncer = WeightSyncer(source, base_weights_source(built.model, built.sd_adapter, True),
-                              emitter_to("vllm", Endpoint(engine.url, engine.api_key), cfg), cfg, CPU,
+        emitter = emitter_to("vllm", Endpoint(engine.url, engine.api_key), cfg)
+        source = AdapterSource(built.model, built.sd_adapter, lora, cfg.lora_name, built.hf_dir,
+                               lend=emitter.lend_buffer)
+        syncer = WeightSyncer(source, base_weights_source(built.model, built.sd_adapter, True), emitter, cfg, CPU,
                               versions=AdapterVersions("policy", 2), engine=engine)
         client = JsonClient(engine.url, engine.api_key, timeout_s=300)
         tokenizer = AutoTokenizer.from_pretrained(built.hf_dir)

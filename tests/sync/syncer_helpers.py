@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from model_helpers import DEBUG_LORA, build_from, full_adapter, full_copy, job_config_from, randomize_adapters
 
+from titan_lora.clients.base import plain_buffer
 from titan_lora.clients.http import JsonClient
 from titan_lora.clients.launch import EmbeddedEngine
 from titan_lora.clients.vllm import VLLMBucketEmitter
@@ -50,11 +51,12 @@ def build_syncer(rank: int, cfg, engine: EmbeddedEngine | None, url: str = "", k
     """(built model, syncer): the debug model with seeded adapters; rank 0 holds the emitter."""
     built = build_from(DEBUG_LORA)
     randomize_adapters(built.model, seed=seed)
-    source = AdapterSource(built.model, built.sd_adapter, job_config_from(DEBUG_LORA).lora, cfg.lora_name)
     emitter = None
     if rank == 0:
         url, key = (engine.url, engine.api_key) if engine is not None else (url, key)
         emitter = VLLMBucketEmitter(JsonClient(url, key, cfg.timeout_s), cfg.bucket_mb)
+    source = AdapterSource(built.model, built.sd_adapter, job_config_from(DEBUG_LORA).lora, cfg.lora_name,
+                           lend=emitter.lend_buffer if emitter else plain_buffer)
     base = base_weights_source(built.model, built.sd_adapter, tied_embeddings=True)
     versions = AdapterVersions(cfg.lora_name, cfg.keep_versions)
     return built, WeightSyncer(source, base, emitter, cfg, CPU, versions=versions, engine=engine, probe=probe)

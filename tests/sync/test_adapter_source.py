@@ -9,7 +9,7 @@ from model_helpers import DEBUG_LORA, build_from, job_config_from, randomize_ada
 from titan_lora.export.peft import to_peft_names
 from titan_lora.lora.layer import adapter_params
 from titan_lora.sync.adapter_source import AdapterSource
-from titan_lora.transfer.transport import offset_in
+from titan_lora.transfer.transport import lend_buffer, offset_in
 
 
 def _compare(rank: int, world: int) -> None:
@@ -17,7 +17,7 @@ def _compare(rank: int, world: int) -> None:
     randomize_adapters(built.model)
     params = adapter_params(built.model)
     full = {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for n, p in params}
-    source = AdapterSource(built.model, built.sd_adapter, job_config_from(DEBUG_LORA).lora)
+    source = AdapterSource(built.model, built.sd_adapter, job_config_from(DEBUG_LORA).lora, lend=lend_buffer)
     payload = source.snapshot(version=7)
     if rank == 0:  # compare before the next snapshot reuses the buffers
         expected = to_peft_names(full, built.sd_adapter)
@@ -36,6 +36,12 @@ def _compare(rank: int, world: int) -> None:
     poisoned = source.snapshot(version=8)  # collective: every rank takes part
     if rank == 0:
         assert not poisoned.finite
+
+
+def test_without_a_lender_the_gather_writes_plain_memory() -> None:
+    built = build_from(DEBUG_LORA)
+    payload = AdapterSource(built.model, built.sd_adapter, job_config_from(DEBUG_LORA).lora).snapshot(version=1)
+    assert payload.home is None and payload.finite
 
 
 def test_snapshot_equals_peft_export_on_two_fsdp_ranks():

@@ -13,6 +13,7 @@ from model_helpers import DEBUG_LORA, full_adapter, job_config_from
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
+from titan_lora.compose import EngineSide
 from titan_lora.lora.layer import adapter_params
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,7 +59,8 @@ def _run(policy: str, dump: Path, nan_step: int = NAN_STEP):  # noqa: ANN202
     import titan_lora.train as train
 
     syncer = FakeSyncer()
-    train.build_sync = lambda job_config, adapter, built, device: (syncer, None)
+    train.engine_side = lambda job_config, built, device: EngineSide()  # no engine: the syncer is a fake
+    train.build_sync = lambda job_config, adapter, built, device, side: (syncer, None)
     cfg = job_config_from(
         _toml(policy, dump / "adapter"), f"--job.dump_folder={dump}", "--training.steps=5",
         "--training.global_batch_size=8", "--training.local_batch_size=4",

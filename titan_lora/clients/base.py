@@ -61,6 +61,12 @@ class Emitter(Protocol):
         """An id that changes whenever the engine restarts or loses its weights."""
         ...
 
+    def lend_buffer(self, numel: int, dtype: torch.dtype, device: torch.device,
+                    ) -> tuple[torch.Tensor, BucketBuffer | None]:
+        """A zeroed tensor for the gather to write the adapter into, and the transport buffer it lies in
+        (None: ordinary memory), so that the adapter goes out with no packing copy."""
+        ...
+
     def send_base(self, tensors: BaseTensors, version: int) -> Ack:
         """Install full base weights (HF names) in the engine, consuming `tensors` lazily (at most about
         two buckets held); on failure it may stop early: the caller drains the rest (collectives)."""
@@ -77,6 +83,11 @@ class Emitter(Protocol):
     def close(self) -> None:
         """Release transport resources (shared memory, sessions)."""
         ...
+
+
+def plain_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, None]:
+    """`Emitter.lend_buffer` for emitters whose transport needs no special memory."""
+    return torch.zeros(numel, dtype=dtype, device=device), None
 
 
 @dataclasses.dataclass(frozen=True)

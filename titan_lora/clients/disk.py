@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from titan_lora.clients.base import AdapterPayload, Endpoint
+from titan_lora.clients.base import AdapterPayload, Endpoint, plain_buffer
 from titan_lora.clients.http import JsonClient
 from titan_lora.clients.vllm import VLLM, VLLMBucketEmitter
 from titan_lora.config import Engine, WeightSync
@@ -29,6 +29,8 @@ class DiskEmitter(VLLMBucketEmitter):
         super().__init__(client, bucket_mb)
         self._tmp = None if directory else tempfile.TemporaryDirectory(prefix="titan_lora_disk_")
         self.directory = Path(directory or self._tmp.name)
+
+    lend_buffer = staticmethod(plain_buffer)  # the adapter goes through a file: no shared memory needed
 
     def send_adapter(self, payload: AdapterPayload) -> Ack:
         """Save the adapter to `<directory>/<name>` and ask the engine to load that path."""

@@ -36,7 +36,7 @@ import torch
 import torch.multiprocessing  # noqa: F401  (registers torch's reducers on ForkingPickler)
 from torch.multiprocessing import reductions
 
-from titan_lora.clients.base import AdapterPayload, BaseTensors, Endpoint, base_items
+from titan_lora.clients.base import AdapterPayload, BaseTensors, Endpoint, base_items, plain_buffer
 from titan_lora.clients.kinds import EngineKind
 from titan_lora.clients.sglang_api import (
     LoadLoRAAdapterFromTensorsReqInput,
@@ -161,6 +161,8 @@ class SGLangEmitter:
         self._info = self.client.server_info()
         self._limits = check_server(self._info, self.client.url, self._keep_versions)
         return self._limits
+
+    lend_buffer = staticmethod(plain_buffer)  # buckets are packed per TP rank: the gather needs no shared memory
 
     def engine_limits(self) -> EngineLimits:
         """The server's LoRA limits; raises, naming the flag, if it cannot serve our retention window."""

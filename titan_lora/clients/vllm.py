@@ -45,7 +45,7 @@ from titan_lora.transfer.buckets import (
 )
 from titan_lora.transfer.errors import LayoutUnknownToEngine, TransferError
 from titan_lora.transfer.protocol import Ack, EngineLimits
-from titan_lora.transfer.transport import BucketBuffer, make_buffers, offset_in
+from titan_lora.transfer.transport import BucketBuffer, lend_buffer, make_buffers, offset_in
 
 T = TypeVar("T")
 
@@ -174,6 +174,12 @@ class VLLMBucketEmitter:
         """The engine's id, suffixed while it holds no base from us."""
         info = self._info()
         return info["incarnation"] + ("" if info["base_version"] is not None else ":no-base")
+
+    def lend_buffer(self, numel: int, dtype: torch.dtype, device: torch.device,
+                    ) -> tuple[torch.Tensor, BucketBuffer | None]:
+        """A tensor in memory the engine maps (shared memory, CUDA IPC): written there, the adapter is
+        posted in place."""
+        return lend_buffer(numel, dtype, device)
 
     def _buffers_fit(self, need: int, device: torch.device) -> bool:
         return bool(self._buffers) and self._buffers[0].size >= need and self._buffers[0].device == device

@@ -24,13 +24,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from titan_lora.clients.base import plain_buffer
 from titan_lora.transfer.buckets import ALIGN
 from titan_lora.transfer.host_copy import balanced_cut, in_two
-from titan_lora.transfer.transport import lend_buffer
 
 # Maps a tensor of output positions, laid out as the output wants the param, into the trainer's
 # layout of that param (e.g. undoing a row permutation), so the scatter writes the output layout.
 Layout = Callable[[torch.Tensor], torch.Tensor]
+# (numel, dtype, device) -> a zeroed tensor to gather into, and the buffer it lies in (or None). The
+# emitter lends it, so that a transport's buffer receives the gather and goes out with no packing copy.
+Lend = Callable[[int, torch.dtype, torch.device], tuple[torch.Tensor, object | None]]
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
@@ -132,8 +135,10 @@ class ShardGatherer:
         dst: int = 0,
         layouts: Sequence[Layout | None] | None = None,
         scatter: str | None = None,
+        lend: Lend = plain_buffer,
     ) -> None:
-        """`scatter`: "runs" or "index"; by default runs on CPU and one index_copy_ elsewhere."""
+        """`scatter`: "runs" or "index"; by default runs on CPU and one index_copy_ elsewhere. `lend`
+        gives rank 0 its output buffer (the emitter's, to hand the engine with no copy)."""
         if not named_params:
             raise ValueError("no adapter parameters to gather: is the `lora` converter enabled?")
         dtypes = {p.dtype for _, p in named_params}
@@ -164,9 +169,8 @@ class ShardGatherer:
         is_dst = self.rank == dst
         self._recv = torch.empty(self.world * self.max_local if is_dst else 0, dtype=self.dtype, device=device)
         # One extra slot at the end soaks up the padding of ranks whose shard is smaller. Zeros: the
-        # alignment gaps between tensors are never written and must stay finite. Shared memory (or
-        # CUDA IPC): a bucket emitter hands the engine this very buffer, with no packing copy.
-        self._full, self.home = (lend_buffer(self.total_numel + 1, self.dtype, device) if is_dst
+        # alignment gaps between tensors are never written and must stay finite.
+        self._full, self.home = (lend(self.total_numel + 1, self.dtype, device) if is_dst
                                  else (torch.empty(0, dtype=self.dtype), None))
         scatter = scatter or ("runs" if device.type == "cpu" else "index")
         if scatter not in ("runs", "index"):
