@@ -8,16 +8,21 @@ CPU (shared memory in /dev/shm), small enough for a test:
 The allocation history is the one that made the engine read the wrong buffer: a loaded model, then
 `--free-gib` allocated and freed, then the two bucket buffers (on CUDA both are carved from the freed
 segment and share its IPC handle). Every transfer sends new values; the emitter checks each bucket's
-acknowledged checksum. It prints posts/s, checksum mismatches, other errors and the /dev/shm entry
-count before and after, and exits 0 only if every post was verified, the receiver still answers and
-no buffer, CUDA IPC ref counter or torch segment is left in /dev/shm.
+acknowledged checksum. The trainer side runs in a process of its own; the /dev/shm entries are counted
+before it starts and after it exited. It prints posts/s, checksum mismatches, other errors and those
+counts, and exits 0 only if every post was verified, the receiver still answered, the trainer exited 0
+without torch's "producer terminated" warning, and no buffer, CUDA IPC ref counter or torch segment is
+left in /dev/shm.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -94,8 +99,13 @@ def soak(args: argparse.Namespace) -> dict:
     return figures
 
 
-def main() -> int:
-    """Parse, soak, report; 0 only if all is well."""
+# torch prints this at exit when CUDA blocks it shared were still mapped elsewhere (their ref-counter
+# file then stays in /dev/shm).
+PRODUCER_WARNING = "Producer process has been terminated before all shared CUDA tensors released"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--posts", type=int, default=20_000, help="bucket posts (each checksum-verified)")
@@ -105,22 +115,44 @@ def main() -> int:
     ap.add_argument("--model-gib", type=float, default=2.0, help="memory held as 'the model' (0 on CPU)")
     ap.add_argument("--free-gib", type=float, default=1.0, help="allocated and freed before the buffers")
     ap.add_argument("--max-failures", type=int, default=20, help="stop after this many failed transfers")
-    ap.add_argument("--log", default="ipc-soak-receiver.log", help="where the receiver process logs")
-    args = ap.parse_args()
+    ap.add_argument("--log", default=os.path.join(tempfile.gettempdir(), "ipc-soak-receiver.log"),
+                    help="where the receiver process logs")
+    ap.add_argument("--trainer", action="store_true", help=argparse.SUPPRESS)  # the child: run the soak
+    args = ap.parse_args(argv)
     if args.device == "cpu":  # host memory: no model to load, and the free has no segment to leave
         args.model_gib, args.free_gib = 0.0, min(args.free_gib, 0.01)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the soak in a trainer process of its own; count /dev/shm once it has exited; 0 if all is well.
+
+    The count is taken after the trainer exits because torch keeps one CUDA IPC ref-counter file per
+    producer process for as long as it lives: only what outlives the process is a leak."""
+    args = parse_args(argv)
+    if args.trainer:
+        print("FIGURES " + json.dumps(soak(args)), flush=True)
+        return 0
     before = shm_entries()
-    figures = soak(args)
+    child = subprocess.run([sys.executable, __file__, "--trainer", *(argv if argv is not None else sys.argv[1:])],
+                           capture_output=True, text=True)
     after = shm_entries()
+    sys.stderr.write(child.stderr)
+    lines = [line for line in child.stdout.splitlines() if line.startswith("FIGURES ")]
+    if child.returncode != 0 or not lines:
+        print(f"FAILED: the trainer process exited {child.returncode}")
+        return 1
+    figures = json.loads(lines[-1].removeprefix("FIGURES "))
     posts_s = figures["posts"] / figures["seconds"] if figures.get("seconds") else 0.0
     print(f"device {args.device}: {figures['posts']} posts in {figures.get('seconds', 0):.1f} s "
           f"({posts_s:.0f} posts/s), {figures['mismatches']} checksum mismatches, {figures['errors']} other "
-          f"errors, receiver alive: {figures['receiver_alive']}")
+          f"errors, receiver alive: {figures['receiver_alive']}, trainer exit code {child.returncode}")
     leaked = sorted(n for n in after - before if n.startswith(OURS))
-    print(f"/dev/shm entries: {len(before)} before, {len(after)} after; "
-          f"left by this kind of run: {leaked[:10]}")
+    warned = PRODUCER_WARNING in child.stderr
+    print(f"/dev/shm entries: {len(before)} before, {len(after)} after the trainer exited; "
+          f"left by this run: {leaked[:10]}; torch's producer warning at exit: {warned}")
     ok = (figures["posts"] >= args.posts and not figures["mismatches"] and not figures["errors"]
-          and figures["receiver_alive"] and not leaked)
+          and figures["receiver_alive"] and not leaked and not warned)
     print("OK" if ok else "FAILED")
     return 0 if ok else 1
 
