@@ -73,8 +73,9 @@ def soak(args: argparse.Namespace) -> dict:
                torch.randn(numel, generator=gen).to(device) for i in range(args.tensors)}
     engine = receiver(device, args.log)
     engine.start()
+    receiver_pid = engine.proc.pid
     emitter = VLLMBucketEmitter(JsonClient(engine.url, engine.api_key, timeout_s=60), args.bucket_mb)
-    figures = {"posts": 0, "mismatches": 0, "errors": 0, "receiver_alive": False}
+    figures = {"posts": 0, "mismatches": 0, "errors": 0, "receiver_alive": False, "receiver_pid": receiver_pid}
     try:
         started, version = time.perf_counter(), 0
         while figures["posts"] < args.posts:
@@ -97,6 +98,12 @@ def soak(args: argparse.Namespace) -> dict:
         emitter.close()
         del model
     return figures
+
+
+def driver_files(names: list[str], pids: list[int]) -> list[str]:
+    """The CUDA driver's own per-process IPC file, `cuda.shm.<device>.<pid in hex>.<n>` (4 KiB): the
+    driver leaves one for each process that used CUDA IPC, whatever the number of posts."""
+    return [n for n in names if n.startswith("cuda.shm.") and n.split(".")[3:4] in ([f"{p:x}"] for p in pids)]
 
 
 # torch prints this at exit when CUDA blocks it shared were still mapped elsewhere (their ref-counter
@@ -134,11 +141,12 @@ def main(argv: list[str] | None = None) -> int:
         print("FIGURES " + json.dumps(soak(args)), flush=True)
         return 0
     before = shm_entries()
-    child = subprocess.run([sys.executable, __file__, "--trainer", *(argv if argv is not None else sys.argv[1:])],
-                           capture_output=True, text=True)
+    child = subprocess.Popen([sys.executable, __file__, "--trainer", *(argv if argv is not None else sys.argv[1:])],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stdout, stderr = child.communicate()
     after = shm_entries()
-    sys.stderr.write(child.stderr)
-    lines = [line for line in child.stdout.splitlines() if line.startswith("FIGURES ")]
+    sys.stderr.write(stderr)
+    lines = [line for line in stdout.splitlines() if line.startswith("FIGURES ")]
     if child.returncode != 0 or not lines:
         print(f"FAILED: the trainer process exited {child.returncode}")
         return 1
@@ -147,10 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device {args.device}: {figures['posts']} posts in {figures.get('seconds', 0):.1f} s "
           f"({posts_s:.0f} posts/s), {figures['mismatches']} checksum mismatches, {figures['errors']} other "
           f"errors, receiver alive: {figures['receiver_alive']}, trainer exit code {child.returncode}")
-    leaked = sorted(n for n in after - before if n.startswith(OURS))
-    warned = PRODUCER_WARNING in child.stderr
-    print(f"/dev/shm entries: {len(before)} before, {len(after)} after the trainer exited; "
-          f"left by this run: {leaked[:10]}; torch's producer warning at exit: {warned}")
+    left = sorted(n for n in after - before if n.startswith(OURS))
+    driver = driver_files(left, [child.pid, figures["receiver_pid"]])
+    leaked = [n for n in left if n not in driver]
+    warned = PRODUCER_WARNING in stderr
+    print(f"/dev/shm entries: {len(before)} before, {len(after)} after the trainer exited; left by this run: "
+          f"{leaked[:10]}, and the CUDA driver's per-process file(s) {driver} (trainer pid {child.pid}, receiver "
+          f"pid {figures['receiver_pid']}); torch's producer warning at exit: {warned}")
     ok = (figures["posts"] >= args.posts and not figures["mismatches"] and not figures["errors"]
           and figures["receiver_alive"] and not leaked and not warned)
     print("OK" if ok else "FAILED")
