@@ -10,13 +10,14 @@ import subprocess
 import sys
 import tempfile
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
 
 from titan_lora.transfer.buckets import bucket_checksum, bucket_size, copy_out, pack, plan_buckets
 from titan_lora.transfer.errors import check_name
-from titan_lora.transfer.transport import BufferCache
+from titan_lora.transfer.transport import BufferCache, lend_buffer, make_buffers, offset_in
 from titan_lora.transfer.transports import base
 from titan_lora.transfer.transports.base import (
     BUILT_IN_TRANSPORTS,
@@ -64,15 +65,23 @@ class FileOpener(Opener):
 
 
 @pytest.fixture(autouse=True)
-def file_transport(monkeypatch: pytest.MonkeyPatch) -> Transport:
-    """The toy transport, registered as a plug-in module would; the registry is restored afterwards."""
+def own_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a test registers is gone after it."""
     monkeypatch.setattr(base, "_TRANSPORTS", dict(base._TRANSPORTS))
+    monkeypatch.setattr(base, "DEVICE_DEFAULTS", dict(base.DEVICE_DEFAULTS))
+
+
+@pytest.fixture
+def file_transport() -> Transport:
+    """The toy transport, registered as a plug-in module would."""
     return register_transport(Transport(FileBuffer, FileOpener()))
 
 
+@pytest.mark.usefixtures("file_transport")
 def test_a_registered_transport_carries_a_bucket_to_the_engine_side() -> None:
     g = torch.Generator().manual_seed(0)
-    tensors = {f"layers.{i}.lora_{ab}.weight": torch.randn(8, 16, generator=g) for i in range(2) for ab in "AB"}
+    tensors = {f"layers.{i}.lora_{ab}.weight": torch.randn(8, 16, generator=g)
+               for i in range(2) for ab in "AB"}
     (entries,) = plan_buckets(tensors, 1 << 20)
     size = bucket_size(entries)
     buf = FileBuffer(256 + size, torch.device("cpu"))
@@ -95,18 +104,36 @@ def test_a_registered_transport_carries_a_bucket_to_the_engine_side() -> None:
         engine_side.get(desc)
 
 
+def test_a_transport_registered_as_a_device_default_is_what_the_trainer_lends_and_buffers_with() -> None:
+    before = make_buffers(1, 64, torch.device("cpu"))[0]
+    assert before.kind == "shm", "registering a transport changed the default by itself"
+    before.close()
+    register_transport(Transport(FileBuffer, FileOpener()), default_for="cpu")
+    (buf,) = make_buffers(1, 64, torch.device("cpu"))  # as the bucket emitter asks for its buffers
+    lent, home = lend_buffer(16, torch.float32, torch.device("cpu"))  # as the gatherer asks
+    try:
+        assert (buf.kind, home.kind) == ("file", "file")  # the lent one is unlinked at exit, as all are
+        lent[4:].fill_(2.5)
+        desc = home.describe(offset_in(home, lent[4:]))
+        assert torch.equal(BufferCache().get(desc).view(torch.float32), torch.full((12,), 2.5))
+    finally:
+        buf.close()
+
+
+@pytest.mark.usefixtures("file_transport")
 def test_an_unknown_kind_is_refused_naming_the_registered_ones() -> None:
     with pytest.raises(ValueError) as err:
         BufferCache().get({"kind": "rdma", "name": "x", "size": 8, "offset": 0})
-    assert str(err.value) == ("unknown bucket transport 'rdma': this process has cuda_ipc, file, shm (a plug-in "
-                              "transport must be registered with register_transport in the trainer and in the "
-                              "engine process)")
+    assert str(err.value) == ("unknown bucket transport 'rdma': this process has cuda_ipc, file, shm (a "
+                              "plug-in transport must be registered with register_transport in the trainer "
+                              "and in the engine process)")
     with pytest.raises(ValueError, match="unknown bucket transport None"):
         BufferCache().get({"name": "x", "size": 8})
     with pytest.raises(ValueError, match=r"unknown bucket transport \['shm'\]"):
         transport_named(["shm"])  # JSON may carry any value: a clear refusal, not a TypeError
 
 
+@pytest.mark.usefixtures("file_transport")
 def test_a_kind_registers_once() -> None:
     with pytest.raises(ValueError) as err:
         register_transport(Transport(FileBuffer, FileOpener()))
@@ -126,8 +153,14 @@ def test_each_device_has_its_default_transport_and_built_ins_carry_their_kind() 
 
 
 def test_built_in_transports_are_imported_on_first_use() -> None:
-    code = ("import sys; import titan_lora.transfer.transport as t; from titan_lora.transfer.transports import base;"
-            "cuda = 'titan_lora.transfer.transports.cuda_ipc';"
-            "assert cuda not in sys.modules, 'importing the registry imported CUDA IPC';"
-            "base.transport_named('cuda_ipc'); assert cuda in sys.modules")
-    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    code = """if True:
+        import sys
+        import titan_lora.transfer.transport
+        from titan_lora.transfer.transports import base
+        cuda = "titan_lora.transfer.transports.cuda_ipc"
+        assert cuda not in sys.modules, "importing the registry imported CUDA IPC"
+        base.transport_named("cuda_ipc")
+        assert cuda in sys.modules
+    """
+    root = str(Path(base.__file__).parents[3])  # the tree under test, wherever pytest runs from
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": root})

@@ -108,12 +108,15 @@ class Transport:
 _TRANSPORTS: dict[str, Transport | str] = dict(BUILT_IN_TRANSPORTS)
 
 
-def register_transport(transport: Transport) -> Transport:
-    """Add a plug-in transport under its kind, once. Register it in the trainer and in the engine
-    process (a module the engine imports), since each side resolves the kind in its own registry."""
+def register_transport(transport: Transport, default_for: str | None = None) -> Transport:
+    """Add a plug-in transport under its kind, once, and make it the trainer's transport for buffers on
+    device type `default_for` if given. Register it in the trainer and in the engine process (a module
+    the engine imports): each side resolves the kind in its own registry."""
     if transport.kind in _TRANSPORTS:
         raise ValueError(f"bucket transport {transport.kind!r} is already registered")
     _TRANSPORTS[transport.kind] = transport
+    if default_for is not None:
+        DEVICE_DEFAULTS[default_for] = transport.kind
     return transport
 
 

@@ -41,8 +41,9 @@ class ShmBuffer(BucketBuffer):
         except OSError as err:
             self._shm.close()
             self._shm.unlink()
-            raise OSError(f"cannot reserve {self.size / 2**20:.0f} MiB of shared memory in {SHM_DIR} "
-                          f"({err}): enlarge it (docker: --shm-size) or lower [weight_sync] bucket_mb") from err
+            mib = self.size / 2**20
+            raise OSError(f"cannot reserve {mib:.0f} MiB of shared memory in {SHM_DIR} ({err}): "
+                          "enlarge it (docker: --shm-size) or lower [weight_sync] bucket_mb") from err
         self._shm.close()  # only the name is kept: torch maps the segment itself
         return map_shm(self._shm.name, self.size)
 
