@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from titan_lora.transfer import transport
+from titan_lora.transfer.transports import cuda_ipc, shm
 from titan_lora.transfer.transport import BucketBuffer, BufferCache, lend_buffer, make_buffers, offset_in
 
 
@@ -150,7 +151,7 @@ _REDUCED = (torch.Tensor, (64,), (1,), 0, None, None, 1, b"segment-handle", 8192
 
 
 class _TorchOnCuda:
-    """transport's view of torch with CUDA allocation and streams recorded instead of run."""
+    """cuda_ipc's view of torch with CUDA allocation and streams recorded instead of run."""
 
     def __init__(self) -> None:
         self.allocated: list[tuple] = []
@@ -177,9 +178,9 @@ class _TorchOnCuda:
 @pytest.fixture
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> _TorchOnCuda:
     fake = _TorchOnCuda()
-    monkeypatch.setattr(transport, "torch", fake)
+    monkeypatch.setattr(cuda_ipc, "torch", fake)
     fake.reduced = []
-    monkeypatch.setattr(transport.reductions, "reduce_tensor",
+    monkeypatch.setattr(cuda_ipc.reductions, "reduce_tensor",
                         lambda t: fake.reduced.append(t) or ("rebuild", _REDUCED))
     return fake
 
@@ -187,7 +188,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> _TorchOnCuda:
 def test_a_cuda_buffer_is_allocated_on_its_device_and_described_by_its_ipc_handle(fake_cuda) -> None:  # noqa: ANN001
     device = torch.device("cuda", 1)
     buf = BucketBuffer(64, device)
-    assert fake_cuda.allocated == [(64, torch.uint8, device)] and buf._shm is None
+    assert fake_cuda.allocated == [(64, torch.uint8, device)] and not hasattr(buf, "_shm")
     assert buf.describe(32) == {
         "kind": "cuda_ipc", "size": [64], "stride": [1], "tensor_offset": 0, "device": 1,
         "handle": "c2VnbWVudC1oYW5kbGU=", "storage_bytes": 8192, "storage_offset": 128,
@@ -211,7 +212,7 @@ def test_a_cpu_buffer_needs_no_stream_synchronisation(fake_cuda) -> None:  # noq
 
 def test_a_cuda_descriptor_rebuilds_the_same_ipc_tensor(fake_cuda, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     rebuilt: list[tuple] = []
-    monkeypatch.setattr(transport.reductions, "rebuild_cuda_tensor",
+    monkeypatch.setattr(cuda_ipc.reductions, "rebuild_cuda_tensor",
                         lambda *args: rebuilt.append(args) or torch.arange(64, dtype=torch.uint8))
     desc = BucketBuffer(64, torch.device("cuda", 1)).describe(8)
     got = BufferCache().get(desc)
@@ -229,7 +230,9 @@ def test_an_unknown_device_or_transport_is_refused() -> None:
     assert str(err.value) == "no bucket transport for device type 'meta'"
     with pytest.raises(ValueError) as err:
         transport._open({"kind": "rdma"})
-    assert str(err.value) == "unknown bucket transport 'rdma'"
+    assert str(err.value) == ("unknown bucket transport 'rdma': this process has cuda_ipc, shm (a plug-in "
+                              "transport must be registered with register_transport in the trainer and in the "
+                              "engine process)")
 
 
 def test_a_shm_buffer_reserves_exactly_its_size_and_is_the_file_in_dev_shm() -> None:
@@ -247,7 +250,7 @@ def test_a_shm_buffer_reserves_exactly_its_size_and_is_the_file_in_dev_shm() -> 
 
 def test_shared_memory_that_cannot_be_reserved_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
     made: list[str] = []
-    real = transport.shared_memory.SharedMemory
+    real = shm.shared_memory.SharedMemory
 
     def record(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         shm = real(*args, **kwargs)
@@ -257,8 +260,8 @@ def test_shared_memory_that_cannot_be_reserved_names_the_fix(monkeypatch: pytest
     def full(fd: int, offset: int, size: int) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(transport.shared_memory, "SharedMemory", record)
-    monkeypatch.setattr(transport.os, "posix_fallocate", full)
+    monkeypatch.setattr(shm.shared_memory, "SharedMemory", record)
+    monkeypatch.setattr(shm.os, "posix_fallocate", full)
     with pytest.raises(OSError) as err:
         BucketBuffer(3 * 2**20, torch.device("cpu"))
     assert str(err.value) == ("cannot reserve 3 MiB of shared memory in /dev/shm ([Errno 28] No space left on "
@@ -293,7 +296,7 @@ def test_a_missing_segment_says_where_the_engine_must_run() -> None:
 
 def test_a_cuda_buffer_without_an_event_has_an_empty_event_handle(fake_cuda, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     no_event = (*_REDUCED[:13], b"", False)
-    monkeypatch.setattr(transport.reductions, "reduce_tensor", lambda t: ("rebuild", no_event))
+    monkeypatch.setattr(cuda_ipc.reductions, "reduce_tensor", lambda t: ("rebuild", no_event))
     desc = BucketBuffer(64, torch.device("cuda", 0)).describe()
     assert (desc["event_handle"], desc["event_sync"]) == ("", False)
 

@@ -1,97 +1,27 @@
-"""Where buckets travel: shared memory on one host (CPU), CUDA IPC when the engine shares the GPU.
+"""Bucket buffers seen from both sides: the trainer lends and locates them, the engine caches mappings.
 
-The trainer owns the buffers; the engine opens them from a JSON descriptor, copies a bucket out and
-acknowledges. Descriptors are plain JSON (no pickle crosses from one side to the other).
+Each transport is a trainer-side and engine-side pair in `transfer/transports/` (POSIX shared memory on
+CPU, CUDA IPC on GPU), found by its descriptor's "kind" (`transports/base.py`). The trainer owns the
+buffers; the engine opens them from a JSON descriptor, copies a bucket out and acknowledges.
 """
 
 from __future__ import annotations
 
 import atexit
-import base64
 import collections
 import json
-import os
-import stat
 import threading
-from multiprocessing import shared_memory
 
 import torch
-import torch.multiprocessing.reductions as reductions
 
-from titan_lora.transfer.errors import check_name
+from titan_lora.transfer.transports.base import BucketBuffer, transport_named
+from titan_lora.transfer.transports.shm import SHM_DIR
 
-SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared memory
-
-
-class BucketBuffer:
-    """A trainer-owned byte buffer that an engine process can map."""
-
-    def __init__(self, size: int, device: torch.device) -> None:
-        self.size = size
-        self.device = device
-        self._shm: shared_memory.SharedMemory | None = None
-        if device.type == "cpu":
-            self._shm = shared_memory.SharedMemory(create=True, size=size)
-            try:
-                # tmpfs grants any size at ftruncate and fails at first touch (SIGBUS): reserve now.
-                os.posix_fallocate(self._shm._fd, 0, size)
-            except OSError as err:
-                self._shm.close()
-                self._shm.unlink()
-                raise OSError(f"cannot reserve {size / 2**20:.0f} MiB of shared memory in {SHM_DIR} ({err}): "
-                              "enlarge it (docker: --shm-size) or lower [weight_sync] bucket_mb") from err
-            self._shm.close()  # only the name is kept: torch maps the segment itself
-            self.tensor = _map_shm(self._shm.name, size)
-        elif device.type == "cuda":
-            self.tensor = torch.empty(size, dtype=torch.uint8, device=device)
-        else:
-            raise ValueError(f"no bucket transport for device type {device.type!r}")
-        # Once: every CUDA share takes a new slot in torch's IPC ref-counter files (cuda.shm.*) that the
-        # producer keeps until the receiver lets go; sharing again on every post (~15k posts) ended in
-        # a segfault at exit and left cuda.shm.* files behind (issue 9).
-        self._desc = self._describe()
-
-    def describe(self, offset: int = 0) -> dict:
-        """The JSON descriptor the engine opens the buffer with; the bucket starts `offset` bytes in."""
-        return {**self._desc, "offset": offset}
-
-    def _describe(self) -> dict:
-        if self._shm is not None:
-            return {"kind": "shm", "name": self._shm.name, "size": self.size}
-        _, args = reductions.reduce_tensor(self.tensor)
-        (_, size, stride, tensor_offset, _, _, device, handle, storage_bytes, storage_offset, _,
-         ref_handle, ref_offset, event_handle, event_sync) = args
-        b64 = lambda b: base64.b64encode(b).decode()  # noqa: E731
-        # `handle` names the cudaMalloc segment; `storage_offset` says where this buffer lies in it.
-        return {"kind": "cuda_ipc", "size": list(size), "stride": list(stride),
-                "tensor_offset": tensor_offset, "device": device, "handle": b64(handle),
-                "storage_bytes": storage_bytes,
-                "storage_offset": storage_offset, "ref_handle": b64(ref_handle), "ref_offset": ref_offset,
-                "event_handle": b64(event_handle) if event_handle else "", "event_sync": event_sync}
-
-    def synchronize(self) -> None:
-        """Make packed bytes visible to the other process (packing may be asynchronous on GPU)."""
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-
-    def close(self) -> None:
-        """Release the buffer; the shared-memory segment is removed."""
-        del self.tensor
-        if self._shm is not None:
-            self._shm.unlink()
-
-
-def _map_shm(name: str, size: int) -> torch.Tensor:
-    """`size` bytes of POSIX shared memory `name`, mapped by torch.
-
-    Not `torch.frombuffer` over Python's mapping: that tensor's deleter needs the interpreter, and a
-    tensor freed while the interpreter shuts down aborted a process (rank 0 of a 2-rank test, once).
-    """
-    return torch.from_file(os.path.join(SHM_DIR, name), shared=True, size=size, dtype=torch.uint8)
+__all__ = ["SHM_DIR", "BucketBuffer", "BufferCache", "lend_buffer", "make_buffers", "offset_in"]
 
 
 def make_buffers(n: int, size: int, device: torch.device) -> list[BucketBuffer]:
-    """`n` buffers of `size` bytes on `device`."""
+    """`n` buffers of `size` bytes on `device`, of the device's default transport."""
     return [BucketBuffer(size, device) for _ in range(n)]
 
 
@@ -101,10 +31,9 @@ _LENT: list[BucketBuffer] = []
 
 @atexit.register
 def _unlink_lent() -> None:
-    """Remove the shared-memory names at exit (the mappings go with the process)."""
+    """Remove the lent buffers' names at exit (the mappings go with the process)."""
     for buf in _LENT:
-        if buf._shm is not None:
-            buf._shm.unlink()
+        buf.unlink()
 
 
 def lend_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, BucketBuffer | None]:
@@ -127,36 +56,9 @@ def offset_in(buf: BucketBuffer, tensor: torch.Tensor) -> int | None:
     return tensor.data_ptr() - buf.tensor.data_ptr()
 
 
-def _shm_path(name: str) -> str:
-    """The /dev/shm path of a bare segment name; anything else could map an arbitrary file."""
-    return os.path.join(SHM_DIR, check_name(name, "shared-memory segment"))
-
-
 def _open(desc: dict) -> torch.Tensor:
-    if desc["kind"] == "shm":
-        path = _shm_path(desc["name"])
-        # torch.from_file would create a missing file: an engine that cannot see the trainer's
-        # shared memory would then read zeros and acknowledge them.
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            st = None
-        if st is not None and not stat.S_ISREG(st.st_mode):  # a planted link would map what it points to
-            raise ValueError(f"shared memory {path} is not a regular file")
-        if st is None or st.st_size < desc["size"]:
-            raise FileNotFoundError(
-                f"shared memory {path} ({desc['size']} bytes) is not visible here: the engine must run on "
-                "the trainer's host and see its /dev/shm (same container or --ipc=host)")
-        return _map_shm(desc["name"], desc["size"])
-    if desc["kind"] == "cuda_ipc":
-        raw = lambda k: base64.b64decode(desc[k]) if desc[k] else b""  # noqa: E731
-        return reductions.rebuild_cuda_tensor(
-            torch.Tensor, tuple(desc["size"]), tuple(desc["stride"]), desc["tensor_offset"],
-            torch.storage.UntypedStorage, torch.uint8, desc["device"], raw("handle"),
-            desc["storage_bytes"], desc["storage_offset"], False, raw("ref_handle"),
-            desc["ref_offset"], raw("event_handle"), desc["event_sync"],
-        )
-    raise ValueError(f"unknown bucket transport {desc.get('kind')!r}")
+    """The whole buffer `desc` names, mapped by the engine side of the transport its "kind" names."""
+    return transport_named(desc.get("kind")).opener.open(desc)
 
 
 def _mapping_key(desc: dict) -> str:
@@ -197,11 +99,11 @@ class BufferCache:
             self._open.clear()
 
     def prune(self) -> int:
-        """Release the mappings of shared-memory segments that no longer exist (their trainer is gone or
-        freed them); returns how many were released. CUDA mappings go by the LRU bound alone."""
+        """Release the mappings of buffers their transport says are gone (a shared-memory segment whose
+        trainer freed it or died); returns how many were released. The others (CUDA) go by the LRU bound."""
         with self._lock:
             gone = [key for key, (desc, _) in self._open.items()
-                    if desc["kind"] == "shm" and not os.path.exists(os.path.join(SHM_DIR, desc["name"]))]
+                    if not transport_named(desc["kind"]).opener.exists(desc)]
             for key in gone:
                 del self._open[key]
         return len(gone)

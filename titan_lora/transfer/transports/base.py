@@ -1,0 +1,146 @@
+"""What a bucket transport is, and the lazy registry that finds one (vLLM's `weight_transfer` style).
+
+A transport is a pair in one file: a trainer-side `BucketBuffer` subclass (allocates bytes an engine
+process can map and describes them once, as JSON: no pickle crosses) and an engine-side `Opener` (maps
+such a descriptor, and refuses rather than guesses). The descriptor's "kind" names the pair. Built-ins
+are `module:ATTRIBUTE` strings imported on first use; the engine resolves registered kinds only, so a
+descriptor never makes it import a module of the sender's choosing.
+
+This module imports no transport, and stays importable by the engine process (it imports only
+`titan_lora.transfer`), which is why it holds its own registry rather than `titan_lora.registry`.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import importlib
+from typing import ClassVar
+
+import torch
+
+BUILT_IN_TRANSPORTS = {
+    "shm": "titan_lora.transfer.transports.shm:SHM",
+    "cuda_ipc": "titan_lora.transfer.transports.cuda_ipc:CUDA_IPC",
+}
+DEVICE_DEFAULTS = {"cpu": "shm", "cuda": "cuda_ipc"}
+"""The transport a trainer's buffers use, by device type."""
+
+
+class BucketBuffer(abc.ABC):
+    """A trainer-owned byte buffer that an engine process can map.
+
+    `BucketBuffer(size, device)` makes one of the device's default transport (`default_transport`); a
+    transport subclasses it with its `kind`, `_allocate` and `_fields`.
+    """
+
+    kind: ClassVar[str]
+    """The descriptor's "kind": the name its transport is registered under."""
+
+    def __new__(cls, size: int, device: torch.device) -> BucketBuffer:
+        if cls is BucketBuffer:
+            cls = default_transport(device).buffer
+        return super().__new__(cls)
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        self.size = size
+        self.device = device
+        self.tensor = self._allocate()
+        # Once: every CUDA share takes a new slot in torch's IPC ref-counter files (cuda.shm.*) that the
+        # producer keeps until the receiver lets go; sharing again on every post (~15k posts) ended in
+        # a segfault at exit and left cuda.shm.* files behind (issue 9).
+        self._desc = self._describe()
+
+    @abc.abstractmethod
+    def _allocate(self) -> torch.Tensor:
+        """`self.size` bytes (uint8) on `self.device`, in memory the engine side can map."""
+
+    @abc.abstractmethod
+    def _fields(self) -> dict:
+        """What the engine side needs to map this buffer, as JSON values."""
+
+    def _describe(self) -> dict:
+        return {"kind": self.kind, **self._fields()}
+
+    def describe(self, offset: int = 0) -> dict:
+        """The JSON descriptor the engine opens the buffer with; the bucket starts `offset` bytes in."""
+        return {**self._desc, "offset": offset}
+
+    def synchronize(self) -> None:
+        """Make packed bytes visible to the other process (host memory needs nothing)."""
+
+    def unlink(self) -> None:
+        """Remove the name engines open this buffer by; mappings already made stay valid."""
+
+    def close(self) -> None:
+        """Release the buffer and its name."""
+        del self.tensor
+        self.unlink()
+
+
+class Opener(abc.ABC):
+    """The engine side of a transport: maps the buffers its trainer side describes."""
+
+    @abc.abstractmethod
+    def open(self, desc: dict) -> torch.Tensor:
+        """The whole uint8 buffer `desc` names (the caller applies the bucket offset). A buffer that
+        cannot be mapped as described raises: the engine must never read other bytes and ack them."""
+
+    def exists(self, desc: dict) -> bool:
+        """False once the buffer is gone for good, so that its mapping can be released; a transport that
+        cannot tell says True and its mappings go by the cache's LRU bound alone."""
+        return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Transport:
+    """One transport: its trainer-side buffer class and its engine-side opener."""
+
+    buffer: type[BucketBuffer]
+    opener: Opener
+
+    @property
+    def kind(self) -> str:
+        """The name descriptors carry and the registry knows it by."""
+        return self.buffer.kind
+
+
+_TRANSPORTS: dict[str, Transport | str] = dict(BUILT_IN_TRANSPORTS)
+
+
+def register_transport(transport: Transport, default_for: str | None = None) -> Transport:
+    """Add a plug-in transport under its kind, once, and make it the trainer's transport for buffers on
+    device type `default_for` if given. Register it in the trainer and in the engine process (a module
+    the engine imports): each side resolves the kind in its own registry."""
+    if transport.kind in _TRANSPORTS:
+        raise ValueError(f"bucket transport {transport.kind!r} is already registered")
+    _TRANSPORTS[transport.kind] = transport
+    if default_for is not None:
+        DEVICE_DEFAULTS[default_for] = transport.kind
+    return transport
+
+
+def registered_transports() -> list[str]:
+    """The kinds this process can open."""
+    return sorted(_TRANSPORTS)
+
+
+def transport_named(kind: object) -> Transport:
+    """The transport a descriptor's "kind" names, loaded on first use."""
+    found = _TRANSPORTS.get(kind) if isinstance(kind, str) else None
+    if found is None:
+        raise ValueError(f"unknown bucket transport {kind!r}: this process has "
+                         f"{', '.join(registered_transports())} (a plug-in transport must be registered with "
+                         "register_transport in the trainer and in the engine process)")
+    if isinstance(found, str):
+        module, _, attr = found.partition(":")
+        found = _TRANSPORTS[kind] = getattr(importlib.import_module(module), attr)
+    return found
+
+
+def default_transport(device: torch.device) -> Transport:
+    """The transport of a trainer's buffers on `device` (`DEVICE_DEFAULTS`)."""
+    kind = DEVICE_DEFAULTS.get(device.type)
+    if kind is None:
+        raise ValueError(f"no bucket transport for device type {device.type!r}")
+    return transport_named(kind)
