@@ -15,11 +15,11 @@ import time
 import pytest
 import torch
 from dist_helpers import free_port
-from model_helpers import SMOLLM2_LORA, build_from, job_config_from, randomize_adapters
+from model_helpers import randomize_adapters
+from vllm_helpers import CPU, PARITY_TOL, emitter_to, max_abs_diff, smollm2_engine, smollm2_trainer
 
 from titan_lora.clients.base import Endpoint
 from titan_lora.clients.http import JsonClient
-from titan_lora.clients.kinds import engine_kind
 from titan_lora.clients.launch import EmbeddedEngine
 from titan_lora.clients.rollout import VLLMRolloutClient
 from titan_lora.compose import probe_sequences
@@ -29,7 +29,6 @@ from titan_lora.lora.layer import adapter_params
 from titan_lora.rl.task import task_prompt
 from titan_lora.rl.tasks import ArithTask
 from titan_lora.sync.adapter_source import AdapterSource
-from titan_lora.sync.base_stream import base_weights_source
 from titan_lora.sync.parity import trainer_logprobs
 from titan_lora.sync.syncer import WeightSyncer
 from titan_lora.sync.versions import AdapterVersions
@@ -37,8 +36,6 @@ from titan_lora.transfer.errors import TransferError
 
 pytestmark = pytest.mark.slow
 
-PARITY_TOL = 1e-3
-CPU = torch.device("cpu")
 N_TENSORS = 30 * 7 * 2  # 30 layers x 7 linears x (A, B)
 FIGURES: dict[str, list[float]] = {}
 
@@ -76,11 +73,6 @@ class Ctx:
         return metrics
 
 
-def max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
-    assert [len(x) for x in a] == [len(y) for y in b], "different sequence lengths"
-    return max(abs(x - y) for xs, ys in zip(a, b) for x, y in zip(xs, ys))
-
-
 @torch.no_grad()
 def trainer_greedy(model: torch.nn.Module, prompt: list[int], max_tokens: int, eos: int) -> list[int]:
     """Greedy decoding with the trainer's own model (full forward per token, no cache)."""
@@ -98,33 +90,18 @@ def trainer_greedy(model: torch.nn.Module, prompt: list[int], max_tokens: int, e
     return out
 
 
-def emitter_to(kind: str, endpoint: Endpoint, cfg: WeightSync, engine: Engine | None = None):  # noqa: ANN201
-    """The emitter that `[engine] kind` selects, attached to `endpoint`."""
-    return engine_kind(kind).emitter(cfg, engine or Engine(kind=kind), endpoint)
-
-
 @pytest.fixture(scope="module")
 def ctx(smollm2_dir, tmp_path_factory) -> Ctx:
     from transformers import AutoTokenizer
 
-    log = tmp_path_factory.mktemp("engine") / "engine.log"
-    engine = EmbeddedEngine("titan_lora.engines.vllm_server", free_port(), [
-        "--model", str(smollm2_dir), "--max-lora-rank", "8", "--max-loras", "3", "--max-cpu-loras", "4",
-        "--max-model-len", "256", "--kv-cache-gib", "1",
-    ], str(log), start_timeout_s=300)
+    engine = smollm2_engine(smollm2_dir, tmp_path_factory.mktemp("engine") / "engine.log")
     started = time.perf_counter()
     engine.start()
     FIGURES["engine_start_s"] = [time.perf_counter() - started]
     try:
-        built = build_from(SMOLLM2_LORA)  # 1 trainer rank, pretrained SmolLM2 + rank-8 LoRA
-        lora = job_config_from(SMOLLM2_LORA).lora
         cfg = WeightSync(enabled=True, keep_versions=2, bucket_mb=4,
                          timeout_s=60, retries=1, retire_timeout_s=60, parity_every=0)
-        emitter = emitter_to("vllm", Endpoint(engine.url, engine.api_key), cfg)
-        source = AdapterSource(built.model, built.sd_adapter, lora, cfg.lora_name, built.hf_dir,
-                               lend=emitter.lend_buffer)
-        syncer = WeightSyncer(source, base_weights_source(built.model, built.sd_adapter, True), emitter, cfg, CPU,
-                              versions=AdapterVersions("policy", 2), engine=engine)
+        built, lora, source, syncer = smollm2_trainer(engine, cfg)
         client = JsonClient(engine.url, engine.api_key, timeout_s=300)
         tokenizer = AutoTokenizer.from_pretrained(built.hf_dir)
         yield Ctx(engine, built, lora, source, syncer, client, VLLMRolloutClient(client), tokenizer,

@@ -5,12 +5,15 @@ per-token adapter index, materialising one weight copy per token before an einsu
 all-linear adapters runs ~8x slower than the base model. A batch holds only a few distinct adapters,
 so grouping tokens by adapter and doing one matmul per group gives the same numbers at the cost of a
 plain matmul. Same signatures and semantics (including index -1, which selects the last slot as the
-original's indexing does); inputs the grouping cannot handle fall back to the original.
+original's indexing does); inputs the grouping cannot handle fall back to the original. The swap
+itself (a private vLLM module) is `vllm_compat.swap_cpu_lora_kernels`.
 """
 
 from __future__ import annotations
 
 import torch
+
+from titan_lora.engines.vllm_compat import swap_cpu_lora_kernels
 
 _ORIGINAL: dict[str, object] = {}
 
@@ -69,14 +72,10 @@ def bgmv_expand_slice(inputs, lora_b_weights, output_tensor, lora_indices_tensor
 
 def install() -> bool:
     """Swap the grouped kernels into vLLM's CPU LoRA path (idempotent); False if vLLM lacks it."""
-    try:
-        from vllm.lora.ops.torch_ops import lora_ops
-        from vllm.lora.punica_wrapper import punica_cpu
-    except ImportError:
+    replaced = swap_cpu_lora_kernels(
+        {"bgmv_shrink": bgmv_shrink, "bgmv_expand": bgmv_expand, "bgmv_expand_slice": bgmv_expand_slice})
+    if replaced is None:
         return False
-    for name, fn in (("bgmv_shrink", bgmv_shrink), ("bgmv_expand", bgmv_expand),
-                     ("bgmv_expand_slice", bgmv_expand_slice)):
-        _ORIGINAL.setdefault(name, getattr(lora_ops, name))
-        setattr(lora_ops, name, fn)  # the sgmv_* wrappers look these up as module globals
-        setattr(punica_cpu, name, fn)  # punica_cpu imported them by name
+    for name, fn in replaced.items():
+        _ORIGINAL.setdefault(name, fn)  # a second install replaced our own kernels
     return True

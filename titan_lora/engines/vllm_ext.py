@@ -7,10 +7,12 @@ before acknowledging.
 
 vLLM 0.32 has no LoRA-from-tensors API. The first adapter of a run is built with vLLM's own
 `LoRAModel.from_lora_tensors`; later ones with the same tensor names reuse what that build resolved
-(`vllm_fastpath`). Built adapters stay in an in-memory store that the worker's LoRA manager consults
-instead of the disk, so an LRU eviction or a base reload re-adds them (a disk lookup for an unknown id
-kills the engine). Adapter bytes land in reusable host slabs: a fresh multi-MB allocation page-faults
-on every first touch, which cost more than the copy itself. Staging (bounded per kind), the checksum
+(`vllm_fastpath`), on the vLLM versions that `vllm_compat` (the one module naming vLLM internals) was
+tested with; on others every adapter goes through vLLM's builder and activation. Built adapters
+stay in an in-memory store that the worker's LoRA manager consults instead of the disk, so an LRU
+eviction or a base reload re-adds them (a disk lookup for an unknown id kills the engine). Adapter
+bytes land in reusable host slabs: a fresh multi-MB allocation page-faults on every first touch,
+which cost more than the copy itself. Staging (bounded per kind), the checksum
 check of every bucket and the fault-injection hook live in `titan_lora.engines.transfers`, whose
 docstring lists the environment variables (TITAN_LORA_FAULT_BUCKET_PAUSE_S, TITAN_LORA_FAULT_MARKER).
 """
@@ -21,22 +23,21 @@ import dataclasses
 import json
 
 import torch
-from vllm.config import set_current_vllm_config
-from vllm.lora.lora_model import LoRAModel
-from vllm.lora.peft_helper import PEFTHelper
-from vllm.lora.request import LoRARequest
-from vllm.lora.utils import parse_fine_tuned_lora_name
-from vllm.platforms import current_platform
 
-from titan_lora.engines import vllm_cpu_lora
+from titan_lora.engines import vllm_compat as compat
 from titan_lora.engines.transfers import Staged, TransferStore, fault_pause
-from titan_lora.engines.vllm_fastpath import AdapterPlan, install_slot_writer, register
+from titan_lora.engines.vllm_compat import LoRAModel, LoRARequest
 from titan_lora.transfer.buckets import Entry, LayoutCache, bucket_size, copy_out, tensor_views
 from titan_lora.transfer.host_copy import copy_flat
 from titan_lora.transfer.transport import BufferCache
 
-if current_platform.is_cpu():  # runs in every worker process: the extension is imported there
-    vllm_cpu_lora.install()
+if compat.FAST_PATH:  # both drive vLLM internals that only the tested versions are known to have
+    from titan_lora.engines import vllm_cpu_lora, vllm_fastpath
+
+    # Runs in every worker process: the extension is imported there.
+    CPU_KERNELS = compat.is_cpu() and vllm_cpu_lora.install()
+else:
+    CPU_KERNELS = False
 
 ADAPTER_SCHEME = "titan-mem://"
 SLABS_KEPT_PER_LAYOUT = 2
@@ -84,10 +85,16 @@ class _State:
     slabs: _SlabPool = dataclasses.field(default_factory=_SlabPool)
     transfers: TransferStore = dataclasses.field(init=False)
     adapters: dict[int, _Stored] = dataclasses.field(default_factory=dict)
-    plans: dict[str, AdapterPlan | None] = dataclasses.field(default_factory=dict)
+    # Recorded by the fast path only.
+    plans: dict[str, vllm_fastpath.AdapterPlan | None] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.transfers = TransferStore(on_drop=self.give_back)
+
+    def model(self, lora_int_id: int) -> LoRAModel | None:
+        """The installed adapter `lora_int_id`, or None when it is not ours."""
+        stored = self.adapters.get(lora_int_id)
+        return None if stored is None else stored.model
 
     def give_back(self, staged: Staged) -> None:
         """Return an uncommitted transfer's adapter slabs to the pool (vLLM never saw them)."""
@@ -102,21 +109,17 @@ class TitanLoRAWorkerExtension:
         state = self.__dict__.get("_titan")
         if state is None:
             state = self.__dict__["_titan"] = _State()
-            manager = self.model_runner.lora_manager
-            original = manager._load_adapter
-
-            def load_adapter(request: LoRARequest) -> LoRAModel:
-                stored = state.adapters.get(request.lora_int_id)
-                return original(request) if stored is None else stored.model
-
-            manager._load_adapter = load_adapter  # instance attribute shadows the disk loader
-            install_slot_writer(manager._adapter_manager, lambda lora_id: lora_id in state.adapters)
+            manager = compat.lora_manager(self)
+            compat.serve_from_memory(manager, state.model)
+            if compat.FAST_PATH:
+                vllm_fastpath.install_slot_writer(compat.adapter_manager(manager),
+                                                  lambda lora_id: lora_id in state.adapters)
         return state
 
     def _titan_check_targets(self, tensors: dict[str, torch.Tensor]) -> None:
         supported = self.titan_lora_info()["target_modules"]
         for name in tensors:
-            module, _ = parse_fine_tuned_lora_name(name)
+            module = compat.adapted_module(name)
             if module.rsplit(".", 1)[-1] not in supported:
                 raise ValueError(f"adapter tensor {name} targets a module this engine cannot adapt ({supported})")
 
@@ -124,30 +127,17 @@ class TitanLoRAWorkerExtension:
         self, lora_int_id: int, peft_config: dict, tensors: dict[str, torch.Tensor]
     ) -> tuple[LoRAModel, bool]:
         """The adapter as vLLM's LoRA manager takes it, and whether a recorded plan built it (vLLM
-        builds the first one with these names)."""
+        builds the first one with these names, and every one off the fast path)."""
         plans = self._titan_state().plans
         key = json.dumps(peft_config, sort_keys=True) + "\n" + "\n".join(tensors)
         plan = plans.get(key)
         if plan is not None:
             return plan.build(lora_int_id, tensors), True
         self._titan_check_targets(tensors)
-        manager = self.model_runner.lora_manager
-        models = manager._adapter_manager
-        helper = PEFTHelper.from_dict(
-            {**peft_config, "vllm_max_position_embeddings": manager.max_position_embeddings})
-        helper.validate_legal(manager.lora_config)
-        mapper = getattr(models.model, "hf_to_vllm_mapper", None)
-        model = LoRAModel.from_lora_tensors(
-            lora_model_id=lora_int_id,
-            tensors=tensors,
-            peft_helper=helper,
-            device="cpu",  # the LRU cache keeps adapters on the host; slots live on the device
-            dtype=manager.lora_config.lora_dtype,
-            model_vocab_size=manager.vocab_size,
-            weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
-            skip_prefixes=getattr(models.model, "lora_skip_prefixes", None),
-        )
-        plans[key] = AdapterPlan.record(models, model, tensors)
+        manager = compat.lora_manager(self)
+        model = compat.build_adapter(manager, lora_int_id, peft_config, tensors)
+        if compat.FAST_PATH:
+            plans[key] = vllm_fastpath.AdapterPlan.record(compat.adapter_manager(manager), model, tensors)
         return model, False
 
     def titan_receive_bucket(self, transfer_id: str, segment: dict, layout: str, header: list[dict] | None,
@@ -171,10 +161,10 @@ class TitanLoRAWorkerExtension:
         staged = state.transfers.take(transfer_id)
         model, planned = self._titan_build(lora_int_id, peft_config, staged.tensors)
         state.adapters[lora_int_id] = _Stored(model, staged.held)
-        manager = self.model_runner.lora_manager
+        manager = compat.lora_manager(self)
         try:
             if planned:
-                register(manager._adapter_manager, model)
+                vllm_fastpath.register(compat.adapter_manager(manager), model)
             else:
                 manager.add_adapter(LoRARequest(lora_name, lora_int_id, ADAPTER_SCHEME + lora_name))
         except Exception:
@@ -186,11 +176,8 @@ class TitanLoRAWorkerExtension:
         """Load the staged tensors (HF names) as the base weights; adapters are re-installed."""
         state = self._titan_state()
         staged = state.transfers.take(transfer_id)
-        with set_current_vllm_config(self.vllm_config):
-            # reload_weights re-runs the CPU/GPU weight repacking that a plain load_weights skips.
-            self.model_runner.reload_weights(weights_iterator=iter(staged.tensors.items()),
-                                             is_checkpoint_format=True)
-        manager = self.model_runner.lora_manager
+        compat.reload_base(self, staged.tensors)
+        manager = compat.lora_manager(self)
         for lora_int_id in list(state.adapters):  # reload_weights dropped every adapter
             manager.add_adapter(LoRARequest(f"id{lora_int_id}", lora_int_id, ADAPTER_SCHEME))
         return staged.size()
@@ -198,21 +185,24 @@ class TitanLoRAWorkerExtension:
     def titan_remove_adapter(self, lora_int_id: int) -> bool:
         """Forget adapter `lora_int_id` (the server only asks once no request uses it)."""
         state = self._titan_state()
-        removed = bool(self.model_runner.lora_manager.remove_adapter(lora_int_id))
+        removed = bool(compat.lora_manager(self).remove_adapter(lora_int_id))
         stored = state.adapters.pop(lora_int_id, None)
         for layout, slab in stored.slabs if stored is not None else ():
             state.slabs.give(layout, slab)  # vLLM holds no view of it any more
         return removed
 
     def titan_lora_info(self) -> dict:
-        """The engine's LoRA limits and the leaf module names it can adapt (packed names expanded)."""
-        models = self.model_runner.lora_manager._adapter_manager
-        targets = set()
-        for module in models.supported_lora_modules:
-            targets.update(models.packed_modules_mapping.get(module, [module]))
-        return {
-            "max_lora_rank": models.lora_config.max_lora_rank,
-            "max_loras": models.lora_slots,
-            "max_cpu_loras": models.capacity,
-            "target_modules": sorted(targets),
-        }
+        """The engine's LoRA limits, the leaf module names it can adapt (packed names expanded), and
+        the vLLM version with the fast parts it runs."""
+        return {**compat.lora_limits(compat.lora_manager(self)),
+                "vllm": {"version": compat.VERSION, "fast_path": compat.FAST_PATH, "cpu_kernels": CPU_KERNELS}}
+
+    def titan_release_buffers(self) -> int:
+        """Unmap every trainer buffer (at shutdown: a CUDA mapping pins the trainer's IPC ref-counter
+        file); returns how many were mapped."""
+        state = self.__dict__.get("_titan")
+        if state is None:  # no bucket came
+            return 0
+        held = len(state.buffers)
+        state.buffers.clear()
+        return held

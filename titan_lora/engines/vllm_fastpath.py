@@ -15,6 +15,9 @@ each zeroing and copying its slot piece by piece. A training run sends the same 
 
 Invariant kept throughout, as in vLLM: `lora_b * scaling` is a module's effective lora_B. vLLM's
 `optimize()` folds the scale into lora_B and sets scaling to 1; adapters built here keep it unfolded.
+
+The private vLLM names this drives come from `vllm_compat`; the worker extension imports this module
+only on the vLLM versions `vllm_compat` lists as tested.
 """
 
 from __future__ import annotations
@@ -23,12 +26,19 @@ import dataclasses
 from collections.abc import Callable, Mapping
 
 import torch
-from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
-from vllm.lora.layers.classifier import ClassificationHeadWithLoRA
-from vllm.lora.layers.column_parallel_linear import MergedColumnParallelLinearWithLoRA
-from vllm.lora.lora_model import LoRAModel
-from vllm.lora.lora_weights import LoRALayerWeights, PackedLoRALayerWeights
 
+from titan_lora.engines.vllm_compat import (
+    BaseLinearLayerWithLoRA,
+    ClassificationHeadWithLoRA,
+    LoRALayerWeights,
+    LoRAModel,
+    MergedColumnParallelLinearWithLoRA,
+    PackedLoRALayerWeights,
+    active_adapters,
+    layer_weights,
+    pack_merged,
+    registered_adapters,
+)
 from titan_lora.transfer.host_copy import balanced_cut, in_two
 
 # The set_lora implementations that only zero the slot and copy each slice into it.
@@ -69,7 +79,7 @@ class AdapterPlan:
         # lora_B name -> scale, read before packing folds the scales (None: a tensor was converted)
         scalings = {name_of.get(id(w.lora_b)): w.scaling for w in model.loras.values()
                     if id(w.lora_a) in name_of}
-        models._create_merged_loras_inplace(model)
+        pack_merged(models, model)
         if None in scalings or 2 * len(scalings) != len(tensors) or model.modules_to_save:
             return None
 
@@ -122,7 +132,7 @@ def register(models, model: LoRAModel) -> None:  # noqa: ANN001
     models.remove_adapter(model.id)
     if len(models) + 1 > models.capacity:
         models.remove_oldest_adapter()
-    models._registered_adapters[model.id] = model
+    registered_adapters(models)[model.id] = model
     models.activate_adapter(model.id)
 
 
@@ -138,7 +148,7 @@ def _slot_sources(models, lora_model: LoRAModel) -> list | None:  # noqa: ANN001
     for name, module in models.modules.items():
         if isinstance(module, ClassificationHeadWithLoRA):  # it also swaps whole modules per slot
             return None
-        lora = models._get_lora_layer_weights(lora_model, name)
+        lora = layer_weights(models, lora_model, name)
         if lora is None:
             per_module.append(None)
             continue
@@ -210,19 +220,20 @@ def _slot_layout(models, lora_model: LoRAModel, index: int) -> tuple[_SlotLayout
 
 def _activate(models, lora_id: int, fallback: Callable[[int], bool]) -> bool:  # noqa: ANN001
     """vLLM 0.32's LRUCacheLoRAModelManager.activate_adapter, with the set_lora loop batched."""
-    if len(models._active_adapters) >= models.lora_slots:
-        models._active_adapters.remove_oldest()
+    active = active_adapters(models)
+    if len(active) >= models.lora_slots:
+        active.remove_oldest()
     index = next((i for i, held in enumerate(models.lora_index_to_id) if held is None), None)
     if index is None:
         raise ValueError("No free lora slots")
-    lora_model = models._registered_adapters[lora_id]
+    lora_model = registered_adapters(models)[lora_id]
     found = _slot_layout(models, lora_model, index)
     if found is None:
         for lora in lora_model.loras.values():
             lora.optimize()  # vLLM's set_lora copies lora_B as it is: fold the scales first
         return fallback(lora_id)
     layout, sources = found
-    models._active_adapters[lora_id] = None
+    active[lora_id] = None
     models.lora_index_to_id[index] = lora_model.id
     for module in layout.resets:
         module.reset_lora(index)
@@ -231,7 +242,7 @@ def _activate(models, lora_id: int, fallback: Callable[[int], bool]) -> bool:  #
     in_two(torch._foreach_copy_, layout.dsts, sources, cut=layout.cut)
     for scale, b_slots in layout.scaled:  # the stored lora_B stays unscaled
         in_two(torch._foreach_mul_, b_slots, scale, cut=layout.cut and len(b_slots) // 2)
-    models._active_adapters.touch(lora_id)
+    active.touch(lora_id)
     return True
 
 
@@ -242,7 +253,7 @@ def install_slot_writer(models, is_ours: Callable[[int], bool]) -> None:  # noqa
     original = models.activate_adapter
 
     def activate_adapter(lora_id: int) -> bool:
-        if lora_id in models._active_adapters or not is_ours(lora_id):
+        if lora_id in active_adapters(models) or not is_ours(lora_id):
             return original(lora_id)
         return _activate(models, lora_id, original)
 

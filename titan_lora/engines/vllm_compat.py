@@ -1,0 +1,202 @@
+"""Every private vLLM name titan_lora uses, and the check of the vLLM version they were written for.
+
+vLLM (0.32, 0.33 too) has no public API to install a LoRA adapter from in-memory tensors, so the
+engine side reaches into vLLM's internals, as every framework that does this must. Those internals
+change between releases; this module is the one place that names them, in two tiers:
+
+- the builder tier, used on any version: vLLM's own adapter builder (`LoRAModel.from_lora_tensors`
+  with a `PEFTHelper`), the worker LoRA manager's loader (shadowed by our in-memory store) and its
+  inner model manager, `parse_fine_tuned_lora_name`, and the model runner's `reload_weights`.
+  With these alone every adapter is built, packed and activated by vLLM itself: correct, slower.
+- the fast tier, only on the versions in TESTED_SERIES: `vllm_fastpath` (recorded plans, batched
+  slot writes into the LRU manager's slots) and `vllm_cpu_lora` (grouped CPU LoRA kernels). They
+  depend on layer classes, weight containers, LRU-manager fields and kernel signatures that a release
+  may change without notice, so on any other version they are off, and this module says so once.
+
+TITAN_LORA_FAKE_VLLM_VERSION=<version> makes the check see that version instead of the installed
+one (tests use it to exercise the fallback on the vLLM that is installed).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from packaging.version import InvalidVersion, Version
+
+logger = logging.getLogger("titan_lora.engine")
+
+TESTED_SERIES = ("0.32",)
+"""The vLLM release series (major.minor) the fast tier was written and tested against."""
+FAKE_VERSION_ENV = "TITAN_LORA_FAKE_VLLM_VERSION"
+_DISTRIBUTIONS = ("vllm", "vllm-cpu")  # the CPU build installs under its own distribution name
+
+
+def installed_version() -> str:
+    """The vLLM version this process runs (or the one TITAN_LORA_FAKE_VLLM_VERSION names)."""
+    fake = os.environ.get(FAKE_VERSION_ENV)
+    if fake:
+        return fake
+    for dist in _DISTRIBUTIONS:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+def is_tested(version: str) -> bool:
+    """True when `version` is in one of TESTED_SERIES (local and patch parts do not matter)."""
+    try:
+        release = Version(version).release
+    except InvalidVersion:
+        return False
+    return ".".join(map(str, release[:2])) in TESTED_SERIES
+
+
+VERSION = installed_version()
+FAST_PATH = is_tested(VERSION)
+"""Whether the fast tier (fast adapter install, grouped CPU kernels) may run on this vLLM."""
+
+if not FAST_PATH:
+    logger.warning(
+        "vLLM %s is not a version titan_lora was tested with (%s): the fast adapter install "
+        "(recorded plans, batched slot writes) and the grouped CPU LoRA kernels are disabled; every "
+        "adapter goes through vLLM's own builder and activation (same log-probs, slower). Install "
+        "one of the tested versions to get them back.", VERSION, " or ".join(s + ".x" for s in TESTED_SERIES))
+
+try:  # the builder tier
+    from vllm.config import set_current_vllm_config
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+    from vllm.lora.request import LoRARequest
+    from vllm.lora.utils import parse_fine_tuned_lora_name
+    from vllm.platforms import current_platform
+except ImportError as err:
+    raise ImportError(
+        f"vLLM {VERSION} lacks a name titan_lora's in-memory adapter path needs ({err}); install vLLM "
+        f"{TESTED_SERIES[-1]}.x, or load adapters from disk with [engine] kind = \"vllm-disk\"") from err
+
+if FAST_PATH:  # the fast tier's classes, for vllm_fastpath; a vLLM we did not test may have moved them
+    from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+    from vllm.lora.layers.classifier import ClassificationHeadWithLoRA
+    from vllm.lora.layers.column_parallel_linear import MergedColumnParallelLinearWithLoRA
+    from vllm.lora.lora_weights import LoRALayerWeights, PackedLoRALayerWeights
+
+
+
+# The builder tier.
+
+def is_cpu() -> bool:
+    """True when vLLM runs on its CPU backend."""
+    return current_platform.is_cpu()
+
+
+def lora_manager(worker: Any) -> Any:
+    """The worker's LoRA manager (vLLM's WorkerLoRAManager: add_adapter, remove_adapter)."""
+    return worker.model_runner.lora_manager
+
+
+def adapter_manager(manager: Any) -> Any:
+    """The LoRA model manager inside the worker's manager (slots, registered adapters, modules)."""
+    return manager._adapter_manager
+
+
+def serve_from_memory(manager: Any, lookup: Callable[[int], LoRAModel | None]) -> None:
+    """Make `manager` take adapter ids that `lookup` knows from memory instead of the disk (vLLM
+    re-adds adapters by their request after an LRU eviction or a base reload)."""
+    original = manager._load_adapter
+
+    def load_adapter(request: LoRARequest) -> LoRAModel:
+        model = lookup(request.lora_int_id)
+        return original(request) if model is None else model
+
+    manager._load_adapter = load_adapter  # instance attribute shadows the disk loader
+
+
+def adapted_module(tensor_name: str) -> str:
+    """The module a PEFT adapter tensor belongs to, as vLLM parses it."""
+    return parse_fine_tuned_lora_name(tensor_name)[0]
+
+
+def build_adapter(manager: Any, lora_int_id: int, peft_config: dict,
+                  tensors: Mapping[str, torch.Tensor]) -> LoRAModel:
+    """Adapter `lora_int_id` built by vLLM's own builder, on the host, as its LoRA manager takes it."""
+    models = adapter_manager(manager)
+    helper = PEFTHelper.from_dict(
+        {**peft_config, "vllm_max_position_embeddings": manager.max_position_embeddings})
+    helper.validate_legal(manager.lora_config)
+    mapper = getattr(models.model, "hf_to_vllm_mapper", None)
+    return LoRAModel.from_lora_tensors(
+        lora_model_id=lora_int_id,
+        tensors=dict(tensors),
+        peft_helper=helper,
+        device="cpu",  # the LRU cache keeps adapters on the host; slots live on the device
+        dtype=manager.lora_config.lora_dtype,
+        model_vocab_size=manager.vocab_size,
+        weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+        skip_prefixes=getattr(models.model, "lora_skip_prefixes", None),
+    )
+
+
+def lora_limits(manager: Any) -> dict:
+    """The engine's LoRA limits and the leaf module names it can adapt (packed names expanded)."""
+    models = adapter_manager(manager)
+    targets = set()
+    for module in models.supported_lora_modules:
+        targets.update(models.packed_modules_mapping.get(module, [module]))
+    return {
+        "max_lora_rank": models.lora_config.max_lora_rank,
+        "max_loras": models.lora_slots,
+        "max_cpu_loras": models.capacity,
+        "target_modules": sorted(targets),
+    }
+
+
+def reload_base(worker: Any, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Load `tensors` (HF names) as the base weights; vLLM drops every adapter while doing so."""
+    with set_current_vllm_config(worker.vllm_config):
+        # reload_weights re-runs the CPU/GPU weight repacking that a plain load_weights skips.
+        worker.model_runner.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
+
+
+# The fast tier: fields of vLLM 0.32's LRUCacheLoRAModelManager and its CPU LoRA ops.
+
+def registered_adapters(models: Any) -> dict[int, LoRAModel]:
+    """The LRU manager's registered adapters by id (written directly to skip its packing pass)."""
+    return models._registered_adapters
+
+
+def active_adapters(models: Any) -> Any:
+    """The LRU manager's cache of adapters held in slots (touch, remove_oldest, membership)."""
+    return models._active_adapters
+
+
+def pack_merged(models: Any, model: LoRAModel) -> None:
+    """Pack q/k/v and gate/up of `model` in place, as registering it would (folding the scales)."""
+    models._create_merged_loras_inplace(model)
+
+
+def layer_weights(models: Any, model: LoRAModel, module_name: str) -> Any:
+    """The LoRA weights of `model` for module `module_name`, or None."""
+    return models._get_lora_layer_weights(model, module_name)
+
+
+def swap_cpu_lora_kernels(kernels: Mapping[str, Callable]) -> dict[str, Callable] | None:
+    """Put `kernels` in place of vLLM's CPU LoRA ops of the same names; returns the ones replaced,
+    or None when this vLLM has no CPU LoRA ops."""
+    try:
+        from vllm.lora.ops.torch_ops import lora_ops
+        from vllm.lora.punica_wrapper import punica_cpu
+    except ImportError:
+        return None
+    replaced = {}
+    for name, fn in kernels.items():
+        replaced[name] = getattr(lora_ops, name)
+        setattr(lora_ops, name, fn)  # the sgmv_* wrappers look these up as module globals
+        setattr(punica_cpu, name, fn)  # punica_cpu imported them by name
+    return replaced
