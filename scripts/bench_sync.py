@@ -106,7 +106,7 @@ def cpu_bench(iters: int) -> None:
 
     built = build_from_toml(CPU_TOML, device=torch.device("cpu"))
     randomize(built.model)
-    source = AdapterSource(built.model, built.sd_adapter, job_config_from_toml(CPU_TOML).lora)
+    source = AdapterSource(built.model, built.peft_layout, job_config_from_toml(CPU_TOML).lora)
     engine = EmbeddedEngine("titan_lora.engines.vllm_server", free_port(),
                             ["--model", built.hf_dir, "--max-lora-rank", "16", "--max-loras", "4", "--max-cpu-loras", "64"],
                             os.path.join(tempfile.gettempdir(), "titan_lora_bench_engine.log"))
@@ -232,7 +232,7 @@ def end_to_end(model, built, cfg, device: torch.device, iters: int, rank: int,  
     from titan_lora.clients.vllm import VLLMBucketEmitter
     from titan_lora.sync.adapter_source import AdapterSource
 
-    source = AdapterSource(model, built.sd_adapter, cfg.lora)
+    source = AdapterSource(model, built.peft_layout, cfg.lora)
     engine, emitter = None, None
     if rank == 0:
         engine = EmbeddedEngine("titan_lora.engines.receiver", 0, ["--device", str(device)],

@@ -50,7 +50,7 @@ def build_syncer(rank: int, cfg, engine: EmbeddedEngine | None, url: str = "", k
     """(built model, syncer): the debug model with seeded adapters; rank 0 holds the emitter."""
     built = build_from(DEBUG_LORA)
     randomize_adapters(built.model, seed=seed)
-    source = AdapterSource(built.model, built.sd_adapter, job_config_from(DEBUG_LORA).lora, cfg.lora_name)
+    source = AdapterSource(built.model, built.peft_layout, job_config_from(DEBUG_LORA).lora, cfg.lora_name)
     emitter = None
     if rank == 0:
         url, key = (engine.url, engine.api_key) if engine is not None else (url, key)
@@ -68,7 +68,7 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def expected_adapter(built) -> dict[str, torch.Tensor]:  # noqa: ANN001
     """Collective: the adapter in PEFT naming, from the model's params (the oracle: torchtitan names
     renamed and permuted by the export path, not by the gatherer)."""
-    return to_peft_names(full_adapter(adapter_params(built.model)), built.sd_adapter)
+    return to_peft_names(full_adapter(adapter_params(built.model)), built.peft_layout)
 
 
 def expected_base(built) -> dict[str, torch.Tensor]:  # noqa: ANN001
