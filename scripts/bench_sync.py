@@ -108,7 +108,7 @@ def cpu_bench(iters: int) -> None:
     built = build_from_toml(CPU_TOML, device=torch.device("cpu"))
     randomize(built.model)
     # The gather writes into shared memory, as the bucket emitter lends it in training (the disk path reads it too).
-    source = AdapterSource(built.model, built.sd_adapter, job_config_from_toml(CPU_TOML).lora, lend=lend_buffer)
+    source = AdapterSource(built.model, built.peft_layout, job_config_from_toml(CPU_TOML).lora, lend=lend_buffer)
     engine = EmbeddedEngine("titan_lora.engines.vllm_server", free_port(),
                             ["--model", built.hf_dir, "--max-lora-rank", "16", "--max-loras", "4", "--max-cpu-loras", "64"],
                             os.path.join(tempfile.gettempdir(), "titan_lora_bench_engine.log"))
@@ -241,7 +241,7 @@ def end_to_end(model, built, cfg, device: torch.device, iters: int, rank: int,  
                                 "bench-receiver.log", start_timeout_s=60.0)
         engine.start()
         emitter = VLLMBucketEmitter(JsonClient(engine.url, engine.api_key), bucket_mb=256)
-    source = AdapterSource(model, built.sd_adapter, cfg.lora, lend=emitter.lend_buffer if emitter else plain_buffer)
+    source = AdapterSource(model, built.peft_layout, cfg.lora, lend=emitter.lend_buffer if emitter else plain_buffer)
     version = iter(range(1, 10_000))
 
     def one() -> None:  # retirement runs off the training path (a background thread), so not here

@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--rss-from must be within 1..--syncs ({args.syncs}), got {args.rss_from}")
     model = args.model
     if not model:
-        from titan_lora.model.smollm2 import pretrained_dir
+        from titan_lora.models.smollm2 import pretrained_dir
 
         model = str(pretrained_dir())
     result = soak(model, args.syncs, args.keep_versions, args.rss_from, args.call_timeout_s, Path(args.log))

@@ -15,6 +15,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The HF safetensors copy of SmolLM2-135M-Instruct (converted from the GGUF once, then cached)."""
-    from titan_lora.model.smollm2 import pretrained_dir
+    from titan_lora.models.smollm2 import pretrained_dir
 
     return pretrained_dir()

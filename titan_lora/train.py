@@ -56,7 +56,7 @@ class TrainingRun:
         side = engine_side(job_config, self.built, self.device)
         # Full fine-tuning (no "lora" converter) trains and checkpoints nothing here but runs.
         self.adapter = AdapterSource(
-            self.model, self.built.sd_adapter, job_config.lora, job_config.weight_sync.lora_name,
+            self.model, self.built.peft_layout, job_config.lora, job_config.weight_sync.lora_name,
             self.built.hf_dir, lend=side.lend,
         ) if "lora" in job_config.model.converters else None
         self.step = self.checkpointer.load_latest() if job_config.checkpoint.enable else 0

@@ -131,7 +131,7 @@ def test_unreachable_engine_fails_after_bounded_retries(ctx: Ctx) -> None:
 
 def test_check_engine_accepts_our_rank_and_rejects_a_larger_one(ctx: Ctx) -> None:
     ctx.syncer.check_engine()  # rank 8 against --max-lora-rank 8
-    too_big = AdapterSource(ctx.built.model, ctx.built.sd_adapter, dataclasses.replace(ctx.lora, rank=16))
+    too_big = AdapterSource(ctx.built.model, ctx.built.peft_layout, dataclasses.replace(ctx.lora, rank=16))
     emitter = emitter_to("vllm", ctx.endpoint, ctx.cfg)
     syncer = WeightSyncer(too_big, lambda: None, emitter, ctx.cfg, CPU, versions=AdapterVersions("policy", 2))
     with pytest.raises(TransferError) as err:
@@ -238,7 +238,7 @@ def test_the_previous_version_is_retired_after_keep_versions_more_syncs(ctx: Ctx
 
 def test_the_disk_emitter_loads_a_version_with_the_same_logprobs(ctx: Ctx, tmp_path) -> None:
     disk = emitter_to("vllm-disk", ctx.endpoint, ctx.cfg, Engine(kind="vllm-disk", disk_dir=str(tmp_path)))
-    source = AdapterSource(ctx.built.model, ctx.built.sd_adapter, ctx.lora, "disk", ctx.built.hf_dir)
+    source = AdapterSource(ctx.built.model, ctx.built.peft_layout, ctx.lora, "disk", ctx.built.hf_dir)
     payload = source.snapshot(4)
     started = time.perf_counter()
     ack = disk.send_adapter(payload)

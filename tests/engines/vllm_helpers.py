@@ -46,7 +46,7 @@ def smollm2_trainer(engine: EmbeddedEngine, cfg: WeightSync):  # noqa: ANN201
     built = build_from(SMOLLM2_LORA)
     lora = job_config_from(SMOLLM2_LORA).lora
     emitter = emitter_to("vllm", Endpoint(engine.url, engine.api_key), cfg)
-    source = AdapterSource(built.model, built.sd_adapter, lora, cfg.lora_name, built.hf_dir,
+    source = AdapterSource(built.model, built.peft_layout, lora, cfg.lora_name, built.hf_dir,
                            lend=emitter.lend_buffer)  # the gather writes where the emitter posts from
     syncer = WeightSyncer(source, base_weights_source(built.model, built.sd_adapter, True), emitter, cfg, CPU,
                           versions=AdapterVersions("policy", 2), engine=engine)

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from torchtitan.models.llama3 import TransformerModelArgs
-from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter
 
 from titan_lora.config import LoRA
-from titan_lora.export.peft import peft_config, peft_name_and_heads, save_peft_dir
+from titan_lora.export.peft import (
+    RopeRows, hf_rope_permute, peft_config, peft_name_and_rope, save_peft_dir, titan_rope_permute,
+)
+from titan_lora.models.llama3 import LLAMA3
 
 
 def test_peft_config_is_exactly_the_lora_section() -> None:
@@ -47,16 +50,26 @@ def test_save_writes_contiguous_cpu_copies(tmp_path) -> None:
 
 
 def test_peft_names_of_modules_outside_the_layers_and_their_head_counts() -> None:
-    sd_adapter = Llama3StateDictAdapter(TransformerModelArgs(dim=64, n_heads=4, n_kv_heads=2), None)
+    layout = LLAMA3.peft_layout(TransformerModelArgs(dim=64, n_heads=4, n_kv_heads=2))
     lm_head = ("base_model.model.lm_head.lora_B.weight", None)
-    assert peft_name_and_heads("output.lora_B", sd_adapter) == lm_head
-    assert peft_name_and_heads("layers.11.attention.wk.lora_B", sd_adapter) == (
-        "base_model.model.model.layers.11.self_attn.k_proj.lora_B.weight", 2)
-    assert peft_name_and_heads("layers.3.attention.wq.lora_B", sd_adapter)[1] == 4
-    assert peft_name_and_heads("layers.3.attention.wq.lora_A", sd_adapter)[1] is None
+    assert peft_name_and_rope("output.lora_B", layout) == lm_head
+    assert peft_name_and_rope("layers.11.attention.wk.lora_B", layout) == (
+        "base_model.model.model.layers.11.self_attn.k_proj.lora_B.weight", RopeRows(n_heads=2, head_dim=16))
+    assert peft_name_and_rope("layers.3.attention.wq.lora_B", layout)[1] == RopeRows(n_heads=4, head_dim=16)
+    assert peft_name_and_rope("layers.3.attention.wq.lora_A", layout)[1] is None
 
 
 def test_save_creates_missing_parent_directories(tmp_path) -> None:
     nested = tmp_path / "runs" / "step-3" / "adapter"
     out = save_peft_dir(nested, {"x.lora_A.weight": torch.ones(2, 2)}, {"r": 2})
     assert json.loads((out / "adapter_config.json").read_text()) == {"r": 2}
+
+
+def test_the_rope_permutation_goes_by_head_dim_not_by_the_model_width() -> None:
+    # Qwen3-like: 2 heads of 4 rows (8 rows) whatever dim / n_heads is; pairs (0,1), (2,3) -> 0, 2, 1, 3.
+    rows = torch.arange(8.0).view(8, 1).expand(8, 3)
+    hf = hf_rope_permute(rows, n_heads=2, head_dim=4)
+    assert hf[:, 0].tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
+    assert torch.equal(titan_rope_permute(hf, n_heads=2, head_dim=4), rows)
+    with pytest.raises(ValueError, match="cannot RoPE-permute 8 rows as 2 heads of 8"):
+        hf_rope_permute(rows, n_heads=2, head_dim=8)

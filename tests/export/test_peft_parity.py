@@ -12,6 +12,7 @@ from model_helpers import SMOLLM2_LORA, build_from, job_config_from, randomize_a
 from titan_lora.export.peft import peft_config, save_peft_dir, to_peft_names
 from titan_lora.lora.layer import adapter_params, lora_modules
 from titan_lora.lora.targets import hf_leaf_names
+from titan_lora.models.llama3 import LLAMA3
 from titan_lora.sync.gather import ShardGatherer
 
 TOKENS = torch.randint(0, 49152, (2, 48), generator=torch.Generator().manual_seed(0))
@@ -24,9 +25,9 @@ def _export_and_score(rank: int, world: int, out_dir: str, toml: str) -> None:
     with torch.no_grad():
         logits = built.model(TOKENS)
     if rank == 0:
-        targets = hf_leaf_names([n for n, _ in lora_modules(built.model)])
+        targets = hf_leaf_names([n for n, _ in lora_modules(built.model)], LLAMA3.leaf_names)
         lora_cfg = job_config_from(toml).lora
-        save_peft_dir(out_dir, to_peft_names(gathered, built.sd_adapter), peft_config(lora_cfg, targets))
+        save_peft_dir(out_dir, to_peft_names(gathered, built.peft_layout), peft_config(lora_cfg, targets))
         torch.save(logits, f"{out_dir}/titan_logits.pt")
 
 

@@ -24,6 +24,7 @@ from titan_lora.export.peft import peft_config, save_peft_dir, to_peft_names
 from titan_lora.lora.converter import apply_lora
 from titan_lora.lora.layer import adapter_params, is_adapter_param, lora_modules
 from titan_lora.lora.targets import hf_leaf_names
+from titan_lora.models.llama3 import LLAMA3
 from titan_lora.sync.adapter_source import AdapterSource
 
 # dim 64, 4 query heads and 2 KV heads of 16: GQA, so a permutation with the wrong head count differs.
@@ -59,7 +60,7 @@ def _titan_lora_model(
 ) -> tuple[torch.nn.Module, Llama3StateDictAdapter]:
     sd_adapter = Llama3StateDictAdapter(ARGS, None)
     model = Transformer(ARGS)
-    apply_lora(model, lora)
+    apply_lora(model, lora, LLAMA3.leaf_names)
     with torch.no_grad():
         model.init_weights()
     missing, unexpected = model.load_state_dict(sd_adapter.from_hf(hf_state), strict=False)
@@ -76,15 +77,15 @@ def _export(titan: torch.nn.Module, sd_adapter: Llama3StateDictAdapter, lora: Lo
     """The file export: to_peft_names + peft_config + save_peft_dir."""
     named = {n: p.detach() for n, p in adapter_params(titan)}
     assert any(n.endswith("attention.wk.lora_B") for n in named), "the test needs an adapter on wk"
-    targets = hf_leaf_names([n for n, _ in lora_modules(titan)])
-    save_peft_dir(path, to_peft_names(named, sd_adapter), peft_config(lora, targets))
+    targets = hf_leaf_names([n for n, _ in lora_modules(titan)], LLAMA3.leaf_names)
+    save_peft_dir(path, to_peft_names(named, LLAMA3.peft_layout(ARGS)), peft_config(lora, targets))
 
 
 def _sync_snapshot(
     titan: torch.nn.Module, sd_adapter: Llama3StateDictAdapter, lora: LoRA, path: Path
 ) -> None:
     """The hot path's snapshot (gather with the RoPE layout folded into its scatter), saved as PEFT."""
-    AdapterSource(titan, sd_adapter, lora).export(path)
+    AdapterSource(titan, LLAMA3.peft_layout(ARGS), lora).export(path)
 
 
 @pytest.mark.parametrize("route", [_export, _sync_snapshot], ids=["export", "sync-snapshot"])

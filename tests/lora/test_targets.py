@@ -9,6 +9,7 @@ from model_helpers import DEBUG_LORA, build_from
 
 from titan_lora.lora.layer import LoRALinear, lora_modules
 from titan_lora.lora.targets import hf_leaf_names, resolve_targets
+from titan_lora.models.llama3 import LLAMA3
 
 ALL_LINEAR_LEAVES = ["w1", "w2", "w3", "wk", "wo", "wq", "wv"]
 
@@ -34,7 +35,7 @@ def _with_targets(value: str) -> str:
 
 
 def test_all_linear_excludes_the_output_head_and_embeddings() -> None:
-    assert resolve_targets(Tiny(), "all-linear") == ["block.wq", "block.w2"]
+    assert resolve_targets(Tiny(), "all-linear", LLAMA3.leaf_names) == ["block.wq", "block.w2"]
     names = _targets(DEBUG_LORA)
     assert sorted({n.rsplit(".", 1)[-1] for n in names}) == ALL_LINEAR_LEAVES
     assert len(names) == 2 * 7, "every linear of both transformer blocks"
@@ -43,7 +44,7 @@ def test_all_linear_excludes_the_output_head_and_embeddings() -> None:
 
 @pytest.mark.parametrize("head", ["output", "lm_head"])
 def test_the_output_head_is_adapted_when_named(head: str) -> None:
-    assert resolve_targets(Tiny(), [head]) == ["output"]
+    assert resolve_targets(Tiny(), [head], LLAMA3.leaf_names) == ["output"]
     model = build_from(_with_targets(f'["{head}", "wq"]')).model
     assert isinstance(model.output, LoRALinear)
     assert model.output.lora_B.shape == (49152, 8) and model.output.lora_A.shape == (8, 64)
@@ -60,18 +61,19 @@ def test_hf_names_are_accepted_and_mean_the_same_linears() -> None:
         "layers.1.attention.wq", "layers.1.attention.wv", "layers.1.feed_forward.w2",
     ]
     assert _targets(_with_targets('["q_proj", "wv"]')) == [n for n in hf if not n.endswith("w2")], "mixed naming"
-    assert hf_leaf_names(hf) == ["down_proj", "q_proj", "v_proj"]
+    names = LLAMA3.leaf_names
+    assert hf_leaf_names(hf, names) == ["down_proj", "q_proj", "v_proj"]
 
 
 def test_hf_leaf_names_of_all_linear() -> None:
-    assert hf_leaf_names(_targets(DEBUG_LORA)) == sorted(
+    assert hf_leaf_names(_targets(DEBUG_LORA), LLAMA3.leaf_names) == sorted(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
 
 
 def test_a_target_that_matches_nothing_names_the_key_and_the_choices() -> None:
     with pytest.raises(ValueError) as err:
-        resolve_targets(Tiny(), ["wq", "qproj"])
+        resolve_targets(Tiny(), ["wq", "qproj"], LLAMA3.leaf_names)
     message = str(err.value)
     assert "[lora] target_modules" in message and "'qproj'" in message
     assert "wq" in message and "w2" in message, "the message lists the linears the model has"

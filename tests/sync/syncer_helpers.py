@@ -55,7 +55,7 @@ def build_syncer(rank: int, cfg, engine: EmbeddedEngine | None, url: str = "", k
     if rank == 0:
         url, key = (engine.url, engine.api_key) if engine is not None else (url, key)
         emitter = VLLMBucketEmitter(JsonClient(url, key, cfg.timeout_s), cfg.bucket_mb)
-    source = AdapterSource(built.model, built.sd_adapter, job_config_from(DEBUG_LORA).lora, cfg.lora_name,
+    source = AdapterSource(built.model, built.peft_layout, job_config_from(DEBUG_LORA).lora, cfg.lora_name,
                            lend=emitter.lend_buffer if emitter else plain_buffer)
     base = base_weights_source(built.model, built.sd_adapter, tied_embeddings=True)
     versions = AdapterVersions(cfg.lora_name, cfg.keep_versions)
@@ -70,7 +70,7 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def expected_adapter(built) -> dict[str, torch.Tensor]:  # noqa: ANN001
     """Collective: the adapter in PEFT naming, from the model's params (the oracle: torchtitan names
     renamed and permuted by the export path, not by the gatherer)."""
-    return to_peft_names(full_adapter(adapter_params(built.model)), built.sd_adapter)
+    return to_peft_names(full_adapter(adapter_params(built.model)), built.peft_layout)
 
 
 def expected_base(built) -> dict[str, torch.Tensor]:  # noqa: ANN001

@@ -17,10 +17,10 @@ def _compare(rank: int, world: int) -> None:
     randomize_adapters(built.model)
     params = adapter_params(built.model)
     full = {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for n, p in params}
-    source = AdapterSource(built.model, built.sd_adapter, job_config_from(DEBUG_LORA).lora, lend=lend_buffer)
+    source = AdapterSource(built.model, built.peft_layout, job_config_from(DEBUG_LORA).lora, lend=lend_buffer)
     payload = source.snapshot(version=7)
     if rank == 0:  # compare before the next snapshot reuses the buffers
-        expected = to_peft_names(full, built.sd_adapter)
+        expected = to_peft_names(full, built.peft_layout)
         assert payload.name == "policy-v7" and payload.version == 7
         assert list(payload.tensors) == list(expected)
         for name, tensor in expected.items():
@@ -40,7 +40,7 @@ def _compare(rank: int, world: int) -> None:
 
 def test_without_a_lender_the_gather_writes_plain_memory() -> None:
     built = build_from(DEBUG_LORA)
-    payload = AdapterSource(built.model, built.sd_adapter, job_config_from(DEBUG_LORA).lora).snapshot(version=1)
+    payload = AdapterSource(built.model, built.peft_layout, job_config_from(DEBUG_LORA).lora).snapshot(version=1)
     assert payload.home is None and payload.finite
 
 

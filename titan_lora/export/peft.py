@@ -1,13 +1,14 @@
 """Adapter tensors in torchtitan naming -> PEFT naming, and PEFT directories on disk.
 
-torchtitan's Llama uses interleaved RoPE and HF uses rotate-half, so the state-dict adapter permutes
-the rows of wq/wk. The adapter's output rows live in lora_B, so lora_B of wq/wk gets the same
-permutation; lora_A (input side) is unchanged. Module names come from the state-dict adapter's own
-map, so trainer, PEFT and engines agree on them.
+Family-agnostic: a `PeftLayout` (built by the model family) says which HF module each torchtitan module
+is and which modules' output rows torchtitan keeps in interleaved RoPE order. HF uses rotate-half, so
+the state-dict adapter permutes those rows of the base weight; the adapter's output rows live in
+lora_B, so lora_B gets the same permutation, and lora_A (input side) is unchanged.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -19,62 +20,83 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
-from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter
 
 from titan_lora.config import LoRA
 
 PEFT_PREFIX = "base_model.model."
 
 
-def hf_rope_permute(rows: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Reorder output rows from interleaved RoPE (torchtitan) to rotate-half (HF), per head."""
-    out_dim, in_dim = rows.shape
-    return rows.view(n_heads, out_dim // n_heads // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+@dataclasses.dataclass(frozen=True)
+class RopeRows:
+    """Output rows that torchtitan keeps in interleaved RoPE order: `n_heads` heads of `head_dim` rows."""
+
+    n_heads: int
+    head_dim: int
 
 
-def titan_rope_permute(rows: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """The inverse of `hf_rope_permute`: rotate-half (HF) rows back to interleaved (torchtitan)."""
-    out_dim, in_dim = rows.shape
-    return rows.view(n_heads, 2, out_dim // n_heads // 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+@dataclasses.dataclass(frozen=True)
+class PeftLayout:
+    """Where one model's adapter tensors go in PEFT naming, and which lora_B rows are RoPE-permuted.
+
+    Keys are torchtitan module names with `{}` for the layer index (`layers.{}.attention.wq`).
+    """
+
+    hf_modules: Mapping[str, str]
+    """torchtitan module -> HF module: `layers.{}.attention.wq` -> `model.layers.{}.self_attn.q_proj`."""
+    rope: Mapping[str, RopeRows]
+    """The modules whose lora_B rows need the RoPE permutation, with their heads."""
 
 
-def _hf_module_names(sd_adapter: Llama3StateDictAdapter) -> dict[str, str]:
-    # "layers.{}.attention.wq" -> "model.layers.{}.self_attn.q_proj", from the adapter's own map.
+def hf_module_names(from_hf_map: Mapping[str, str | None]) -> dict[str, str]:
+    """torchtitan module -> HF module, from a state-dict adapter's `from_hf_map` of weight names."""
     return {
         titan.removesuffix(".weight"): hf.removesuffix(".weight")
-        for hf, titan in sd_adapter.from_hf_map.items()
+        for hf, titan in from_hf_map.items()
         if titan is not None and titan.endswith(".weight")
     }
 
 
-def peft_name_and_heads(name: str, sd_adapter: Llama3StateDictAdapter) -> tuple[str, int | None]:
-    """PEFT name of adapter tensor `name`, and the head count whose RoPE permutation its rows need.
+def _check_rows(rows: torch.Tensor, rope: RopeRows) -> None:
+    if rows.shape[0] != rope.n_heads * rope.head_dim or rope.head_dim % 2:
+        raise ValueError(f"cannot RoPE-permute {rows.shape[0]} rows as {rope.n_heads} heads of "
+                         f"{rope.head_dim}; the family's RopeRows do not match this projection")
+
+
+def hf_rope_permute(rows: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
+    """Reorder output rows from interleaved RoPE (torchtitan) to rotate-half (HF), per head."""
+    _check_rows(rows, RopeRows(n_heads, head_dim))
+    return rows.view(n_heads, head_dim // 2, 2, -1).transpose(1, 2).reshape(rows.shape)
+
+
+def titan_rope_permute(rows: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
+    """The inverse of `hf_rope_permute`: rotate-half (HF) rows back to interleaved (torchtitan)."""
+    _check_rows(rows, RopeRows(n_heads, head_dim))
+    return rows.view(n_heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(rows.shape)
+
+
+def peft_name_and_rope(name: str, layout: PeftLayout) -> tuple[str, RopeRows | None]:
+    """PEFT name of adapter tensor `name`, and the RoPE rows its permutation needs (None: no permutation).
 
     `layers.0.attention.wq.lora_B` -> (`base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight`,
-    n_heads); lora_A, and projections other than wq/wk, need no permutation (None).
+    RopeRows(n_heads, head_dim)) for Llama; lora_A, and modules outside `layout.rope`, get None.
     """
-    names = _hf_module_names(sd_adapter)
-    args = sd_adapter.model_args
-    heads = {"attention.wq": args.n_heads, "attention.wk": args.n_kv_heads or args.n_heads}
     module, suffix = name.rsplit(".", 1)
     abstract = re.sub(r"\d+", "{}", module, count=1)
     layer = re.search(r"\d+", module)
-    hf_module = names[abstract].format(layer.group(0) if layer else "")
-    n_heads = heads.get(abstract.removeprefix("layers.{}.")) if suffix == "lora_B" else None
-    return f"{PEFT_PREFIX}{hf_module}.{suffix}.weight", n_heads
+    hf_module = layout.hf_modules[abstract].format(layer.group(0) if layer else "")
+    rope = layout.rope.get(abstract) if suffix == "lora_B" else None
+    return f"{PEFT_PREFIX}{hf_module}.{suffix}.weight", rope
 
 
-def to_peft_names(
-    adapter: Mapping[str, torch.Tensor], sd_adapter: Llama3StateDictAdapter
-) -> dict[str, torch.Tensor]:
+def to_peft_names(adapter: Mapping[str, torch.Tensor], layout: PeftLayout) -> dict[str, torch.Tensor]:
     """Map {`layers.0.attention.wq.lora_B`: t} to {`base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight`: t'}.
 
-    t' is t with the RoPE row permutation for wq/wk lora_B. The order of `adapter` is kept.
+    t' is t with the RoPE row permutation where the layout asks for it. The order of `adapter` is kept.
     """
     out: dict[str, torch.Tensor] = {}
     for name, tensor in adapter.items():
-        peft_name, n_heads = peft_name_and_heads(name, sd_adapter)
-        out[peft_name] = tensor if n_heads is None else hf_rope_permute(tensor, n_heads)
+        peft_name, rope = peft_name_and_rope(name, layout)
+        out[peft_name] = tensor if rope is None else hf_rope_permute(tensor, rope.n_heads, rope.head_dim)
     return out
 
 

@@ -1,4 +1,8 @@
-"""The `lora` model converter: `[model] converters = ["lora"]` applies `[lora]` to the model."""
+"""The LoRA model converter: `[model] converters = ["lora"]` applies `[lora]` to the model.
+
+torchtitan builds converters from the job config alone; `titan_lora.models.family` registers the
+"lora" name with the leaf names of the family that `[model] name` selects.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +11,10 @@ import types
 
 import torch
 import torch.nn as nn
-from torchtitan.protocols.model_converter import register_model_converter
 
 from titan_lora.config import LoRA, validate_lora
 from titan_lora.lora.layer import convert_linear, freeze_base, init_adapters, lora_scale
-from titan_lora.lora.targets import resolve_targets
+from titan_lora.lora.targets import LeafNames, resolve_targets
 
 logger = logging.getLogger(__name__)
 
@@ -19,15 +22,16 @@ logger = logging.getLogger(__name__)
 class LoRAConverter:
     """torchtitan ModelConverter that adds LoRA adapters to the targeted linears."""
 
-    def __init__(self, job_config, parallel_dims) -> None:  # noqa: ANN001 (torchtitan's protocol)
+    def __init__(self, job_config, parallel_dims, names: LeafNames) -> None:  # noqa: ANN001 (torchtitan's)
         self.cfg: LoRA = job_config.lora
+        self.names = names
         validate_lora(self.cfg)
         self.seed = job_config.debug.seed or 0
         self.targets: list[str] = []
 
     def convert(self, model: nn.Module) -> None:
         """Swap the targeted linears for LoRALinear, freeze the base, and hook adapter init."""
-        self.targets = apply_lora(model, self.cfg)
+        self.targets = apply_lora(model, self.cfg, self.names)
         seed = self.seed
         base_init = model.init_weights  # type: ignore[attr-defined]
 
@@ -47,9 +51,9 @@ class LoRAConverter:
         """Nothing to do after the optimizer step (weight sync has its own hook)."""
 
 
-def apply_lora(model: nn.Module, cfg: LoRA) -> list[str]:
+def apply_lora(model: nn.Module, cfg: LoRA, names: LeafNames) -> list[str]:
     """Convert the targeted linears of `model` in place; returns their qualified names."""
-    targets = resolve_targets(model, cfg.target_modules)
+    targets = resolve_targets(model, cfg.target_modules, names)
     scale = lora_scale(cfg.rank, cfg.alpha, cfg.use_rslora)
     dtype = getattr(torch, cfg.dtype)
     for name in targets:
@@ -57,5 +61,3 @@ def apply_lora(model: nn.Module, cfg: LoRA) -> list[str]:
     freeze_base(model)
     return targets
 
-
-register_model_converter(LoRAConverter, "lora")

@@ -1,11 +1,14 @@
-"""Parallelize a LoRA Llama: torchtitan's TP plan, then adapter placements, then FSDP2.
+"""Parallelize a LoRA model: its family's TP plan, then adapter placements, then FSDP2.
 
-torchtitan's `parallelize_llama` applies TP and FSDP in one call, but the adapters need their own
-TP placements in between: ColwiseParallel shards every param of a linear on dim 0 (wrong for lora_A)
-and RowwiseParallel leaves unknown params as plain tensors (which cannot mix with DTensors).
+torchtitan's `parallelize_llama` (and each model's own) applies TP and FSDP in one call, but the
+adapters need their own TP placements in between: ColwiseParallel shards every param of a linear on
+dim 0 (wrong for lora_A) and RowwiseParallel leaves unknown params as plain tensors (which cannot mix
+with DTensors). So a family hands over only its TP step, and the rest is shared.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -15,9 +18,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac
-from torchtitan.models.llama3.infra.parallelize import apply_fsdp, apply_tp
+from torchtitan.models.llama3.infra.parallelize import apply_fsdp
 
 from titan_lora.lora.layer import lora_modules
+
+TensorParallel = Callable[[nn.Module, DeviceMesh, object], None]
+"""A family's TP plan: `(model, tp_mesh, job_config)`, applied in place to the meta-device model."""
+ParallelizeFn = Callable[[nn.Module, ParallelDims, object], nn.Module]
 
 
 def adapter_tp_placements(weight_placement: Shard) -> tuple[Replicate | Shard, Replicate | Shard]:
@@ -53,21 +60,22 @@ def place_adapters_for_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         _replace_with_placement(module, "lora_B", tp_mesh, b_place)
 
 
-def parallelize_lora_llama(model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:  # noqa: ANN001
-    """TP (with adapter placements), activation checkpointing and FSDP2, as torchtitan does.
+def lora_parallelize(tensor_parallel: TensorParallel) -> ParallelizeFn:
+    """torchtitan's `parallelize_fn` for a LoRA model whose TP plan is `tensor_parallel`."""
 
-    Pipeline and context parallelism and torch.compile are refused when the config is read
-    (`titan_lora.trainer.preflight.check_parallelism`).
-    """
-    if parallel_dims.tp_enabled:
-        tp_mesh = parallel_dims.get_mesh("tp")
-        apply_tp(
-            model,
-            tp_mesh,
-            loss_parallel=not job_config.parallelism.disable_loss_parallel,
-            enable_float8_tensorwise_tp=False,
-        )
-        place_adapters_for_tp(model, tp_mesh)
+    def parallelize(model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:  # noqa: ANN001
+        if parallel_dims.tp_enabled:
+            tp_mesh = parallel_dims.get_mesh("tp")
+            tensor_parallel(model, tp_mesh, job_config)
+            place_adapters_for_tp(model, tp_mesh)
+        return _ac_and_fsdp(model, parallel_dims, job_config)
+
+    return parallelize
+
+
+def _ac_and_fsdp(model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:  # noqa: ANN001
+    # Pipeline and context parallelism and torch.compile are refused when the config is read
+    # (`titan_lora.trainer.preflight.check_parallelism`).
     if job_config.activation_checkpoint.mode != "none":
         apply_ac(model, job_config.activation_checkpoint, base_folder=job_config.job.dump_folder)
     if parallel_dims.fsdp_enabled:

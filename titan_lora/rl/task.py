@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from titan_lora.config import GRPO
-from titan_lora.model.chat import chat_prompt
+from titan_lora.models.chat import chat_prompt
 from titan_lora.registry import Registry
 
 

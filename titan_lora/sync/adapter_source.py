@@ -7,13 +7,14 @@ from pathlib import Path
 from typing import Any
 
 import torch.nn as nn
-from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter
 
 from titan_lora.clients.base import AdapterPayload, plain_buffer
 from titan_lora.config import LoRA
-from titan_lora.export.peft import peft_config, peft_name_and_heads, save_peft_dir, titan_rope_permute
+from titan_lora.export.peft import (
+    PeftLayout, peft_config, peft_name_and_rope, save_peft_dir, titan_rope_permute,
+)
 from titan_lora.lora.layer import adapter_params, lora_modules
-from titan_lora.lora.targets import hf_leaf_names
+from titan_lora.lora.targets import hf_leaf_names, leaf_names_of
 from titan_lora.sync.gather import Lend, ShardGatherer
 from titan_lora.sync.versions import versioned_name
 
@@ -22,19 +23,21 @@ class AdapterSource:
     """Collective snapshots of a model's adapter; rank 0 receives them ready to emit or save."""
 
     def __init__(
-        self, model: nn.Module, sd_adapter: Llama3StateDictAdapter, lora: LoRA, lora_name: str = "policy",
+        self, model: nn.Module, layout: PeftLayout, lora: LoRA, lora_name: str = "policy",
         base_model_path: str = "", lend: Lend = plain_buffer,
     ) -> None:
         """`lend`: rank 0's gather buffer, from the emitter that will send it (`Emitter.lend_buffer`)."""
         params = adapter_params(model)
-        named = [peft_name_and_heads(name, sd_adapter) for name, _ in params]
+        named = [peft_name_and_rope(name, layout) for name, _ in params]
         self.peft_names = [peft for peft, _ in named]
-        # The scatter writes wq/wk lora_B rows straight into HF (rotate-half) order: no per-step permute.
-        layouts = [None if heads is None else functools.partial(titan_rope_permute, n_heads=heads)
-                   for _, heads in named]
+        # The scatter writes RoPE lora_B rows straight into HF (rotate-half) order: no per-step permute.
+        layouts = [None if rope is None else functools.partial(titan_rope_permute, n_heads=rope.n_heads,
+                                                                head_dim=rope.head_dim)
+                   for _, rope in named]
         self.gatherer = ShardGatherer(params, layouts=layouts, lend=lend)
         self.lora_name = lora_name
-        self.target_modules = hf_leaf_names([n for n, _ in lora_modules(model)])
+        adapted = [n for n, _ in lora_modules(model)]
+        self.target_modules = hf_leaf_names(adapted, leaf_names_of(layout.hf_modules))
         self.config: dict[str, Any] = peft_config(lora, self.target_modules, base_model_path)
         self.rank = lora.rank
 

@@ -11,12 +11,11 @@ import torch.nn as nn
 from torchtitan.distributed import ParallelDims
 from torchtitan.protocols.model_converter import build_model_converters
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
-from torchtitan.protocols.train_spec import TrainSpec, get_train_spec
+from torchtitan.protocols.train_spec import TrainSpec
 
-import titan_lora.lora.converter  # noqa: F401  (registers the "lora" converter)
-import titan_lora.model.smollm2  # noqa: F401  (registers the "smollm2" train spec)
-from titan_lora.model.load import load_base_weights
-from titan_lora.model.smollm2 import MODEL_NAME, pretrained_dir
+from titan_lora.export.peft import PeftLayout
+from titan_lora.models.family import model_family  # also registers the "lora" converter
+from titan_lora.models.load import load_base_weights
 
 logger = logging.getLogger(__name__)
 
@@ -30,16 +29,19 @@ class BuiltModel:
     sd_adapter: StateDictAdapter
     hf_dir: str
     """HF checkpoint directory (weights, config, tokenizer) of the base model."""
+    peft_layout: PeftLayout
+    """The family's PEFT naming and RoPE rows for this model, for the export and the sync."""
 
 
 def build_model(job_config, parallel_dims: ParallelDims, device: torch.device) -> BuiltModel:  # noqa: ANN001
     """Meta-init, convert (LoRA), parallelize, materialise on `device`, init, load pretrained weights."""
-    spec = get_train_spec(job_config.model.name)  # the flavor was checked with the config
+    family = model_family(job_config.model.name)  # name and flavor were checked with the config
+    spec = family.train_spec
     args = dataclasses.replace(spec.model_args[job_config.model.flavor])
     args.update_from_config(job_config)
-    # SmolLM2's checkpoint dir also holds the tokenizer, even for random-init flavors.
+    # A family's own assets (SmolLM2's) also hold the tokenizer, even for random-init flavors.
     load = job_config.model.load_pretrained
-    hf_dir = str(pretrained_dir(load)) if job_config.model.name == MODEL_NAME else job_config.model.hf_assets_path
+    hf_dir = family.hf_dir(job_config.model.hf_assets_path, need_weights=load)
     with torch.device("meta"):
         model = spec.model_cls(args)
     build_model_converters(job_config, parallel_dims).convert(model)
@@ -52,7 +54,8 @@ def build_model(job_config, parallel_dims: ParallelDims, device: torch.device) -
         load_base_weights(model, hf_dir, sd_adapter)
         logger.info("loaded pretrained weights from %s", hf_dir)
     model.train()
-    return BuiltModel(model=model, train_spec=spec, sd_adapter=sd_adapter, hf_dir=hf_dir)
+    return BuiltModel(model=model, train_spec=spec, sd_adapter=sd_adapter, hf_dir=hf_dir,
+                      peft_layout=family.peft_layout(args))
 
 
 def build_from_toml(toml: str, *overrides: str, device: torch.device | None = None) -> BuiltModel:

@@ -11,11 +11,9 @@ import tomllib
 import torch
 from torchtitan.config import ConfigManager
 from torchtitan.protocols.model_converter import _registry_model_converter_cls
-from torchtitan.protocols.train_spec import get_train_spec
 
-import titan_lora.lora.converter  # noqa: F401  (registers "lora" before converters are checked)
-import titan_lora.model.smollm2  # noqa: F401  (registers the model train specs)
 from titan_lora import config as ours
+from titan_lora.models.family import ModelFamily, model_family  # also registers the "lora" converter
 from titan_lora.lora.targets import resolve_targets
 from titan_lora.trainer.preflight import preflight
 
@@ -58,20 +56,28 @@ def check_toml(toml: dict) -> None:
             raise ValueError(f"[model] converters names {name!r}, which is not registered; known: {known}")
 
 
+def check_model(job_config) -> ModelFamily:  # noqa: ANN001
+    """The family `[model] name` selects, with `[model] flavor` one of its flavors."""
+    family = model_family(job_config.model.name)
+    flavors = family.train_spec.model_args
+    if job_config.model.flavor not in flavors:
+        raise ValueError(f"[model] flavor = {job_config.model.flavor!r} is unknown for "
+                         f"{job_config.model.name!r}; choose one of {sorted(flavors)}")
+    return family
+
+
 def check_targets(job_config) -> list[str] | None:  # noqa: ANN001
     """Resolve `[lora] target_modules` on a meta-device copy of the model (milliseconds, no memory).
 
     Returns the qualified names of the linears to adapt; None without the "lora" converter.
     """
+    family = check_model(job_config)
     if "lora" not in job_config.model.converters:
         return None
-    spec = get_train_spec(job_config.model.name)
-    if job_config.model.flavor not in spec.model_args:
-        raise ValueError(f"[model] flavor = {job_config.model.flavor!r} is unknown for "
-                         f"{job_config.model.name!r}; choose one of {sorted(spec.model_args)}")
+    spec = family.train_spec
     with torch.device("meta"):
         model = spec.model_cls(spec.model_args[job_config.model.flavor])
-    return resolve_targets(model, job_config.lora.target_modules)
+    return resolve_targets(model, job_config.lora.target_modules, family.leaf_names)
 
 
 def load_job_config(argv: list[str]):  # noqa: ANN201 (a dataclass type made at run time)

