@@ -189,11 +189,11 @@ def gpu_bench(iters: int) -> None:
     floor = statistics.median(timed(lambda: dst.copy_(src), 50, sync))
 
     def per_param() -> None:
-        for _, p_ in params:
-            p_.full_tensor()
+        for _, p_ in params:  # one GPU: FSDP leaves plain params
+            p_.full_tensor() if isinstance(p_, DTensor) else p_
 
     def naive_coalesced() -> None:  # what frameworks do: size exchange, cat, gather, split
-        flat = torch.cat([p_.to_local().reshape(-1) for _, p_ in params])
+        flat = torch.cat([(p_.to_local() if isinstance(p_, DTensor) else p_).reshape(-1) for _, p_ in params])
         sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
         dist.all_gather(sizes, torch.tensor([flat.numel()], device=device))
         out = [torch.empty(int(s.item()), dtype=flat.dtype, device=device) for s in sizes]
