@@ -16,8 +16,10 @@ or why it was refused (UTF-8). A connection that sends anything else is dropped.
 from __future__ import annotations
 
 import hmac
+import logging
 import secrets
 import socket
+import sys
 import socketserver
 import struct
 import threading
@@ -39,6 +41,8 @@ MAX_FETCH_BYTES = 1 << 34
 """The largest range one request may ask for (16 GiB): a bucket, never a whole model's worth more."""
 IDLE_KEPT = 8  # idle connections an engine keeps per trainer address
 
+logger = logging.getLogger("titan_lora.tcp")
+
 
 class TcpRefused(ValueError):
     """The trainer's bucket server refused a request (unknown buffer, wrong token, range past the end)."""
@@ -56,6 +60,11 @@ class _BucketServer(socketserver.ThreadingTCPServer):
         self._buffers: dict[bytes, tuple[bytes, torch.Tensor]] = {}
         self._lock = threading.Lock()
         threading.Thread(target=self.serve_forever, name=f"titan-tcp-buckets-{self.port}", daemon=True).start()
+
+    def handle_error(self, request: socket.socket, client_address: tuple) -> None:
+        """One line, not a traceback: an engine that timed out or restarted drops its connection."""
+        logger.warning("tcp bucket server %s:%d: connection from %s ended: %r", self.host, self.port,
+                       client_address, sys.exc_info()[1])
 
     @property
     def port(self) -> int:
