@@ -207,6 +207,22 @@ def test_wiring_an_embedded_receiver_has_no_rollouts(monkeypatch: pytest.MonkeyP
     assert engines[0].started and rollouts.client is None
 
 
+def test_wiring_picks_the_bucket_transport_from_where_the_engine_is(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Path) -> None:
+    from titan_lora.transfer.transport import TransportChoice
+
+    def wired(engine: Engine) -> TransportChoice:
+        return _wire(monkeypatch, tmp_path, engine=engine)[0].emitter.transport
+
+    assert wired(Engine()) == TransportChoice(), "an embedded engine: the device's default (shm, cuda_ipc)"
+    assert wired(Engine(transport="tcp")) == TransportChoice("tcp", (("host", "127.0.0.1"), ("port", 0)))
+    remote = Engine(url="http://192.0.2.7:8000", tcp_host="10.9.8.7", tcp_port=7100)
+    assert wired(remote) == TransportChoice("tcp", (("host", "10.9.8.7"), ("port", 7100))), "auto: remote is tcp"
+    assert wired(Engine(url="http://192.0.2.7:8000", transport="shm")) == TransportChoice("shm")
+    syncer = _wire(monkeypatch, tmp_path, engine=Engine(kind="sglang", url="http://sglang:30000"))[0]
+    assert not hasattr(syncer.emitter, "transport"), "SGLang moves tensors its own way"
+
+
 def test_wiring_sglang_has_no_vllm_rollouts(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from titan_lora.clients.sglang import SGLangEmitter
 

@@ -34,6 +34,7 @@ from titan_lora.trainer.objective import Objective
 from titan_lora.trainer.parallel import data_parallel_info
 from titan_lora.trainer.sft import SFTObjective
 from titan_lora.trainer.sft_data import SFTData
+from titan_lora.transfer.placement import choose_transport
 
 
 def probe_sequences(tokenizer, n: int = 4) -> list[list[int]]:  # noqa: ANN001
@@ -70,16 +71,25 @@ class EngineSide:
         return self.emitter.lend_buffer if self.emitter is not None else plain_buffer
 
 
+def engine_endpoint(kind: EngineKind, engine: Engine, url: str, api_key: str) -> Endpoint:
+    """The engine at `url`, and for a kind that sends buckets the transport they take: `[engine]
+    transport`, where "auto" decides from where the engine is (`transfer/placement.py`)."""
+    if not kind.shm_buckets:
+        return Endpoint(url, api_key)
+    return Endpoint(url, api_key, choose_transport(engine.transport, url, engine.tcp_host, engine.tcp_port))
+
+
 def connect_engine(engine: Engine, ws: WeightSync, hf_dir: str, device: torch.device, dump_folder: str,
                    lora_rank: int) -> EngineSide:
     """Rank 0: start the engine (no `[engine] url`) or attach; the emitter and rollout client."""
     kind = engine_kind(engine.kind)
     process = None
-    endpoint = Endpoint(engine.url, engine.api_key)
+    url, api_key = engine.url, engine.api_key
     if not engine.url:
         process = embedded_engine(kind, engine, ws, hf_dir, device, dump_folder, lora_rank)
         process.start()
-        endpoint = Endpoint(process.url, process.api_key)
+        url, api_key = process.url, process.api_key
+    endpoint = engine_endpoint(kind, engine, url, api_key)
     rollouts = kind.rollouts(endpoint, ws) if kind.rollouts else None
     return EngineSide(process, kind.emitter(ws, engine, endpoint), rollouts)
 

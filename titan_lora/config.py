@@ -77,6 +77,14 @@ class Engine:
     """SGLang only: none | abort | retract | in_place."""
     disk_dir: str = ""
     """vllm-disk only: where PEFT directories are written; empty: a temporary directory."""
+    transport: str = "auto"
+    """How bucket bytes reach the engine (kinds that send buckets: vllm, receiver): auto (an engine on
+    this host: shm on CPU, cuda_ipc on GPU; elsewhere: tcp), shm, cuda_ipc, tcp, or a registered plug-in."""
+    tcp_host: str = ""
+    """tcp: the address the trainer serves buckets on, as the engine reaches it; empty: 127.0.0.1 for an
+    engine on loopback, else this host's address on the route to the engine."""
+    tcp_port: int = 0
+    """tcp: the port the trainer serves buckets on; 0: any free port."""
 
 
 @dataclass
@@ -226,6 +234,7 @@ def validate_training(cfg: Training) -> None:
 
 
 PAUSE_MODES = ("none", "abort", "retract", "in_place")
+UNSPECIFIED_HOSTS = ("0.0.0.0", "::", "[::]")
 
 
 def validate_engine(cfg: Engine) -> None:
@@ -234,6 +243,11 @@ def validate_engine(cfg: Engine) -> None:
         raise ValueError(f"[engine] pause_mode = {cfg.pause_mode!r}: use {', '.join(PAUSE_MODES)}")
     if not 0 <= cfg.port < 65536:
         raise ValueError(f"[engine] port = {cfg.port}: use a TCP port, or 0 to pick a free one")
+    if not 0 <= cfg.tcp_port < 65536:
+        raise ValueError(f"[engine] tcp_port = {cfg.tcp_port}: use a TCP port, or 0 to pick a free one")
+    if cfg.tcp_host in UNSPECIFIED_HOSTS:
+        raise ValueError(f"[engine] tcp_host = {cfg.tcp_host!r} is the address the engine connects to: name "
+                         "this host's address as the engine sees it, or leave it empty to derive it")
     if cfg.disk_dir:
         check_writable_dir(cfg.disk_dir, "[engine] disk_dir")
 

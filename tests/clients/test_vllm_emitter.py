@@ -368,7 +368,7 @@ def test_packing_buffers_that_cannot_be_made_are_an_emitter_error(emitter_for: M
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     from titan_lora.clients import vllm
 
-    def no_shm(n: int, size: int, device: torch.device) -> list:
+    def no_shm(n: int, size: int, device: torch.device, transport: object = None) -> list:
         raise OSError("cannot reserve 1 MiB of shared memory")
 
     monkeypatch.setattr(vllm, "make_buffers", no_shm)

@@ -16,6 +16,7 @@ from titan_lora.sync.adapter_source import AdapterSource
 from titan_lora.sync.base_stream import base_weights_source
 from titan_lora.sync.syncer import WeightSyncer
 from titan_lora.sync.versions import AdapterVersions
+from titan_lora.transfer.transport import TransportChoice
 
 PARITY_TOL = 1e-3
 CPU = torch.device("cpu")
@@ -40,12 +41,13 @@ def smollm2_engine(model_dir: Path, log: Path) -> EmbeddedEngine:
     ], str(log), start_timeout_s=300)
 
 
-def smollm2_trainer(engine: EmbeddedEngine, cfg: WeightSync):  # noqa: ANN201
+def smollm2_trainer(engine: EmbeddedEngine, cfg: WeightSync,  # noqa: ANN201
+                    transport: TransportChoice = TransportChoice()):
     """Pretrained SmolLM2 + rank-8 LoRA on 1 trainer rank, its adapter source, and a syncer into
-    `engine` (closing the syncer stops the engine)."""
+    `engine` whose buckets take `transport` (closing the syncer stops the engine)."""
     built = build_from(SMOLLM2_LORA)
     lora = job_config_from(SMOLLM2_LORA).lora
-    emitter = emitter_to("vllm", Endpoint(engine.url, engine.api_key), cfg)
+    emitter = emitter_to("vllm", Endpoint(engine.url, engine.api_key, transport), cfg)
     source = AdapterSource(built.model, built.peft_layout, lora, cfg.lora_name, built.hf_dir,
                            lend=emitter.lend_buffer)  # the gather writes where the emitter posts from
     syncer = WeightSyncer(source, base_weights_source(built.model, built.sd_adapter, True), emitter, cfg, CPU,

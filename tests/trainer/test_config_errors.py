@@ -90,6 +90,17 @@ BAD = {
     ),
     "pause mode": (_sync("", engine='pause_mode = "stop"'), ["[engine] pause_mode = 'stop'", "in_place"]),
     "engine port": (_sync("", engine="port = 70000"), ["[engine] port = 70000", "0 to pick"]),
+    "unknown transport": (
+        _sync("", engine='transport = "rdma"'), ["[engine] transport = 'rdma'", "cuda_ipc, shm, tcp", '"auto"'],
+    ),
+    "a transport for a kind that sends no buckets": (
+        _sync("", engine='kind = "sglang"\nurl = "http://sglang:30000"\ntransport = "tcp"'),
+        ["[engine] transport = 'tcp'", "kind 'sglang' does not send buckets", "remove the key"],
+    ),
+    "tcp port": (_sync("", engine="tcp_port = 70000"), ["[engine] tcp_port = 70000", "0 to pick"]),
+    "tcp host that no engine can connect to": (
+        _sync("", engine='tcp_host = "0.0.0.0"'), ["[engine] tcp_host = '0.0.0.0'", "as the engine sees it"],
+    ),
     "a key that moved to [engine]": (
         _sync('engine_url = "http://e:8000"'), ["[weight_sync] engine_url has moved: use [engine] url"],
     ),
@@ -118,6 +129,13 @@ BAD = {
         DEBUG_LORA + "[compile]\nenable = true\n", ["[compile] enable = true", "set it to false"],
     ),
 }
+
+
+def test_tcp_buckets_need_no_shared_memory() -> None:
+    cfg = job_config_from(_sync("bucket_mb = 100000000", engine='transport = "tcp"\ntcp_host = "127.0.0.1"'))
+    assert (cfg.engine.transport, cfg.engine.tcp_host, cfg.engine.tcp_port) == ("tcp", "127.0.0.1", 0)
+    remote = job_config_from(_sync("bucket_mb = 100000000", engine='url = "http://192.0.2.7:8000"'))
+    assert remote.engine.transport == "auto", "auto takes tcp for a remote engine: /dev/shm is not sized"
 
 
 @pytest.mark.parametrize("case", list(BAD))

@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from titan_lora.transfer.protocol import Ack, EngineLimits
-from titan_lora.transfer.transport import BucketBuffer
+from titan_lora.transfer.transport import BucketBuffer, TransportChoice
 
 # (HF name, tensor) pairs, produced one by one (each may run a collective); a mapping is taken as its items.
 BaseTensors = Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
@@ -92,7 +92,9 @@ def plain_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> tuple[
 
 @dataclasses.dataclass(frozen=True)
 class Endpoint:
-    """Where the engine answers and the key it wants: known only once it runs (embedded) or is attached."""
+    """Where the engine answers, the key it wants and the transport its buckets take: known only once it
+    runs (embedded) or is attached. An emitter that sends buckets allocates them of `transport`."""
 
     url: str
     api_key: str = ""
+    transport: TransportChoice = TransportChoice()

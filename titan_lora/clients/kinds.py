@@ -54,7 +54,8 @@ class EngineKind:
     launch: Launcher | None = None
     """None: titan_lora cannot start it; `[engine] url` must name a running one."""
     shm_buckets: bool = False
-    """On CPU its buckets travel through POSIX shared memory (sized against /dev/shm at start-up)."""
+    """It sends buckets through a bucket transport (`[engine] transport`): on CPU by default POSIX shared
+    memory, sized against /dev/shm at start-up."""
     max_lora_rank: Callable[[int], int] | None = None
     """The engine-side rank that holds a LoRA rank; raises when the engine cannot serve it."""
     check_targets: Callable[[set[str]], None] | None = None

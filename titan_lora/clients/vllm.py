@@ -45,7 +45,7 @@ from titan_lora.transfer.buckets import (
 )
 from titan_lora.transfer.errors import LayoutUnknownToEngine, TransferError
 from titan_lora.transfer.protocol import Ack, EngineLimits
-from titan_lora.transfer.transport import BucketBuffer, lend_buffer, make_buffers, offset_in
+from titan_lora.transfer.transport import BucketBuffer, TransportChoice, lend_buffer, make_buffers, offset_in
 
 T = TypeVar("T")
 
@@ -150,11 +150,13 @@ class _Transfer:
 
 
 class VLLMBucketEmitter:
-    """Trainer side of a bucketed transfer into a titan_lora vLLM engine."""
+    """Trainer side of a bucketed transfer into a titan_lora vLLM engine; its buffers (packing and lent)
+    are of `transport`."""
 
-    def __init__(self, client: JsonClient, bucket_mb: int) -> None:
+    def __init__(self, client: JsonClient, bucket_mb: int, transport: TransportChoice = TransportChoice()) -> None:
         self.client = client
         self.bucket_bytes = bucket_mb * 2**20
+        self.transport = transport
         self._buffers: list[BucketBuffer] = []
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="titan-bucket")
         self._sent_layouts: set[str] = set()
@@ -177,9 +179,9 @@ class VLLMBucketEmitter:
 
     def lend_buffer(self, numel: int, dtype: torch.dtype, device: torch.device,
                     ) -> tuple[torch.Tensor, BucketBuffer | None]:
-        """A tensor in memory the engine maps (shared memory, CUDA IPC): written there, the adapter is
-        posted in place."""
-        return lend_buffer(numel, dtype, device)
+        """A tensor in memory the engine reaches (shared memory, CUDA IPC, tcp): written there, the adapter
+        is posted in place."""
+        return lend_buffer(numel, dtype, device, self.transport)
 
     def _buffers_fit(self, need: int, device: torch.device) -> bool:
         return bool(self._buffers) and self._buffers[0].size >= need and self._buffers[0].device == device
@@ -191,7 +193,7 @@ class VLLMBucketEmitter:
         for buf in self._buffers:
             buf.close()
         try:
-            self._buffers = make_buffers(2, max(need, self.bucket_bytes), device)
+            self._buffers = make_buffers(2, max(need, self.bucket_bytes), device, self.transport)
         except OSError as err:  # an TransferError reaches every rank; an OSError would only stop rank 0
             self._buffers = []
             raise TransferError(str(err)) from err
@@ -351,8 +353,9 @@ class VLLMBucketEmitter:
 
 
 def build_vllm_emitter(ws: WeightSync, engine: Engine, endpoint: Endpoint) -> VLLMBucketEmitter:
-    """The bucket emitter to titan_lora's engine (vLLM or the receiver) at `endpoint`."""
-    return VLLMBucketEmitter(JsonClient(endpoint.url, endpoint.api_key, ws.timeout_s), ws.bucket_mb)
+    """The bucket emitter to titan_lora's engine (vLLM or the receiver) at `endpoint`, over its transport."""
+    return VLLMBucketEmitter(JsonClient(endpoint.url, endpoint.api_key, ws.timeout_s), ws.bucket_mb,
+                             endpoint.transport)
 
 
 def vllm_launch(req: LaunchRequest) -> LaunchPlan:

@@ -3,8 +3,8 @@
     python -m titan_lora.engines.receiver --port 8012 [--device cuda:0]
 
 It speaks the same `/titan/*` routes as the vLLM engine process for transfers (info, bucket,
-adapter, base, unload): it copies every bucket out of the trainer's buffer (shared memory or CUDA
-IPC) into its own storage and acknowledges what it holds, with the checksum of the bytes it holds.
+adapter, base, unload): it copies every bucket out of the trainer's buffer (shared memory, CUDA
+IPC, or fetched over tcp) into its own storage and acknowledges what it holds, with the checksum of the bytes it holds.
 The sync benchmark measures end-to-end latency against it, and GPU hosts with no inference engine
 time the train + sync step with it. Like the vLLM engine process it reads TITAN_LORA_API_KEY and
 TITAN_LORA_ENGINE_NONCE from the environment, and honours the fault-injection variables
@@ -28,7 +28,7 @@ import torch
 from titan_lora.engines.http_server import DEFAULT_MAX_BODY_MB, make_handler
 from titan_lora.engines.transfers import TransferStore, fault_pause
 from titan_lora.transfer import protocol
-from titan_lora.transfer.buckets import LayoutCache, copy_out
+from titan_lora.transfer.buckets import LayoutCache, bucket_size, copy_out
 from titan_lora.transfer.errors import check_name
 from titan_lora.transfer.transport import BufferCache
 
@@ -60,10 +60,11 @@ class ReceiverService:
     def bucket(self, req: dict) -> dict:
         """Copy one bucket out, check its checksum, then acknowledge it."""
         entries = self.layouts.resolve(req["layout"], req.get("header"))
-        buffer = self.buffers.get(req["segment"])  # refuses anything but a bare segment name
-        staged = self.transfers.stage(req["transfer_id"], req.get("kind", "adapter"), self.buffers.prune)
-        fault_pause()
-        owned, views = copy_out(buffer, entries)
+        # Refuses anything but a bare segment name, a wrong tcp token, a range past the buffer's end.
+        with self.buffers.bucket(req["segment"], bucket_size(entries)) as buffer:
+            staged = self.transfers.stage(req["transfer_id"], req.get("kind", "adapter"), self.buffers.prune)
+            fault_pause()
+            owned, views = copy_out(buffer, entries)
         ack = self.transfers.hold(req["transfer_id"], staged, owned, views, req.get("checksum"))
         if "commit" in req:  # an adapter's last bucket carries its commit
             ack["commit"] = self.adapter({**req["commit"], "transfer_id": req["transfer_id"]})

@@ -2,8 +2,8 @@
 
 Its methods are mixed into vLLM's Worker and reached with `collective_rpc`. Arguments are only
 strings, ints and JSON-able headers, so they cross vLLM's msgpack hop in multi-process mode too; the
-bytes come through a trainer-owned buffer (shared memory or CUDA IPC) that each worker copies out
-before acknowledging.
+bytes come through a trainer-owned buffer (shared memory or CUDA IPC, or fetched over tcp) that each
+worker copies out before acknowledging.
 
 vLLM 0.32 has no LoRA-from-tensors API. The first adapter of a run is built with vLLM's own
 `LoRAModel.from_lora_tensors`; later ones with the same tensor names reuse what that build resolved
@@ -145,14 +145,15 @@ class TitanLoRAWorkerExtension:
         """Copy one bucket out of the trainer's buffer and check it; the return value is the ack."""
         state = self._titan_state()
         entries = state.layouts.resolve(layout, header)
-        buffer = state.buffers.get(segment)  # refuses anything but a bare segment name
-        staged = state.transfers.stage(transfer_id, kind, state.buffers.prune)
-        fault_pause()
-        if kind == "adapter":  # into a reusable host slab (vLLM keeps adapters on the host)
-            slab = state.slabs.take(layout, entries)
-            copy_flat(slab.data, buffer[: slab.data.numel()])
-            return state.transfers.hold(transfer_id, staged, slab.data, slab.views, checksum, (layout, slab))
-        owned, views = copy_out(buffer, entries)
+        # Refuses anything but a bare segment name, a wrong tcp token, a range past the buffer's end.
+        with state.buffers.bucket(segment, bucket_size(entries)) as buffer:
+            staged = state.transfers.stage(transfer_id, kind, state.buffers.prune)
+            fault_pause()
+            if kind == "adapter":  # into a reusable host slab (vLLM keeps adapters on the host)
+                slab = state.slabs.take(layout, entries)
+                copy_flat(slab.data, buffer[: slab.data.numel()])
+                return state.transfers.hold(transfer_id, staged, slab.data, slab.views, checksum, (layout, slab))
+            owned, views = copy_out(buffer, entries)
         return state.transfers.hold(transfer_id, staged, owned, views, checksum)
 
     def titan_commit_adapter(self, transfer_id: str, lora_int_id: int, lora_name: str, peft_config: dict) -> dict:

@@ -7,12 +7,14 @@ from pathlib import Path
 
 import torch
 
-from titan_lora.clients.kinds import engine_kind
+from titan_lora.clients.kinds import EngineKind, engine_kind
+from titan_lora.config import Engine
 from titan_lora.lora.targets import hf_leaf_names
 from titan_lora.models.family import model_family
 from titan_lora.trainer.checkpoint import check_resume_compatible
 from titan_lora.trainer.parallel import data_parallel_size
 from titan_lora.transfer.errors import TransferError
+from titan_lora.transfer.placement import AUTO, transport_kind
 from titan_lora.transfer.transport import SHM_DIR
 
 
@@ -54,6 +56,18 @@ def check_grpo_split(prompts_per_step: int, group_size: int, dp_size: int) -> No
         )
 
 
+def check_transport(engine: Engine, kind: EngineKind) -> str | None:
+    """The transport `[engine] transport` selects (None: the device's default); refuses an unknown name,
+    or a transport named for a kind that sends no buckets."""
+    if engine.transport != AUTO and not kind.shm_buckets:
+        raise ValueError(f"[engine] transport = {engine.transport!r}: kind {engine.kind!r} does not send "
+                         "buckets, so no transport applies; remove the key (it applies to vllm and receiver)")
+    try:
+        return transport_kind(engine.transport, engine.url)
+    except ValueError as err:
+        raise ValueError(f'[engine] transport = {engine.transport!r}: {err}; or "auto"') from None
+
+
 def check_engine(job_config, targets: list[str] | None) -> None:  # noqa: ANN001
     """The `[engine]` checks that need its kind's capabilities, the host or other sections."""
     ws, engine = job_config.weight_sync, job_config.engine
@@ -66,7 +80,8 @@ def check_engine(job_config, targets: list[str] | None) -> None:  # noqa: ANN001
     if job_config.grpo.enabled and job_config.grpo.rollouts and kind.rollouts is None:
         raise ValueError(f"[engine] kind = {engine.kind!r} runs no rollouts for titan_lora: set [grpo] "
                          'rollouts = false, or use kind = "vllm"')
-    if kind.shm_buckets and not torch.cuda.is_available():
+    transport = check_transport(engine, kind)
+    if kind.shm_buckets and (transport == "shm" or (transport is None and not torch.cuda.is_available())):
         check_shared_memory(ws.bucket_mb)
     if kind.max_lora_rank is not None and "lora" in job_config.model.converters:
         kind.max_lora_rank(job_config.lora.rank)  # raises when the engine cannot serve the rank

@@ -1,28 +1,48 @@
 """Bucket buffers seen from both sides: the trainer lends and locates them, the engine caches mappings.
 
 Each transport is a trainer-side and engine-side pair in `transfer/transports/` (POSIX shared memory on
-CPU, CUDA IPC on GPU), found by its descriptor's "kind" (`transports/base.py`). The trainer owns the
-buffers; the engine opens them from a JSON descriptor, copies a bucket out and acknowledges.
+CPU, CUDA IPC on GPU, TCP to any host), found by its descriptor's "kind" (`transports/base.py`). The
+trainer owns the buffers; the engine reads a bucket from a JSON descriptor (`BufferCache.bucket`: from
+its cached mapping, or fetched anew), copies it out and acknowledges.
 """
 
 from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
+import dataclasses
 import json
 import threading
+from collections.abc import Iterator
 
 import torch
 
-from titan_lora.transfer.transports.base import BucketBuffer, transport_named
+from titan_lora.transfer.transports.base import BucketBuffer, Fetcher, transport_named
 from titan_lora.transfer.transports.shm import SHM_DIR
 
-__all__ = ["SHM_DIR", "BucketBuffer", "BufferCache", "lend_buffer", "make_buffers", "offset_in"]
+__all__ = ["SHM_DIR", "BucketBuffer", "BufferCache", "TransportChoice", "lend_buffer", "make_buffers",
+           "offset_in"]
 
 
-def make_buffers(n: int, size: int, device: torch.device) -> list[BucketBuffer]:
-    """`n` buffers of `size` bytes on `device`, of the device's default transport."""
-    return [BucketBuffer(size, device) for _ in range(n)]
+@dataclasses.dataclass(frozen=True)
+class TransportChoice:
+    """The transport of a trainer's bucket buffers: `kind` (None: the buffer's device default, shm on
+    CPU and cuda_ipc on GPU) and the keyword options its buffer takes (a network transport: host, port)."""
+
+    kind: str | None = None
+    options: tuple[tuple[str, object], ...] = ()
+
+    def buffer(self, size: int, device: torch.device) -> BucketBuffer:
+        """A buffer of `size` bytes on `device`, of this transport."""
+        cls = BucketBuffer if self.kind is None else transport_named(self.kind).buffer
+        return cls(size, device, **dict(self.options))
+
+
+def make_buffers(n: int, size: int, device: torch.device,
+                 transport: TransportChoice = TransportChoice()) -> list[BucketBuffer]:
+    """`n` buffers of `size` bytes on `device`, of `transport` (default: the device's)."""
+    return [transport.buffer(size, device) for _ in range(n)]
 
 
 # Lent buffers live as long as the process (their tensors may outlive any owner); names go at exit.
@@ -36,13 +56,14 @@ def _unlink_lent() -> None:
         buf.unlink()
 
 
-def lend_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, BucketBuffer | None]:
-    """A zeroed tensor that an engine process can map, and the buffer it lies in, so that what is written
-    into it goes to the engine with no packing copy. Where the host has no shared memory to spare: a
-    plain tensor and None."""
+def lend_buffer(numel: int, dtype: torch.dtype, device: torch.device,
+                transport: TransportChoice = TransportChoice()) -> tuple[torch.Tensor, BucketBuffer | None]:
+    """A zeroed tensor that an engine process can reach through `transport`, and the buffer it lies in,
+    so that what is written into it goes to the engine with no packing copy. Where the host has no
+    shared memory to spare: a plain tensor and None."""
     size = numel * torch.empty(0, dtype=dtype).element_size()
     try:
-        buf = BucketBuffer(size, device)
+        buf = transport.buffer(size, device)
     except (OSError, ValueError, RuntimeError):
         return torch.zeros(numel, dtype=dtype, device=device), None
     _LENT.append(buf)
@@ -58,7 +79,11 @@ def offset_in(buf: BucketBuffer, tensor: torch.Tensor) -> int | None:
 
 def _open(desc: dict) -> torch.Tensor:
     """The whole buffer `desc` names, mapped by the engine side of the transport its "kind" names."""
-    return transport_named(desc.get("kind")).opener.open(desc)
+    opener = transport_named(desc.get("kind")).opener
+    if isinstance(opener, Fetcher):
+        raise ValueError(f"{desc.get('kind')} buffers cannot be mapped, only fetched per bucket: "
+                         "read them with BufferCache.bucket")
+    return opener.open(desc)
 
 
 def _mapping_key(desc: dict) -> str:
@@ -67,13 +92,43 @@ def _mapping_key(desc: dict) -> str:
     return json.dumps({k: v for k, v in desc.items() if k != "offset"}, sort_keys=True)
 
 
+class _HostSlabs:
+    """Reusable host slabs that fetched buckets land in: a fresh multi-MB allocation page-faults on
+    every first touch, which costs about as much as the copy. At most `kept` wait for reuse."""
+
+    def __init__(self, kept: int = 4) -> None:
+        self.kept = kept
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def lease(self, nbytes: int) -> Iterator[torch.Tensor]:
+        """`nbytes` uint8 host bytes, this caller's alone until the block ends."""
+        with self._lock:
+            fits = [s for s in self._free if s.numel() >= nbytes]
+            slab = min(fits, key=torch.Tensor.numel) if fits else None
+            if slab is not None:
+                self._free.remove(slab)
+        if slab is None:
+            slab = torch.empty(nbytes, dtype=torch.uint8)
+        try:
+            yield slab[:nbytes]
+        finally:
+            with self._lock:
+                self._free.append(slab)
+                if len(self._free) > self.kept:  # the smallest go first: buckets only grow
+                    self._free.remove(min(self._free, key=torch.Tensor.numel))
+
+
 class BufferCache:
-    """Engine side: open each trainer buffer once and reuse the mapping (at most `max_entries`)."""
+    """Engine side: open each trainer buffer once and reuse the mapping (at most `max_entries`); the
+    buffers of a fetching transport are read anew for every bucket and never cached."""
 
     def __init__(self, max_entries: int = 32) -> None:
         self.max_entries = max_entries
         self._open: collections.OrderedDict[str, tuple[dict, torch.Tensor]] = collections.OrderedDict()
         self._lock = threading.Lock()  # the engine serves buckets from several threads
+        self._slabs = _HostSlabs()
 
     def __len__(self) -> int:
         """Mappings held now."""
@@ -91,6 +146,22 @@ class BufferCache:
                     self._open.popitem(last=False)
             mapped = self._open[key][1]
         return mapped[int(desc.get("offset", 0)) :]
+
+    @contextlib.contextmanager
+    def bucket(self, desc: dict, nbytes: int) -> Iterator[torch.Tensor]:
+        """The `nbytes` bytes of the bucket `desc` names, valid until the block ends (copy them out in
+        it): a view of the cached mapping, or a host slab filled from the trainer now."""
+        opener = transport_named(desc.get("kind")).opener
+        if isinstance(opener, Fetcher):
+            with self._slabs.lease(nbytes) as slab:
+                opener.fetch(desc, int(desc.get("offset", 0)), slab)
+                yield slab
+            return
+        view = self.get(desc)[:nbytes]
+        if view.numel() < nbytes:
+            raise ValueError(f"a bucket of {nbytes} bytes at offset {desc.get('offset', 0)} runs past the end "
+                             f"of the {desc.get('kind')} buffer it names")
+        yield view
 
     def clear(self) -> None:
         """Release every mapping. A CUDA mapping's release is what lets the trainer free its IPC

@@ -1,8 +1,10 @@
 """What a bucket transport is, and the lazy registry that finds one (vLLM's `weight_transfer` style).
 
 A transport is a pair in one file: a trainer-side `BucketBuffer` subclass (allocates bytes an engine
-process can map and describes them once, as JSON: no pickle crosses) and an engine-side `Opener` (maps
-such a descriptor, and refuses rather than guesses). The descriptor's "kind" names the pair. Built-ins
+process can reach and describes them once, as JSON: no pickle crosses) and an engine-side opener that
+refuses rather than guesses: an `Opener` maps the buffer once and the engine reads it in place (shm,
+cuda_ipc), a `Fetcher` copies each bucket's bytes anew from wherever they live (tcp), so that no copy
+of an earlier bucket is ever served again. The descriptor's "kind" names the pair. Built-ins
 are `module:ATTRIBUTE` strings imported on first use; the engine resolves registered kinds only, so a
 descriptor never makes it import a module of the sender's choosing.
 
@@ -22,6 +24,7 @@ import torch
 BUILT_IN_TRANSPORTS = {
     "shm": "titan_lora.transfer.transports.shm:SHM",
     "cuda_ipc": "titan_lora.transfer.transports.cuda_ipc:CUDA_IPC",
+    "tcp": "titan_lora.transfer.transports.tcp:TCP",
 }
 DEVICE_DEFAULTS = {"cpu": "shm", "cuda": "cuda_ipc"}
 """The transport a trainer's buffers use, by device type."""
@@ -36,8 +39,11 @@ class BucketBuffer(abc.ABC):
 
     kind: ClassVar[str]
     """The descriptor's "kind": the name its transport is registered under."""
+    network: ClassVar[bool] = False
+    """True: the trainer serves the bytes over the network, and the constructor takes the keyword options
+    `host` and `port` (where to serve, as the engine reaches it)."""
 
-    def __new__(cls, size: int, device: torch.device) -> BucketBuffer:
+    def __new__(cls, size: int, device: torch.device, **options: object) -> BucketBuffer:
         if cls is BucketBuffer:
             cls = default_transport(device).buffer
         return super().__new__(cls)
@@ -92,12 +98,22 @@ class Opener(abc.ABC):
         return True
 
 
+class Fetcher(abc.ABC):
+    """The engine side of a transport whose buffers cannot be mapped (another host): it copies the bytes
+    of each bucket anew, and the engine caches nothing of them."""
+
+    @abc.abstractmethod
+    def fetch(self, desc: dict, offset: int, into: torch.Tensor) -> None:
+        """Fill `into` (uint8, host) with the buffer's bytes [offset, offset + into.numel()). Anything
+        short of all of them raises: the engine must never ack bytes it did not receive."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Transport:
-    """One transport: its trainer-side buffer class and its engine-side opener."""
+    """One transport: its trainer-side buffer class and its engine-side opener (or fetcher)."""
 
     buffer: type[BucketBuffer]
-    opener: Opener
+    opener: Opener | Fetcher
 
     @property
     def kind(self) -> str:

@@ -1,0 +1,192 @@
+"""The tcp transport in isolation: a trainer-side buffer served by this process's bucket server, fetched
+by the engine side through `BufferCache.bucket` (bytes, checksum, no stale copy), and every refusal:
+a wrong token, an unknown buffer, a range past the end, a short read, a silent server."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from titan_lora.transfer.buckets import bucket_checksum, bucket_size, copy_out, pack, plan_buckets
+from titan_lora.transfer.placement import choose_transport, transport_kind
+from titan_lora.transfer.transport import BufferCache, TransportChoice, lend_buffer, make_buffers
+from titan_lora.transfer.transports import tcp
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def buf():
+    b = tcp.TcpBuffer(1 << 20, CPU)
+    yield b
+    b.close()
+
+
+def _over_json(desc: dict) -> dict:
+    return json.loads(json.dumps(desc))
+
+
+def test_a_bucket_fetched_over_tcp_has_the_trainers_bytes_and_checksum(buf: tcp.TcpBuffer) -> None:
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"t{i}": torch.randn(37 * (i + 1), generator=g) for i in range(5)}
+    entries = plan_buckets(tensors, 1 << 20)[0]
+    offset = 4096  # a bucket in the middle of the buffer, as the gatherer's lent buffer holds them
+    pack(buf.tensor[offset:], entries, tensors)
+    sent = bucket_checksum(buf.tensor[offset : offset + bucket_size(entries)])
+    desc = _over_json(buf.describe(offset))
+    assert set(desc) == {"kind", "host", "port", "id", "token", "size", "offset"} and desc["kind"] == "tcp"
+    cache = BufferCache()
+    with cache.bucket(desc, bucket_size(entries)) as fetched:
+        owned, views = copy_out(fetched, entries)
+    assert bucket_checksum(owned) == sent
+    for name, t in tensors.items():
+        assert torch.equal(views[name], t), name
+    assert len(cache) == 0, "a fetched buffer is never cached"
+
+
+def test_every_bucket_is_fetched_anew_never_from_an_earlier_copy(buf: tcp.TcpBuffer) -> None:
+    cache = BufferCache()
+    desc = _over_json(buf.describe(0))
+    buf.tensor[:1000] = 7
+    with cache.bucket(desc, 1000) as first:
+        assert int(first.sum()) == 7000
+    buf.tensor[:1000] = 9  # the trainer reuses the buffer for the next bucket, same descriptor
+    with cache.bucket(desc, 1000) as second:
+        assert int(second.sum()) == 9000
+
+
+def test_connections_are_kept_and_reused(buf: tcp.TcpBuffer) -> None:
+    fetcher = tcp.TcpFetcher()
+    desc = buf.describe(0)
+    addr = (desc["host"], desc["port"])
+    fetcher.fetch(desc, 0, torch.empty(10, dtype=torch.uint8))
+    kept = fetcher._idle[addr][0]
+    fetcher.fetch(desc, 10, torch.empty(10, dtype=torch.uint8))
+    assert fetcher._idle[addr] == [kept], "the second fetch went over the first connection"
+
+
+def test_a_kept_connection_the_peer_closed_is_replaced(buf: tcp.TcpBuffer) -> None:
+    fetcher = tcp.TcpFetcher()
+    desc = buf.describe(0)
+    buf.tensor[:64] = 3
+    with socket.create_server(("127.0.0.1", 0)) as closer:  # accepts, then hangs up
+        dead = socket.create_connection(closer.getsockname())
+        closer.accept()[0].close()
+        fetcher._idle[(desc["host"], desc["port"])] = [dead]
+        out = torch.empty(64, dtype=torch.uint8)
+        fetcher.fetch(desc, 0, out)
+    assert int(out.sum()) == 3 * 64
+
+
+def test_a_wrong_token_or_an_unknown_buffer_is_refused(buf: tcp.TcpBuffer) -> None:
+    desc = buf.describe(0)
+    out = torch.empty(16, dtype=torch.uint8)
+    with pytest.raises(tcp.TcpRefused, match=f"wrong token for buffer {desc['id']}"):
+        tcp.TcpFetcher().fetch({**desc, "token": "00" * 16}, 0, out)
+    with pytest.raises(tcp.TcpRefused, match="no buffer 0{32} is served here"):
+        tcp.TcpFetcher().fetch({**desc, "id": "00" * 16}, 0, out)
+    buf.unlink()
+    with pytest.raises(tcp.TcpRefused, match=f"no buffer {desc['id']} is served here"):
+        tcp.TcpFetcher().fetch(desc, 0, out)
+    with pytest.raises(ValueError, match="'token' must be 32 hex digits"):
+        tcp.TcpFetcher().fetch({**desc, "token": "zz"}, 0, out)
+
+
+def test_a_range_past_the_end_is_refused_on_both_sides(buf: tcp.TcpBuffer) -> None:
+    desc = buf.describe(0)
+    with pytest.raises(ValueError, match=r"a bucket of 16 bytes at offset 1048570 does not fit"):
+        BufferCache().bucket({**desc, "offset": (1 << 20) - 6}, 16).__enter__()
+    # An engine told a larger size than the trainer holds: the server checks against the real one.
+    with pytest.raises(tcp.TcpRefused, match=r"bytes \[1048570, 1048586\) are past the end .* \(1048576 bytes\)"):
+        tcp.TcpFetcher().fetch({**desc, "size": 1 << 21}, (1 << 20) - 6, torch.empty(16, dtype=torch.uint8))
+
+
+def _fake_server(reply: bytes, close: bool) -> tuple[socket.socket, threading.Event]:
+    """A server that reads one request, sends `reply`, then closes (or keeps silent)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        conn.recv(tcp._REQUEST.size)
+        conn.sendall(reply)
+        if close:
+            conn.close()
+        done.wait(10)
+        conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener, done
+
+
+def _desc_at(listener: socket.socket) -> dict:
+    return {"kind": "tcp", "host": "127.0.0.1", "port": listener.getsockname()[1], "id": "11" * 16,
+            "token": "22" * 16, "size": 1 << 20, "offset": 0}
+
+
+def test_a_short_read_is_an_error() -> None:
+    listener, done = _fake_server(tcp._REPLY.pack(tcp.MAGIC, 0, 1000) + b"x" * 600, close=True)
+    with listener, pytest.raises(ConnectionError, match="short read: 600 of 1000 bytes of the bucket"):
+        tcp.TcpFetcher().fetch(_desc_at(listener), 0, torch.empty(1000, dtype=torch.uint8))
+    done.set()
+
+
+def test_a_silent_server_times_out() -> None:
+    listener, done = _fake_server(tcp._REPLY.pack(tcp.MAGIC, 0, 1000) + b"x" * 10, close=False)
+    started = time.perf_counter()
+    with listener, pytest.raises(TimeoutError, match="sent 10 of 1000 bytes of the bucket in time"):
+        tcp.TcpFetcher(timeout_s=0.5).fetch(_desc_at(listener), 0, torch.empty(1000, dtype=torch.uint8))
+    assert time.perf_counter() - started < 5
+    done.set()
+
+
+def test_an_unreachable_trainer_names_the_address_to_fix() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        port = s.getsockname()[1]  # closed when the block ends: nothing listens there
+    desc = {"kind": "tcp", "host": "127.0.0.1", "port": port, "id": "11" * 16, "token": "22" * 16, "size": 64}
+    with pytest.raises(ConnectionError, match=rf"cannot reach .* at 127.0.0.1:{port} .*\[engine\] tcp_host"):
+        tcp.TcpFetcher().fetch(desc, 0, torch.empty(8, dtype=torch.uint8))
+
+
+def test_the_emitters_buffers_and_the_lent_one_are_tcp_when_chosen() -> None:
+    choice = choose_transport("tcp", "http://127.0.0.1:8000")
+    assert choice == TransportChoice("tcp", (("host", "127.0.0.1"), ("port", 0)))
+    bufs = make_buffers(2, 4096, CPU, choice)
+    tensor, home = lend_buffer(10, torch.float32, CPU, choice)
+    try:
+        assert all(isinstance(b, tcp.TcpBuffer) for b in [*bufs, home]) and not tensor.any()
+        assert len({b.describe()["port"] for b in [*bufs, home]}) == 1, "one server per address"
+        assert len({b.describe()["token"] for b in [*bufs, home]}) == 3, "a token per buffer"
+    finally:
+        for b in bufs:
+            b.close()
+
+
+def test_auto_keeps_the_device_default_on_this_host_and_takes_tcp_elsewhere() -> None:
+    assert transport_kind("auto", "") is None, "an engine titan_lora starts runs here"
+    assert transport_kind("auto", "http://127.0.0.1:8000") is None
+    assert transport_kind("auto", "http://localhost:8000") is None
+    assert transport_kind("auto", "http://192.0.2.7:8000") == "tcp", "TEST-NET-1: never this host"
+    assert transport_kind("shm", "http://192.0.2.7:8000") == "shm", "a named transport is taken as is"
+    assert choose_transport("auto", "http://192.0.2.7:8000", "10.1.2.3", 7000) == \
+        TransportChoice("tcp", (("host", "10.1.2.3"), ("port", 7000)))
+    assert choose_transport("cuda_ipc", "") == TransportChoice("cuda_ipc")
+    with pytest.raises(ValueError, match="unknown bucket transport 'rdma': this process has cuda_ipc, shm, tcp"):
+        transport_kind("rdma", "")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_cuda_buffer_is_staged_to_host_and_served() -> None:
+    b = tcp.TcpBuffer(1 << 16, torch.device("cuda"))
+    try:
+        b.tensor.copy_(torch.arange(1 << 16, device="cuda").to(torch.uint8))
+        b.synchronize()
+        with BufferCache().bucket(b.describe(128), 4096) as got:
+            assert torch.equal(got, b.tensor[128 : 128 + 4096].cpu())
+    finally:
+        b.close()

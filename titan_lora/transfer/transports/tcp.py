@@ -1,0 +1,310 @@
+"""TCP: buckets pulled over a socket from the trainer's memory, for an engine on any host.
+
+The trainer side runs one small server thread per address it serves on (rank 0 alone holds buffers)
+that hands out byte ranges of its registered buffers. A descriptor names the address, the buffer's id,
+an unguessable per-buffer token (only a process that was handed the descriptor can read the buffer)
+and its size. The engine side connects (connections are kept and reused), asks for the bucket's range
+and receives it straight into its host slab (`recv_into`); the trainer sends from the tensor's own
+memory, a CUDA buffer staged to host first. The bytes are fetched per bucket, so the engine holds no
+copy that a later bucket could be served from.
+
+Wire format, big-endian. Request: MAGIC, buffer id (16 bytes), token (16 bytes), offset (u64),
+nbytes (u64). Reply: MAGIC, status (u8: 0 ok, 1 refused), length (u64), then `length` bytes: the range,
+or why it was refused (UTF-8). A connection that sends anything else is dropped.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import secrets
+import socket
+import sys
+import socketserver
+import struct
+import threading
+import time
+
+import torch
+
+from titan_lora.transfer.transports.base import BucketBuffer, Fetcher, Transport
+
+MAGIC = b"TLB1"
+_REQUEST = struct.Struct("!4s16s16sQQ")
+_REPLY = struct.Struct("!4sBQ")
+_OK, _REFUSED = 0, 1
+FETCH_TIMEOUT_S = 60.0
+"""The engine's bound on one fetch, connecting included."""
+SEND_TIMEOUT_S = 60.0
+"""The trainer's bound on sending one range to an engine that stopped reading."""
+MAX_FETCH_BYTES = 1 << 34
+"""The largest range one request may ask for (16 GiB): a bucket, never a whole model's worth more."""
+IDLE_KEPT = 8  # idle connections an engine keeps per trainer address
+
+logger = logging.getLogger("titan_lora.tcp")
+
+
+class TcpRefused(ValueError):
+    """The trainer's bucket server refused a request (unknown buffer, wrong token, range past the end)."""
+
+
+class _BucketServer(socketserver.ThreadingTCPServer):
+    """The trainer's bucket server on one address: registered buffers by id, each with its token."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, host: str, port: int) -> None:
+        super().__init__((host, port), _Handler)
+        self.host = host
+        self._buffers: dict[bytes, tuple[bytes, torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        threading.Thread(target=self.serve_forever, name=f"titan-tcp-buckets-{self.port}", daemon=True).start()
+
+    def handle_error(self, request: socket.socket, client_address: tuple) -> None:
+        """One line, not a traceback: an engine that timed out or restarted drops its connection."""
+        logger.warning("tcp bucket server %s:%d: connection from %s ended: %r", self.host, self.port,
+                       client_address, sys.exc_info()[1])
+
+    @property
+    def port(self) -> int:
+        """The port it listens on (chosen by the OS when 0 was asked)."""
+        return self.server_address[1]
+
+    def add(self, buffer_id: bytes, token: bytes, tensor: torch.Tensor) -> None:
+        """Serve `tensor`'s bytes to requests that name `buffer_id` with `token`."""
+        with self._lock:
+            self._buffers[buffer_id] = (token, tensor)
+
+    def remove(self, buffer_id: bytes) -> None:
+        """Serve this buffer no more."""
+        with self._lock:
+            self._buffers.pop(buffer_id, None)
+
+    def view(self, buffer_id: bytes, token: bytes, offset: int, nbytes: int) -> torch.Tensor:
+        """The bytes [offset, offset + nbytes) of a registered buffer; TcpRefused otherwise."""
+        with self._lock:
+            found = self._buffers.get(buffer_id)
+        if found is None:
+            raise TcpRefused(f"no buffer {buffer_id.hex()} is served here (freed, or the trainer restarted)")
+        want, tensor = found
+        if not hmac.compare_digest(want, token):
+            raise TcpRefused(f"wrong token for buffer {buffer_id.hex()}")
+        if nbytes > MAX_FETCH_BYTES or offset + nbytes > tensor.numel():
+            raise TcpRefused(f"bytes [{offset}, {offset + nbytes}) are past the end of buffer "
+                             f"{buffer_id.hex()} ({tensor.numel()} bytes)")
+        return tensor[offset : offset + nbytes]
+
+
+class _Handler(socketserver.StreamRequestHandler):
+    """One engine connection: requests in turn until it closes."""
+
+    server: _BucketServer
+
+    def handle(self) -> None:
+        self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        staging: torch.Tensor | None = None  # host copy of CUDA ranges, reused on this connection
+        while True:
+            self.request.settimeout(None)  # an engine may keep an idle connection between syncs
+            head = self.rfile.read(_REQUEST.size)
+            if len(head) < _REQUEST.size:
+                return
+            magic, buffer_id, token, offset, nbytes = _REQUEST.unpack(head)
+            if magic != MAGIC:
+                return
+            self.request.settimeout(SEND_TIMEOUT_S)
+            try:
+                view = self.server.view(buffer_id, token, offset, nbytes)
+            except TcpRefused as err:
+                why = str(err).encode()
+                self.request.sendall(_REPLY.pack(MAGIC, _REFUSED, len(why)) + why)
+                continue
+            if view.is_cuda:
+                if staging is None or staging.numel() < nbytes:
+                    staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+                view = staging[:nbytes].copy_(view)
+            self.request.sendall(_REPLY.pack(MAGIC, _OK, nbytes))
+            self.request.sendall(memoryview(view.numpy()))
+
+
+_SERVERS: dict[tuple[str, int], _BucketServer] = {}
+_SERVERS_LOCK = threading.Lock()
+
+
+def serving(host: str, port: int) -> _BucketServer:
+    """This process's bucket server on `host:port` (port 0: one on a free port), started on first use."""
+    with _SERVERS_LOCK:
+        server = _SERVERS.get((host, port))
+        if server is None:
+            try:
+                server = _SERVERS[(host, port)] = _BucketServer(host, port)
+            except OSError as err:
+                raise OSError(f"cannot serve tcp buckets on {host}:{port} ({err}): set [engine] tcp_host to "
+                              "an address of this host that the engine can reach, and tcp_port to a free "
+                              "port (0: any)") from err
+        return server
+
+
+class TcpBuffer(BucketBuffer):
+    """Trainer side: plain memory on its device, served by this process's bucket server."""
+
+    kind = "tcp"
+    network = True
+
+    def __init__(self, size: int, device: torch.device, *, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._server = serving(host, port)
+        self._id, self._token = secrets.token_bytes(16), secrets.token_bytes(16)
+        super().__init__(size, device)
+        self._server.add(self._id, self._token, self.tensor)
+
+    def _allocate(self) -> torch.Tensor:
+        return torch.empty(self.size, dtype=torch.uint8, device=self.device)
+
+    def _fields(self) -> dict:
+        return {"host": self._server.host, "port": self._server.port, "id": self._id.hex(),
+                "token": self._token.hex(), "size": self.size}
+
+    def synchronize(self) -> None:
+        """Wait for the packing kernels of a CUDA buffer: the server thread copies it on its own."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def unlink(self) -> None:
+        """Serve this buffer no more."""
+        self._server.remove(self._id)
+
+
+def _hex16(desc: dict, key: str) -> bytes:
+    value = desc.get(key)
+    try:
+        raw = bytes.fromhex(value) if isinstance(value, str) else b""
+    except ValueError:
+        raw = b""
+    if len(raw) != 16:
+        raise ValueError(f"tcp descriptor field {key!r} must be 32 hex digits, got {value!r}")
+    return raw
+
+
+def _address(desc: dict) -> tuple[str, int]:
+    host, port = desc.get("host"), desc.get("port")
+    if not isinstance(host, str) or not host or not isinstance(port, int) or not 0 < port < 65536:
+        raise ValueError(f"tcp descriptor names no address: host {host!r}, port {port!r}")
+    return host, port
+
+
+class TcpFetcher(Fetcher):
+    """Engine side: asks the trainer's bucket server for each bucket, over kept-alive connections."""
+
+    def __init__(self, timeout_s: float = FETCH_TIMEOUT_S) -> None:
+        self.timeout_s = timeout_s
+        self._idle: dict[tuple[str, int], list[socket.socket]] = {}
+        self._lock = threading.Lock()
+
+    def fetch(self, desc: dict, offset: int, into: torch.Tensor) -> None:
+        """The buffer's bytes [offset, offset + into.numel()) into `into`, or an error saying why not."""
+        addr = _address(desc)
+        buffer_id, token = _hex16(desc, "id"), _hex16(desc, "token")
+        size, nbytes = desc.get("size"), into.numel()
+        if not isinstance(size, int) or offset < 0 or nbytes > MAX_FETCH_BYTES or offset + nbytes > size:
+            raise ValueError(f"a bucket of {nbytes} bytes at offset {offset} does not fit in the tcp buffer "
+                             f"of {size!r} bytes it names (at most {MAX_FETCH_BYTES} bytes per bucket)")
+        request = _REQUEST.pack(MAGIC, buffer_id, token, offset, nbytes)
+        out = memoryview(into.numpy()).cast("B")
+        deadline = time.monotonic() + self.timeout_s
+        sock = self._take(addr)
+        if sock is not None:  # kept alive: the server may have closed it since
+            try:
+                return self._ask(sock, addr, request, out, deadline)
+            except _Stale:
+                pass
+        self._ask(self._connect(addr, deadline), addr, request, out, deadline)
+
+    def _take(self, addr: tuple[str, int]) -> socket.socket | None:
+        with self._lock:
+            idle = self._idle.get(addr)
+            return idle.pop() if idle else None
+
+    def _keep(self, addr: tuple[str, int], sock: socket.socket) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(addr, [])
+            if len(idle) < IDLE_KEPT:
+                idle.append(sock)
+                return
+        sock.close()
+
+    def _connect(self, addr: tuple[str, int], deadline: float) -> socket.socket:
+        try:
+            sock = socket.create_connection(addr, timeout=max(0.0, deadline - time.monotonic()))
+        except OSError as err:
+            raise ConnectionError(f"cannot reach the trainer's tcp bucket server at {addr[0]}:{addr[1]} "
+                                  f"({err}): it must advertise an address this engine can reach "
+                                  "([engine] tcp_host)") from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    def _ask(self, sock: socket.socket, addr: tuple[str, int], request: bytes, out: memoryview,
+             deadline: float) -> None:
+        """One request on `sock`; kept for reuse after a complete reply, closed after anything else."""
+        try:
+            _settimeout(sock, deadline)
+            try:
+                sock.sendall(request)
+            except (BrokenPipeError, ConnectionResetError) as err:
+                raise _Stale(f"{addr[0]}:{addr[1]} closed the connection ({err})") from None
+            head = memoryview(bytearray(_REPLY.size))
+            _recv_exact(sock, head, addr, "reply header", deadline, stale_if_empty=True)
+            magic, status, length = _REPLY.unpack(head)
+            if magic != MAGIC:
+                raise ConnectionError(f"{addr[0]}:{addr[1]} is not a titan_lora tcp bucket server")
+            if status != _OK:
+                why = memoryview(bytearray(min(length, 4096)))
+                _recv_exact(sock, why, addr, "refusal", deadline)
+                raise TcpRefused(f"the trainer's tcp bucket server refused: {bytes(why).decode(errors='replace')}")
+            if length != len(out):
+                raise ConnectionError(f"{addr[0]}:{addr[1]} announced {length} bytes, {len(out)} were asked")
+            _recv_exact(sock, out, addr, "bucket", deadline)
+        except TcpRefused:
+            self._keep(addr, sock)  # the reply was read whole: the connection is still in step
+            raise
+        except BaseException:
+            sock.close()
+            raise
+        self._keep(addr, sock)
+
+
+class _Stale(ConnectionError):
+    """A kept-alive connection closed before any reply byte: try a fresh one."""
+
+
+def _settimeout(sock: socket.socket, deadline: float) -> None:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the tcp bucket fetch ran out of time")
+    sock.settimeout(left)
+
+
+def _recv_exact(sock: socket.socket, out: memoryview, addr: tuple[str, int], what: str, deadline: float,
+                stale_if_empty: bool = False) -> None:
+    """Fill `out` from `sock` before `deadline`; a short read or a timeout raises."""
+    got = 0
+    while got < len(out):
+        try:
+            _settimeout(sock, deadline)
+            n = sock.recv_into(out[got:])
+        except TimeoutError:
+            raise TimeoutError(f"the trainer's tcp bucket server at {addr[0]}:{addr[1]} sent {got} of "
+                               f"{len(out)} bytes of the {what} in time") from None
+        except ConnectionResetError as err:
+            if stale_if_empty and got == 0:
+                raise _Stale(str(err)) from None
+            raise ConnectionError(f"short read: {got} of {len(out)} bytes of the {what} from "
+                                  f"{addr[0]}:{addr[1]} ({err})") from None
+        if n == 0:
+            if stale_if_empty and got == 0:
+                raise _Stale(f"{addr[0]}:{addr[1]} closed the connection before replying")
+            raise ConnectionError(f"short read: {got} of {len(out)} bytes of the {what} from "
+                                  f"{addr[0]}:{addr[1]} (the connection closed)")
+        got += n
+
+
+TCP = Transport(TcpBuffer, TcpFetcher())
