@@ -64,7 +64,7 @@ def check_engine(job_config, targets: list[str] | None) -> None:  # noqa: ANN001
                          'url = "http://host:port" (titan_lora starts only vllm, vllm-disk and receiver engines)')
     if job_config.grpo.enabled and job_config.grpo.rollouts and kind.rollouts is None:
         raise ValueError(f"[engine] kind = {engine.kind!r} runs no rollouts for titan_lora: set [grpo] "
-                         'rollouts = false, or use kind = "vllm"')
+                         'rollouts = false, or use a kind that does (vllm, sglang)')
     if kind.shm_buckets and not torch.cuda.is_available():
         check_shared_memory(ws.bucket_mb)
     if kind.max_lora_rank is not None and "lora" in job_config.model.converters:
