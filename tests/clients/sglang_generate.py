@@ -188,7 +188,8 @@ def normalize(body: dict, modelled: frozenset[str]) -> tuple[list[Item], bool]:
         if not isinstance(value, list):
             return [value] * len(batch)
         if len(value) != len(batch):
-            raise RefusedError({"error": f"conformance: {key} has {len(value)} entries for a batch of {len(batch)}"})
+            raise RefusedError({"error": f"conformance: {key} has {len(value)} entries for a batch of "
+                                         f"{len(batch)}"})
         return value
 
     params = per_item("sampling_params", {})
