@@ -223,11 +223,14 @@ def test_wiring_picks_the_bucket_transport_from_where_the_engine_is(monkeypatch:
     assert not hasattr(syncer.emitter, "transport"), "SGLang moves tensors its own way"
 
 
-def test_wiring_sglang_has_no_vllm_rollouts(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_wiring_sglang_rolls_out_through_its_own_generate(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from titan_lora.clients.sglang import SGLangEmitter
+    from titan_lora.clients.sglang_rollout import SGLangRolloutClient
 
-    syncer, rollouts, _, _, _ = _wire(monkeypatch, tmp_path, engine=Engine(kind="sglang", url="http://sglang:30000"))
-    assert isinstance(syncer.emitter, SGLangEmitter) and rollouts.client is None
+    engine = Engine(kind="sglang", url="http://sglang:30000", api_key="user", admin_api_key="admin")
+    syncer, rollouts, _, _, _ = _wire(monkeypatch, tmp_path, engine=engine)
+    assert isinstance(syncer.emitter, SGLangEmitter) and isinstance(rollouts.client, SGLangRolloutClient)
+    assert rollouts.client.client.url == "http://sglang:30000" and rollouts.client.client._key("/generate") == "user"
 
 
 def test_wiring_on_other_ranks_builds_no_emitter_or_engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -31,11 +31,17 @@ from typing import Any
 
 import torch
 from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+from sglang_generate import REQ_FIELDS, answer, complete, contract_error, normalize
 from sglang_schemas import ADMIN_OPTIONAL, SCHEMAS, RefusedError, ServerArgs, decode_tensors, validate
 from transformers import LlamaConfig, LlamaForCausalLM
 
 __all__ = ["SCHEMAS", "ConformanceServer", "Engine", "EngineCrash", "RefusedError", "ServerArgs",
            "decode_tensors", "validate"]
+
+
+# The GenerateReqInput fields the conformance /generate models; others with a value are refused.
+_GENERATE_MODELLED = frozenset({"rid", "text", "input_ids", "sampling_params", "lora_path", "return_logprob",
+                                "logprob_start_len", "http_worker_ipc"})
 
 
 class EngineCrash(Exception):
@@ -218,61 +224,60 @@ class Engine:
         return self._lora()
 
     @contextlib.contextmanager
-    def hold(self, name: str | None):
-        """Count a request on adapter `name` while inside (what an in-flight /generate does)."""
+    def hold(self, names: str | list[str | None] | None):
+        """Count one request per entry of `names` (one name: one request) on its adapter while inside (an
+        in-flight /generate); a batch's names are resolved together first, as _resolve_lora_path does."""
+        names = names if isinstance(names, list) else [names]
+        loras = sorted({n for n in names if n is not None})
         with self.cond:
             self.cond.wait_for(lambda: self.paused is None)  # a paused server holds new requests
-            if name is not None and name not in self.registry and name in self.ever_loaded:
+            if loras and not self.args.enable_lora:
+                raise RefusedError({"error": {"message": f"LoRA adapter '{loras[0]}' was requested, but LoRA is "
+                                              "not enabled. Please launch the server with --enable-lora flag and "
+                                              "preload adapters using --lora-paths or /load_lora_adapter "
+                                              "endpoint."}})
+            for name in (n for n in loras if n not in self.registry):
+                if name not in self.ever_loaded:
+                    raise RefusedError({"error": {"message": "Got LoRA adapter that has never been loaded: "
+                                                  f"{name}\nAll loaded adapters: {sorted(self.ever_loaded)}."}})
                 # tokenizer_manager reloads a known name from its path, "__tensor__" here: a blocking hub
                 # download from the scheduler before it fails.
                 self.cond.wait(self.args.reload_stall_s)
-                raise RefusedError({"error": {"message": f"Repository Not Found for url: .../__tensor__ ({name})"}})
-            if name is not None and name not in self.registry:
-                raise RefusedError({"error": {"message": "The following requested LoRA adapters are not "
-                                              f"loaded: {name}\nLoaded adapters: {list(self.registry)}."}})
-            lora_id = None if name is None else self.registry[name]
-            if name is not None:
+                raise RefusedError({"error": {"message": f"Failed to implicitly load LoRA adapter {name}: "
+                                              "Repository Not Found for url: .../__tensor__"}})
+            ids = [None if n is None else self.registry[n] for n in names]
+            for name in loras:
                 self.registry.move_to_end(name)
-                self.counters[lora_id] += 1
-            self.running += 1
+            for lora_id in ids:
+                if lora_id is not None:
+                    self.counters[lora_id] += 1
+            self.running += len(names)
         try:
             yield
         finally:
             with self.cond:
-                self.running -= 1
-                if lora_id is not None:
-                    self.counters[lora_id] -= 1
+                self.running -= len(names)
+                for lora_id in ids:
+                    if lora_id is not None:
+                        self.counters[lora_id] -= 1
                 self.cond.notify_all()
 
-    def generate(self, body: dict) -> dict:
-        if body.get("input_ids") is None:
-            raise RefusedError({"error": {"message": "the conformance server has no tokenizer: "
-                                                     "send input_ids"}})
-        params, ids = body.get("sampling_params") or {}, list(body["input_ids"])
-        start = -1 if body.get("logprob_start_len") is None else body["logprob_start_len"]  # SGLang's default
-        with self.hold(body.get("lora_path")):
-            if body.get("lora_path") in self.unfused:  # lora.py / utils.py: no stacked buffer for it
-                raise EngineCrash(f"KeyError in the LoRA forward of {body['lora_path']}: q/k/v or gate/up "
-                                  "were never stacked")
+    def generate(self, body: dict) -> dict | list[dict]:
+        """/generate (sglang_generate.py): one answer, or a list of them in order for a batch."""
+        items, single = normalize(body, _GENERATE_MODELLED)
+        eos = self.model.config.eos_token_id
+        eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        answers = []
+        with self.hold([item.lora_path for item in items]):
+            for name in {item.lora_path for item in items} & self.unfused:  # lora.py / utils.py
+                raise EngineCrash(f"KeyError in the LoRA forward of {name}: q/k/v or gate/up were never stacked")
             time.sleep(next(self._delays))
-            with self.model_lock, torch.no_grad(), self._adapter(body.get("lora_path")) as model:
-                prompt_lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
-                lp, out = prompt_lp[-1], []
-                for _ in range(params.get("max_new_tokens", 128)):
-                    if out:  # no KV cache: recompute the whole sequence (the model is tiny)
-                        seq = torch.tensor([ids + [e[1] for e in out]])
-                        lp = torch.log_softmax(model(seq).logits[0, -1].float(), -1)
-                    greedy = params.get("temperature", 1.0) == 0
-                    tok = int(lp.argmax()) if greedy else int(torch.multinomial(lp.exp(), 1))
-                    out.append([float(lp[tok]), tok, None])
-        inputs = [[None if i == 0 else float(prompt_lp[i - 1, t]), t, None] for i, t in enumerate(ids)]
-        meta = {"id": body.get("rid") or "req", "finish_reason": {"type": "length", "length": len(out)},
-                "prompt_tokens": len(ids), "completion_tokens": len(out),
-                "weight_version": self.weight_version}
-        if body.get("return_logprob"):  # a start of -1 returns no prompt log-probs
-            meta |= {"output_token_logprobs": out,
-                     "input_token_logprobs": inputs[start:] if start >= 0 else []}
-        return {"text": "", "output_ids": [e[1] for e in out], "meta_info": meta}
+            for n, item in enumerate(items):
+                with self.model_lock, self._adapter(item.lora_path) as model:
+                    inputs, out, finish = complete(model, item, eos, self.args.enable_deterministic_inference)
+                rid = f"{body.get('rid') or 'req'}_{n}" if not single else body.get("rid") or "req"
+                answers.append(answer(item, inputs, out, finish, rid, self.weight_version, self.args.detokenize))
+        return answers[0] if single else answers
 
     @contextlib.contextmanager
     def _adapter(self, name: str | None):
@@ -347,7 +352,7 @@ class ConformanceServer:
                 "lora_target_modules": a.lora_target_modules, "max_loaded_loras": a.max_loaded_loras,
                 "max_loras_per_batch": a.max_loras_per_batch, "tp_size": a.tp_size, "dp_size": a.dp_size,
                 "enable_dp_attention": a.enable_dp_attention, "enable_memory_saver": a.enable_memory_saver,
-                "device": "cpu",
+                "device": "cpu", "enable_deterministic_inference": a.enable_deterministic_inference,
                 "weight_version": a.weight_version, "startup_time": {}, "internal_states": []}
 
     def _auth(self, path: str, auth: str | None) -> int:
@@ -385,7 +390,12 @@ class ConformanceServer:
                  "/get_weights_by_name": e.weights_by_name}
         if method != "POST" or path not in posts:
             return 404, {"detail": "Not Found"}
-        validate(path, body, e.ignored)
+        if path == "/generate":  # http_server.py: FastAPI drops unknown fields, then the api/v1 contract
+            e.ignored += [f"{path}:{k}" for k in (body if isinstance(body, dict) else {}) if k not in REQ_FIELDS]
+            if (error := contract_error(body)) is not None:
+                return 400, {"error": error}
+        else:
+            validate(path, body, e.ignored)
         e.calls.append((path, {k: v for k, v in body.items() if k != "serialized_named_tensors"}))
         out = posts[path](body)
         if out is None:

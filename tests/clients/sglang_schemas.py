@@ -1,6 +1,6 @@
 """SGLang 0.5.23's structs as the conformance server (sglang_conformance.py) checks them, written from
 SGLang's source: the request schemas of io_struct.py and their validation (unknown top-level fields
-ignored, as SGLang does; sampling params checked strictly, as api/v1 does), the routes that take the admin
+ignored, as SGLang does; `/generate`'s types are checked in sglang_generate.py), the routes that take the admin
 key, the SafeUnpickler allow-list that payloads are decoded under (with shared-memory handles refused for
 a remote engine) and the `serialized_named_tensors` decoding of tp_worker, and the server flags the
 conformance server honours (ServerArgs). RefusedError is how a refused request is answered.
@@ -49,7 +49,6 @@ LIT = lambda *ok: lambda v: v in ok  # noqa: E731
 ANY: Check = lambda v: True  # noqa: E731
 STR: Check = lambda v: isinstance(v, str)  # noqa: E731
 BOOL: Check = lambda v: isinstance(v, bool)  # noqa: E731
-NUM: Check = lambda v: _int(v) or isinstance(v, float)  # noqa: E731
 SELECTOR, TAGS = LIT("target", "draft", "all"), OPT(LIST(LIT("kv_cache", "weights", "cuda_graph")))
 BASE_REQ = {"rid": OPT(STR), "http_worker_ipc": OPT(STR)}
 # http_server.py routes marked ADMIN_OPTIONAL (utils/auth.py); the rest are NORMAL.
@@ -73,17 +72,22 @@ SCHEMAS: dict[str, tuple[dict[str, Check], dict[str, Check]]] = {  # path: (requ
     "/continue_generation": ({}, {"torch_empty_cache": BOOL}),
     "/release_memory_occupation": ({}, {"tags": TAGS}),
     "/resume_memory_occupation": ({}, {"tags": TAGS}),
-    "/generate": ({}, {  # the GenerateReqInput fields a rollout uses
-        "text": OPT(STR), "input_ids": OPT(LIST(_int)), "sampling_params": OPT(DICT(ANY)),
-        "lora_path": OPT(STR), "return_logprob": OPT(BOOL), "logprob_start_len": OPT(_int),
-        "top_logprobs_num": OPT(_int), "return_text_in_logprobs": BOOL, "stream": BOOL}),
+    # io_struct.py GenerateReqInput; its types are checked by api/v1's contract (sglang_generate.py).
+    "/generate": ({}, dict.fromkeys((
+        "rid session_id text input_ids input_embeds image_data video_data audio_data mm_hashes "
+        "mm_content_hashes use_audio_in_video video_config sampling_params watermark return_logprob "
+        "logprob_start_len top_logprobs_num token_ids_logprob return_sampling_mask sampling_logprobs_mode "
+        "return_text_in_logprobs return_flat_raw_top_logprobs return_flat_raw_output_top_logprobs "
+        "return_flat_raw_top_logprobs_b64 stream log_metrics return_hidden_states return_routed_experts "
+        "routed_experts_start_len return_indexer_topk modalities session_params lora_path lora_id "
+        "custom_logit_processor positional_embed_overrides bootstrap_host bootstrap_port bootstrap_room "
+        "bootstrap_pair_key decode_tp_size routed_dp_rank data_parallel_rank disagg_prefill_dp_rank routing_key "
+        "conversation_id http_worker_ipc background require_reasoning max_thinking_tokens priority extra_key "
+        "no_logs custom_labels return_bytes return_entropy return_prompt_token_ids external_trace_header "
+        "received_time need_wait_for_mm_inputs num_items_assigned encoder_urls max_dynamic_patch "
+        "min_dynamic_patch image_max_dynamic_patch video_max_dynamic_patch images_config mm_processor_kwargs "
+        "multi_item_delimiter_indices token_indices_to_pool cache_salt kv_hints").split(), ANY)),
 }
-# api/v1 SamplingParams, where SGLang itself rejects unknown keys (with this serde-style message).
-SAMPLING = {"max_new_tokens": OPT(_int), "temperature": OPT(NUM), "top_p": OPT(NUM), "top_k": OPT(_int),
-            "min_p": OPT(NUM), "stop": ANY, "stop_token_ids": OPT(LIST(_int)), "ignore_eos": OPT(BOOL),
-            "n": OPT(_int), "sampling_seed": OPT(_int), "min_new_tokens": OPT(_int),
-            "repetition_penalty": OPT(NUM), "frequency_penalty": OPT(NUM), "presence_penalty": OPT(NUM),
-            "skip_special_tokens": OPT(BOOL)}
 
 
 def validate(path: str, body: Any, ignored: list[str] | None = None) -> None:
@@ -100,11 +104,6 @@ def validate(path: str, body: Any, ignored: list[str] | None = None) -> None:
                 ignored.append(f"{path}:{key}")
         elif not fields[key](value):
             problems.append(f"field `{key}` has the wrong type: {type(value).__name__}")
-    for key, value in ((body.get("sampling_params") or {}) if not problems else {}).items():
-        if key not in SAMPLING:
-            problems.append(f"unknown field `{key}`, expected one of {', '.join(f'`{k}`' for k in SAMPLING)}")
-        elif not SAMPLING[key](value):
-            problems.append(f"invalid type for sampling param `{key}`")
     if problems:
         raise RefusedError({"object": "error", "message": "; ".join(problems), "type": "Bad Request",
                             "code": 400})
@@ -187,5 +186,7 @@ class ServerArgs:
     weight_version: str = "default"
     remote: bool = True  # refuse shared-memory handles, as an engine on another host would fail
     gen_delays_s: tuple[float, ...] = (0.0,)  # how long each /generate holds its adapter, cycled
+    enable_deterministic_inference: bool = False  # honours sampling_seed (sampling_batch_info.py)
+    detokenize: Any = None  # ids -> the text /generate answers (SGLang's tokenizer); None: ""
     reload_stall_s: float = 30.0  # the implicit reload of a retired name: a hub download that stalls
     partial_load_failures: int = 0  # the next N adapter loads fail on TP rank 1 only (tp_size > 1)

@@ -45,7 +45,7 @@ def test_the_built_in_kinds_declare_what_validation_asks() -> None:
             for name in kinds.registered_engine_kinds() for k in [engine_kind(name)]}
     # (rollouts, titan_lora can start it, shm buckets on CPU, vLLM's rank limit, a target-set rule)
     assert caps == {"vllm": (True, True, True, True, False), "vllm-disk": (True, True, True, True, False),
-                    "receiver": (False, True, True, False, False), "sglang": (False, False, False, False, True)}
+                    "receiver": (False, True, True, False, False), "sglang": (True, False, False, False, True)}
 
 
 def test_the_launchers_plan_the_engine_processes() -> None:

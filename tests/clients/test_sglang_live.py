@@ -14,6 +14,7 @@ import threading
 import pytest
 import torch
 from test_sglang import GREEDY, PROMPT, Driver, Trainer, assert_parity
+from test_sglang_rollout import gap
 from transformers import LlamaForCausalLM
 
 from titan_lora.clients.base import Endpoint
@@ -38,6 +39,12 @@ if not (URL and MODEL):
 def trainer() -> Trainer:
     """The trainer side: the server's own model in float32, with a rank-8 adapter."""
     return Trainer(r=8, base=LlamaForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval())
+
+
+def live_rollouts():
+    """The sglang kind's rollout client for the live server, as the composition root builds it."""
+    ws = WeightSync(enabled=True, timeout_s=300.0, rollout_timeout_s=300.0)
+    return engine_kind("sglang").rollouts(Endpoint(URL, API_KEY), ws)
 
 
 def live_emitter(pause_mode: str = "none", **cfg):
@@ -68,7 +75,7 @@ def test_retire_unloads_and_the_name_is_gone(trainer: Trainer) -> None:
     driver.sync(trainer, 10)
     driver.sync(trainer, 11)
     assert emitter.retire_adapter("policy-v10", timeout_s=60.0)
-    with pytest.raises(SGLangError, match="not loaded"):
+    with pytest.raises(SGLangError, match="'policy-v10' was retired"):  # the client knows what it unloaded
         emitter.client.generate(PROMPT, "policy-v10", {"max_new_tokens": 1})
     assert emitter.retire_adapter("policy-v10", timeout_s=60.0)  # already gone counts as done
 
@@ -138,3 +145,28 @@ def test_kv_cache_release_and_resume_keep_the_weights_and_the_adapter(trainer: T
 def test_wrong_api_key_is_refused() -> None:
     with pytest.raises(SGLangAuthError, match="401"):
         SGLangClient(URL, api_key=API_KEY + "-wrong").server_info()
+
+
+def test_rollouts_generate_and_score_match_the_trainer(trainer: Trainer) -> None:
+    """The GRPO loop's client: batched greedy and sampled generate, score, stop tokens, a retired name."""
+    emitter, rollouts = live_emitter(), live_rollouts()
+    versions = AdapterVersions("policy", keep_versions=2)
+    driver = Driver(emitter, versions)
+    driver.sync(trainer, 50)
+    name = versions.active.name
+    prompts = [PROMPT, PROMPT[::-1]]
+    for temperature, seed in ((0.0, None), (1.0, 3), (0.7, 3)):  # 0.7: the client re-scores at T != 1
+        for prompt, c in zip(prompts, rollouts.generate(prompts, name, 8, temperature, seed, [])):
+            assert 1 <= len(c.token_ids) <= 8 and len(c.logprobs) == len(c.token_ids)
+            assert gap(c.logprobs, trainer, prompt, c.token_ids) <= TOLERANCE, (temperature, c)
+    seqs = [PROMPT + [11, 12, 13], PROMPT[::-1]]
+    for seq, got in zip(seqs, rollouts.score(seqs, name)):
+        assert (torch.tensor(got) - trainer.token_logprobs(seq)).abs().max() <= TOLERANCE
+    [free] = rollouts.generate([PROMPT], name, 8, 0.0, None, [])
+    [stopped] = rollouts.generate([PROMPT], name, 8, 0.0, None, [free.token_ids[0]])
+    assert stopped.token_ids == free.token_ids[:1]  # the matched stop token ends it and stays in the ids
+    driver.sync(trainer, 51)
+    driver.sync(trainer, 52)
+    assert emitter.retire_adapter("policy-v50", timeout_s=60.0)
+    with pytest.raises(SGLangError, match="does not serve adapter 'policy-v50'"):
+        rollouts.generate([PROMPT], "policy-v50", 2, 0.0, None, [])

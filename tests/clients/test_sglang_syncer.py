@@ -11,6 +11,7 @@ from transformers import AutoTokenizer, LlamaConfig
 from titan_lora.clients.base import Endpoint
 from titan_lora.clients.kinds import engine_kind
 from titan_lora.config import Engine, WeightSync
+from titan_lora.rl.rollout import sample_groups
 from titan_lora.rl.task import task_prompt
 from titan_lora.rl.tasks import ArithTask, make_problems
 from titan_lora.sync.adapter_source import AdapterSource
@@ -54,5 +55,46 @@ def test_smollm2_syncs_serve_the_trainers_logprobs(smollm2_dir):
             moved = (served_by_version[1] - served_by_version[0]).abs().max().item()
             assert moved > 0.01, "v2 must serve different log-probs from v1, or parity proves nothing"
             assert syncer.counters["base_sends"] == 1, "the base goes once per engine incarnation"
+        finally:
+            syncer.close()
+
+
+@pytest.mark.slow
+def test_grpo_samples_from_sglang_carry_the_trainers_logprobs(smollm2_dir):
+    """sample_groups over the sglang kind's rollout client: the engine's log-prob of every sampled token is
+    the trainer's own (torchtitan + LoRA), and the reward reads SGLang's detokenized text."""
+    built = build_from(SMOLLM2_LORA)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    task, problems = ArithTask(), make_problems(2, seed=5)
+    prompts = [tokenizer(task_prompt(tokenizer, task, p.question), add_special_tokens=False)["input_ids"]
+               for p in problems]
+    server_cfg = {"max_lora_rank": 8, "lora_target_modules": ALL_LINEAR, "max_loaded_loras": 3,
+                  "max_loras_per_batch": 4, "enable_deterministic_inference": True,
+                  "detokenize": lambda ids: tokenizer.decode(ids, skip_special_tokens=True)}
+    with ConformanceServer(LlamaConfig.from_pretrained(smollm2_dir), **server_cfg) as srv:
+        cfg = WeightSync(enabled=True, keep_versions=2, timeout_s=120, retries=1, parity_every=0)
+        kind, endpoint = engine_kind("sglang"), Endpoint(srv.url)
+        source = AdapterSource(built.model, built.sd_adapter, job_config_from(SMOLLM2_LORA).lora)
+        syncer = WeightSyncer(source, base_weights_source(built.model, built.sd_adapter, tied_embeddings=True),
+                              kind.emitter(cfg, Engine(kind="sglang", url=srv.url), endpoint), cfg,
+                              torch.device("cpu"), versions=AdapterVersions("policy", 2))
+        syncer.check_engine()
+        try:
+            randomize_adapters(built.model, seed=1)
+            syncer.sync(1)
+            rollouts = kind.rollouts(endpoint, cfg)
+            samples = sample_groups(rollouts, syncer.versions, problems, prompts, group_size=2, max_tokens=8,
+                                    temperature=1.0, seed=0, stop_token_ids=[tokenizer.eos_token_id],
+                                    reward=task.reward)
+            seqs = [s.prompt_ids + s.completion_ids for s in samples]
+            ours = trainer_logprobs(built.model, seqs, torch.device("cpu"))
+            diff = max(max(abs(a - b) for a, b in zip(s.engine_logprobs, o[len(s.prompt_ids) - 1:]))
+                       for s, o in zip(samples, ours))
+            print(f"max |engine - trainer| sampled-token log-prob = {diff:.2e}")
+            assert diff <= 1e-3 and {s.version for s in samples} == {1}
+            assert all(s.text == tokenizer.decode(s.completion_ids, skip_special_tokens=True) for s in samples)
+            assert all(s.reward == task.reward(s.text, problems[i // 2]) for i, s in enumerate(samples))
+            scored = rollouts.score(seqs, syncer.versions.active.name)  # what the parity probe calls
+            assert max(abs(a - b) for g, o in zip(scored, ours) for a, b in zip(g, o)) <= 1e-3
         finally:
             syncer.close()

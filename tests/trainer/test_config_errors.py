@@ -35,6 +35,11 @@ def test_the_reference_config_is_valid(tmp_path) -> None:
     assert cfg.lora.export_dir == f"{tmp_path}/not/yet/there"
 
 
+def test_sglang_serves_rollouts() -> None:
+    cfg = job_config_from(_sync("", engine='kind = "sglang"\nurl = "http://sglang:30000"') + GRPO_WITH_ROLLOUTS)
+    assert (cfg.engine.kind, cfg.grpo.enabled, cfg.grpo.rollouts) == ("sglang", True, True)
+
+
 def test_hf_target_names_are_valid() -> None:
     cfg = job_config_from(DEBUG_LORA.replace('"all-linear"', '["q_proj", "wv"]'))
     assert cfg.lora.target_modules == ["q_proj", "wv"]
@@ -79,10 +84,6 @@ BAD = {
     "rollouts from the receiver": (
         _sync("", engine='kind = "receiver"') + GRPO_WITH_ROLLOUTS,
         ["[engine] kind = 'receiver' runs no rollouts", "[grpo] rollouts = false"],
-    ),
-    "rollouts from sglang": (
-        _sync("", engine='kind = "sglang"\nurl = "http://sglang:30000"') + GRPO_WITH_ROLLOUTS,
-        ["[engine] kind = 'sglang' runs no rollouts", "[grpo] rollouts = false"],
     ),
     "targets sglang cannot fuse": (
         _sync("", engine='kind = "sglang"\nurl = "http://sglang:30000"').replace('"all-linear"', '["wq", "wk"]'),

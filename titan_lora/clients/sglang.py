@@ -53,6 +53,7 @@ from titan_lora.clients.sglang_checks import (
     engine_sees_gpu,
     sglang_adapter_config,
 )
+from titan_lora.clients.sglang_rollout import sglang_rollouts
 from titan_lora.transfer.buckets import Entry, bucket_size, pack, plan_buckets, stream_buckets
 from titan_lora.transfer.errors import EngineWeightsLost, TransferError
 from titan_lora.transfer.protocol import Ack, EngineLimits
@@ -398,5 +399,5 @@ def build_sglang_emitter(ws: WeightSync, engine: Engine, endpoint: Endpoint) -> 
                          bucket_bytes=ws.bucket_mb << 20)
 
 
-# Rollouts from SGLang are not wired into the loop yet; titan_lora attaches to a running server.
-SGLANG = EngineKind("sglang", build_sglang_emitter, check_targets=check_fused_targets)
+# titan_lora attaches to a running server: no launcher.
+SGLANG = EngineKind("sglang", build_sglang_emitter, sglang_rollouts, check_targets=check_fused_targets)

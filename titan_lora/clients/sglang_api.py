@@ -130,11 +130,14 @@ class GetWeightsByNameReqInput:
 
 @dataclasses.dataclass(frozen=True)
 class GenerateReqInput:
-    """The `/generate` fields titan_lora uses; `lora_path` is the adapter's served name."""
+    """The `/generate` fields titan_lora uses; `lora_path` is the adapter's served name.
+
+    One request (`input_ids` a list of ints) or a batch (a list of lists: SGLang answers a list, in
+    order); `sampling_params` is one dict for all, or one per prompt."""
 
     text: str | None = None
-    input_ids: list[int] | None = None
-    sampling_params: dict[str, Any] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     lora_path: str | None = None
     return_logprob: bool | None = None
     logprob_start_len: int | None = None
@@ -165,6 +168,7 @@ class ServerInfo:
     attn_dp_size: int = 1  # dp_size with --enable-dp-attention, else 1
     enable_memory_saver: bool = False
     device: str | None = None
+    deterministic_inference: bool = False  # --enable-deterministic-inference: honours sampling_seed
 
     @classmethod
     def from_json(cls, info: Mapping[str, Any]) -> ServerInfo:
@@ -190,6 +194,7 @@ class ServerInfo:
             attn_dp_size=int(info["dp_size"]) if info["enable_dp_attention"] else 1,
             enable_memory_saver=bool(info["enable_memory_saver"]),
             device=info.get("device"),
+            deterministic_inference=bool(info.get("enable_deterministic_inference", False)),
         )
 
 
@@ -454,24 +459,41 @@ class SGLangClient:
 
         `logprob_start_len=0` also returns the prompt's log-probs (for the parity probe).
         """
-        if lease_name in self.retired:
-            # SGLang would reload a retired name from its placeholder path "__tensor__": a blocking hub
-            # download inside the scheduler, before it fails.
-            raise SGLangError(f"adapter {lease_name!r} was retired from SGLang at {self.url}; take the "
-                              "name from AdapterVersions.lease(), which never hands out a retired version")
         text, ids = (prompt_or_ids, None) if isinstance(prompt_or_ids, str) else (None, list(prompt_or_ids))
         req = GenerateReqInput(text=text, input_ids=ids, sampling_params=dict(sampling_params),
                                lora_path=lease_name, return_logprob=True, logprob_start_len=logprob_start_len)
+        return self._generate(req, timeout_s)[0]
+
+    def generate_batch(self, req: GenerateReqInput, timeout_s: float | None = None) -> list[GenerateOutput]:
+        """One `/generate` for a batch (`req.input_ids` a list of lists): one answer per prompt, in order."""
+        out = self._generate(req, timeout_s)
+        if len(out) != len(req.input_ids or []):
+            raise SGLangError(f"SGLang at {self.url} answered {len(out)} completions for a batch of "
+                              f"{len(req.input_ids or [])} prompts")
+        return out
+
+    def _generate(self, req: GenerateReqInput, timeout_s: float | None) -> list[GenerateOutput]:
+        if req.lora_path in self.retired:
+            # SGLang would reload a retired name from its placeholder path "__tensor__": a blocking hub
+            # download inside the scheduler, before it fails.
+            raise SGLangError(f"adapter {req.lora_path!r} was retired from SGLang at {self.url}; take the "
+                              "name from AdapterVersions.lease(), which never hands out a retired version")
         status, out = self._call("POST", "/generate", _body(req), timeout_s=timeout_s)
-        if status != 200 or not isinstance(out, dict) or "meta_info" not in out:
-            raise SGLangError(f"SGLang /generate failed ({status}) on adapter {lease_name!r}: "
+        answers = out if isinstance(out, list) else [out]
+        if status != 200 or not all(isinstance(a, dict) and "meta_info" in a for a in answers):
+            raise SGLangError(f"SGLang /generate failed ({status}) on adapter {req.lora_path!r}: "
                               f"{_error_text(out)}")
-        meta = out["meta_info"]
-        return GenerateOutput(
-            text=out.get("text", ""),
-            output_ids=list(out.get("output_ids") or []),
-            output_logprobs=_logprobs(meta.get("output_token_logprobs"), False),  # type: ignore[arg-type]
-            input_logprobs=_logprobs(meta.get("input_token_logprobs"), logprob_start_len == 0),
-            finish_reason=meta.get("finish_reason"),
-            weight_version=meta.get("weight_version"),
-        )
+        return [_generate_output(a, req.logprob_start_len == 0) for a in answers]
+
+
+def _generate_output(out: Mapping[str, Any], with_prompt: bool) -> GenerateOutput:
+    """One answer of `/generate` (a GenerateResponse of api/v1)."""
+    meta = out["meta_info"]
+    return GenerateOutput(
+        text=out.get("text", ""),
+        output_ids=list(out.get("output_ids") or []),
+        output_logprobs=_logprobs(meta.get("output_token_logprobs"), False),  # type: ignore[arg-type]
+        input_logprobs=_logprobs(meta.get("input_token_logprobs"), with_prompt),
+        finish_reason=meta.get("finish_reason"),
+        weight_version=meta.get("weight_version"),
+    )

@@ -79,7 +79,7 @@ def check_engine(job_config, targets: list[str] | None) -> None:  # noqa: ANN001
                          'url = "http://host:port" (titan_lora starts only vllm, vllm-disk and receiver engines)')
     if job_config.grpo.enabled and job_config.grpo.rollouts and kind.rollouts is None:
         raise ValueError(f"[engine] kind = {engine.kind!r} runs no rollouts for titan_lora: set [grpo] "
-                         'rollouts = false, or use kind = "vllm"')
+                         'rollouts = false, or use a kind that does (vllm, sglang)')
     transport = check_transport(engine, kind)
     if kind.shm_buckets and (transport == "shm" or (transport is None and not torch.cuda.is_available())):
         check_shared_memory(ws.bucket_mb)
