@@ -74,7 +74,7 @@ def test_grpo_samples_from_sglang_carry_the_trainers_logprobs(smollm2_dir):
     with ConformanceServer(LlamaConfig.from_pretrained(smollm2_dir), **server_cfg) as srv:
         cfg = WeightSync(enabled=True, keep_versions=2, timeout_s=120, retries=1, parity_every=0)
         kind, endpoint = engine_kind("sglang"), Endpoint(srv.url)
-        source = AdapterSource(built.model, built.sd_adapter, job_config_from(SMOLLM2_LORA).lora)
+        source = AdapterSource(built.model, built.peft_layout, job_config_from(SMOLLM2_LORA).lora)
         syncer = WeightSyncer(source, base_weights_source(built.model, built.sd_adapter, tied_embeddings=True),
                               kind.emitter(cfg, Engine(kind="sglang", url=srv.url), endpoint), cfg,
                               torch.device("cpu"), versions=AdapterVersions("policy", 2))
