@@ -9,6 +9,7 @@ handler for the tests that need a server answering one exact way.
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -125,6 +126,28 @@ def own(caplog: pytest.LogCaptureFixture, *markers: str) -> list[str]:
     """The emitter's log lines that carry one of `markers` (other tests' background retirers may also log)."""
     return [r.getMessage() for r in caplog.records
             if r.name == "titan_lora.clients.sglang" and any(m in r.getMessage() for m in markers)]
+
+
+class Answering(BaseHTTPRequestHandler):
+    """A server that answers every request with `answer(body)` as JSON and status `status`, quietly."""
+
+    status = 200
+
+    def answer(self, body: bytes) -> object:
+        """The JSON reply to a request body."""
+        raise NotImplementedError
+
+    def _reply(self) -> None:
+        data = json.dumps(self.answer(self.rfile.read(int(self.headers.get("Content-Length") or 0)))).encode()
+        self.send_response(self.status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    do_GET = do_POST = _reply  # noqa: N815
+
+    def log_message(self, *args: object) -> None:
+        pass
 
 
 @contextlib.contextmanager

@@ -12,10 +12,9 @@ import logging
 import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler
 
 import pytest
-from scripted_sglang import serving
+from scripted_sglang import Answering, serving
 from sglang_conformance import ConformanceServer
 from test_sglang import (
     GREEDY,
@@ -206,21 +205,13 @@ def test_a_data_parallel_server_is_refused_naming_dp_size() -> None:
 # ---------------------------------------------------------------- 403 and timeout errors
 
 
-class _Forbidden(BaseHTTPRequestHandler):
+class _Forbidden(Answering):
     """An SGLang whose weight endpoints need the --admin-api-key the client lacks."""
 
-    def _answer(self) -> None:
-        self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        body = b'{"error": "Forbidden"}'
-        self.send_response(403)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+    status = 403
 
-    do_GET = do_POST = _answer  # noqa: N815
-
-    def log_message(self, *args: object) -> None:
-        pass
+    def answer(self, body: bytes) -> object:
+        return {"error": "Forbidden"}
 
 
 def test_403_names_the_admin_api_key() -> None:

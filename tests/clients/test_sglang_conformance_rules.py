@@ -15,12 +15,11 @@ import math
 import pickle
 import urllib.error
 import urllib.request
-from http.server import BaseHTTPRequestHandler
 from multiprocessing.reduction import ForkingPickler
 
 import pytest
 import torch
-from scripted_sglang import serving
+from scripted_sglang import Answering, serving
 from sglang_conformance import SCHEMAS, ConformanceServer
 from test_sglang import (
     GREEDY,
@@ -311,21 +310,13 @@ def test_max_loras_per_batch_keeps_a_slot_for_base_only_requests() -> None:
             emitter_for(srv, keep_versions=2).engine_limits()
 
 
-class _NullLogprob(BaseHTTPRequestHandler):
+class _NullLogprob(Answering):
     """An SGLang /generate answer whose -inf log-probs orjson wrote as null."""
 
-    def do_POST(self) -> None:  # noqa: N802
-        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+    def answer(self, body: bytes) -> object:
         meta = {"output_token_logprobs": [[-0.5, 3, None], [None, 9, None]],
                 "input_token_logprobs": [[None, 1, None], [None, 2, None]], "finish_reason": None}
-        data = json.dumps({"text": "", "output_ids": [3, 9], "meta_info": meta}).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args: object) -> None:
-        pass
+        return {"text": "", "output_ids": [3, 9], "meta_info": meta}
 
 
 def test_a_null_log_prob_reads_as_minus_infinity() -> None:

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import json
 import logging
-from http.server import BaseHTTPRequestHandler
 
 import pytest
 import torch
-from scripted_sglang import serving
+from scripted_sglang import Answering, serving
 from sglang_conformance import ConformanceServer
 from sglang_generate import contract_error
 from sglang_schemas import RefusedError
@@ -162,22 +161,14 @@ def test_the_api_key_is_the_servers_api_key() -> None:
         assert len(rollouts_for(srv, api_key="user").score([PROMPT], None)[0]) == len(PROMPT) - 1
 
 
-class _ShortBatch(BaseHTTPRequestHandler):
+class _ShortBatch(Answering):
     """An SGLang that answers a batch with one completion too few."""
 
-    def do_POST(self) -> None:  # noqa: N802
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+    def answer(self, body: bytes) -> object:
         meta = {"id": "x", "finish_reason": {"type": "length", "length": 1},
                 "output_token_logprobs": [[-0.1, 3, None]], "input_token_logprobs": []}
         one = {"text": "", "output_ids": [3], "meta_info": meta}
-        data = json.dumps([one] * (len(body["input_ids"]) - 1)).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args: object) -> None:
-        pass
+        return [one] * (len(json.loads(body)["input_ids"]) - 1)
 
 
 def test_a_batch_answered_short_is_an_error() -> None:
