@@ -44,9 +44,9 @@ class ResolvedModel:
         with torch.device("meta"):
             return self.family.train_spec.model_cls(self.args)
 
-    def sd_adapter(self) -> StateDictAdapter:
-        """The family's torchtitan <-> HF state-dict adapter for these args."""
-        return self.family.train_spec.state_dict_adapter(self.args, self.hf_dir)
+    def name_mapper(self) -> StateDictAdapter:
+        """The family's torchtitan <-> HF state-dict adapter for these args, for names and shapes only."""
+        return self.family.train_spec.state_dict_adapter(self.args, None)  # None: no HF save index
 
 
 def _flavor_args(family: ModelFamily, model_cfg) -> Any:  # noqa: ANN001, ANN401
@@ -103,5 +103,5 @@ def resolve_model(model_cfg) -> ResolvedModel:  # noqa: ANN001 (torchtitan's mer
     _check_vocab(hf_dir, args, from_config)
     resolved = ResolvedModel(family, args, hf_dir, load, tied_embeddings(config))
     if load:
-        check_weights(resolved.meta_model(), hf_dir, resolved.sd_adapter(), resolved.tied)
+        check_weights(resolved.meta_model(), hf_dir, resolved.name_mapper(), resolved.tied)
     return resolved
