@@ -33,7 +33,9 @@ class Model:
     """Keys titan_lora adds to torchtitan's `[model]`."""
 
     load_pretrained: bool = False
-    """Load SmolLM2-135M-Instruct's weights (flavor "135M"); false: random init (e.g. flavor "debug")."""
+    """Load the weights of the family's HF directory (its own, e.g. SmolLM2's, else `hf_assets_path`:
+    one safetensors file or shards with an index), its shape read from config.json, `flavor` unused;
+    false: random init of `flavor`. The tokenizer always comes from that directory."""
 
 
 @dataclass

@@ -38,6 +38,10 @@ class ModelFamily:
     """For a flavor's model args: the modules whose output rows torchtitan keeps in interleaved RoPE order."""
     default_assets: Callable[[bool], Path] | None = None
     """The HF directory (config, tokenizer; weights when the bool says so); None: `[model] hf_assets_path`."""
+    model_types: tuple[str, ...] = ()
+    """The config.json `model_type`s of the checkpoints this family loads (`("qwen3",)`)."""
+    args_from_hf: Callable[[Mapping[str, Any]], Any] | None = None
+    """config.json -> torchtitan model args (raising on what the model cannot express); None: flavors only."""
 
     @property
     def leaf_names(self) -> dict[str, str]:
@@ -55,7 +59,9 @@ class ModelFamily:
 
 BUILT_IN_FAMILIES = {
     "smollm2": "titan_lora.models.smollm2:SMOLLM2",
-    "llama3_lora": "titan_lora.models.llama3:LLAMA3",
+    "llama3": "titan_lora.models.llama3:LLAMA3",
+    "llama3_lora": "titan_lora.models.llama3:LLAMA3",  # the name before `llama3`, kept for old configs
+    "qwen3": "titan_lora.models.qwen3:QWEN3",
 }
 _FAMILIES: Registry[ModelFamily] = Registry("[model] name", "model family", BUILT_IN_FAMILIES,
                                             accept=ModelFamily)
@@ -74,6 +80,13 @@ def registered_model_families() -> list[str]:
 def model_family(name: str) -> ModelFamily:
     """The family `[model] name` selects: a registered name or `package.module:FAMILY`."""
     return _FAMILIES.get(name)
+
+
+def families_for_model_type(model_type: str) -> list[str]:
+    """The registered names whose family loads config.json's `model_type`, those without own assets first."""
+    named = [(name, model_family(name)) for name in registered_model_families()]
+    loading = [(f.default_assets is not None, name) for name, f in named if model_type in f.model_types]
+    return [name for _, name in sorted(loading)]
 
 
 class FamilyLoRAConverter(LoRAConverter):

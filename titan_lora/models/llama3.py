@@ -1,28 +1,33 @@
 """The Llama 3 family: torchtitan's Llama3 with LoRA-aware parallelization, its HF names and RoPE rows.
 
-torchtitan's every Llama 3 flavor (8B, 70B, ...) is `[model] name = "llama3_lora"`; other Llama 3
-checkpoints are this family with their own flavors and assets (`titan_lora.models.smollm2`).
+`[model] name = "llama3"` loads any Llama-3.x checkpoint (`model_type = "llama"`) from `[model]
+hf_assets_path`, its shape read from config.json; torchtitan's flavors (8B, 70B, ...) serve random-init
+runs. SmolLM2 is this family with its own flavors and assets (`titan_lora.models.smollm2`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.models.llama3 import TransformerModelArgs, llama3_args
 from torchtitan.models.llama3 import get_train_spec as llama3_train_spec
 from torchtitan.models.llama3.infra.parallelize import apply_tp
+from torchtitan.models.llama3.model.args import RoPEScalingArgs
 from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter
 from torchtitan.protocols.train_spec import TrainSpec
 
 from titan_lora.export.peft import RopeRows, hf_module_names
 from titan_lora.lora.parallelize import lora_parallelize
+from titan_lora.models.checkpoint import require, rope_parameters
 from titan_lora.models.family import ModelFamily
 
 # One source for the names: torchtitan's own state-dict adapter, which loads and exports the base.
 HF_MODULES = hf_module_names(Llama3StateDictAdapter(TransformerModelArgs(), None).from_hf_map)
+MODEL = "Llama 3"
 
 
 def rope_rows(args: TransformerModelArgs) -> dict[str, RopeRows]:
@@ -30,6 +35,39 @@ def rope_rows(args: TransformerModelArgs) -> dict[str, RopeRows]:
     head_dim = args.dim // args.n_heads
     return {"layers.{}.attention.wq": RopeRows(args.n_heads, head_dim),
             "layers.{}.attention.wk": RopeRows(args.n_kv_heads or args.n_heads, head_dim)}
+
+
+def _rope_scaling(rope: Mapping[str, Any]) -> RoPEScalingArgs:
+    require(dict(rope), "rope_type", ("default", "llama3"), MODEL)
+    if rope.get("rope_type", "default") == "default":
+        return RoPEScalingArgs(scaling_factor=1.0)  # 1 turns torchtitan's Llama-3.1 scaling off
+    return RoPEScalingArgs(scaling_factor=rope["factor"], low_freq_factor=rope["low_freq_factor"],
+                           high_freq_factor=rope["high_freq_factor"],
+                           original_max_position_embeddings=rope["original_max_position_embeddings"])
+
+
+def args_from_hf(config: Mapping[str, Any]) -> TransformerModelArgs:
+    """A Llama checkpoint's config.json as torchtitan's model args."""
+    config = dict(config)
+    dim, heads, ffn = config["hidden_size"], config["num_attention_heads"], config["intermediate_size"]
+    for key in ("attention_bias", "mlp_bias"):
+        require(config, key, (False,), MODEL)
+    require(config, "hidden_act", ("silu",), MODEL)
+    config["head_dim"] = config.get("head_dim") or dim // heads
+    require(config, "head_dim", (dim // heads,), MODEL)  # torchtitan's Llama derives it
+    # torchtitan sizes the FFN as multiple_of * ceil(m * int(8 dim / 3) / multiple_of): with
+    # multiple_of = intermediate_size and m <= 1, that is exactly intermediate_size.
+    base = int(2 * 4 * dim / 3)
+    eos = config.get("eos_token_id")
+    return TransformerModelArgs(
+        dim=dim, n_layers=config["num_hidden_layers"], n_heads=heads,
+        n_kv_heads=config.get("num_key_value_heads") or heads, vocab_size=config["vocab_size"],
+        multiple_of=ffn, ffn_dim_multiplier=ffn / base if base > ffn else None,
+        norm_eps=config.get("rms_norm_eps", 1e-5), rope_theta=rope_parameters(config)["rope_theta"],
+        rope_scaling_args=_rope_scaling(rope_parameters(config)),
+        max_seq_len=config.get("max_position_embeddings", 131072),
+        eos_id=(eos[0] if isinstance(eos, list) else eos) or 0,
+    )
 
 
 def tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, job_config) -> None:  # noqa: ANN001
@@ -61,8 +99,9 @@ def llama3_family(
     default_assets: Callable[[bool], Path] | None = None,
 ) -> ModelFamily:
     """A Llama 3 family under `name`: these flavors, Llama's names and RoPE rows, and its HF assets."""
-    return ModelFamily(name, lora_train_spec(flavors), HF_MODULES, rope_rows, default_assets)
+    return ModelFamily(name, lora_train_spec(flavors), HF_MODULES, rope_rows, default_assets,
+                       model_types=("llama",), args_from_hf=args_from_hf)
 
 
-# torchtitan's own Llama 3 shapes with LoRA-aware parallelization (random init unless hf_assets_path).
-LLAMA3 = llama3_family("llama3_lora", llama3_args)
+# torchtitan's own Llama 3 shapes with LoRA-aware parallelization; any Llama checkpoint by hf_assets_path.
+LLAMA3 = llama3_family("llama3", llama3_args)

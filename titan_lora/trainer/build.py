@@ -14,8 +14,9 @@ from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 from torchtitan.protocols.train_spec import TrainSpec
 
 from titan_lora.export.peft import PeftLayout
-from titan_lora.models.family import model_family  # also registers the "lora" converter
+from titan_lora.models.family import FamilyLoRAConverter  # noqa: F401 (registers the "lora" converter)
 from titan_lora.models.load import load_base_weights
+from titan_lora.models.resolve import resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -35,13 +36,9 @@ class BuiltModel:
 
 def build_model(job_config, parallel_dims: ParallelDims, device: torch.device) -> BuiltModel:  # noqa: ANN001
     """Meta-init, convert (LoRA), parallelize, materialise on `device`, init, load pretrained weights."""
-    family = model_family(job_config.model.name)  # name and flavor were checked with the config
-    spec = family.train_spec
-    args = dataclasses.replace(spec.model_args[job_config.model.flavor])
+    resolved = resolve_model(job_config.model)  # checked with the config: family, shape, vocab, weights
+    family, spec, args, hf_dir = resolved.family, resolved.family.train_spec, resolved.args, resolved.hf_dir
     args.update_from_config(job_config)
-    # A family's own assets (SmolLM2's) also hold the tokenizer, even for random-init flavors.
-    load = job_config.model.load_pretrained
-    hf_dir = family.hf_dir(job_config.model.hf_assets_path, need_weights=load)
     with torch.device("meta"):
         model = spec.model_cls(args)
     build_model_converters(job_config, parallel_dims).convert(model)
@@ -50,8 +47,8 @@ def build_model(job_config, parallel_dims: ParallelDims, device: torch.device) -
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     sd_adapter = spec.state_dict_adapter(args, hf_dir)
-    if load:
-        load_base_weights(model, hf_dir, sd_adapter)
+    if resolved.load_pretrained:
+        load_base_weights(model, hf_dir, sd_adapter, resolved.tied)
         logger.info("loaded pretrained weights from %s", hf_dir)
     model.train()
     return BuiltModel(model=model, train_spec=spec, sd_adapter=sd_adapter, hf_dir=hf_dir,

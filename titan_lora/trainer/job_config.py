@@ -8,13 +8,13 @@ import os
 import tempfile
 import tomllib
 
-import torch
 from torchtitan.config import ConfigManager
 from torchtitan.protocols.model_converter import _registry_model_converter_cls
 
 from titan_lora import config as ours
-from titan_lora.models.family import ModelFamily, model_family  # also registers the "lora" converter
 from titan_lora.lora.targets import resolve_targets
+from titan_lora.models.family import FamilyLoRAConverter  # noqa: F401 (registers the "lora" converter)
+from titan_lora.models.resolve import ResolvedModel, resolve_model
 from titan_lora.trainer.preflight import preflight
 
 CUSTOM_CONFIG_MODULE = "titan_lora.config"
@@ -56,28 +56,15 @@ def check_toml(toml: dict) -> None:
             raise ValueError(f"[model] converters names {name!r}, which is not registered; known: {known}")
 
 
-def check_model(job_config) -> ModelFamily:  # noqa: ANN001
-    """The family `[model] name` selects, with `[model] flavor` one of its flavors."""
-    family = model_family(job_config.model.name)
-    flavors = family.train_spec.model_args
-    if job_config.model.flavor not in flavors:
-        raise ValueError(f"[model] flavor = {job_config.model.flavor!r} is unknown for "
-                         f"{job_config.model.name!r}; choose one of {sorted(flavors)}")
-    return family
-
-
-def check_targets(job_config) -> list[str] | None:  # noqa: ANN001
+def check_targets(job_config, model: ResolvedModel | None = None) -> list[str] | None:  # noqa: ANN001
     """Resolve `[lora] target_modules` on a meta-device copy of the model (milliseconds, no memory).
 
     Returns the qualified names of the linears to adapt; None without the "lora" converter.
     """
-    family = check_model(job_config)
+    model = model or resolve_model(job_config.model)
     if "lora" not in job_config.model.converters:
         return None
-    spec = family.train_spec
-    with torch.device("meta"):
-        model = spec.model_cls(spec.model_args[job_config.model.flavor])
-    return resolve_targets(model, job_config.lora.target_modules, family.leaf_names)
+    return resolve_targets(model.meta_model(), job_config.lora.target_modules, model.family.leaf_names)
 
 
 def load_job_config(argv: list[str]):  # noqa: ANN201 (a dataclass type made at run time)
@@ -89,7 +76,7 @@ def load_job_config(argv: list[str]):  # noqa: ANN201 (a dataclass type made at 
     args = [*argv, f"--job.custom_config_module={CUSTOM_CONFIG_MODULE}"]
     job_config = ConfigManager().parse_args(args)
     ours.validate_lora(job_config.lora)
-    targets = check_targets(job_config)
+    targets = check_targets(job_config, resolve_model(job_config.model))
     ours.validate_training(job_config.training)
     ours.validate_engine(job_config.engine)
     ours.validate_weight_sync(job_config.weight_sync)

@@ -1,0 +1,85 @@
+"""Tiny random-init HF checkpoints made at test time with transformers, and the TOML that loads them."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+# SmolLM2's tokenizer (49152 ids) stands in where a checkpoint needs one: there is no hub access.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+SMOLLM2_VOCAB = 49152
+
+
+def _randomize_norms(model: torch.nn.Module) -> None:
+    with torch.no_grad():  # HF's init leaves norms at 1; random norms exercise the mapping more
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+
+
+def _save(model, out: Path, tokenizer_from: Path | None, shard_mb: float | None) -> Path:  # noqa: ANN001
+    kwargs = {"max_shard_size": f"{int(shard_mb * 1000)}KB"} if shard_mb else {}
+    model.save_pretrained(str(out), safe_serialization=True, **kwargs)
+    for f in TOKENIZER_FILES if tokenizer_from else ():
+        if (tokenizer_from / f).exists():
+            shutil.copy(tokenizer_from / f, out / f)
+    return out
+
+
+def tiny_llama(out: Path, vocab: int = 256, tied: bool = True, tokenizer_from: Path | None = None,
+               shard_mb: float | None = None, seed: int = 0) -> Path:
+    """A Llama with GQA (4 query heads, 2 KV heads of 16), saved to `out` (sharded with `shard_mb`)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+                         max_position_embeddings=256, tie_word_embeddings=tied, eos_token_id=2)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).float().eval()
+    _randomize_norms(model)
+    return _save(model, out, tokenizer_from, shard_mb)
+
+
+def tiny_qwen3(out: Path, vocab: int = 256, tied: bool = False, tokenizer_from: Path | None = None,
+               shard_mb: float | None = None, seed: int = 0) -> Path:
+    """A Qwen3 with q/k norms and head_dim 32 != hidden / heads = 16 (4 query, 2 KV heads), saved to `out`."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                         max_position_embeddings=256, tie_word_embeddings=tied, eos_token_id=2)
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config).float().eval()
+    _randomize_norms(model)
+    return _save(model, out, tokenizer_from, shard_mb)
+
+
+def hf_toml(name: str, hf_dir: Path, rank: int = 8, alpha: int = 16) -> str:
+    """A LoRA job on the checkpoint in `hf_dir` through `[model] name`; no flavor: config.json gives the shape."""
+    return f"""
+[model]
+name = "{name}"
+hf_assets_path = "{hf_dir}"
+load_pretrained = true
+converters = ["lora"]
+[lora]
+rank = {rank}
+alpha = {alpha}
+target_modules = "all-linear"
+[training]
+seq_len = 64
+mixed_precision_param = "float32"
+[activation_checkpoint]
+mode = "none"
+"""
+
+
+def hf_model(hf_dir: Path):  # noqa: ANN201
+    """The checkpoint back through transformers, fp32, eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
