@@ -14,6 +14,7 @@ from titan_lora.compose import check_plugins, configured_task
 from titan_lora.config import GRPO
 from titan_lora.rl.jsonl import JsonlTask, jsonl_task, read_jsonl
 from titan_lora.rl.objective import GRPOObjective
+from titan_lora.rl.rewards import get_reward
 from titan_lora.rl.task import Problem, build_task, task_prompt, train_and_heldout
 from titan_lora.trainer.parallel import DataParallelInfo
 
@@ -110,6 +111,8 @@ def test_the_reward_uses_the_extraction_mode() -> None:
     assert JsonlTask((p,), (), "boxed").reward("so 2", p) == 0.0
     assert JsonlTask((p,), (), "last_number").reward("so 2", p) == 1.0
     assert JsonlTask((p,), (), "exact").reward("2", p) == 1.0 and JsonlTask((p,), (), "exact").reward("2.", p) == 0.0
+    # `[grpo] reward = "exact_match"` over a JSONL task: its answers are strings.
+    assert get_reward("exact_match")("so 2.", p) == 1.0 and get_reward("exact_match")("so 3", p) == 0.0
 
 
 def test_the_prompt_is_rendered_through_the_chat_template_with_the_system(smollm2_dir: Path) -> None:

@@ -65,3 +65,16 @@ def test_the_task_section_sets_the_difficulty_and_the_split_is_disjoint() -> Non
         build_task(cfg, {"steps": 0})
     with pytest.raises(ValueError, match=r"^\[task\] max_number = True must be of type int"):
         build_task(cfg, {"max_number": True})
+
+
+def test_the_shipped_config_runs_word_problems_with_room_for_the_answers() -> None:
+    from pathlib import Path
+
+    from titan_lora.compose import check_plugins, configured_task
+    from titan_lora.trainer.job_config import load_job_config
+
+    path = Path(__file__).resolve().parents[2] / "train_configs/smollm2_grpo_word.toml"
+    cfg = load_job_config(["--job.config_file", str(path)])
+    check_plugins(cfg)
+    assert configured_task(cfg) == WordProblemsTask(steps=2, max_number=9)
+    assert cfg.grpo.max_new_tokens >= 24  # 8 tokens cut 2-digit answers and their working short

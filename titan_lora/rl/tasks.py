@@ -6,7 +6,7 @@ import dataclasses
 import random
 
 from titan_lora.config import GRPO
-from titan_lora.rl.extract import last_number
+from titan_lora.rl.extract import is_correct, last_number
 from titan_lora.rl.task import Problem
 
 INSTRUCTION = "Answer with just the number."
@@ -30,8 +30,9 @@ def parse_answer(text: str) -> int | None:
 
 
 def exact_match(completion: str, problem: Problem) -> float:
-    """1.0 when the completion's last integer equals the answer, else 0.0."""
-    return 1.0 if parse_answer(completion) == problem.answer else 0.0
+    """1.0 when the completion's last number equals the answer (an int, or a string such as a JSONL
+    task's "42"), else 0.0."""
+    return float(is_correct("last_number", completion, str(problem.answer)))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,8 +10,8 @@ import dataclasses
 import random
 
 from titan_lora.config import GRPO
-from titan_lora.rl.extract import is_correct
 from titan_lora.rl.task import Problem
+from titan_lora.rl.tasks import exact_match
 
 NAMES = ("Sam", "Mia", "Leo", "Ava", "Ben", "Zoe", "Max", "Ivy")
 ITEMS = ("apples", "marbles", "stickers", "books", "pencils", "coins", "cards", "shells")
@@ -52,7 +52,7 @@ class WordProblemsTask:
 
     def reward(self, completion: str, problem: Problem) -> float:
         """1.0 when the completion's last number is the final count."""
-        return float(is_correct("last_number", completion, str(problem.answer)))
+        return exact_match(completion, problem)
 
 
 def word_problems_task(cfg: GRPO, *, steps: int = 2, max_number: int = 9) -> WordProblemsTask:
