@@ -11,7 +11,7 @@ from model_helpers import StubBaseModel, StubSdAdapter
 
 from titan_lora.clients.kinds import engine_kind
 from titan_lora.compose import embedded_engine
-from titan_lora.config import Engine, WeightSync
+from titan_lora.config import GRPO, Engine, WeightSync
 
 
 def _engine(tmp_path: Path, engine: Engine, ws: WeightSync | None = None, device: str = "cpu",
@@ -159,7 +159,7 @@ def _wire(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, rank: int = 0, tied: 
     job_config = types.SimpleNamespace(weight_sync=WeightSync(**{"enabled": True, "parity_every": 0, **ws}),
                                        engine=engine or Engine(),
                                        job=types.SimpleNamespace(dump_folder=str(tmp_path)),
-                                       lora=types.SimpleNamespace(rank=8))
+                                       lora=types.SimpleNamespace(rank=8), grpo=GRPO(), task={})
     built = types.SimpleNamespace(hf_dir=str(tmp_path / "hf"), model=StubBaseModel(), sd_adapter=StubSdAdapter())
     adapter, device = object(), torch.device("cpu")
     _FakeSyncer.made.clear()
@@ -270,11 +270,12 @@ def test_the_task_and_reward_are_resolved_before_anything_is_built() -> None:
     from titan_lora.config import GRPO
 
     def job(**grpo) -> types.SimpleNamespace:  # noqa: ANN003
-        return types.SimpleNamespace(grpo=GRPO(**grpo))
+        return types.SimpleNamespace(grpo=GRPO(**grpo), task={})
 
     check_plugins(job(enabled=True, task="reverse", reward="exact_match"))
     check_plugins(job(enabled=False, task="nope"))  # no GRPO: nothing to resolve
-    with pytest.raises(ValueError, match=r"^\[grpo\] task = 'nope' is not registered; known: arith, reverse"):
+    with pytest.raises(ValueError,
+                       match=r"^\[grpo\] task = 'nope' is not registered; known: arith, jsonl, reverse, word_problems"):
         check_plugins(job(enabled=True, task="nope"))
     with pytest.raises(ValueError, match=r"^\[grpo\] reward = 'exact' is not registered; known: .*exact_match"):
         check_plugins(job(enabled=True, reward="exact"))

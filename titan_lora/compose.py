@@ -17,11 +17,10 @@ from titan_lora.clients.base import Emitter, Endpoint, plain_buffer
 from titan_lora.clients.kinds import EngineKind, LaunchRequest, engine_kind
 from titan_lora.clients.launch import EmbeddedEngine
 from titan_lora.clients.rollout import RolloutClient
-from titan_lora.config import Engine, WeightSync
+from titan_lora.config import GRPO, Engine, WeightSync
 from titan_lora.rl.objective import GRPOObjective
 from titan_lora.rl.rewards import get_reward
-from titan_lora.rl.task import build_task, task_prompt
-from titan_lora.rl.tasks import ArithTask, make_problems
+from titan_lora.rl.task import Task, build_task, task_prompt
 from titan_lora.sync.adapter_source import AdapterSource
 from titan_lora.sync.base_stream import base_weights_source
 from titan_lora.sync.engine_access import EngineRollouts
@@ -37,11 +36,16 @@ from titan_lora.trainer.sft_data import SFTData
 from titan_lora.transfer.placement import choose_transport
 
 
-def probe_sequences(tokenizer, n: int = 4) -> list[list[int]]:  # noqa: ANN001
-    """A fixed batch of chat-formatted arithmetic prompts with their answers, as token ids."""
+PROBE_SEED = 4242
+
+
+def probe_sequences(tokenizer, n: int = 4, task: Task | None = None) -> list[list[int]]:  # noqa: ANN001
+    """A fixed batch of the task's chat-formatted prompts with their answers, as token ids (the default
+    `[grpo] task` when none is given)."""
+    task = task if task is not None else build_task(GRPO())
     seqs = []
-    for p in make_problems(n, seed=4242):
-        text = task_prompt(tokenizer, ArithTask(), p.question) + str(p.answer) + tokenizer.eos_token
+    for p in task.problems(n, seed=PROBE_SEED):
+        text = task_prompt(tokenizer, task, p.question, p.system) + str(p.answer) + tokenizer.eos_token
         seqs.append(tokenizer(text, add_special_tokens=False)["input_ids"])
     return seqs
 
@@ -95,15 +99,18 @@ def connect_engine(engine: Engine, ws: WeightSync, hf_dir: str, device: torch.de
 
 
 def build_syncer(ws: WeightSync, side: EngineSide, adapter: AdapterSource, model: nn.Module,
-                 sd_adapter, hf_dir: str, device: torch.device) -> WeightSyncer:  # noqa: ANN001
-    """Collective: the syncer over `side` (rank 0's handles; empty elsewhere), engine limits checked."""
+                 sd_adapter, hf_dir: str, device: torch.device,  # noqa: ANN001
+                 probe_task: Task | None = None) -> WeightSyncer:
+    """Collective: the syncer over `side` (rank 0's handles; empty elsewhere), engine limits checked.
+
+    The parity probe scores `probe_task`'s prompts (the default task when None)."""
     from transformers import AutoTokenizer
 
     tied = json.loads((Path(hf_dir) / "config.json").read_text()).get("tie_word_embeddings", False)
     probe = None
     if ws.parity_every:
-        probe = ParityProbe(model, probe_sequences(AutoTokenizer.from_pretrained(hf_dir)), device,
-                            side.rollouts.score if side.rollouts else None, ws.parity_tolerance)
+        sequences = probe_sequences(AutoTokenizer.from_pretrained(hf_dir), task=probe_task)
+        probe = ParityProbe(model, sequences, device, side.rollouts.score if side.rollouts else None, ws.parity_tolerance)
     versions = AdapterVersions(ws.lora_name, ws.keep_versions)
     syncer = WeightSyncer(adapter, base_weights_source(model, sd_adapter, tied), side.emitter, ws, device,
                           versions=versions, engine=side.engine, probe=probe)
@@ -122,15 +129,22 @@ def engine_side(job_config, built, device: torch.device) -> EngineSide:  # noqa:
 def build_sync(job_config, adapter: AdapterSource, built, device: torch.device,  # noqa: ANN001
                side: EngineSide) -> tuple[WeightSyncer, EngineRollouts]:
     """Collective: the syncer over `side` (from `engine_side`), and what objectives may use."""
+    probe_task = configured_task(job_config) if job_config.weight_sync.parity_every else None
     syncer = build_syncer(job_config.weight_sync, side, adapter, built.model, built.sd_adapter, built.hf_dir,
-                          device)
+                          device, probe_task)
     return syncer, EngineRollouts(side.rollouts, syncer.versions, syncer.with_engine)
 
 
+def configured_task(job_config) -> Task:  # noqa: ANN001
+    """The task `[grpo] task` names, built from its `[task]` section."""
+    return build_task(job_config.grpo, job_config.task)
+
+
 def check_plugins(job_config) -> None:  # noqa: ANN001
-    """Resolve the `[grpo]` task and reward by name before anything is built (a typo fails in seconds)."""
+    """Resolve the `[grpo]` task and reward by name, and let the task check `[task]`, before anything is
+    built (a typo or a bad data file fails in seconds)."""
     if job_config.grpo.enabled:
-        build_task(job_config.grpo).problems(1, 0)
+        configured_task(job_config).problems(1, 0)
         if job_config.grpo.reward:
             get_reward(job_config.grpo.reward)
 
@@ -143,7 +157,8 @@ def build_objective(job_config, hf_dir: str, dims, device: torch.device, metrics
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     dp = data_parallel_info(dims)
     if job_config.grpo.enabled:
-        return GRPOObjective(job_config.grpo, build_task(job_config.grpo), tokenizer, engine, dp, device, metrics)
+        task = configured_task(job_config)
+        return GRPOObjective(job_config.grpo, task, tokenizer, engine, dp, device, metrics)
     training = job_config.training
     global_batch = training.global_batch_size
     if global_batch <= 0:

@@ -132,7 +132,8 @@ class GRPO:
     max_staleness: int = 1
     """Samples from adapter versions older than (current - max_staleness) are dropped and counted."""
     task: str = "arith"
-    """A registered task (arith, reverse) or `package.module:factory` (docs/extending.md)."""
+    """A registered task (arith, reverse, jsonl, word_problems) or `package.module:factory`; its options
+    are the `[task]` section (docs/extending.md)."""
     reward: str = ""
     """Empty: the task's own reward; else a registered reward name or `package.module:function`."""
     task_digits: int = 1
@@ -159,6 +160,8 @@ class JobConfig:
     engine: Engine = field(default_factory=Engine)
     weight_sync: WeightSync = field(default_factory=WeightSync)
     grpo: GRPO = field(default_factory=GRPO)
+    task: dict[str, str | int | float | bool | list] = field(default_factory=dict)
+    """`[task]`: the options of the task `[grpo] task` names; that task checks them (rl/task.py)."""
 
 
 def validate_lora(cfg: LoRA) -> None:

@@ -49,8 +49,8 @@ def test_a_registered_task_and_a_task_by_path(monkeypatch: pytest.MonkeyPatch) -
 def test_an_unknown_task_names_the_known_ones() -> None:
     with pytest.raises(ValueError) as err:
         build_task(GRPO(task="arithmetic"))
-    assert str(err.value) == ("[grpo] task = 'arithmetic' is not registered; known: arith, reverse "
-                              "(or `package.module:attribute` for a plug-in)")
+    assert str(err.value) == ("[grpo] task = 'arithmetic' is not registered; known: arith, jsonl, reverse, "
+                              "word_problems (or `package.module:attribute` for a plug-in)")
 
 
 class ChatTokenizer:
@@ -75,3 +75,27 @@ def test_train_and_heldout_are_disjoint_and_seeded_for_any_task() -> None:
         train_and_heldout(one_question, 5, 2, seed=0)
     assert str(err.value) == ("the task has only 0 training problems outside the held-out set for [grpo] "
                               "train_size = 5; lower train_size or widen the task (e.g. task_digits)")
+
+
+def test_a_plug_in_factorys_keywords_are_the_schema_of_its_task_section(monkeypatch: pytest.MonkeyPatch) -> None:
+    def counting(cfg: GRPO, *, start: int, step: float = 1.0, ops: list[str] | None = None) -> EchoTask:
+        made.append((start, step, ops))
+        return EchoTask()
+
+    made: list[tuple] = []
+    monkeypatch.setitem(sys.modules, "my_counting", types.SimpleNamespace(make=counting))
+    cfg = GRPO(task="my_counting:make")
+    build_task(cfg, {"start": 3, "step": 2, "ops": ["+"]})
+    build_task(cfg, {"start": 4})
+    assert made == [(3, 2, ["+"]), (4, 1.0, None)]
+    for options, message in [
+        ({}, "[task] start is required by [grpo] task = 'my_counting:make'; add `start = ...` to the [task] section"),
+        ({"start": 1, "zzz": 2}, "[task] has an unknown key 'zzz' for [grpo] task = 'my_counting:make'; "
+                                 "it takes ops, start, step"),
+        ({"start": 1.5}, "[task] start = 1.5 must be of type int for [grpo] task = 'my_counting:make'"),
+        ({"start": 1, "ops": "+"}, "[task] ops = '+' must be of type list[str] | None"),
+    ]:
+        with pytest.raises(ValueError) as err:
+            build_task(cfg, options)
+        assert str(err.value).startswith(message)
+    assert made == [(3, 2, ["+"]), (4, 1.0, None)]  # a refused section never reaches the factory

@@ -69,7 +69,7 @@ class GRPOObjective:
         self.metrics_logger = metrics_logger
         self.reward = get_reward(cfg.reward) if cfg.reward else task.reward
         self.train_problems, self.heldout = train_and_heldout(task, cfg.train_size, cfg.eval_size, cfg.seed)
-        self.encode = lambda p: tokenizer(task_prompt(tokenizer, task, p.question),
+        self.encode = lambda p: tokenizer(task_prompt(tokenizer, task, p.question, p.system),
                                           add_special_tokens=False)["input_ids"]
         self.heldout_ids = [self.encode(p) for p in self.heldout]
         self.stop_ids = [tokenizer.eos_token_id]

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import re
 
 from titan_lora.config import GRPO
+from titan_lora.rl.extract import is_correct, last_number
 from titan_lora.rl.task import Problem
 
 INSTRUCTION = "Answer with just the number."
-_LAST_INT = re.compile(r"-?\d+")
 
 
 def make_problems(n: int, seed: int, max_digits: int = 1, ops: str = "+-") -> list[Problem]:
@@ -25,14 +24,15 @@ def make_problems(n: int, seed: int, max_digits: int = 1, ops: str = "+-") -> li
 
 
 def parse_answer(text: str) -> int | None:
-    """The last integer in a completion, or None."""
-    found = _LAST_INT.findall(text)
-    return int(found[-1]) if found else None
+    """The completion's last number when it is an integer, or None."""
+    found = last_number(text)
+    return int(found) if found is not None and "." not in found else None
 
 
 def exact_match(completion: str, problem: Problem) -> float:
-    """1.0 when the completion's last integer equals the answer, else 0.0."""
-    return 1.0 if parse_answer(completion) == problem.answer else 0.0
+    """1.0 when the completion's last number equals the answer (an int, or a string such as a JSONL
+    task's "42"), else 0.0."""
+    return float(is_correct("last_number", completion, str(problem.answer)))
 
 
 @dataclasses.dataclass(frozen=True)
