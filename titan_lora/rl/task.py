@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from titan_lora.config import GRPO
+from titan_lora.models.chat import chat_prompt
 from titan_lora.registry import Registry
 
 
@@ -116,10 +117,7 @@ def build_task(cfg: GRPO, options: dict[str, Any] | None = None) -> Task:
 
 def task_prompt(tokenizer, task: Task, question: str, system: str = "") -> str:  # noqa: ANN001
     """The question and the task's instruction (and `system`, when given), in the model's chat template."""
-    user = f"{question} {task.instruction}" if task.instruction else question
-    messages = [{"role": "system", "content": system}] if system else []
-    messages.append({"role": "user", "content": user})
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return chat_prompt(tokenizer, f"{question} {task.instruction}" if task.instruction else question, system)
 
 
 def train_and_heldout(task: Task, n_train: int, n_heldout: int, seed: int) -> tuple[list[Problem], list[Problem]]:
