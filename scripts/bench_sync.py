@@ -229,11 +229,11 @@ def end_to_end(model, built, cfg, device: torch.device, iters: int, rank: int,  
                phases: list[dict[str, float]]) -> list[float]:
     """Gather + PEFT naming + bucket pack + checksum + CUDA IPC hand-off + receiver copy-out + ack, per
     version; the emitter's phase times are appended to `phases`."""
-    from titan_lora.clients.base import plain_buffer
     from titan_lora.clients.http import JsonClient
     from titan_lora.clients.launch import EmbeddedEngine
     from titan_lora.clients.vllm import VLLMBucketEmitter
     from titan_lora.sync.adapter_source import AdapterSource
+    from titan_lora.transfer.transport import plain_buffer
 
     engine, emitter = None, None
     if rank == 0:

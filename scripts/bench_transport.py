@@ -78,6 +78,7 @@ def main() -> None:
     engine = EmbeddedEngine("titan_lora.engines.receiver", 0, [],
                             os.path.join(tempfile.gettempdir(), "titan_lora_bench_transport.log"), start_timeout_s=60)
     engine.start()
+    emitters: dict[str, VLLMBucketEmitter] = {}
     try:
         choices = {"shm": TransportChoice(), "tcp": choose_transport("tcp", engine.url)}
         emitters = {name: VLLMBucketEmitter(JsonClient(engine.url, engine.api_key), WeightSync.bucket_mb, choice)
@@ -121,10 +122,10 @@ def main() -> None:
         for name, rows in phases.items():
             keys = [k for k in rows[0] if k.endswith("_ms")]
             print(f"  {name}: " + "  ".join(f"{k[:-3]} {statistics.median(r[k] for r in rows):7.2f}" for k in keys))
+    finally:
+        engine.stop()  # the receiver unmaps our buffers first; then they are freed, also after an error
         for em in emitters.values():
             em.close()
-    finally:
-        engine.stop()
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -124,6 +125,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-failures", type=int, default=20, help="stop after this many failed transfers")
     ap.add_argument("--log", default=os.path.join(tempfile.gettempdir(), "ipc-soak-receiver.log"),
                     help="where the receiver process logs")
+    ap.add_argument("--timeout-s", type=float, default=1800.0, help="give up on a trainer that runs longer")
     ap.add_argument("--trainer", action="store_true", help=argparse.SUPPRESS)  # the child: run the soak
     args = ap.parse_args(argv)
     if args.device == "cpu":  # host memory: no model to load, and the free has no segment to leave
@@ -138,12 +140,24 @@ def main(argv: list[str] | None = None) -> int:
     producer process for as long as it lives: only what outlives the process is a leak."""
     args = parse_args(argv)
     if args.trainer:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # unwind: the finally cleans up
         print("FIGURES " + json.dumps(soak(args)), flush=True)
         return 0
     before = shm_entries()
     child = subprocess.Popen([sys.executable, __file__, "--trainer", *(argv if argv is not None else sys.argv[1:])],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    stdout, stderr = child.communicate()
+    try:  # a hung trainer or receiver must not hang the soak: 20,000 posts take about a minute
+        stdout, stderr = child.communicate(timeout=args.timeout_s)
+    except subprocess.TimeoutExpired:
+        child.terminate()  # it unwinds: stops the receiver, then frees and unlinks its buffers
+        try:
+            stdout, stderr = child.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            stdout, stderr = child.communicate()
+        print(f"FAILED: the trainer process did not finish within --timeout-s {args.timeout_s:.0f}")
+        sys.stderr.write(stderr)
+        return 1
     after = shm_entries()
     sys.stderr.write(stderr)
     lines = [line for line in stdout.splitlines() if line.startswith("FIGURES ")]

@@ -53,3 +53,30 @@ def test_a_sigterm_mid_run_stops_the_engine_and_unlinks_the_shared_buffers(tmp_p
     assert not left, f"shared memory left behind: {left}"
     _, alive = psutil.wait_procs(engines, timeout=30)
     assert not alive, f"engine processes outlived the trainer: {alive}"
+
+
+def test_a_start_up_that_fails_after_the_engine_started_stops_the_engine(tmp_path: Path,
+                                                                          monkeypatch) -> None:  # noqa: ANN001
+    import pytest
+
+    import titan_lora.train as train
+    from titan_lora.trainer.job_config import job_config_from_toml
+
+    started = []
+    real_side = train.engine_side
+
+    def side(*args):  # noqa: ANN002, ANN202
+        started.append(real_side(*args))
+        return started[-1]
+
+    def fail(*args) -> None:  # noqa: ANN002
+        raise RuntimeError("the engine rejected our adapter")
+
+    monkeypatch.setattr(train, "engine_side", side)
+    monkeypatch.setattr(train, "build_sync", fail)
+    cfg = job_config_from_toml(SYNCED_SFT, f"--job.dump_folder={tmp_path}",
+                               f"--data.path={REPO / 'titan_lora/data/arith_sft.jsonl'}")
+    with pytest.raises(RuntimeError, match="rejected our adapter"):
+        train.TrainingRun(cfg)
+    process = started[0].engine.proc
+    assert process is not None and process.wait(timeout=30) is not None, "the embedded receiver was stopped"

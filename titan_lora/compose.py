@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from titan_lora.clients.base import Emitter, Endpoint, plain_buffer
+from titan_lora.clients.base import Emitter, Endpoint
 from titan_lora.clients.kinds import EngineKind, LaunchRequest, engine_kind
 from titan_lora.clients.launch import EmbeddedEngine
 from titan_lora.clients.rollout import RolloutClient
@@ -34,6 +34,7 @@ from titan_lora.trainer.parallel import data_parallel_info
 from titan_lora.trainer.sft import SFTObjective
 from titan_lora.trainer.sft_data import SFTData
 from titan_lora.transfer.placement import choose_transport
+from titan_lora.transfer.transport import plain_buffer
 
 
 PROBE_SEED = 4242

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torchtitan.distributed.utils import clip_grad_norm_
 
-from titan_lora.compose import build_objective, build_sync, check_plugins, engine_side
+from titan_lora.compose import EngineSide, build_objective, build_sync, check_plugins, engine_side
 from titan_lora.config import process_group_timeout_s
 from titan_lora.lora.finite import NonFiniteAdapterError, first_nonfinite_adapter
 from titan_lora.sync.adapter_source import AdapterSource
@@ -54,17 +54,14 @@ class TrainingRun:
             max(job_config.checkpoint.keep_latest_k, 1),
         )
         side = engine_side(job_config, self.built, self.device)
-        # Full fine-tuning (no "lora" converter) trains and checkpoints nothing here but runs.
-        self.adapter = AdapterSource(
-            self.model, self.built.peft_layout, job_config.lora, job_config.weight_sync.lora_name,
-            self.built.hf_dir, lend=side.lend,
-        ) if "lora" in job_config.model.converters else None
-        self.step = self.checkpointer.load_latest() if job_config.checkpoint.enable else 0
-        self.syncer, engine = None, None
-        if job_config.weight_sync.enabled:
-            self.syncer, engine = build_sync(job_config, self.adapter, self.built, self.device, side)
-        self.objective = build_objective(job_config, self.built.hf_dir, self.dims, self.device, self.metrics,
-                                         engine)
+        try:
+            self._build_sync_side(job_config, side)
+            self.objective = build_objective(job_config, self.built.hf_dir, self.dims, self.device, self.metrics,
+                                             self.engine_rollouts)
+        except BaseException:
+            if side.engine is not None:  # started for this run: a failed start-up must not leave it behind
+                side.engine.stop()
+            raise
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.rollbacks = 0
         n_train = sum(p.numel() for p in self.trainable)
@@ -73,6 +70,18 @@ class TrainingRun:
             self.rank, dist.get_world_size(), self.device, f"{n_train:,}",
             100 * n_train / sum(p.numel() for p in self.model.parameters()), self.step,
         )
+
+    def _build_sync_side(self, job_config, side: EngineSide) -> None:  # noqa: ANN001
+        """The adapter source (gathering into the buffer the emitter lends), the resumed step, the syncer."""
+        # Full fine-tuning (no "lora" converter) trains and checkpoints nothing here but runs.
+        self.adapter = AdapterSource(
+            self.model, self.built.peft_layout, job_config.lora, job_config.weight_sync.lora_name,
+            self.built.hf_dir, lend=side.lend,
+        ) if "lora" in job_config.model.converters else None
+        self.step = self.checkpointer.load_latest() if job_config.checkpoint.enable else 0
+        self.syncer, self.engine_rollouts = None, None
+        if job_config.weight_sync.enabled:
+            self.syncer, self.engine_rollouts = build_sync(job_config, self.adapter, self.built, self.device, side)
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step; returns its metrics."""

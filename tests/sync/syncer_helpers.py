@@ -10,7 +10,6 @@ import torch
 import torch.distributed as dist
 from model_helpers import DEBUG_LORA, build_from, full_adapter, full_copy, job_config_from, randomize_adapters
 
-from titan_lora.clients.base import plain_buffer
 from titan_lora.clients.http import JsonClient
 from titan_lora.clients.launch import EmbeddedEngine
 from titan_lora.clients.vllm import VLLMBucketEmitter
@@ -21,6 +20,7 @@ from titan_lora.sync.adapter_source import AdapterSource
 from titan_lora.sync.base_stream import base_weights_source
 from titan_lora.sync.syncer import WeightSyncer
 from titan_lora.sync.versions import AdapterVersions
+from titan_lora.transfer.transport import plain_buffer
 
 SHIM_DIR = str(Path(__file__).parent.parent / "engines")
 CPU = torch.device("cpu")

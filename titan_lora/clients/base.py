@@ -85,10 +85,6 @@ class Emitter(Protocol):
         ...
 
 
-def plain_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, None]:
-    """`Emitter.lend_buffer` for emitters whose transport needs no special memory."""
-    return torch.zeros(numel, dtype=dtype, device=device), None
-
 
 @dataclasses.dataclass(frozen=True)
 class Endpoint:

@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from titan_lora.clients.base import AdapterPayload, Endpoint, plain_buffer
+from titan_lora.clients.base import AdapterPayload, Endpoint
 from titan_lora.clients.http import JsonClient
 from titan_lora.clients.vllm import VLLM, VLLMBucketEmitter
 from titan_lora.config import Engine, WeightSync
@@ -20,6 +20,7 @@ from titan_lora.export.peft import save_peft_dir
 from titan_lora.transfer import protocol
 from titan_lora.transfer.errors import check_name
 from titan_lora.transfer.protocol import Ack
+from titan_lora.transfer.transport import plain_buffer
 
 
 class DiskEmitter(VLLMBucketEmitter):

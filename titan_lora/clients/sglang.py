@@ -36,7 +36,7 @@ import torch
 import torch.multiprocessing  # noqa: F401  (registers torch's reducers on ForkingPickler)
 from torch.multiprocessing import reductions
 
-from titan_lora.clients.base import AdapterPayload, BaseTensors, Endpoint, base_items, plain_buffer
+from titan_lora.clients.base import AdapterPayload, BaseTensors, Endpoint, base_items
 from titan_lora.clients.kinds import EngineKind
 from titan_lora.clients.sglang_api import (
     LoadLoRAAdapterFromTensorsReqInput,
@@ -57,6 +57,7 @@ from titan_lora.clients.sglang_rollout import sglang_rollouts
 from titan_lora.transfer.buckets import Entry, bucket_size, pack, plan_buckets, stream_buckets
 from titan_lora.transfer.errors import EngineWeightsLost, TransferError
 from titan_lora.transfer.protocol import Ack, EngineLimits
+from titan_lora.transfer.transport import plain_buffer
 
 if TYPE_CHECKING:
     from titan_lora.config import Engine, WeightSync

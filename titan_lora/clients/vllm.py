@@ -3,7 +3,7 @@
 Bucket k is packed into buffer k % 2 while bucket k-1 is being copied out by the engine; a buffer is
 packed again only after the engine acknowledged that it copied the bucket it held (the overwrite
 race of verl #5934 cannot happen). A bucket whose tensors already lie in the shared buffer the payload
-names (the gatherer writes the adapter into one, from `transport.lend_buffer`) goes as it is, with no
+names (the gatherer writes the adapter into one this emitter lent it, `lend_buffer`) goes as it is, with no
 packing copy: that buffer is written again only by the next gather, after this transfer is acknowledged.
 The adapter's commit rides on its last bucket. Every bucket carries the checksum of its bytes as sent
 (`buckets.bucket_checksum`); the engine acks the checksum of the copy it holds, and any difference fails

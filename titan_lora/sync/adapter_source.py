@@ -8,7 +8,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from titan_lora.clients.base import AdapterPayload, plain_buffer
+from titan_lora.clients.base import AdapterPayload
 from titan_lora.config import LoRA
 from titan_lora.export.peft import (
     PeftLayout, peft_config, peft_name_and_rope, save_peft_dir, titan_rope_permute,
@@ -17,6 +17,7 @@ from titan_lora.lora.layer import adapter_params, lora_modules
 from titan_lora.lora.targets import hf_leaf_names, leaf_names_of
 from titan_lora.sync.gather import Lend, ShardGatherer
 from titan_lora.sync.versions import versioned_name
+from titan_lora.transfer.transport import plain_buffer
 
 
 class AdapterSource:

@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from titan_lora.clients.base import plain_buffer
 from titan_lora.transfer.buckets import ALIGN
 from titan_lora.transfer.host_copy import balanced_cut, in_two
+from titan_lora.transfer.transport import plain_buffer
 
 # Maps a tensor of output positions, laid out as the output wants the param, into the trainer's
 # layout of that param (e.g. undoing a row permutation), so the scatter writes the output layout.

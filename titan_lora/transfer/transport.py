@@ -13,6 +13,7 @@ import collections
 import contextlib
 import dataclasses
 import json
+import logging
 import threading
 from collections.abc import Iterator
 
@@ -21,8 +22,10 @@ import torch
 from titan_lora.transfer.transports.base import BucketBuffer, Fetcher, transport_named
 from titan_lora.transfer.transports.shm import SHM_DIR
 
+logger = logging.getLogger(__name__)
+
 __all__ = ["SHM_DIR", "BucketBuffer", "BufferCache", "TransportChoice", "lend_buffer", "make_buffers",
-           "offset_in"]
+           "offset_in", "plain_buffer"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,9 +54,18 @@ _LENT: list[BucketBuffer] = []
 
 @atexit.register
 def _unlink_lent() -> None:
-    """Remove the lent buffers' names at exit (the mappings go with the process)."""
+    """Remove the lent buffers' names at exit (the mappings go with the process); one that is already
+    gone does not keep the others."""
     for buf in _LENT:
-        buf.unlink()
+        try:
+            buf.unlink()
+        except OSError as err:
+            logger.warning("could not remove lent buffer %s: %s", buf.describe().get("name", buf.kind), err)
+
+
+def plain_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, None]:
+    """A zeroed tensor in ordinary memory and no buffer: what a lender gives when the engine needs none."""
+    return torch.zeros(numel, dtype=dtype, device=device), None
 
 
 def lend_buffer(numel: int, dtype: torch.dtype, device: torch.device,
@@ -64,8 +76,10 @@ def lend_buffer(numel: int, dtype: torch.dtype, device: torch.device,
     size = numel * torch.empty(0, dtype=dtype).element_size()
     try:
         buf = transport.buffer(size, device)
-    except (OSError, ValueError, RuntimeError):
-        return torch.zeros(numel, dtype=dtype, device=device), None
+    except (OSError, ValueError, RuntimeError) as err:  # the sync still works, with one packing copy
+        logger.warning("the gather writes into plain memory, not a %s buffer the engine maps (%s): each sync "
+                       "packs the adapter once more", transport.kind or "transport", err)
+        return plain_buffer(numel, dtype, device)
     _LENT.append(buf)
     return buf.tensor.zero_().view(dtype), buf
 
