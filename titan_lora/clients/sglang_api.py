@@ -15,12 +15,12 @@ import dataclasses
 import http.client
 import json
 import logging
-import math
 import time
 import urllib.parse
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+from titan_lora.clients.sglang_generate import GenerateOutput, GenerateReqInput, generate_output
 from titan_lora.transfer.errors import TransferError
 
 logger = logging.getLogger(__name__)
@@ -128,21 +128,6 @@ class GetWeightsByNameReqInput:
     truncate_size: int = 100
 
 
-@dataclasses.dataclass(frozen=True)
-class GenerateReqInput:
-    """The `/generate` fields titan_lora uses; `lora_path` is the adapter's served name.
-
-    One request (`input_ids` a list of ints) or a batch (a list of lists: SGLang answers a list, in
-    order); `sampling_params` is one dict for all, or one per prompt."""
-
-    text: str | None = None
-    input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
-    lora_path: str | None = None
-    return_logprob: bool | None = None
-    logprob_start_len: int | None = None
-
-
 def _body(req: object) -> dict[str, Any]:
     # None is every optional field's default, so leaving it out keeps the body minimal. No
     # dataclasses.asdict: it would deep-copy the (large) payload strings.
@@ -205,30 +190,6 @@ class ControlResult:
     success: bool
     message: str
     loaded_adapters: Mapping[str, Any] | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class GenerateOutput:
-    """One `/generate` answer, with per-token log-probs (`input_logprobs[0]` is None at position 0).
-
-    SGLang serializes with orjson, which writes a non-finite float as null: a null log-prob anywhere
-    else is read as -inf (a log-probability is never +inf).
-    """
-
-    text: str
-    output_ids: list[int]
-    output_logprobs: list[float]
-    input_logprobs: list[float | None]
-    finish_reason: Any
-    weight_version: str | None
-
-
-def _logprobs(entries: Sequence[Sequence[Any]] | None, first_is_none: bool) -> list[float | None]:
-    """The log-probs out of SGLang's [logprob, token_id, text] triples, null read as -inf."""
-    out: list[float | None] = [-math.inf if e[0] is None else float(e[0]) for e in entries or []]
-    if first_is_none and out:
-        out[0] = None  # the first prompt token has no log-prob at all
-    return out
 
 
 def _error_text(payload: Any) -> str:
@@ -483,17 +444,4 @@ class SGLangClient:
         if status != 200 or not all(isinstance(a, dict) and "meta_info" in a for a in answers):
             raise SGLangError(f"SGLang /generate failed ({status}) on adapter {req.lora_path!r}: "
                               f"{_error_text(out)}")
-        return [_generate_output(a, req.logprob_start_len == 0) for a in answers]
-
-
-def _generate_output(out: Mapping[str, Any], with_prompt: bool) -> GenerateOutput:
-    """One answer of `/generate` (a GenerateResponse of api/v1)."""
-    meta = out["meta_info"]
-    return GenerateOutput(
-        text=out.get("text", ""),
-        output_ids=list(out.get("output_ids") or []),
-        output_logprobs=_logprobs(meta.get("output_token_logprobs"), False),  # type: ignore[arg-type]
-        input_logprobs=_logprobs(meta.get("input_token_logprobs"), with_prompt),
-        finish_reason=meta.get("finish_reason"),
-        weight_version=meta.get("weight_version"),
-    )
+        return [generate_output(a, req.logprob_start_len == 0) for a in answers]

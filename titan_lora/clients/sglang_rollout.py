@@ -21,13 +21,8 @@ import logging
 
 from titan_lora.clients.base import Endpoint
 from titan_lora.clients.rollout import Completion
-from titan_lora.clients.sglang_api import (
-    GenerateOutput,
-    GenerateReqInput,
-    SGLangClient,
-    SGLangError,
-    SGLangTimeout,
-)
+from titan_lora.clients.sglang_api import SGLangClient, SGLangError, SGLangTimeout
+from titan_lora.clients.sglang_generate import GenerateOutput, GenerateReqInput
 from titan_lora.config import WeightSync
 
 logger = logging.getLogger(__name__)
