@@ -395,8 +395,8 @@ class TcpFetcher(Fetcher):
              deadline: float) -> None:
         """One request on `sock`; kept for reuse after a complete reply, closed after anything else."""
         try:
-            _settimeout(sock, deadline)
             try:
+                _settimeout(sock, deadline)
                 sock.sendall(request)
             except TimeoutError:
                 raise TimeoutError(f"the trainer's tcp bucket server at {addr[0]}:{addr[1]} took no request "
