@@ -5,8 +5,9 @@ that hands out byte ranges of its registered buffers. A descriptor names the add
 an unguessable per-buffer token (only a process that was handed the descriptor can read the buffer)
 and its size. The engine side connects (connections are kept and reused), asks for the bucket's range
 and receives it straight into its host slab (`recv_into`); the trainer sends from the tensor's own
-memory, a CUDA buffer staged to host first. The bytes are fetched per bucket, so the engine holds no
-copy that a later bucket could be served from.
+memory, a CUDA buffer through one fixed pinned staging buffer per server. The bytes are fetched per
+bucket, so the engine holds no copy that a later bucket could be served from. The engine fetches from
+one trainer host only (the first that served it). Nothing is encrypted: use tcp on a private network.
 
 Wire format, big-endian. Request: MAGIC, buffer id (16 bytes), token (16 bytes), offset (u64),
 nbytes (u64). Reply: MAGIC, status (u8: 0 ok, 1 refused), length (u64), then `length` bytes: the range,
