@@ -139,6 +139,18 @@ def test_tcp_buckets_need_no_shared_memory() -> None:
     assert remote.engine.transport == "auto", "auto takes tcp for a remote engine: /dev/shm is not sized"
 
 
+def test_cuda_ipc_on_a_trainer_without_cuda_is_refused_when_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from titan_lora.transfer.transports.cuda_ipc import CudaIpcBuffer
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r'transport = "cuda_ipc" shares GPU memory.*no CUDA device: use "auto"'):
+        job_config_from(_sync("", engine='transport = "cuda_ipc"'))
+    with pytest.raises(ValueError, match=r"trainer's device is cpu: set \[engine\] transport = \"auto\""):
+        CudaIpcBuffer(64, torch.device("cpu"))
+
+
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_config_is_rejected_when_read(case: str) -> None:
     toml, must_mention = BAD[case]

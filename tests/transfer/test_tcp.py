@@ -180,6 +180,7 @@ def test_auto_keeps_the_device_default_on_this_host_and_takes_tcp_elsewhere() ->
         transport_kind("rdma", "")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_a_cuda_buffer_is_staged_to_host_and_served() -> None:
     b = tcp.TcpBuffer(1 << 16, torch.device("cuda"))
@@ -190,3 +191,135 @@ def test_a_cuda_buffer_is_staged_to_host_and_served() -> None:
             assert torch.equal(got, b.tensor[128 : 128 + 4096].cpu())
     finally:
         b.close()
+
+
+def _wait_until(condition, timeout_s: float = 5.0) -> bool:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_stalled_connections_are_capped_and_dropped(buf: tcp.TcpBuffer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tcp, "HEADER_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(tcp, "MAX_CONNECTIONS", 4)
+    server, desc = buf._server, buf.describe(0)
+    stalled = [socket.create_connection((desc["host"], desc["port"])) for _ in range(20)]
+    try:
+        for s in stalled:
+            s.sendall(b"TL")  # 2 bytes of a request header, then nothing
+        assert _wait_until(lambda: len(server._handlers) == 4), "at most MAX_CONNECTIONS handler threads"
+        refused = [s for s in stalled if s.recv(4096).startswith(tcp.MAGIC)]
+        assert len(refused) >= 16, "connections past the cap are told so and closed"
+        assert _wait_until(lambda: not server._handlers, 3.0), "a stalled header read ends"
+    finally:
+        for s in stalled:
+            s.close()
+    buf.tensor[:8] = 5
+    out = torch.empty(8, dtype=torch.uint8)
+    tcp.TcpFetcher().fetch(desc, 0, out)
+    assert int(out.sum()) == 40, "the server still serves after the stalled ones went"
+
+
+def test_keepalive_is_on_for_both_ends(buf: tcp.TcpBuffer) -> None:
+    fetcher, desc = tcp.TcpFetcher(), buf.describe(0)
+    fetcher.fetch(desc, 0, torch.empty(4, dtype=torch.uint8))
+    kept = fetcher._idle[(desc["host"], desc["port"])][0]
+    assert kept.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
+    served = list(buf._server._handlers.values())
+    assert served and all(s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) for s in served)
+
+
+def test_cuda_ranges_go_through_one_fixed_staging_buffer(buf: tcp.TcpBuffer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA path's logic on host memory: every range is staged, the staging never grows."""
+    allocated: list[int] = []
+    monkeypatch.setattr(tcp, "_needs_staging", lambda view: True)
+    monkeypatch.setattr(tcp, "_pinned", lambda n: allocated.append(n) or torch.empty(n, dtype=torch.uint8))
+    monkeypatch.setattr(tcp, "STAGING_BYTES", 1000)
+    buf.tensor.copy_(torch.arange(buf.size).to(torch.uint8))
+    desc, results = buf.describe(0), {}
+
+    def fetch(i: int) -> None:
+        out = torch.empty(4096 + i * 777, dtype=torch.uint8)
+        tcp.TcpFetcher().fetch(desc, 100 * i, out)
+        results[i] = torch.equal(out, buf.tensor[100 * i : 100 * i + out.numel()])
+
+    threads = [threading.Thread(target=fetch, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert results == {i: True for i in range(6)}
+    assert allocated == [1000], "one staging buffer per server, of STAGING_BYTES, whatever the ranges"
+
+
+def test_a_server_stops_when_its_last_buffer_closes() -> None:
+    first = tcp.TcpBuffer(64, CPU, host="127.0.0.5")
+    second = tcp.TcpBuffer(64, CPU, host="127.0.0.5")
+    desc = first.describe(0)
+    fetcher = tcp.TcpFetcher()
+    fetcher.fetch(desc, 0, torch.empty(8, dtype=torch.uint8))  # leaves a kept connection being served
+    handlers = list(first._server._handlers)
+    first.close()
+    fetcher.fetch(second.describe(0), 0, torch.empty(8, dtype=torch.uint8))
+    second.close()
+    assert ("127.0.0.5", 0) not in tcp._SERVERS
+    assert not any(t.is_alive() for t in handlers), "the idle connection's handler was ended and joined"
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.5", desc["port"]), timeout=2).close()
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        socket.create_server(("::1", 0), family=socket.AF_INET6).close()
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback here")
+def test_an_ipv6_host_is_served() -> None:
+    b = tcp.TcpBuffer(64, CPU, host="::1")
+    try:
+        b.tensor[:] = 6
+        out = torch.empty(64, dtype=torch.uint8)
+        tcp.TcpFetcher().fetch(json.loads(json.dumps(b.describe(0))), 0, out)
+        assert b.describe()["host"] == "::1" and int(out.sum()) == 6 * 64
+    finally:
+        b.close()
+
+
+def test_a_refusal_too_long_to_read_whole_closes_the_connection() -> None:
+    why = b"r" * 5000
+    listener, done = _fake_server(tcp._REPLY.pack(tcp.MAGIC, 1, len(why)) + why, close=False)
+    fetcher, desc = tcp.TcpFetcher(), _desc_at(listener)
+    with listener, pytest.raises(tcp.TcpRefused, match="refused: r{4096}$"):
+        fetcher.fetch(desc, 0, torch.empty(8, dtype=torch.uint8))
+    assert not fetcher._idle.get(("127.0.0.1", desc["port"])), "a connection out of step is not kept"
+    done.set()
+
+
+def test_a_kept_socket_that_fails_is_replaced_once(buf: tcp.TcpBuffer) -> None:
+    fetcher, desc = tcp.TcpFetcher(), buf.describe(0)
+    broken = socket.socket()
+    broken.close()  # any OSError, not only a reset: here EBADF
+    fetcher._idle[(desc["host"], desc["port"])] = [broken]
+    buf.tensor[:16] = 2
+    out = torch.empty(16, dtype=torch.uint8)
+    fetcher.fetch(desc, 0, out)
+    assert int(out.sum()) == 32
+
+
+def test_the_engine_fetches_only_from_the_first_trainer_host_that_served_it(buf: tcp.TcpBuffer) -> None:
+    fetcher, desc = tcp.TcpFetcher(), buf.describe(0)
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        port = s.getsockname()[1]
+    with pytest.raises(ConnectionError):
+        fetcher.fetch({**desc, "host": "127.0.0.2", "port": port}, 0, torch.empty(8, dtype=torch.uint8))
+    assert fetcher.trainer_host is None, "a failed fetch pins nothing"
+    fetcher.fetch(desc, 0, torch.empty(8, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="names trainer host '127.0.0.2', but this engine fetches only from "
+                                         "'127.0.0.1'.*restart the engine"):
+        fetcher.fetch({**desc, "host": "127.0.0.2"}, 0, torch.empty(8, dtype=torch.uint8))

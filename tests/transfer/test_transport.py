@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from titan_lora.transfer import transport
-from titan_lora.transfer.transports import cuda_ipc, shm
+from titan_lora.transfer.transports import base, cuda_ipc, shm
 from titan_lora.transfer.transport import BucketBuffer, BufferCache, lend_buffer, make_buffers, offset_in
 
 
@@ -179,6 +179,7 @@ class _TorchOnCuda:
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> _TorchOnCuda:
     fake = _TorchOnCuda()
     monkeypatch.setattr(cuda_ipc, "torch", fake)
+    monkeypatch.setattr(base, "torch", fake)  # BucketBuffer.synchronize waits on the CUDA stream
     fake.reduced = []
     monkeypatch.setattr(cuda_ipc.reductions, "reduce_tensor",
                         lambda t: fake.reduced.append(t) or ("rebuild", _REDUCED))

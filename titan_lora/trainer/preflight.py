@@ -63,9 +63,13 @@ def check_transport(engine: Engine, kind: EngineKind) -> str | None:
         raise ValueError(f"[engine] transport = {engine.transport!r}: kind {engine.kind!r} does not send "
                          "buckets, so no transport applies; remove the key (it applies to vllm and receiver)")
     try:
-        return transport_kind(engine.transport, engine.url)
+        transport = transport_kind(engine.transport, engine.url)
     except ValueError as err:
         raise ValueError(f'[engine] transport = {engine.transport!r}: {err}; or "auto"') from None
+    if transport == "cuda_ipc" and not torch.cuda.is_available():
+        raise ValueError('[engine] transport = "cuda_ipc" shares GPU memory, but this trainer has no CUDA '
+                         'device: use "auto" (shared memory on this host) or "shm"')
+    return transport
 
 
 def check_engine(job_config, targets: list[str] | None) -> None:  # noqa: ANN001

@@ -73,7 +73,10 @@ class BucketBuffer(abc.ABC):
         return {**self._desc, "offset": offset}
 
     def synchronize(self) -> None:
-        """Make packed bytes visible to the other process (host memory needs nothing)."""
+        """Make packed bytes visible to the other process: wait for the packing kernels of a CUDA buffer,
+        which the engine (or the tcp server thread) reads on its own stream; host memory needs nothing."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def unlink(self) -> None:
         """Remove the name engines open this buffer by; mappings already made stay valid."""

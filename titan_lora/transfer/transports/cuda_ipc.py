@@ -20,6 +20,9 @@ class CudaIpcBuffer(BucketBuffer):
     kind = "cuda_ipc"
 
     def _allocate(self) -> torch.Tensor:
+        if self.device.type != "cuda":
+            raise ValueError(f"cuda_ipc buffers live in GPU memory, but the trainer's device is "
+                             f"{self.device}: set [engine] transport = \"auto\" (or \"shm\") for a CPU trainer")
         return torch.empty(self.size, dtype=torch.uint8, device=self.device)
 
     def _fields(self) -> dict:
@@ -31,10 +34,6 @@ class CudaIpcBuffer(BucketBuffer):
                 "handle": _b64(handle), "storage_bytes": storage_bytes, "storage_offset": storage_offset,
                 "ref_handle": _b64(ref_handle), "ref_offset": ref_offset,
                 "event_handle": _b64(event_handle) if event_handle else "", "event_sync": event_sync}
-
-    def synchronize(self) -> None:
-        """Wait for the packing kernels: the engine reads the bytes on its own stream."""
-        torch.cuda.current_stream(self.device).synchronize()
 
 
 class CudaIpcOpener(Opener):
