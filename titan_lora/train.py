@@ -19,6 +19,7 @@ from torchtitan.distributed.utils import clip_grad_norm_
 from titan_lora.compose import build_objective, build_sync, check_plugins, engine_side
 from titan_lora.config import process_group_timeout_s
 from titan_lora.lora.finite import NonFiniteAdapterError, first_nonfinite_adapter
+from titan_lora.rl.task import Task
 from titan_lora.sync.adapter_source import AdapterSource
 from titan_lora.trainer.build import build_model
 from titan_lora.trainer.checkpoint import AdapterCheckpointer
@@ -30,9 +31,11 @@ logger = logging.getLogger("titan_lora")
 
 
 class TrainingRun:
-    """Everything one job needs, built in data-flow order: config, model, optimizer, data, sync."""
+    """Everything one job needs, built in data-flow order: config, model, optimizer, data, sync.
 
-    def __init__(self, job_config) -> None:  # noqa: ANN001 (torchtitan's merged JobConfig)
+    `task` is what `check_plugins` built (None when the job uses no task)."""
+
+    def __init__(self, job_config, task: Task | None = None) -> None:  # noqa: ANN001 (torchtitan's JobConfig)
         self.cfg = job_config
         self.device = device_for_rank()
         init_distributed(self.device, process_group_timeout_s(job_config.weight_sync))
@@ -62,9 +65,9 @@ class TrainingRun:
         self.step = self.checkpointer.load_latest() if job_config.checkpoint.enable else 0
         self.syncer, engine = None, None
         if job_config.weight_sync.enabled:
-            self.syncer, engine = build_sync(job_config, self.adapter, self.built, self.device, side)
+            self.syncer, engine = build_sync(job_config, self.adapter, self.built, self.device, side, task)
         self.objective = build_objective(job_config, self.built.hf_dir, self.dims, self.device, self.metrics,
-                                         engine)
+                                         engine, task)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.rollbacks = 0
         n_train = sum(p.numel() for p in self.trainable)
@@ -163,11 +166,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     try:
         job_config = load_job_config(sys.argv[1:] if argv is None else argv)
-        check_plugins(job_config)
+        task = check_plugins(job_config)
     except (ValueError, FileNotFoundError) as err:
         print(f"titan_lora: config error: {err}", file=sys.stderr)
         sys.exit(2)
-    run = TrainingRun(job_config)
+    run = TrainingRun(job_config, task)
     try:
         run.train()
     finally:
