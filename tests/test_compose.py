@@ -164,7 +164,8 @@ def _wire(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, rank: int = 0, tied: 
     adapter, device = object(), torch.device("cpu")
     _FakeSyncer.made.clear()
     side = compose.engine_side(job_config, built, device)
-    syncer, rollouts = compose.build_sync(job_config, adapter, built, device, side)
+    task = compose.check_plugins(job_config)
+    syncer, rollouts = compose.build_sync(job_config, adapter, built, device, side, task)
     assert syncer is _FakeSyncer.made[-1] and syncer.checked
     assert loaded == ([str(tmp_path / "hf")] if ws.get("parity_every") else [])
     assert syncer.source is adapter and syncer.device == device
@@ -270,7 +271,7 @@ def test_the_task_and_reward_are_resolved_before_anything_is_built() -> None:
     from titan_lora.config import GRPO
 
     def job(**grpo) -> types.SimpleNamespace:  # noqa: ANN003
-        return types.SimpleNamespace(grpo=GRPO(**grpo), task={})
+        return types.SimpleNamespace(grpo=GRPO(**grpo), task={}, weight_sync=WeightSync())
 
     check_plugins(job(enabled=True, task="reverse", reward="exact_match"))
     check_plugins(job(enabled=False, task="nope"))  # no GRPO: nothing to resolve
@@ -279,6 +280,25 @@ def test_the_task_and_reward_are_resolved_before_anything_is_built() -> None:
         check_plugins(job(enabled=True, task="nope"))
     with pytest.raises(ValueError, match=r"^\[grpo\] reward = 'exact' is not registered; known: .*exact_match"):
         check_plugins(job(enabled=True, reward="exact"))
+
+
+def test_an_sft_job_with_the_parity_probe_checks_the_task_it_scores() -> None:
+    import types
+
+    from titan_lora.compose import check_plugins
+    from titan_lora.rl.word import WordProblemsTask
+
+    def job(ws: WeightSync, **task) -> types.SimpleNamespace:  # noqa: ANN003
+        return types.SimpleNamespace(grpo=GRPO(task="word_problems"), task=task, weight_sync=ws)
+
+    probing = WeightSync(enabled=True, parity_every=2)
+    with pytest.raises(ValueError, match=r"^\[task\] max_number = 1: use an integer >= 2"):
+        check_plugins(job(probing, max_number=1))
+    with pytest.raises(ValueError, match=r"^\[task\] has an unknown key 'stepz'"):
+        check_plugins(job(probing, stepz=3))
+    assert check_plugins(job(probing, max_number=3)) == WordProblemsTask(2, 3), "the task the probe scores"
+    for ws in (WeightSync(enabled=True, parity_every=0), WeightSync(enabled=False, parity_every=2)):
+        assert check_plugins(job(ws, max_number=1)) is None, "no probe and no GRPO: no task is used"
 
 
 def test_the_emitter_lends_the_gather_buffer(tmp_path: Path) -> None:

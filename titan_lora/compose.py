@@ -128,11 +128,12 @@ def engine_side(job_config, built, device: torch.device) -> EngineSide:  # noqa:
 
 
 def build_sync(job_config, adapter: AdapterSource, built, device: torch.device,  # noqa: ANN001
-               side: EngineSide) -> tuple[WeightSyncer, EngineRollouts]:
-    """Collective: the syncer over `side` (from `engine_side`), and what objectives may use."""
-    probe_task = configured_task(job_config) if job_config.weight_sync.parity_every else None
+               side: EngineSide, task: Task | None) -> tuple[WeightSyncer, EngineRollouts]:
+    """Collective: the syncer over `side` (from `engine_side`), and what objectives may use.
+
+    `task` is what `check_plugins` built: the parity probe scores its prompts."""
     syncer = build_syncer(job_config.weight_sync, side, adapter, built.model, built.sd_adapter, built.hf_dir,
-                          device, probe_task)
+                          device, task)
     return syncer, EngineRollouts(side.rollouts, syncer.versions, syncer.with_engine)
 
 
@@ -141,24 +142,35 @@ def configured_task(job_config) -> Task:  # noqa: ANN001
     return build_task(job_config.grpo, job_config.task)
 
 
-def check_plugins(job_config) -> None:  # noqa: ANN001
+def task_in_use(job_config) -> bool:  # noqa: ANN001
+    """Whether the job uses `[grpo] task`: GRPO trains on it, or the parity probe scores its prompts."""
+    ws = job_config.weight_sync
+    return job_config.grpo.enabled or (ws.enabled and bool(ws.parity_every))
+
+
+def check_plugins(job_config) -> Task | None:  # noqa: ANN001
     """Resolve the `[grpo]` task and reward by name, and let the task check `[task]`, before anything is
-    built (a typo or a bad data file fails in seconds)."""
-    if job_config.grpo.enabled:
-        configured_task(job_config).problems(1, 0)
-        if job_config.grpo.reward:
-            get_reward(job_config.grpo.reward)
+    built (a typo or a bad data file fails in seconds).
+
+    Returns the task, built once here for the objective and the parity probe; None when neither uses it."""
+    if not task_in_use(job_config):
+        return None
+    task = configured_task(job_config)
+    task.problems(1, 0)
+    if job_config.grpo.enabled and job_config.grpo.reward:
+        get_reward(job_config.grpo.reward)
+    return task
 
 
 def build_objective(job_config, hf_dir: str, dims, device: torch.device, metrics: MetricsLogger,  # noqa: ANN001
-                    engine: EngineRollouts | None) -> Objective:
-    """The objective the job config asks for: GRPO (`[grpo] enabled`), else SFT."""
+                    engine: EngineRollouts | None, task: Task | None) -> Objective:
+    """The objective the job config asks for: GRPO (`[grpo] enabled`) on `task` (from `check_plugins`),
+    else SFT."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     dp = data_parallel_info(dims)
     if job_config.grpo.enabled:
-        task = configured_task(job_config)
         return GRPOObjective(job_config.grpo, task, tokenizer, engine, dp, device, metrics)
     training = job_config.training
     global_batch = training.global_batch_size

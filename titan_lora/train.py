@@ -19,6 +19,7 @@ from torchtitan.distributed.utils import clip_grad_norm_
 from titan_lora.compose import EngineSide, build_objective, build_sync, check_plugins, engine_side
 from titan_lora.config import process_group_timeout_s
 from titan_lora.lora.finite import NonFiniteAdapterError, first_nonfinite_adapter
+from titan_lora.rl.task import Task
 from titan_lora.sync.adapter_source import AdapterSource
 from titan_lora.trainer.build import build_model
 from titan_lora.trainer.checkpoint import AdapterCheckpointer
@@ -30,9 +31,11 @@ logger = logging.getLogger("titan_lora")
 
 
 class TrainingRun:
-    """Everything one job needs, built in data-flow order: config, model, optimizer, data, sync."""
+    """Everything one job needs, built in data-flow order: config, model, optimizer, data, sync.
 
-    def __init__(self, job_config) -> None:  # noqa: ANN001 (torchtitan's merged JobConfig)
+    `task` is what `check_plugins` built (None when the job uses no task)."""
+
+    def __init__(self, job_config, task: Task | None = None) -> None:  # noqa: ANN001 (torchtitan's JobConfig)
         self.cfg = job_config
         self.device = device_for_rank()
         init_distributed(self.device, process_group_timeout_s(job_config.weight_sync))
@@ -55,9 +58,9 @@ class TrainingRun:
         )
         side = engine_side(job_config, self.built, self.device)
         try:
-            self._build_sync_side(job_config, side)
+            self._build_sync_side(job_config, side, task)
             self.objective = build_objective(job_config, self.built.hf_dir, self.dims, self.device, self.metrics,
-                                             self.engine_rollouts)
+                                             self.engine_rollouts, task)
         except BaseException:
             if side.engine is not None:  # started for this run: a failed start-up must not leave it behind
                 side.engine.stop()
@@ -71,7 +74,7 @@ class TrainingRun:
             100 * n_train / sum(p.numel() for p in self.model.parameters()), self.step,
         )
 
-    def _build_sync_side(self, job_config, side: EngineSide) -> None:  # noqa: ANN001
+    def _build_sync_side(self, job_config, side: EngineSide, task: Task | None) -> None:  # noqa: ANN001
         """The adapter source (gathering into the buffer the emitter lends), the resumed step, the syncer."""
         # Full fine-tuning (no "lora" converter) trains and checkpoints nothing here but runs.
         self.adapter = AdapterSource(
@@ -81,7 +84,8 @@ class TrainingRun:
         self.step = self.checkpointer.load_latest() if job_config.checkpoint.enable else 0
         self.syncer, self.engine_rollouts = None, None
         if job_config.weight_sync.enabled:
-            self.syncer, self.engine_rollouts = build_sync(job_config, self.adapter, self.built, self.device, side)
+            self.syncer, self.engine_rollouts = build_sync(job_config, self.adapter, self.built, self.device, side,
+                                                           task)
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step; returns its metrics."""
@@ -172,11 +176,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     try:
         job_config = load_job_config(sys.argv[1:] if argv is None else argv)
-        check_plugins(job_config)
+        task = check_plugins(job_config)
     except (ValueError, FileNotFoundError) as err:
         print(f"titan_lora: config error: {err}", file=sys.stderr)
         sys.exit(2)
-    run = TrainingRun(job_config)
+    run = TrainingRun(job_config, task)
     try:
         run.train()
     finally:

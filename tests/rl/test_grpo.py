@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from titan_lora.rl.extract import last_number
 from titan_lora.rl.grpo import clipped_policy_loss, group_advantages, k3_kl
 from titan_lora.rl.rewards import get_reward, register_reward
 from titan_lora.rl.task import Problem, train_and_heldout
-from titan_lora.rl.tasks import ArithTask, exact_match, make_problems, parse_answer
+from titan_lora.rl.tasks import ArithTask, exact_match, make_problems
 
 
 def test_group_advantages_normalise_within_each_group():
@@ -60,8 +61,8 @@ def test_tasks_are_seeded_and_heldout_is_disjoint():
     assert make_problems(5, seed=3) == make_problems(5, seed=3)
     train, held = train_and_heldout(ArithTask(max_digits=2), 100, 30, seed=0)
     assert not {p.question for p in train} & {p.question for p in held}
-    assert parse_answer("12 + 7 = 19.") == 19 and parse_answer("minus -3") == -3
-    assert parse_answer("none") is None
+    assert last_number("12 + 7 = 19.") == "19" and last_number("minus -3") == "-3"
+    assert last_number("none") is None
     assert exact_match("The answer is 8", Problem("What is 5 + 3?", 8)) == 1.0
     assert exact_match("8, or 9", Problem("What is 5 + 3?", 8)) == 0.0
 

@@ -15,7 +15,7 @@ from titan_lora.config import GRPO
 from titan_lora.rl.jsonl import JsonlTask, jsonl_task, read_jsonl
 from titan_lora.rl.objective import GRPOObjective
 from titan_lora.rl.rewards import get_reward
-from titan_lora.rl.task import Problem, build_task, task_prompt, train_and_heldout
+from titan_lora.rl.task import Problem, Task, build_task, task_prompt, train_and_heldout
 from titan_lora.trainer.parallel import DataParallelInfo
 
 
@@ -193,17 +193,12 @@ def test_a_bad_task_section_fails_before_the_model_is_built(tmp_path: Path, task
     assert message.replace("{d}", str(tmp_path)) in str(err.value)
 
 
-def test_the_parity_probe_scores_the_configured_tasks_prompts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import types
-
+def _fake_sync(monkeypatch: pytest.MonkeyPatch) -> list[list[list[int]]]:
+    """The syncer, base stream and tokenizer faked in `compose`: the batches the parity probe is given."""
     import transformers
 
     from titan_lora import compose
 
-    path = write_jsonl(tmp_path / "d.jsonl", qa(20, system="Be brief."))
-    cfg = job_config_from(DEBUG_LORA + GRPO_JSONL + f'[task]\npath = "{path}"\n'
-                          '[engine]\nkind = "receiver"\n[weight_sync]\nenabled = true\nparity_every = 1\n')
-    (tmp_path / "config.json").write_text("{}")
     probed: list[list[list[int]]] = []
 
     class Syncer:
@@ -217,10 +212,65 @@ def test_the_parity_probe_scores_the_configured_tasks_prompts(tmp_path: Path, mo
     monkeypatch.setattr(compose, "ParityProbe", lambda model, seqs, *args: probed.append(seqs))
     monkeypatch.setattr(compose, "WeightSyncer", Syncer)
     monkeypatch.setattr(compose, "base_weights_source", lambda *args: None)
+    return probed
+
+
+PROBED_JSONL = '[engine]\nkind = "receiver"\n[weight_sync]\nenabled = true\nparity_every = 1\n'
+
+
+def test_the_parity_probe_scores_the_configured_tasks_prompts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    from titan_lora import compose
+
+    path = write_jsonl(tmp_path / "d.jsonl", qa(20, system="Be brief."))
+    cfg = job_config_from(DEBUG_LORA + GRPO_JSONL + f'[task]\npath = "{path}"\n' + PROBED_JSONL)
+    (tmp_path / "config.json").write_text("{}")
+    probed = _fake_sync(monkeypatch)
     built = types.SimpleNamespace(hf_dir=str(tmp_path), model=None, sd_adapter=None)
-    compose.build_sync(cfg, None, built, torch.device("cpu"), compose.EngineSide())
+    compose.build_sync(cfg, None, built, torch.device("cpu"), compose.EngineSide(), check_plugins(cfg))
     texts = ["".join(map(chr, s)) for s in probed[0]]
     task = configured_task(cfg)
     assert texts == [f"<system>Be brief.<user>{p.question}<assistant>{p.answer}</s>"
                      for p in task.problems(4, compose.PROBE_SEED)]
     assert {t.split("<user>")[1].split("<")[0] for t in texts} <= {p.question for p in task.train}
+
+
+def test_the_file_is_read_once_for_the_objective_and_the_probe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    from titan_lora import compose, train
+    from titan_lora.rl import jsonl
+
+    path = write_jsonl(tmp_path / "d.jsonl", qa(20))
+    (tmp_path / "job.toml").write_text(DEBUG_LORA + GRPO_JSONL + f'[task]\npath = "{path}"\n' + PROBED_JSONL)
+    (tmp_path / "config.json").write_text("{}")
+    reads: list[str] = []
+    read = jsonl.read_jsonl
+    monkeypatch.setattr(jsonl, "read_jsonl", lambda path, key: (reads.append(path), read(path, key))[1])
+    runs = []
+
+    class Run:
+        def __init__(self, job_config, task: Task | None) -> None:  # noqa: ANN001
+            runs.append((job_config, task))
+
+        def train(self) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(train, "TrainingRun", Run)
+    monkeypatch.setattr(train.signal, "signal", lambda *args: None)
+    train.main(["--job.config_file", str(tmp_path / "job.toml")])
+    [(cfg, task)] = runs
+    assert isinstance(task, JsonlTask) and reads == [str(path)], "checked before the run, and handed to it"
+    probed = _fake_sync(monkeypatch)
+    monkeypatch.setattr(compose, "GRPOObjective", lambda grpo, task, *args: task)
+    built = types.SimpleNamespace(hf_dir=str(tmp_path), model=None, sd_adapter=None)
+    compose.build_sync(cfg, None, built, torch.device("cpu"), compose.EngineSide(), task)
+    dims = types.SimpleNamespace(get_optional_mesh=lambda name: None)
+    assert compose.build_objective(cfg, str(tmp_path), dims, torch.device("cpu"), None, None, task) is task
+    assert reads == [str(path)], "the objective and the probe use the task check_plugins built"
+    assert ["".join(map(chr, s)) for s in probed[0]] == [
+        f"<user>{p.question}<assistant>{p.answer}</s>" for p in task.problems(4, compose.PROBE_SEED)]

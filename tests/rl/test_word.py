@@ -67,6 +67,23 @@ def test_the_task_section_sets_the_difficulty_and_the_split_is_disjoint() -> Non
         build_task(cfg, {"max_number": True})
 
 
+@pytest.mark.parametrize("max_number", [1, 0, -3])
+def test_a_max_number_no_story_can_start_from_is_refused_before_the_model_is_built(max_number: int) -> None:
+    from model_helpers import DEBUG_LORA, job_config_from
+
+    from titan_lora.compose import check_plugins
+
+    with pytest.raises(ValueError) as err:
+        build_task(GRPO(task="word_problems"), {"max_number": max_number})
+    assert str(err.value) == (f"[task] max_number = {max_number}: use an integer >= 2 "
+                              "(defaults: steps = 2, max_number = 9)")
+    cfg = job_config_from(DEBUG_LORA + '[grpo]\nenabled = true\nrollouts = false\ntask = "word_problems"\n'
+                          f"[task]\nmax_number = {max_number}\n")
+    with pytest.raises(ValueError, match=rf"^\[task\] max_number = {max_number}: use an integer >= 2"):
+        check_plugins(cfg)
+    assert build_task(GRPO(task="word_problems"), {"max_number": 2}).problems(50, seed=0)[0].answer >= 0
+
+
 def test_the_shipped_config_runs_word_problems_with_room_for_the_answers() -> None:
     from pathlib import Path
 

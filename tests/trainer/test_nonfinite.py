@@ -60,7 +60,7 @@ def _run(policy: str, dump: Path, nan_step: int = NAN_STEP):  # noqa: ANN202
 
     syncer = FakeSyncer()
     train.engine_side = lambda job_config, built, device: EngineSide()  # no engine: the syncer is a fake
-    train.build_sync = lambda job_config, adapter, built, device, side: (syncer, None)
+    train.build_sync = lambda job_config, adapter, built, device, side, task: (syncer, None)
     cfg = job_config_from(
         _toml(policy, dump / "adapter"), f"--job.dump_folder={dump}", "--training.steps=5",
         "--training.global_batch_size=8", "--training.local_batch_size=4",

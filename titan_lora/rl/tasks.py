@@ -6,7 +6,7 @@ import dataclasses
 import random
 
 from titan_lora.config import GRPO
-from titan_lora.rl.extract import is_correct, last_number
+from titan_lora.rl.extract import is_correct
 from titan_lora.rl.task import Problem
 
 INSTRUCTION = "Answer with just the number."
@@ -21,12 +21,6 @@ def make_problems(n: int, seed: int, max_digits: int = 1, ops: str = "+-") -> li
         a, b, op = rng.randint(0, hi), rng.randint(0, hi), rng.choice(ops)
         out.append(Problem(f"What is {a} {op} {b}?", a + b if op == "+" else a - b))
     return out
-
-
-def parse_answer(text: str) -> int | None:
-    """The completion's last number when it is an integer, or None."""
-    found = last_number(text)
-    return int(found) if found is not None and "." not in found else None
 
 
 def exact_match(completion: str, problem: Problem) -> float:

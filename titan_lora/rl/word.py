@@ -21,7 +21,8 @@ LOSSES = ("gives away {n}", "loses {n}", "sells {n}")
 
 @dataclasses.dataclass(frozen=True)
 class WordProblemsTask:
-    """A count, then `steps` gains or losses of 1..max_number each; the answer is the final count."""
+    """A count of 2..max_number, then `steps` gains or losses of 1..max_number each; the answer is the final
+    count."""
 
     steps: int = 2
     max_number: int = 9
@@ -56,9 +57,9 @@ class WordProblemsTask:
 
 
 def word_problems_task(cfg: GRPO, *, steps: int = 2, max_number: int = 9) -> WordProblemsTask:
-    """The task from `[task] steps` (>= 1) and `max_number` (>= 1)."""
-    for key, value in (("steps", steps), ("max_number", max_number)):
-        if value < 1:
-            raise ValueError(f"[task] {key} = {value}: use an integer >= 1 "
+    """The task from `[task] steps` (>= 1) and `max_number` (>= 2: a story starts from 2..max_number)."""
+    for key, value, least in (("steps", steps, 1), ("max_number", max_number, 2)):
+        if value < least:
+            raise ValueError(f"[task] {key} = {value}: use an integer >= {least} "
                              "(defaults: steps = 2, max_number = 9)")
     return WordProblemsTask(steps, max_number)
