@@ -19,11 +19,12 @@ from torchtitan.distributed.utils import clip_grad_norm_
 from titan_lora.compose import build_objective, build_sync, check_plugins, engine_side
 from titan_lora.config import process_group_timeout_s
 from titan_lora.lora.finite import NonFiniteAdapterError, first_nonfinite_adapter
+from titan_lora.models.resolve import ResolvedModel
 from titan_lora.sync.adapter_source import AdapterSource
 from titan_lora.trainer.build import build_model
 from titan_lora.trainer.checkpoint import AdapterCheckpointer
 from titan_lora.trainer.distributed import build_parallel_dims, device_for_rank, init_distributed
-from titan_lora.trainer.job_config import load_job_config
+from titan_lora.trainer.job_config import load_job
 from titan_lora.trainer.metrics import MetricsLogger, peak_memory_mib
 
 logger = logging.getLogger("titan_lora")
@@ -32,14 +33,15 @@ logger = logging.getLogger("titan_lora")
 class TrainingRun:
     """Everything one job needs, built in data-flow order: config, model, optimizer, data, sync."""
 
-    def __init__(self, job_config) -> None:  # noqa: ANN001 (torchtitan's merged JobConfig)
+    def __init__(self, job_config, model: ResolvedModel | None = None) -> None:  # noqa: ANN001 (torchtitan's)
+        """`model`: `[model]` as `load_job` resolved it (None: resolved while building)."""
         self.cfg = job_config
         self.device = device_for_rank()
         init_distributed(self.device, process_group_timeout_s(job_config.weight_sync))
         self.rank = dist.get_rank()
         self.dims = build_parallel_dims(job_config.parallelism, dist.get_world_size(), self.device)
         torch.manual_seed(job_config.debug.seed or 0)
-        self.built = build_model(job_config, self.dims, self.device)
+        self.built = build_model(job_config, self.dims, self.device, model)
         self.model = self.built.model
         spec = self.built.train_spec
         self.optimizers = spec.build_optimizers_fn([self.model], job_config.optimizer, self.dims)
@@ -162,12 +164,12 @@ def main(argv: list[str] | None = None) -> None:
         datefmt="%H:%M:%S",
     )
     try:
-        job_config = load_job_config(sys.argv[1:] if argv is None else argv)
+        job_config, model = load_job(sys.argv[1:] if argv is None else argv)
         check_plugins(job_config)
     except (ValueError, FileNotFoundError) as err:
         print(f"titan_lora: config error: {err}", file=sys.stderr)
         sys.exit(2)
-    run = TrainingRun(job_config)
+    run = TrainingRun(job_config, model)
     try:
         run.train()
     finally:
