@@ -14,7 +14,8 @@ from torchtitan.models.llama3.model.args import RoPEScalingArgs
 from titan_lora.export.peft import PEFT_PREFIX, hf_rope_permute
 from titan_lora.lora.layer import adapter_params
 from titan_lora.models.family import (
-    ModelFamily, lora_train_spec, model_family, register_model_family, registered_model_families,
+    ModelFamily, families_for_model_type, lora_train_spec, model_family, register_model_family,
+    registered_model_families,
 )
 from titan_lora.models.llama3 import HF_MODULES, LLAMA3, tensor_parallel
 from titan_lora.models.smollm2 import SMOLLM2, pretrained_dir
@@ -50,6 +51,11 @@ def test_the_built_in_names_select_the_llama3_families() -> None:
     assert sorted(SMOLLM2.train_spec.model_args) == ["135M", "debug"]
     assert {"8B", "70B"} <= set(LLAMA3.train_spec.model_args)
     assert LLAMA3.leaf_names["wq"] == "q_proj" and LLAMA3.leaf_names["output"] == "lm_head"
+
+
+def test_the_families_that_load_a_model_type_are_named_once() -> None:
+    assert families_for_model_type("llama") == ["llama3", "smollm2"], "no old alias, own-asset families last"
+    assert families_for_model_type("qwen3") == ["qwen3"] and families_for_model_type("gpt2") == []
 
 
 def test_the_hf_directory_comes_from_the_family() -> None:
