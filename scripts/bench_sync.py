@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan_lora.lora.layer import adapter_params, fill_param, lora_modules  # noqa: E402
 from titan_lora.trainer.build import build_from_toml  # noqa: E402
-from titan_lora.trainer.job_config import job_config_from_toml  # noqa: E402
+from titan_lora.trainer.job_config import job_config_from_toml, job_from_toml  # noqa: E402
 
 
 def timed(fn: Callable[[], object], iters: int, sync: Callable[[], None] = lambda: None, warmup: int = 2) -> list[float]:
@@ -175,9 +175,9 @@ def gpu_bench(iters: int) -> None:
     device = device_for_rank()
     init_distributed(device)
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = job_config_from_toml(GPU_TOML)
+    cfg, resolved = job_from_toml(GPU_TOML)
     dims = build_parallel_dims(cfg.parallelism, world, device)
-    built = build_model(cfg, dims, device)  # fp32 base (torchtitan's init), bf16 adapters
+    built = build_model(cfg, dims, device, resolved)  # fp32 base (torchtitan's init), bf16 adapters
     model = built.model
     randomize(model)
     params = adapter_params(model)
@@ -276,7 +276,7 @@ mode = "none"
 
 GPU_TOML = """
 [model]
-name = "llama3_lora"
+name = "llama3"
 flavor = "8B"
 converters = ["lora"]
 [lora]

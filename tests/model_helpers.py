@@ -8,15 +8,16 @@ from titan_lora.lora.layer import fill_param, lora_modules
 from titan_lora.trainer.build import BuiltModel, build_from_toml
 from titan_lora.trainer.job_config import job_config_from_toml
 
-SMOLLM2_LORA = """
+
+def lora_toml(model: str, rank: int = 8, alpha: int = 16) -> str:
+    """A LoRA job (all linears, fp32, seq_len 64) whose `[model]` section holds the `model` lines."""
+    return f"""
 [model]
-name = "smollm2"
-flavor = "135M"
-load_pretrained = true
+{model}
 converters = ["lora"]
 [lora]
-rank = 8
-alpha = 16
+rank = {rank}
+alpha = {alpha}
 target_modules = "all-linear"
 [training]
 seq_len = 64
@@ -25,6 +26,8 @@ mixed_precision_param = "float32"
 mode = "none"
 """
 
+
+SMOLLM2_LORA = lora_toml('name = "smollm2"\nflavor = "135M"\nload_pretrained = true')
 DEBUG_LORA = SMOLLM2_LORA.replace('flavor = "135M"', 'flavor = "debug"').replace(
     "load_pretrained = true", "load_pretrained = false"
 )

@@ -160,7 +160,8 @@ def _wire(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, rank: int = 0, tied: 
                                        engine=engine or Engine(),
                                        job=types.SimpleNamespace(dump_folder=str(tmp_path)),
                                        lora=types.SimpleNamespace(rank=8), grpo=GRPO(), task={})
-    built = types.SimpleNamespace(hf_dir=str(tmp_path / "hf"), model=StubBaseModel(), sd_adapter=StubSdAdapter())
+    built = types.SimpleNamespace(hf_dir=str(tmp_path / "hf"), model=StubBaseModel(),
+                                  sd_adapter=StubSdAdapter(), tied=bool(tied))
     adapter, device = object(), torch.device("cpu")
     _FakeSyncer.made.clear()
     side = compose.engine_side(job_config, built, device)

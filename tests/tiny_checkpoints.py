@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from model_helpers import lora_toml
 
 # SmolLM2's tokenizer (49152 ids) stands in where a checkpoint needs one: there is no hub access.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -28,19 +29,27 @@ def _save(model, out: Path, tokenizer_from: Path | None, shard_mb: float | None)
     return out
 
 
+def _tiny(config_cls, model_cls, out: Path, vocab: int, tied: bool,  # noqa: ANN001
+          tokenizer_from: Path | None, shard_mb: float | None, seed: int, **shape: object) -> Path:
+    """2 layers, 4 query and 2 KV heads, eos 2, random norms: `model_cls(config_cls(**shape, ...))`,
+    saved to `out`."""
+    config = config_cls(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=tied,
+                        eos_token_id=2, **shape)
+    torch.manual_seed(seed)
+    model = model_cls(config).float().eval()
+    _randomize_norms(model)
+    return _save(model, out, tokenizer_from, shard_mb)
+
+
 def tiny_llama(out: Path, vocab: int = 256, tied: bool = True, tokenizer_from: Path | None = None,
                shard_mb: float | None = None, seed: int = 0) -> Path:
     """A Llama with GQA (4 query heads, 2 KV heads of 16), saved to `out` (sharded with `shard_mb`)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1e4},
-                         max_position_embeddings=256, tie_word_embeddings=tied, eos_token_id=2)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).float().eval()
-    _randomize_norms(model)
-    return _save(model, out, tokenizer_from, shard_mb)
+    return _tiny(LlamaConfig, LlamaForCausalLM, out, vocab, tied, tokenizer_from, shard_mb, seed,
+                 intermediate_size=160, rms_norm_eps=1e-5,
+                 rope_parameters={"rope_type": "default", "rope_theta": 1e4})
 
 
 def tiny_qwen3(out: Path, vocab: int = 256, tied: bool = False, tokenizer_from: Path | None = None,
@@ -48,34 +57,14 @@ def tiny_qwen3(out: Path, vocab: int = 256, tied: bool = False, tokenizer_from: 
     """A Qwen3 with q/k norms and head_dim 32 != hidden / heads = 16 (4 query, 2 KV heads), saved to `out`."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-                         max_position_embeddings=256, tie_word_embeddings=tied, eos_token_id=2)
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).float().eval()
-    _randomize_norms(model)
-    return _save(model, out, tokenizer_from, shard_mb)
+    return _tiny(Qwen3Config, Qwen3ForCausalLM, out, vocab, tied, tokenizer_from, shard_mb, seed,
+                 intermediate_size=128, head_dim=32, rms_norm_eps=1e-6,
+                 rope_parameters={"rope_type": "default", "rope_theta": 1e6})
 
 
 def hf_toml(name: str, hf_dir: Path, rank: int = 8, alpha: int = 16) -> str:
     """A LoRA job on the checkpoint in `hf_dir` through `[model] name`; no flavor: config.json gives the shape."""
-    return f"""
-[model]
-name = "{name}"
-hf_assets_path = "{hf_dir}"
-load_pretrained = true
-converters = ["lora"]
-[lora]
-rank = {rank}
-alpha = {alpha}
-target_modules = "all-linear"
-[training]
-seq_len = 64
-mixed_precision_param = "float32"
-[activation_checkpoint]
-mode = "none"
-"""
+    return lora_toml(f'name = "{name}"\nhf_assets_path = "{hf_dir}"\nload_pretrained = true', rank, alpha)
 
 
 def hf_model(hf_dir: Path):  # noqa: ANN201

@@ -5,9 +5,7 @@ runtime facts (the embedded engine's address and key) travel as an `Endpoint`.""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -28,6 +26,7 @@ from titan_lora.sync.gather import Lend
 from titan_lora.sync.parity import ParityProbe
 from titan_lora.sync.syncer import WeightSyncer
 from titan_lora.sync.versions import AdapterVersions
+from titan_lora.trainer.build import BuiltModel
 from titan_lora.trainer.metrics import MetricsLogger
 from titan_lora.trainer.objective import Objective
 from titan_lora.trainer.parallel import data_parallel_info
@@ -100,14 +99,14 @@ def connect_engine(engine: Engine, ws: WeightSync, hf_dir: str, device: torch.de
 
 
 def build_syncer(ws: WeightSync, side: EngineSide, adapter: AdapterSource, model: nn.Module,
-                 sd_adapter, hf_dir: str, device: torch.device,  # noqa: ANN001
+                 sd_adapter, hf_dir: str, tied: bool, device: torch.device,  # noqa: ANN001
                  probe_task: Task | None = None) -> WeightSyncer:
     """Collective: the syncer over `side` (rank 0's handles; empty elsewhere), engine limits checked.
 
-    The parity probe scores `probe_task`'s prompts (the default task when None)."""
+    `tied`: the model's output head is the embedding (`BuiltModel.tied`), so the base stream leaves
+    lm_head out. The parity probe scores `probe_task`'s prompts (the default task when None)."""
     from transformers import AutoTokenizer
 
-    tied = json.loads((Path(hf_dir) / "config.json").read_text()).get("tie_word_embeddings", False)
     probe = None
     if ws.parity_every:
         sequences = probe_sequences(AutoTokenizer.from_pretrained(hf_dir), task=probe_task)
@@ -119,7 +118,7 @@ def build_syncer(ws: WeightSync, side: EngineSide, adapter: AdapterSource, model
     return syncer
 
 
-def engine_side(job_config, built, device: torch.device) -> EngineSide:  # noqa: ANN001
+def engine_side(job_config, built: BuiltModel, device: torch.device) -> EngineSide:  # noqa: ANN001
     """Rank 0 starts or attaches the engine when `[weight_sync] enabled`; other ranks hold no handle."""
     if not job_config.weight_sync.enabled or dist.get_rank() != 0:
         return EngineSide()
@@ -127,13 +126,13 @@ def engine_side(job_config, built, device: torch.device) -> EngineSide:  # noqa:
                           job_config.job.dump_folder, job_config.lora.rank)
 
 
-def build_sync(job_config, adapter: AdapterSource, built, device: torch.device,  # noqa: ANN001
+def build_sync(job_config, adapter: AdapterSource, built: BuiltModel, device: torch.device,  # noqa: ANN001
                side: EngineSide, task: Task | None) -> tuple[WeightSyncer, EngineRollouts]:
     """Collective: the syncer over `side` (from `engine_side`), and what objectives may use.
 
     `task` is what `check_plugins` built: the parity probe scores its prompts."""
     syncer = build_syncer(job_config.weight_sync, side, adapter, built.model, built.sd_adapter, built.hf_dir,
-                          device, task)
+                          built.tied, device, task)
     return syncer, EngineRollouts(side.rollouts, syncer.versions, syncer.with_engine)
 
 

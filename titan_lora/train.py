@@ -19,12 +19,13 @@ from torchtitan.distributed.utils import clip_grad_norm_
 from titan_lora.compose import EngineSide, build_objective, build_sync, check_plugins, engine_side
 from titan_lora.config import process_group_timeout_s
 from titan_lora.lora.finite import NonFiniteAdapterError, first_nonfinite_adapter
+from titan_lora.models.resolve import ResolvedModel
 from titan_lora.rl.task import Task
 from titan_lora.sync.adapter_source import AdapterSource
 from titan_lora.trainer.build import build_model
 from titan_lora.trainer.checkpoint import AdapterCheckpointer
 from titan_lora.trainer.distributed import build_parallel_dims, device_for_rank, init_distributed
-from titan_lora.trainer.job_config import load_job_config
+from titan_lora.trainer.job_config import load_job
 from titan_lora.trainer.metrics import MetricsLogger, peak_memory_mib
 
 logger = logging.getLogger("titan_lora")
@@ -35,14 +36,16 @@ class TrainingRun:
 
     `task` is what `check_plugins` built (None when the job uses no task)."""
 
-    def __init__(self, job_config, task: Task | None = None) -> None:  # noqa: ANN001 (torchtitan's JobConfig)
+    def __init__(self, job_config, task: Task | None = None,  # noqa: ANN001 (torchtitan's JobConfig)
+                 model: ResolvedModel | None = None) -> None:
+        """`model`: `[model]` as `load_job` resolved it (None: resolved while building)."""
         self.cfg = job_config
         self.device = device_for_rank()
         init_distributed(self.device, process_group_timeout_s(job_config.weight_sync))
         self.rank = dist.get_rank()
         self.dims = build_parallel_dims(job_config.parallelism, dist.get_world_size(), self.device)
         torch.manual_seed(job_config.debug.seed or 0)
-        self.built = build_model(job_config, self.dims, self.device)
+        self.built = build_model(job_config, self.dims, self.device, model)
         self.model = self.built.model
         spec = self.built.train_spec
         self.optimizers = spec.build_optimizers_fn([self.model], job_config.optimizer, self.dims)
@@ -175,12 +178,12 @@ def main(argv: list[str] | None = None) -> None:
         datefmt="%H:%M:%S",
     )
     try:
-        job_config = load_job_config(sys.argv[1:] if argv is None else argv)
+        job_config, model = load_job(sys.argv[1:] if argv is None else argv)
         task = check_plugins(job_config)
     except (ValueError, FileNotFoundError) as err:
         print(f"titan_lora: config error: {err}", file=sys.stderr)
         sys.exit(2)
-    run = TrainingRun(job_config, task)
+    run = TrainingRun(job_config, task, model)
     try:
         run.train()
     finally:

@@ -14,6 +14,7 @@ from titan_lora.clients.launch import EmbeddedEngine
 from titan_lora.config import Engine, WeightSync
 from titan_lora.sync.adapter_source import AdapterSource
 from titan_lora.sync.base_stream import base_weights_source
+from titan_lora.sync.parity import trainer_logprobs
 from titan_lora.sync.syncer import WeightSyncer
 from titan_lora.sync.versions import AdapterVersions
 from titan_lora.transfer.transport import TransportChoice
@@ -26,6 +27,16 @@ def max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
     """The largest difference between two sets of per-token log-probs of the same sequences."""
     assert [len(x) for x in a] == [len(y) for y in b], "different sequence lengths"
     return max(abs(x - y) for xs, ys in zip(a, b) for x, y in zip(xs, ys))
+
+
+def assert_adapter_parity(model: torch.nn.Module, sequences: list[list[int]], served: list[list[float]],
+                          base: list[list[float]], what: str) -> None:
+    """The engine's log-probs under the synced adapter (`served`) match the trainer's to PARITY_TOL, and the
+    adapter moves them from `base` by more than 0.05 (else parity proves nothing)."""
+    diff, effect = max_abs_diff(trainer_logprobs(model, sequences, CPU), served), max_abs_diff(served, base)
+    print(f"\n{what}: trainer vs engine log-probs max {diff:.2e}; adapter effect {effect:.3g}")
+    assert effect > 0.05, f"the adapter barely moves the log-probs ({effect:.3g}): parity proves nothing"
+    assert diff <= PARITY_TOL, f"trainer vs engine log-probs differ by {diff:.2e} ({what})"
 
 
 def emitter_to(kind: str, endpoint: Endpoint, cfg: WeightSync, engine: Engine | None = None):  # noqa: ANN201

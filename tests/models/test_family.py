@@ -8,15 +8,16 @@ import dataclasses
 import pytest
 import torch
 from model_helpers import DEBUG_LORA, build_from, job_config_from, randomize_adapters
-from torchtitan.models.llama3 import TransformerModelArgs
+from torchtitan.models.llama3 import TransformerModelArgs, get_train_spec
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
 
 from titan_lora.export.peft import PEFT_PREFIX, hf_rope_permute
 from titan_lora.lora.layer import adapter_params
 from titan_lora.models.family import (
-    ModelFamily, model_family, register_model_family, registered_model_families,
+    ModelFamily, families_for_model_type, lora_train_spec, model_family, register_model_family,
+    registered_model_families,
 )
-from titan_lora.models.llama3 import HF_MODULES, LLAMA3, lora_train_spec
+from titan_lora.models.llama3 import HF_MODULES, LLAMA3, tensor_parallel
 from titan_lora.models.smollm2 import SMOLLM2, pretrained_dir
 from titan_lora.sync.adapter_source import AdapterSource
 
@@ -34,7 +35,7 @@ def _renamed(titan: str, hf: str) -> str:
 
 RENAMED = register_model_family(ModelFamily(
     name="test_llama3_renamed",
-    train_spec=lora_train_spec({"tiny": TINY}),
+    train_spec=lora_train_spec(get_train_spec(), {"tiny": TINY}, tensor_parallel),
     hf_modules={titan: _renamed(titan, hf) for titan, hf in HF_MODULES.items()},
     rope_rows=lambda args: {},
     default_assets=SMOLLM2.default_assets,
@@ -50,6 +51,11 @@ def test_the_built_in_names_select_the_llama3_families() -> None:
     assert sorted(SMOLLM2.train_spec.model_args) == ["135M", "debug"]
     assert {"8B", "70B"} <= set(LLAMA3.train_spec.model_args)
     assert LLAMA3.leaf_names["wq"] == "q_proj" and LLAMA3.leaf_names["output"] == "lm_head"
+
+
+def test_the_families_that_load_a_model_type_are_named_once() -> None:
+    assert families_for_model_type("llama") == ["llama3", "smollm2"], "no old alias, own-asset families last"
+    assert families_for_model_type("qwen3") == ["qwen3"] and families_for_model_type("gpt2") == []
 
 
 def test_the_hf_directory_comes_from_the_family() -> None:

@@ -134,3 +134,14 @@ def test_a_family_with_its_own_checkpoint_refuses_another_path(tmp_path: Path) -
     toml = hf_toml("smollm2", tmp_path).replace("load_pretrained = true", 'load_pretrained = false\nflavor = "debug"')
     with pytest.raises(ValueError, match="'smollm2' brings its own checkpoint.*name = 'llama3'"):
         job_config_from(toml)
+
+
+def test_tying_follows_the_model_not_a_config_json_of_another_shape(tmp_path: Path) -> None:
+    untied = tiny_qwen3(tmp_path / "untied", tied=False)
+    random_init = hf_toml("qwen3", untied).replace("load_pretrained = true",
+                                                   'load_pretrained = false\nflavor = "debug"')
+    built = build_from(random_init)
+    assert built.tied and built.model.output.weight is built.model.tok_embeddings.weight, \
+        "the debug flavor ties its head, whatever hf_assets_path's config.json says"
+    assert not build_from(hf_toml("qwen3", untied)).tied, "loaded: config.json's tie_word_embeddings"
+    assert build_from(hf_toml("llama3", tiny_llama(tmp_path / "tied", tied=True))).tied

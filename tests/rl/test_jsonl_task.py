@@ -227,7 +227,7 @@ def test_the_parity_probe_scores_the_configured_tasks_prompts(tmp_path: Path, mo
     cfg = job_config_from(DEBUG_LORA + GRPO_JSONL + f'[task]\npath = "{path}"\n' + PROBED_JSONL)
     (tmp_path / "config.json").write_text("{}")
     probed = _fake_sync(monkeypatch)
-    built = types.SimpleNamespace(hf_dir=str(tmp_path), model=None, sd_adapter=None)
+    built = types.SimpleNamespace(hf_dir=str(tmp_path), model=None, sd_adapter=None, tied=True)
     compose.build_sync(cfg, None, built, torch.device("cpu"), compose.EngineSide(), check_plugins(cfg))
     texts = ["".join(map(chr, s)) for s in probed[0]]
     task = configured_task(cfg)
@@ -251,7 +251,7 @@ def test_the_file_is_read_once_for_the_objective_and_the_probe(tmp_path: Path, m
     runs = []
 
     class Run:
-        def __init__(self, job_config, task: Task | None) -> None:  # noqa: ANN001
+        def __init__(self, job_config, task: Task | None, model: object = None) -> None:  # noqa: ANN001
             runs.append((job_config, task))
 
         def train(self) -> None:
@@ -267,7 +267,7 @@ def test_the_file_is_read_once_for_the_objective_and_the_probe(tmp_path: Path, m
     assert isinstance(task, JsonlTask) and reads == [str(path)], "checked before the run, and handed to it"
     probed = _fake_sync(monkeypatch)
     monkeypatch.setattr(compose, "GRPOObjective", lambda grpo, task, *args: task)
-    built = types.SimpleNamespace(hf_dir=str(tmp_path), model=None, sd_adapter=None)
+    built = types.SimpleNamespace(hf_dir=str(tmp_path), model=None, sd_adapter=None, tied=True)
     compose.build_sync(cfg, None, built, torch.device("cpu"), compose.EngineSide(), task)
     dims = types.SimpleNamespace(get_optional_mesh=lambda name: None)
     assert compose.build_objective(cfg, str(tmp_path), dims, torch.device("cpu"), None, None, task) is task

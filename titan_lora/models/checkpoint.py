@@ -54,6 +54,12 @@ def tied_embeddings(config: dict[str, Any]) -> bool:
     return bool(config.get("tie_word_embeddings", False))
 
 
+def eos_id(config: dict[str, Any], default: int) -> int:
+    """config.json's `eos_token_id` (the first of a list), else `default` (also for an id of 0)."""
+    eos = config.get("eos_token_id")
+    return (eos[0] if isinstance(eos, list) else eos) or default
+
+
 def weight_files(hf_dir: str | Path) -> dict[str, Path]:
     """Weight name -> the safetensors file holding it (index and shards, or single files)."""
     root = Path(hf_dir)

@@ -20,6 +20,7 @@ from torchtitan.protocols.train_spec import TrainSpec
 
 from titan_lora.export.peft import PeftLayout, RopeRows
 from titan_lora.lora.converter import LoRAConverter
+from titan_lora.lora.parallelize import lora_parallelize
 from titan_lora.lora.targets import leaf_names_of
 from titan_lora.registry import Registry
 
@@ -83,10 +84,20 @@ def model_family(name: str) -> ModelFamily:
 
 
 def families_for_model_type(model_type: str) -> list[str]:
-    """The registered names whose family loads config.json's `model_type`, those without own assets first."""
+    """The registered names whose family loads config.json's `model_type`, those without own assets first;
+    an old name kept for a renamed family (`llama3_lora`) is left out."""
     named = [(name, model_family(name)) for name in registered_model_families()]
-    loading = [(f.default_assets is not None, name) for name, f in named if model_type in f.model_types]
+    loading = [(f.default_assets is not None, name) for name, f in named
+               if model_type in f.model_types and f.name == name]
     return [name for _, name in sorted(loading)]
+
+
+def lora_train_spec(base: TrainSpec, flavors: Mapping[str, Any],
+                    tensor_parallel: Callable[..., None]) -> TrainSpec:
+    """torchtitan's `base` spec with `flavors` and LoRA-aware parallelization over `tensor_parallel`
+    (`(model, tp_mesh, job_config)`); no pipelining, which the LoRA parallelization does not do."""
+    return dataclasses.replace(base, model_args=dict(flavors), pipelining_fn=None,
+                               parallelize_fn=lora_parallelize(tensor_parallel))
 
 
 class FamilyLoRAConverter(LoRAConverter):

@@ -18,12 +18,10 @@ from torchtitan.models.llama3 import get_train_spec as llama3_train_spec
 from torchtitan.models.llama3.infra.parallelize import apply_tp
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
 from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter
-from torchtitan.protocols.train_spec import TrainSpec
 
 from titan_lora.export.peft import RopeRows, hf_module_names
-from titan_lora.lora.parallelize import lora_parallelize
-from titan_lora.models.checkpoint import require, rope_parameters
-from titan_lora.models.family import ModelFamily
+from titan_lora.models.checkpoint import eos_id, require, rope_parameters
+from titan_lora.models.family import ModelFamily, lora_train_spec
 
 # One source for the names: torchtitan's own state-dict adapter, which loads and exports the base.
 HF_MODULES = hf_module_names(Llama3StateDictAdapter(TransformerModelArgs(), None).from_hf_map)
@@ -58,7 +56,6 @@ def args_from_hf(config: Mapping[str, Any]) -> TransformerModelArgs:
     # torchtitan sizes the FFN as multiple_of * ceil(m * int(8 dim / 3) / multiple_of): with
     # multiple_of = intermediate_size and m <= 1, that is exactly intermediate_size.
     base = int(2 * 4 * dim / 3)
-    eos = config.get("eos_token_id")
     return TransformerModelArgs(
         dim=dim, n_layers=config["num_hidden_layers"], n_heads=heads,
         n_kv_heads=config.get("num_key_value_heads") or heads, vocab_size=config["vocab_size"],
@@ -66,7 +63,7 @@ def args_from_hf(config: Mapping[str, Any]) -> TransformerModelArgs:
         norm_eps=config.get("rms_norm_eps", 1e-5), rope_theta=rope_parameters(config)["rope_theta"],
         rope_scaling_args=_rope_scaling(rope_parameters(config)),
         max_seq_len=config.get("max_position_embeddings", 131072),
-        eos_id=(eos[0] if isinstance(eos, list) else eos) or 0,
+        eos_id=eos_id(config, 0),
     )
 
 
@@ -76,31 +73,15 @@ def tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, job_config) -> None: 
              enable_float8_tensorwise_tp=False)
 
 
-def lora_train_spec(flavors: Mapping[str, TransformerModelArgs]) -> TrainSpec:
-    """torchtitan's Llama3 TrainSpec with `flavors` and LoRA-aware parallelization."""
-    base = llama3_train_spec()
-    return TrainSpec(
-        model_cls=base.model_cls,
-        model_args=dict(flavors),
-        parallelize_fn=lora_parallelize(tensor_parallel),
-        pipelining_fn=None,
-        build_optimizers_fn=base.build_optimizers_fn,
-        build_lr_schedulers_fn=base.build_lr_schedulers_fn,
-        build_dataloader_fn=base.build_dataloader_fn,
-        build_tokenizer_fn=base.build_tokenizer_fn,
-        build_loss_fn=base.build_loss_fn,
-        state_dict_adapter=base.state_dict_adapter,
-    )
-
-
 def llama3_family(
     name: str,
     flavors: Mapping[str, TransformerModelArgs],
     default_assets: Callable[[bool], Path] | None = None,
 ) -> ModelFamily:
     """A Llama 3 family under `name`: these flavors, Llama's names and RoPE rows, and its HF assets."""
-    return ModelFamily(name, lora_train_spec(flavors), HF_MODULES, rope_rows, default_assets,
-                       model_types=("llama",), args_from_hf=args_from_hf)
+    spec = lora_train_spec(llama3_train_spec(), flavors, tensor_parallel)
+    return ModelFamily(name, spec, HF_MODULES, rope_rows, default_assets, model_types=("llama",),
+                       args_from_hf=args_from_hf)
 
 
 # torchtitan's own Llama 3 shapes with LoRA-aware parallelization; any Llama checkpoint by hf_assets_path.

@@ -8,7 +8,6 @@ against HF + peft). TP follows torchtitan's own Qwen3 plan (q/k norms sequence-p
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,12 +17,10 @@ from torchtitan.models.qwen3 import Qwen3ModelArgs, qwen3_args
 from torchtitan.models.qwen3 import get_train_spec as qwen3_train_spec
 from torchtitan.models.qwen3.infra.parallelize import apply_non_moe_tp
 from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
-from torchtitan.protocols.train_spec import TrainSpec
 
 from titan_lora.export.peft import RopeRows, hf_module_names
-from titan_lora.lora.parallelize import lora_parallelize
-from titan_lora.models.checkpoint import require, rope_parameters, tied_embeddings
-from titan_lora.models.family import ModelFamily
+from titan_lora.models.checkpoint import eos_id, require, rope_parameters, tied_embeddings
+from titan_lora.models.family import ModelFamily, lora_train_spec
 
 MODEL = "Qwen3 (dense)"
 # The dense modules of torchtitan's own state-dict adapter (its map also names the MoE router).
@@ -55,7 +52,6 @@ def args_from_hf(config: Mapping[str, Any]) -> Qwen3ModelArgs:
     rope = rope_parameters(config)
     require(rope, "rope_type", ("default",), MODEL)
     heads = config["num_attention_heads"]
-    eos = config.get("eos_token_id")
     return Qwen3ModelArgs(
         dim=config["hidden_size"], n_layers=config["num_hidden_layers"], n_heads=heads,
         n_kv_heads=config.get("num_key_value_heads") or heads, vocab_size=config["vocab_size"],
@@ -63,7 +59,7 @@ def args_from_hf(config: Mapping[str, Any]) -> Qwen3ModelArgs:
         hidden_dim=config["intermediate_size"], norm_eps=config.get("rms_norm_eps", 1e-6),
         rope_theta=rope["rope_theta"], qk_norm=True,
         max_seq_len=config.get("max_position_embeddings", 4096),
-        eos_id=(eos[0] if isinstance(eos, list) else eos) or Qwen3ModelArgs.eos_id,
+        eos_id=eos_id(config, Qwen3ModelArgs.eos_id),
         enable_weight_tying=tied_embeddings(config),
     )
 
@@ -74,11 +70,5 @@ def tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, job_config) -> None: 
                      enable_float8_tensorwise_tp=False, enable_async_tp=False, cp_enabled=False)
 
 
-def lora_train_spec(flavors: Mapping[str, Qwen3ModelArgs]) -> TrainSpec:
-    """torchtitan's Qwen3 TrainSpec with `flavors` and LoRA-aware parallelization."""
-    return dataclasses.replace(qwen3_train_spec(), model_args=dict(flavors),
-                               parallelize_fn=lora_parallelize(tensor_parallel))
-
-
-QWEN3 = ModelFamily("qwen3", lora_train_spec(FLAVORS), HF_MODULES, rope_rows,
-                    model_types=("qwen3",), args_from_hf=args_from_hf)
+QWEN3 = ModelFamily("qwen3", lora_train_spec(qwen3_train_spec(), FLAVORS, tensor_parallel), HF_MODULES,
+                    rope_rows, model_types=("qwen3",), args_from_hf=args_from_hf)

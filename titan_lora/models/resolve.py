@@ -37,7 +37,8 @@ class ResolvedModel:
     """The HF directory: tokenizer, config.json, and the weights when `load_pretrained`."""
     load_pretrained: bool
     tied: bool
-    """The checkpoint stores the output head as the embedding (`tie_word_embeddings`)."""
+    """The output head is the embedding: config.json's `tie_word_embeddings` when loading, else the flavor's
+    weight tying; the engine then ties lm_head itself, so the base stream leaves it out."""
 
     def meta_model(self) -> nn.Module:
         """The model on the meta device (shapes only, no memory)."""
@@ -101,7 +102,8 @@ def resolve_model(model_cfg) -> ResolvedModel:  # noqa: ANN001 (torchtitan's mer
     else:
         args = _flavor_args(family, model_cfg)
     _check_vocab(hf_dir, args, from_config)
-    resolved = ResolvedModel(family, args, hf_dir, load, tied_embeddings(config))
+    tied = tied_embeddings(config) if load else bool(getattr(args, "enable_weight_tying", False))
+    resolved = ResolvedModel(family, args, hf_dir, load, tied)
     if load:
         check_weights(resolved.meta_model(), hf_dir, resolved.name_mapper(), resolved.tied)
     return resolved

@@ -16,7 +16,7 @@ from torchtitan.protocols.train_spec import TrainSpec
 from titan_lora.export.peft import PeftLayout
 from titan_lora.models.family import FamilyLoRAConverter  # noqa: F401 (registers the "lora" converter)
 from titan_lora.models.load import load_base_weights
-from titan_lora.models.resolve import resolve_model
+from titan_lora.models.resolve import ResolvedModel, resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -32,12 +32,18 @@ class BuiltModel:
     """HF checkpoint directory (weights, config, tokenizer) of the base model."""
     peft_layout: PeftLayout
     """The family's PEFT naming and RoPE rows for this model, for the export and the sync."""
+    tied: bool
+    """The output head is the embedding (`ResolvedModel.tied`): the base stream leaves lm_head out."""
 
 
-def build_model(job_config, parallel_dims: ParallelDims, device: torch.device) -> BuiltModel:  # noqa: ANN001
-    """Meta-init, convert (LoRA), parallelize, materialise on `device`, init, load pretrained weights."""
-    resolved = resolve_model(job_config.model)  # checked with the config: family, shape, vocab, weights
-    family, spec, args, hf_dir = resolved.family, resolved.family.train_spec, resolved.args, resolved.hf_dir
+def build_model(job_config, parallel_dims: ParallelDims, device: torch.device,  # noqa: ANN001
+                resolved: ResolvedModel | None = None) -> BuiltModel:
+    """Meta-init, convert (LoRA), parallelize, materialise on `device`, init, load pretrained weights.
+
+    `resolved` is `[model]` as `load_job` resolved and checked it (None: resolved here)."""
+    resolved = resolved or resolve_model(job_config.model)
+    family, spec, hf_dir = resolved.family, resolved.family.train_spec, resolved.hf_dir
+    args = dataclasses.replace(resolved.args)  # update_from_config changes it; the resolved args stay as read
     args.update_from_config(job_config)
     with torch.device("meta"):
         model = spec.model_cls(args)
@@ -52,16 +58,16 @@ def build_model(job_config, parallel_dims: ParallelDims, device: torch.device) -
         logger.info("loaded pretrained weights from %s", hf_dir)
     model.train()
     return BuiltModel(model=model, train_spec=spec, sd_adapter=sd_adapter, hf_dir=hf_dir,
-                      peft_layout=family.peft_layout(args))
+                      peft_layout=family.peft_layout(args), tied=resolved.tied)
 
 
 def build_from_toml(toml: str, *overrides: str, device: torch.device | None = None) -> BuiltModel:
     """Build the model a TOML text describes on this process group (started if needed: 1 rank)."""
     from titan_lora.trainer.distributed import build_parallel_dims, device_for_rank, init_distributed
-    from titan_lora.trainer.job_config import job_config_from_toml
+    from titan_lora.trainer.job_config import job_from_toml
 
-    cfg = job_config_from_toml(toml, *overrides)
+    cfg, resolved = job_from_toml(toml, *overrides)
     device = device or device_for_rank()
     init_distributed(device)
     dims = build_parallel_dims(cfg.parallelism, dist.get_world_size(), device)
-    return build_model(cfg, dims, device)
+    return build_model(cfg, dims, device, resolved)

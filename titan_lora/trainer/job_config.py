@@ -7,6 +7,7 @@ import difflib
 import os
 import tempfile
 import tomllib
+from typing import Any
 
 from torchtitan.config import ConfigManager
 from torchtitan.protocols.model_converter import _registry_model_converter_cls
@@ -61,14 +62,15 @@ def check_targets(job_config, model: ResolvedModel | None = None) -> list[str] |
 
     Returns the qualified names of the linears to adapt; None without the "lora" converter.
     """
-    model = model or resolve_model(job_config.model)
     if "lora" not in job_config.model.converters:
         return None
+    model = model or resolve_model(job_config.model)
     return resolve_targets(model.meta_model(), job_config.lora.target_modules, model.family.leaf_names)
 
 
-def load_job_config(argv: list[str]):  # noqa: ANN201 (a dataclass type made at run time)
-    """The merged JobConfig; raises ValueError on a bad config before anything is built."""
+def load_job(argv: list[str]) -> tuple[Any, ResolvedModel]:
+    """The merged JobConfig and its `[model]` resolved (family, shape, vocab, weights checked) once, for
+    `build_model`; raises ValueError on a bad config before anything is built."""
     path = _config_path(argv)
     if path is not None:
         with open(path, "rb") as f:
@@ -76,20 +78,31 @@ def load_job_config(argv: list[str]):  # noqa: ANN201 (a dataclass type made at 
     args = [*argv, f"--job.custom_config_module={CUSTOM_CONFIG_MODULE}"]
     job_config = ConfigManager().parse_args(args)
     ours.validate_lora(job_config.lora)
-    targets = check_targets(job_config, resolve_model(job_config.model))
+    model = resolve_model(job_config.model)
+    targets = check_targets(job_config, model)
     ours.validate_training(job_config.training)
     ours.validate_engine(job_config.engine)
     ours.validate_weight_sync(job_config.weight_sync)
     ours.validate_grpo(job_config.grpo, job_config.weight_sync)
     preflight(job_config, targets)
-    return job_config
+    return job_config, model
+
+
+def load_job_config(argv: list[str]):  # noqa: ANN201 (a dataclass type made at run time)
+    """The merged JobConfig (`load_job` without the resolved model)."""
+    return load_job(argv)[0]
+
+
+def job_from_toml(toml: str, *overrides: str) -> tuple[Any, ResolvedModel]:
+    """`load_job` on TOML text plus CLI-style overrides (notebooks, tests, benchmarks)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
+        f.write(toml)
+    try:
+        return load_job(["--job.config_file", f.name, *overrides])
+    finally:
+        os.unlink(f.name)
 
 
 def job_config_from_toml(toml: str, *overrides: str):  # noqa: ANN201
     """Parse TOML text (plus CLI-style overrides) into the merged JobConfig (notebooks, tests, benchmarks)."""
-    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
-        f.write(toml)
-    try:
-        return load_job_config(["--job.config_file", f.name, *overrides])
-    finally:
-        os.unlink(f.name)
+    return job_from_toml(toml, *overrides)[0]
