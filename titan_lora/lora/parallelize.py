@@ -80,19 +80,23 @@ def _ac_and_fsdp(model: nn.Module, parallel_dims: ParallelDims, job_config) -> n
         apply_ac(model, job_config.activation_checkpoint, base_folder=job_config.job.dump_folder)
     if parallel_dims.fsdp_enabled:
         names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
-        apply_fsdp(
-            model,
-            parallel_dims.get_mesh(names),
-            param_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_param],
-            reduce_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_reduce],
-            pp_enabled=False,
-            cpu_offload=job_config.training.enable_cpu_offload,
-            reshard_after_forward_policy=job_config.parallelism.fsdp_reshard_after_forward,
-        )
-        if parallel_dims.get_mesh(names).device_type == "cpu":
-            # gloo has no PREMUL_SUM; plain sums with FSDP's own pre/post scaling are equivalent.
-            for module in model.modules():
-                if isinstance(module, FSDPModule):
-                    module.set_force_sum_reduction_for_comms(True)
+        shard_model(model, parallel_dims.get_mesh(names), job_config)
     return model
 
+
+def shard_model(model: nn.Module, mesh: DeviceMesh, job_config) -> None:  # noqa: ANN001
+    """torchtitan's FSDP2 over `mesh` with `[training]`'s mixed precision (gloo-safe reductions on CPU)."""
+    apply_fsdp(
+        model,
+        mesh,
+        param_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_param],
+        reduce_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_reduce],
+        pp_enabled=False,
+        cpu_offload=job_config.training.enable_cpu_offload,
+        reshard_after_forward_policy=job_config.parallelism.fsdp_reshard_after_forward,
+    )
+    if mesh.device_type == "cpu":
+        # gloo has no PREMUL_SUM; plain sums with FSDP's own pre/post scaling are equivalent.
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)

@@ -1,0 +1,252 @@
+"""Training-step benchmark: titan_lora's LoRA step vs full fine-tuning at one shape, in one run.
+
+GPU (one process per GPU; 8B full fine-tuning needs ~16 bytes a param, so one 80 GB GPU takes ~8 layers):
+    torchrun --nproc_per_node=1 scripts/bench_step.py --layers 8 [--steps 20] [--profile]
+    torchrun --nproc_per_node=2 scripts/bench_step.py            (all 32 layers, FSDP over 2 GPUs)
+CPU smoke test:
+    python scripts/bench_step.py --device cpu --flavor debugmodel --seq-len 64 --steps 2
+
+Three variants, built one after another through titan_lora's own path (`job_from_toml`, `build_model`),
+same shape, same random token batch, bf16 params through torchtitan's FSDP2 (a 1-rank mesh on one GPU,
+so the mixed precision and the FSDP hooks are those of a multi-GPU run), fp32 master weights:
+- floor: the frozen base model (no adapters), forward + backward to the input (every linear's input
+  gradient, no weight gradient), no optimizer: the compute a LoRA step cannot avoid;
+- LoRA: `converters = ["lora"]`, r16 alpha 32 on all linears, bf16 adapters;
+- full: no converter, every param trained.
+A LoRA or full step is what `TrainingRun.train_step` does: zero_grad, forward, the train spec's loss,
+backward, clip_grad_norm_ (foreach), the train spec's optimizer step (torchtitan's AdamW).
+Step times are the slowest rank's, with the device synchronised; peak memory is the largest rank's
+`torch.cuda.max_memory_allocated` over the timed steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from titan_lora.lora.parallelize import shard_model  # noqa: E402
+from titan_lora.trainer.build import build_model  # noqa: E402
+from titan_lora.trainer.distributed import build_parallel_dims, device_for_rank, init_distributed  # noqa: E402
+from titan_lora.trainer.job_config import job_from_toml  # noqa: E402
+
+# Issue 14's step probe: 2 x H200, Llama-3-8B (32 layers), seq 2048, batch 1 per GPU.
+BASELINE = "LoRA 0.266 s vs full 0.310 s = 0.86x; peak 29.9 vs 78.4 GiB (issue 14: 2 x H200, 8B, 32 layers)"
+TARGET = 0.70
+VARIANTS = {
+    "floor": "floor: frozen base fwd+bwd, no optimizer",
+    "lora": "LoRA step",
+    "full": "full fine-tuning step",
+}
+
+
+@dataclasses.dataclass
+class Result:
+    """One variant's figures (times in s, slowest rank per step; memory in GiB, largest rank)."""
+
+    name: str
+    times: list[float]
+    peak_gib: float | None
+    params: int
+    trainable: int
+    layers: int
+
+
+def job_toml(args: argparse.Namespace, lora: bool) -> str:
+    """The job the variant runs: the same shape and precision, with or without the "lora" converter."""
+    return f"""
+[model]
+name = "{args.model}"
+flavor = "{args.flavor}"
+converters = [{'"lora"' if lora else ""}]
+[lora]
+rank = 16
+alpha = 32
+dtype = "bfloat16"
+target_modules = "all-linear"
+[training]
+seq_len = {args.seq_len}
+local_batch_size = {args.batch}
+mixed_precision_param = "{args.mixed_precision_param}"
+[optimizer]
+implementation = "{args.optimizer_impl}"
+[activation_checkpoint]
+mode = "none"
+"""
+
+
+def quantile(times: list[float], q: float) -> float:
+    """The q-quantile of `times` (the only value when there is one)."""
+    return statistics.quantiles(times, n=100, method="inclusive")[int(q * 100) - 1] if len(times) > 1 else times[0]
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (nothing to wait for on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free(device: torch.device) -> None:
+    """Return the previous variant's memory (FSDP modules hold reference cycles) and reset the peak."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def build(args: argparse.Namespace, variant: str, device: torch.device, dims):  # noqa: ANN001, ANN201
+    """(job config, built model) for `variant`, with `--layers` applied and FSDP on a single rank too."""
+    cfg, resolved = job_from_toml(job_toml(args, lora=variant == "lora"))
+    if args.layers:
+        resolved = dataclasses.replace(resolved, args=dataclasses.replace(resolved.args, n_layers=args.layers))
+    built = build_model(cfg, dims, device, resolved)
+    if not dims.fsdp_enabled:  # one rank: torchtitan would skip FSDP, and its bf16 params with it
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shard_model(built.model, init_device_mesh(device.type, (1,), mesh_dim_names=("fsdp",)), cfg)
+    if variant == "floor":
+        built.model.requires_grad_(False)
+        # The embedding's output is the leaf the backward reaches: every linear computes its input
+        # gradient, and no param its own.
+        built.model.tok_embeddings.register_forward_hook(lambda _m, _i, out: out.requires_grad_())
+    return cfg, built
+
+
+def step_fn(cfg, built, variant: str, tokens: torch.Tensor, labels: torch.Tensor, dims) -> Callable[[], None]:  # noqa: ANN001
+    """One training step of `variant` (the floor: forward + backward only)."""
+    from torchtitan.distributed.utils import clip_grad_norm_
+
+    model, spec = built.model, built.train_spec
+    loss_fn = spec.build_loss_fn(cfg)
+    n_tokens = labels.numel()
+    if variant == "floor":
+        return lambda: (loss_fn(model(tokens), labels) / n_tokens).backward()
+    optimizers = spec.build_optimizers_fn([model], cfg.optimizer, dims)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+
+    def step() -> None:
+        optimizers.zero_grad()
+        (loss_fn(model(tokens), labels) / n_tokens).backward()
+        clip_grad_norm_(trainable, cfg.training.max_norm, foreach=True)
+        optimizers.step()
+
+    return step
+
+
+def slowest_rank(values: list[float], device: torch.device, op: dist.ReduceOp = dist.ReduceOp.MAX) -> list[float]:
+    """Element-wise max over ranks."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def run_variant(args: argparse.Namespace, variant: str, device: torch.device, dims) -> Result:  # noqa: ANN001
+    """Build `variant`, warm up, time `--steps` steps; everything it built is freed on return."""
+    free(device)
+    cfg, built = build(args, variant, device, dims)
+    model = built.model
+    g = torch.Generator().manual_seed(0)
+    vocab = model.tok_embeddings.num_embeddings
+    tokens, labels = (torch.randint(0, vocab, (args.batch, args.seq_len), generator=g).to(device) for _ in range(2))
+    step = step_fn(cfg, built, variant, tokens, labels, dims)
+    for _ in range(args.warmup):
+        step()
+    synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(args.steps):
+        dist.barrier()
+        synchronize(device)
+        t0 = time.perf_counter()
+        step()
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    times = slowest_rank(times, device)
+    peak = slowest_rank([peak], device)[0] if peak is not None else None
+    if variant == "lora" and args.profile:
+        profile(step, device)
+    params = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    layers = len(model.layers)
+    del cfg, built, model, step
+    free(device)
+    return Result(variant, times, peak, params, trainable, layers)
+
+
+def profile(step: Callable[[], None], device: torch.device) -> None:
+    """Rank 0 prints torch.profiler's top-15 ops of one step by self device time (CPU time on CPU)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        step()
+        synchronize(device)
+    if dist.get_rank() == 0:
+        sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        print(f"\ntop-15 ops of one LoRA step by {sort}")
+        print(prof.key_averages().table(sort_by=sort, row_limit=15))
+
+
+def report(args: argparse.Namespace, results: dict[str, Result], device: torch.device, world: int) -> None:
+    """The table: p50/p90 per variant beside the floor, the LoRA/full ratio and the issue's baseline."""
+    full, lora, floor = results["full"], results["lora"], results["floor"]
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"\n{args.model} {args.flavor}, {full.layers} layers, {full.params / 1e9:.3f}B params, seq {args.seq_len} "
+          f"x batch {args.batch} per rank, {world} rank(s) on {where}; {args.mixed_precision_param} params "
+          f"(FSDP2), AdamW {args.optimizer_impl}; {args.steps} timed steps after {args.warmup} warm-up")
+    print(f"{'variant':42s} {'trainable':>12s} {'p50 s':>9s} {'p90 s':>9s} {'peak GiB':>9s} {'x floor':>8s}")
+    for r in (floor, lora, full):
+        med = statistics.median(r.times)
+        peak = f"{r.peak_gib:9.1f}" if r.peak_gib is not None else f"{'-':>9s}"
+        print(f"{VARIANTS[r.name]:42s} {r.trainable:12,d} {med:9.4f} {quantile(r.times, 0.9):9.4f} {peak} "
+              f"{med / statistics.median(floor.times):8.2f}")
+    ratio = statistics.median(lora.times) / statistics.median(full.times)
+    floor_ratio = statistics.median(floor.times) / statistics.median(full.times)
+    print(f"ratio LoRA/full (p50): {ratio:.3f}  (target <= {TARGET:.2f}; floor/full {floor_ratio:.3f})")
+    print(f"baseline: {BASELINE}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The benchmark's options."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=["llama3", "qwen3"], default="llama3")
+    ap.add_argument("--flavor", default="8B", help="a torchtitan flavor of --model (debugmodel for a smoke test)")
+    ap.add_argument("--layers", type=int, default=0, help="override n_layers (0: the flavor's) to fit the GPU")
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=1, help="sequences per rank")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per variant")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--mixed-precision-param", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--optimizer-impl", choices=["fused", "foreach", "for-loop"], default="fused")
+    ap.add_argument("--device", choices=["auto", "cpu"], default="auto", help="auto: this rank's GPU if any")
+    ap.add_argument("--profile", action="store_true", help="print the top-15 ops of one LoRA step")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the floor, LoRA and full variants one after another, then print the table on rank 0."""
+    args = parse_args(argv)
+    device = torch.device("cpu") if args.device == "cpu" else device_for_rank()
+    init_distributed(device)
+    dims = build_parallel_dims(job_from_toml(job_toml(args, lora=False))[0].parallelism, dist.get_world_size(), device)
+    results = {v: run_variant(args, v, device, dims) for v in VARIANTS}
+    if dist.get_rank() == 0:
+        report(args, results, device, dist.get_world_size())
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

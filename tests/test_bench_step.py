@@ -1,0 +1,32 @@
+"""scripts/bench_step.py runs end to end on CPU and prints the floor, LoRA and full rows and their ratio."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_step_prints_both_steps_and_their_ratio() -> None:
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_step.py"), "--device", "cpu", "--flavor", "debugmodel",
+           "--seq-len", "64", "--steps", "2", "--warmup", "1", "--mixed-precision-param", "float32",
+           "--optimizer-impl", "foreach", "--profile"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # 1 thread: no oversubscribed spin
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    rows = {name: re.search(rf"^{re.escape(name)}\s+([\d,]+)\s+([\d.]+)\s+([\d.]+)", text, re.M)
+            for name in ("floor: frozen base fwd+bwd, no optimizer", "LoRA step", "full fine-tuning step")}
+    assert all(rows.values()), text
+    trainable = {name: int(m.group(1).replace(",", "")) for name, m in rows.items()}
+    assert trainable["floor: frozen base fwd+bwd, no optimizer"] == 0
+    assert 0 < trainable["LoRA step"] < trainable["full fine-tuning step"]
+    p50 = {name: float(m.group(2)) for name, m in rows.items()}
+    ratio = re.search(r"ratio LoRA/full \(p50\): ([\d.]+)", text)
+    assert ratio, text
+    assert abs(float(ratio.group(1)) - p50["LoRA step"] / p50["full fine-tuning step"]) < 0.01
+    assert "6 layers" in text and "top-15 ops of one LoRA step" in text
