@@ -39,7 +39,7 @@ if compat.FAST_PATH:  # both drive vLLM internals that only the tested versions 
 else:
     CPU_KERNELS = False
 
-ADAPTER_SCHEME = "titan-mem://"
+ADAPTER_SCHEME = compat.MEMORY_SCHEME
 SLABS_KEPT_PER_LAYOUT = 2
 
 
