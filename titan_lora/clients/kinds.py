@@ -63,6 +63,7 @@ class EngineKind:
 
 BUILT_IN_KINDS = {
     "vllm": "titan_lora.clients.vllm:VLLM",
+    "vllm-openai": "titan_lora.clients.vllm_openai:VLLM_OPENAI",
     "vllm-disk": "titan_lora.clients.disk:VLLM_DISK",
     "receiver": "titan_lora.clients.vllm:RECEIVER",
     "sglang": "titan_lora.clients.sglang:SGLANG",
