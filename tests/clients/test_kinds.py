@@ -58,7 +58,7 @@ def test_the_launchers_plan_the_engine_processes() -> None:
     assert engine_kind("vllm-openai").launch(req) == LaunchPlan("titan_lora.engines.vllm_openai", [
         "/hf", "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--seed", "0",
         "--max-lora-rank", "16", "--max-loras", "4", "--max-cpu-loras", "5", "--max-model-len", "640",
-        "--max-num-seqs", "64", "--kv-cache-memory-bytes", str(5 * 2**30), "--disable-uvicorn-access-log"])
+        "--max-num-seqs", "64", "--max-num-batched-tokens", "4096", "--kv-cache-memory-bytes", str(5 * 2**30), "--disable-uvicorn-access-log"])
 
 
 def test_a_registered_plug_in_is_selected_by_name(registry: dict) -> None:

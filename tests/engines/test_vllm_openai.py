@@ -14,6 +14,7 @@ import time
 
 import httpx
 import openai
+import psutil
 import pytest
 from dist_helpers import free_port
 from model_helpers import randomize_adapters
@@ -199,10 +200,15 @@ def test_the_key_unknown_names_and_metrics(ctx: Ctx) -> None:
     assert "vllm:request_success_total{" in metrics and "vllm:prompt_tokens" in metrics
 
 
-def test_a_restarted_engine_gets_the_base_again_and_the_alias_follows(ctx: Ctx) -> None:
+def test_a_killed_engine_leaves_no_process_and_comes_back_with_the_base_and_the_alias(ctx: Ctx) -> None:
     old = ctx.titan.post("/titan/info")["incarnation"]
+    children = psutil.Process(ctx.engine.proc.pid).children(recursive=True)
+    assert any("EngineCore" in c.name() for c in children), [c.name() for c in children]
     ctx.engine.proc.kill()
     ctx.engine.proc.wait(timeout=30)
+    # vLLM's engine core goes with its API server (it would keep the model and our buffers otherwise).
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, f"orphaned engine processes: {[c.pid for c in alive]}"
     ctx.sync(6)  # recovers: restart, base, then v6
     info = ctx.titan.post("/titan/info")
     assert info["incarnation"] != old and info["base_version"] is not None

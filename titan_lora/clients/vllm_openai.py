@@ -18,6 +18,7 @@ def vllm_openai_launch(req: LaunchRequest) -> LaunchPlan:
         "--max-lora-rank", str(engine_lora_rank(req.lora_rank)),
         "--max-loras", str(req.keep_versions + 1), "--max-cpu-loras", str(req.keep_versions + 2),
         "--max-model-len", str(req.engine.max_model_len), "--max-num-seqs", "64",
+        "--max-num-batched-tokens", str(max(4096, req.engine.max_model_len)),
         "--kv-cache-memory-bytes", str(req.engine.kv_cache_gib * 2**30), "--disable-uvicorn-access-log",
     ])
 

@@ -2,9 +2,9 @@
 
     python -m titan_lora.engines.vllm_openai MODEL [any `vllm serve` flag]
 
-It is `vllm serve` (its argument parser, API server, AsyncLLM and engine processes), with three
-defaults of its own: LoRA on, titan_lora's worker extension (adapters arrive in memory through
-`collective_rpc`) and the middleware `titan_asgi.TitanRoutes` (the `/titan/*` routes, the alias of
+It is `vllm serve` (its argument parser, API server, AsyncLLM and engine processes), with defaults of
+its own: LoRA on, chunked prefill off on CPU (see `parse_args`), titan_lora's worker extension
+(adapters arrive in memory through `collective_rpc`) and the middleware `titan_asgi.TitanRoutes` (the `/titan/*` routes, the alias of
 each adapter to its newest version, and a lease per request). `/v1/*` serves the base and every live
 adapter version (`model="<lora_name>-v<step>"`, or `model="<lora_name>"` for the newest).
 
@@ -19,7 +19,12 @@ import argparse
 import os
 
 from titan_lora.engines import vllm_compat as compat
+from titan_lora.engines.lifetime import die_with_spawning_parent
 from titan_lora.transfer import protocol
+
+# vLLM spawns its engine core and workers, and a spawned child imports this module first: each of
+# them then dies with the process that spawned it (vLLM's engine core does not watch its API server).
+die_with_spawning_parent()
 
 EXTENSION = "titan_lora.engines.vllm_ext.TitanLoRAWorkerExtension"
 MIDDLEWARE = "titan_lora.engines.titan_asgi.TitanRoutes"
@@ -30,6 +35,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from TITAN_LORA_API_KEY."""
     parser = compat.serve_parser(__doc__.split("\n\n")[0])
     parser.set_defaults(enable_lora=True, worker_extension_cls=EXTENSION)
+    if compat.is_cpu():
+        # After a partial (chunked) prefill vLLM rewinds a seeded request's generator, which a CPU
+        # generator cannot do: the engine dies ("CPU Generator does not use offset", vLLM 0.32).
+        parser.set_defaults(enable_chunked_prefill=False)
     args = parser.parse_args(argv)
     if args.model_tag is not None:
         args.model = args.model_tag
