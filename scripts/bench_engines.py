@@ -1,7 +1,8 @@
-"""The vLLM engine kinds side by side, in one run: titan_lora's own server (`vllm`) against vLLM's OpenAI
-server with titan's routes (`vllm-openai`). CPU, SmolLM2-135M + LoRA r16 all-linear.
+"""The vLLM engines side by side, in one run: titan_lora's standalone server
+(`titan_lora.clients.vllm:VLLM`) against vLLM's OpenAI server with titan's routes (`vllm`, the default).
+CPU, SmolLM2-135M + LoRA r16 all-linear.
 
-    python scripts/bench_engines.py [--iters 20] [--kinds vllm,vllm-openai]
+    python scripts/bench_engines.py [--iters 20] [--kinds titan_lora.clients.vllm:VLLM,vllm]
 
 Per kind, one engine after the other (2 cores: side by side they would share them): start time (spawn
 to the first `/titan/info` with our nonce), the base send, adapter syncs (the bucket emitter's
@@ -43,7 +44,7 @@ def bench_kind(kind_name: str, built, source: AdapterSource, iters: int, prompts
     kind, ws = engine_kind(kind_name), WeightSync(enabled=True)
     plan = kind.launch(LaunchRequest(Engine(), ws.keep_versions, built.hf_dir, CPU, 16))
     engine = EmbeddedEngine(plan.module, free_port(), plan.args,
-                            os.path.join(tempfile.gettempdir(), f"titan_lora_bench_{kind_name}.log"))
+                            os.path.join(tempfile.gettempdir(), f"titan_lora_bench_{kind_name.replace(':', '_')}.log"))
     t0 = time.perf_counter()
     engine.start()
     figures = {"start_s": time.perf_counter() - t0}
@@ -80,7 +81,7 @@ def main() -> None:
     """Print one row of figures per engine kind."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--kinds", default="vllm,vllm-openai")
+    ap.add_argument("--kinds", default="titan_lora.clients.vllm:VLLM,vllm")
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
@@ -98,9 +99,9 @@ def main() -> None:
                for q in questions for _ in range(8)]  # 8 prompts x 8 samples
     rows = {kind: bench_kind(kind, built, source, args.iters, prompts) for kind in kinds}
     keys = list(next(iter(rows.values())))
-    print(f"\n{'kind':14s}" + "".join(f"{k:>15s}" for k in keys))
+    print(f"\n{'kind':32s}" + "".join(f"{k:>15s}" for k in keys))
     for kind, figures in rows.items():
-        print(f"{kind:14s}" + "".join(f"{figures[k]:15.2f}" for k in keys))
+        print(f"{kind:32s}" + "".join(f"{figures[k]:15.2f}" for k in keys))
 
 
 if __name__ == "__main__":

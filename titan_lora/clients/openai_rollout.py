@@ -42,7 +42,11 @@ class OpenAIRolloutClient:
     def __init__(self, base_url: str, api_key: str = "", timeout_s: float = 600.0) -> None:
         if timeout_s <= 0:
             raise ValueError(f"[weight_sync] rollout_timeout_s must be positive, got {timeout_s}")
-        import openai
+        try:
+            import openai
+        except ImportError as err:
+            raise ImportError("rollouts over the OpenAI API need the `openai` package (vLLM installs it): "
+                              "pip install openai") from err
 
         self._openai = openai
         # No retries: a retried sample would be a second, different sample under the same seed slot.

@@ -1,8 +1,11 @@
-"""The `vllm-openai` engine kind: vLLM's own OpenAI server with titan_lora's transfer routes inside
-(`titan_lora.engines.vllm_openai`); adapters go in the same buckets as to the `vllm` kind, rollouts go
-over `/v1/completions`."""
+"""The `vllm` engine kind (also `vllm-openai`): vLLM's own OpenAI server with titan_lora's transfer
+routes inside (`titan_lora.engines.vllm_openai`); adapters go in buckets (`VLLMBucketEmitter`), rollouts
+over `/v1/completions`. titan_lora's standalone server stays reachable as
+`[engine] kind = "titan_lora.clients.vllm:VLLM"` (the `vllm-disk` baseline runs on it)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 from titan_lora.clients.kinds import EngineKind, LaunchPlan, LaunchRequest
 from titan_lora.clients.launch import engine_lora_rank
@@ -25,3 +28,5 @@ def vllm_openai_launch(req: LaunchRequest) -> LaunchPlan:
 
 VLLM_OPENAI = EngineKind("vllm-openai", build_vllm_emitter, openai_rollouts, vllm_openai_launch,
                          shm_buckets=True, max_lora_rank=engine_lora_rank)
+VLLM = dataclasses.replace(VLLM_OPENAI, name="vllm")
+"""The default engine kind."""
