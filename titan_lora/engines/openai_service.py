@@ -9,10 +9,9 @@ request holds the version, then drops it from the OpenAI layer before the worker
 
 from __future__ import annotations
 
-import logging
 import os
-import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from titan_lora.engines import vllm_compat as compat
@@ -21,7 +20,6 @@ from titan_lora.transfer import protocol
 from titan_lora.transfer.buckets import UnknownLayout
 from titan_lora.transfer.errors import check_name
 
-logger = logging.getLogger("titan_lora.engine")
 REPLACE_TIMEOUT_S = 30.0
 
 
@@ -56,23 +54,26 @@ class TitanService:
                 "aliases": self.table.aliases(), "in_flight": self.table.in_flight(), **self.limits}
 
     async def bucket(self, req: dict) -> dict:
-        """Copy one bucket out of the trainer's buffer (the ack frees it); the last bucket of an adapter
-        carries its commit."""
+        """Copy one bucket out of the trainer's buffer (the ack frees it); an adapter's last bucket
+        carries its commit, installed in the same engine call."""
         layout, header = req["layout"], req.get("header")
         # vLLM's RPC reports a worker's exception as a plain message: the layout check is made here,
         # where it can still answer 409 (the worker learns each header with the same request).
         if header is None and layout not in self._layouts:
             raise UnknownLayout(f"unknown bucket layout {layout}")
-        ack = await self.rpc("titan_receive_bucket", req["transfer_id"], req["segment"], layout, header,
-                             req.get("kind", "adapter"), req.get("checksum"))
-        self._layouts.add(layout)
+        args = (req["transfer_id"], req["segment"], layout, header)
         if "commit" in req:
-            ack["commit"] = await self.adapter({**req["commit"], "transfer_id": req["transfer_id"]})
+            ack = await self._commit(req["commit"], lambda lora_id, name, peft_config: self.rpc(
+                "titan_receive_and_commit", *args, req.get("checksum"), lora_id, name, peft_config))
+        else:
+            ack = await self.rpc("titan_receive_bucket", *args, req.get("kind", "adapter"), req.get("checksum"))
+        self._layouts.add(layout)
         return ack
 
-    async def adapter(self, req: dict) -> dict:
-        """Install the staged transfer as `name`, then serve it under that name (and its alias)."""
-        name, version = check_name(req["name"]), int(req["version"])
+    async def _commit(self, commit: dict, install: Callable[[int, str, dict], Awaitable[dict]]) -> dict:
+        """Install an adapter as `commit["name"]` through `install(lora_id, name, peft_config)`, then
+        serve it under that name (and its alias)."""
+        name, version = check_name(commit["name"]), int(commit["version"])
         if self.table.get(name) is not None:  # a resumed trainer re-sends its last version
             reply = await self.unload({"name": name, "timeout_s": REPLACE_TIMEOUT_S})
             if not reply["unloaded"]:
@@ -80,12 +81,10 @@ class TitanService:
                                    f"still use it after {REPLACE_TIMEOUT_S:g} s; send it under a new "
                                    "versioned name or retry when they finish")
         lora_id = compat.new_lora_id(self.models)
-        started = time.perf_counter()
-        ack = await self.rpc("titan_commit_adapter", req["transfer_id"], lora_id, name, req["peft_config"])
+        ack = await install(lora_id, name, commit["peft_config"])
         self.table.add(name, version, lora_id)
         compat.serve_adapter(self.models, name, lora_id)
-        apply_ms = (time.perf_counter() - started) * 1e3
-        return {**ack, "name": name, "version": version, "apply_ms": apply_ms}
+        return {**ack, "commit": {**ack["commit"], "name": name, "version": version}}
 
     async def base(self, req: dict) -> dict:
         """Install the staged transfer as the base weights; cached KV came from the old ones."""
