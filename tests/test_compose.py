@@ -69,9 +69,11 @@ def test_the_vllm_engine_command_line_holds_the_model_rank_and_slots(tmp_path: P
     # vLLM takes ranks 8, 16, 32, ...: rank 12 gets 16
     engine = _engine(tmp_path, engine_cfg, WeightSync(enabled=True, keep_versions=3), lora_rank=12)
     try:
-        assert engine.module == "titan_lora.engines.vllm_server"
-        assert engine.args == ["--model", str(tmp_path / "hf"), "--max-lora-rank", "16", "--max-loras", "4",
-                               "--max-cpu-loras", "5", "--max-model-len", "640", "--kv-cache-gib", "5"]
+        assert engine.module == "titan_lora.engines.vllm_openai"
+        assert engine.args == [str(tmp_path / "hf"), "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager",
+                               "--seed", "0", "--max-lora-rank", "16", "--max-loras", "4", "--max-cpu-loras", "5",
+                               "--max-model-len", "640", "--max-num-seqs", "64", "--max-num-batched-tokens", "4096",
+                               "--kv-cache-memory-bytes", str(5 * 2**30), "--disable-uvicorn-access-log"]
         assert engine.log_path == tmp_path / "engine.log"
     finally:
         engine.stop()
@@ -185,8 +187,9 @@ def test_wiring_an_attached_vllm_engine(monkeypatch: pytest.MonkeyPatch, tmp_pat
     assert engines == [] and syncer.engine is None and syncer.cfg is job_config.weight_sync
     assert isinstance(syncer.emitter, VLLMBucketEmitter) and syncer.emitter.bucket_bytes == 3 << 20
     assert (syncer.emitter.client.base_url, syncer.emitter.client.api_key) == ("http://10.0.0.5:8000", "k1")
-    assert rollouts.client.timeout_s == 44.0 and rollouts.client.client.timeout_s == 33.0
-    assert (rollouts.client.client.base_url, rollouts.client.client.api_key) == ("http://10.0.0.5:8000", "k1")
+    # the default kind samples over the OpenAI API: every request bounded by rollout_timeout_s
+    assert rollouts.client.timeout_s == 44.0 and rollouts.client.client.timeout == 44.0
+    assert (str(rollouts.client.client.base_url), rollouts.client.client.api_key) == ("http://10.0.0.5:8000/v1/", "k1")
     assert syncer.probe is None
     # tied embeddings: the stream leaves lm_head out
     assert [n for n, _ in syncer.base()] == ["model.embed_tokens.weight", "model.norm.weight"]
@@ -198,7 +201,8 @@ def test_wiring_an_embedded_engine_uses_its_address_and_key(monkeypatch: pytest.
     assert engines[0].made_from == (engine_kind("vllm"), job_config.engine, job_config.weight_sync, built.hf_dir,
                                     torch.device("cpu"), str(tmp_path), 8)
     assert syncer.emitter.client.base_url == _FakeEngine.url and syncer.emitter.client.api_key == "engine-key"
-    assert rollouts.client.client.base_url == _FakeEngine.url and rollouts.client.client.api_key == "engine-key"
+    assert str(rollouts.client.client.base_url) == _FakeEngine.url + "/v1/"
+    assert rollouts.client.client.api_key == "engine-key"
     assert syncer.cfg is job_config.weight_sync and job_config.engine.url == "", \
         "the config is never rewritten: the engine's address travels as an Endpoint"
     assert [n for n, _ in syncer.base()][-1] == "lm_head.weight"

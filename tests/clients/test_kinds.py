@@ -45,15 +45,21 @@ def test_the_built_in_kinds_declare_what_validation_asks() -> None:
             for name in kinds.registered_engine_kinds() for k in [engine_kind(name)]}
     # (rollouts, titan_lora can start it, shm buckets on CPU, vLLM's rank limit, a target-set rule)
     assert caps == {"vllm": (True, True, True, True, False), "vllm-disk": (True, True, True, True, False),
+                    "vllm-openai": (True, True, True, True, False),
                     "receiver": (False, True, True, False, False), "sglang": (True, False, False, False, True)}
 
 
 def test_the_launchers_plan_the_engine_processes() -> None:
     req = LaunchRequest(Engine(max_model_len=640, kv_cache_gib=5), 3, "/hf", torch.device("cuda", 1), 12)
-    assert engine_kind("vllm").launch(req) == LaunchPlan("titan_lora.engines.vllm_server", [
+    assert engine_kind("vllm").launch(req) == engine_kind("vllm-openai").launch(req)
+    assert engine_kind("titan_lora.clients.vllm:VLLM").launch(req) == LaunchPlan("titan_lora.engines.vllm_server", [
         "--model", "/hf", "--max-lora-rank", "16", "--max-loras", "4", "--max-cpu-loras", "5",
         "--max-model-len", "640", "--kv-cache-gib", "5"])
     assert engine_kind("receiver").launch(req) == LaunchPlan("titan_lora.engines.receiver", ["--device", "cuda:1"])
+    assert engine_kind("vllm-openai").launch(req) == LaunchPlan("titan_lora.engines.vllm_openai", [
+        "/hf", "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--seed", "0",
+        "--max-lora-rank", "16", "--max-loras", "4", "--max-cpu-loras", "5", "--max-model-len", "640",
+        "--max-num-seqs", "64", "--max-num-batched-tokens", "4096", "--kv-cache-memory-bytes", str(5 * 2**30), "--disable-uvicorn-access-log"])
 
 
 def test_a_registered_plug_in_is_selected_by_name(registry: dict) -> None:
@@ -84,4 +90,4 @@ def test_an_unknown_kind_names_the_known_ones() -> None:
     with pytest.raises(ValueError) as err:
         engine_kind("vlm")
     assert str(err.value) == ("[engine] kind = 'vlm' is not registered; known: receiver, sglang, vllm, "
-                              "vllm-disk (or `package.module:attribute` for a plug-in)")
+                              "vllm-disk, vllm-openai (or `package.module:attribute` for a plug-in)")

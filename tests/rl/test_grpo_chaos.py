@@ -25,7 +25,7 @@ def engine_pid(job_pid: int) -> int | None:
 
     for proc in psutil.Process(job_pid).children(recursive=True):
         try:
-            if "titan_lora.engines.vllm_server" in " ".join(proc.cmdline()) and proc.status() != "zombie":
+            if "titan_lora.engines.vllm_openai" in " ".join(proc.cmdline()) and proc.status() != "zombie":
                 return proc.pid
         except psutil.NoSuchProcess:
             continue
@@ -97,7 +97,7 @@ def test_grpo_job_survives_a_kill_mid_bucket_a_kill_in_rollouts_and_a_frozen_eng
             kill_tree(job.pid)
     text = log.read_text()
     assert faults == ["kill mid-bucket", "kill in rollouts", "SIGSTOP"]
-    assert text.count("starting titan_lora.engines.vllm_server") == 4, "one start and three restarts"
+    assert text.count("starting titan_lora.engines.vllm_openai") == 4, "one start and three restarts"
     tags = scalars(tmp_path / "run/tb")
     for step in range(1, 6):
         assert tags["sync/version"][step] == step, f"step {step}: one published adapter version per step"

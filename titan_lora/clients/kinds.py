@@ -63,7 +63,8 @@ class EngineKind:
 
 
 BUILT_IN_KINDS = {
-    "vllm": "titan_lora.clients.vllm:VLLM",
+    "vllm": "titan_lora.clients.vllm_openai:VLLM",
+    "vllm-openai": "titan_lora.clients.vllm_openai:VLLM_OPENAI",
     "vllm-disk": "titan_lora.clients.disk:VLLM_DISK",
     "receiver": "titan_lora.clients.vllm:RECEIVER",
     "sglang": "titan_lora.clients.sglang:SGLANG",

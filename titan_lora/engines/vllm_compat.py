@@ -200,3 +200,51 @@ def swap_cpu_lora_kernels(kernels: Mapping[str, Callable]) -> dict[str, Callable
         setattr(lora_ops, name, fn)  # the sgmv_* wrappers look these up as module globals
         setattr(punica_cpu, name, fn)  # punica_cpu imported them by name
     return replaced
+
+
+# The OpenAI server tier: the pieces of `vllm serve` that titan_lora's OpenAI engine runs as they are.
+# They are public modules of vLLM, but not a promised API; they moved between 0.31 and 0.32.
+
+MEMORY_SCHEME = "titan-mem://"
+"""The path of every adapter titan_lora installs from memory (the worker never reads it)."""
+
+
+def serve_parser(description: str) -> Any:
+    """`vllm serve`'s own argument parser: every flag it takes, and the model as a positional."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    cli_env_setup()  # spawn for vLLM's processes, as `vllm serve` sets it before parsing
+    return make_arg_parser(FlexibleArgumentParser(description=description))
+
+
+def serve(args: Any) -> None:
+    """Run `vllm serve` with `args` (its API server, AsyncLLM and engine processes) until it stops."""
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
+
+    validate_parsed_serve_args(args)
+    ServeSubcommand.cmd(args)
+
+
+def api_keys(args: Any) -> list[str]:
+    """The keys vLLM's API server accepts: `--api-key`, else VLLM_API_KEY."""
+    import vllm.envs as envs
+
+    return [key for key in (args.api_key or [envs.VLLM_API_KEY]) if key]
+
+
+def new_lora_id(models: Any) -> int:
+    """A LoRA int id from the OpenAI layer's own counter, so runtime loads never collide with ours."""
+    return models.lora_id_counter.inc(1)
+
+
+def serve_adapter(models: Any, name: str, lora_id: int) -> None:
+    """Make the OpenAI layer (`OpenAIServingModels`) serve installed adapter `lora_id` as model `name`."""
+    models.lora_requests[name] = LoRARequest(name, lora_id, MEMORY_SCHEME + name)
+
+
+def unserve_adapter(models: Any, name: str) -> None:
+    """Stop serving model `name` (requests for it get vLLM's 404)."""
+    models.lora_requests.pop(name, None)

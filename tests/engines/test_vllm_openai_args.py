@@ -1,0 +1,35 @@
+"""`python -m titan_lora.engines.vllm_openai` takes `vllm serve`'s flags, adds titan_lora's defaults,
+and takes its key from the environment only."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+from titan_lora.engines import vllm_openai  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # vLLM's parser sets it; restored after
+    monkeypatch.delenv("TITAN_LORA_API_KEY", raising=False)
+
+
+def test_vllm_serve_flags_pass_through_and_titan_defaults_are_added(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TITAN_LORA_API_KEY", "k3y")
+    args = vllm_openai.parse_args(["/models/m", "--port", "8123", "--max-loras", "5", "--served-model-name",
+                                   "base", "--middleware", "my.mw.Class"])
+    assert (args.model, args.port, args.max_loras, args.served_model_name) == ("/models/m", 8123, 5, ["base"])
+    assert args.enable_lora and args.worker_extension_cls == vllm_openai.EXTENSION
+    assert args.middleware == ["my.mw.Class", vllm_openai.MIDDLEWARE]
+    assert args.api_key == ["k3y"] and args.api_server_count == 1
+    # vLLM 0.32 on CPU kills the engine when a seeded request's prefill is chunked.
+    assert args.enable_chunked_prefill is False
+    assert vllm_openai.parse_args(["/m", "--enable-chunked-prefill"]).enable_chunked_prefill is True
+
+
+def test_several_api_servers_and_no_lora_are_refused() -> None:
+    with pytest.raises(SystemExit, match="adapter table and leases live in one API server process"):
+        vllm_openai.parse_args(["/m", "--api-server-count", "2"])
+    with pytest.raises(SystemExit, match="drop --no-enable-lora"):
+        vllm_openai.parse_args(["/m", "--no-enable-lora"])

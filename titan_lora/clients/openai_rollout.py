@@ -1,0 +1,120 @@
+"""Rollouts over the OpenAI API (`/v1/completions`), from any OpenAI-compatible engine that serves our
+adapters under their versioned names; through the `openai` package.
+
+generate: token-id prompts in; sampled token ids and the log-prob of each out (`logprobs=0` and vLLM's
+`return_token_ids`). A run of identical prompts (a GRPO group) is one request with `n` samples: vLLM
+seeds sample i of a request with `seed + i`, so prompt k of the call is sampled with `seed + k`, as on
+titan_lora's own engine. Runs go out concurrently and the engine batches them.
+score: vLLM's `prompt_logprobs` with `max_tokens=1`, one sequence per request and one request at a
+time (vLLM 0.32's CPU LoRA kernels fail on prompt log-probs of several LoRA sequences in one batch).
+
+Every request ends within `timeout_s`; a request the client gave up on is aborted by vLLM when the
+connection drops.
+"""
+
+from __future__ import annotations
+
+import itertools
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from titan_lora.clients.base import Endpoint
+from titan_lora.clients.rollout import Completion
+from titan_lora.config import WeightSync
+from titan_lora.transfer.errors import EngineUnreachable, TransferError
+
+MAX_CONCURRENT = 16
+
+
+def prompt_runs(prompts: list[list[int]]) -> list[tuple[int, list[int], int]]:
+    """(index of the first, prompt, count) for each run of identical consecutive prompts."""
+    runs, start = [], 0
+    for prompt, group in itertools.groupby(prompts):
+        n = len(list(group))
+        runs.append((start, prompt, n))
+        start += n
+    return runs
+
+
+class OpenAIRolloutClient:
+    """RolloutClient over `/v1/completions`; `adapter` is the model name (None: the base model)."""
+
+    def __init__(self, base_url: str, api_key: str = "", timeout_s: float = 600.0) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"[weight_sync] rollout_timeout_s must be positive, got {timeout_s}")
+        try:
+            import openai
+        except ImportError as err:
+            raise ImportError("rollouts over the OpenAI API need the `openai` package (vLLM installs it): "
+                              "pip install openai") from err
+
+        self._openai = openai
+        # No retries: a retried sample would be a second, different sample under the same seed slot.
+        self.client = openai.OpenAI(base_url=base_url.rstrip("/") + "/v1", api_key=api_key or "none",
+                                    timeout=timeout_s, max_retries=0)
+        self.timeout_s = timeout_s
+        self._pool = ThreadPoolExecutor(max_workers=MAX_CONCURRENT, thread_name_prefix="titan-rollout")
+        self._base: str | None = None
+
+    def _model(self, adapter: str | None) -> str:
+        if adapter is not None:
+            return adapter
+        if self._base is None:  # the served base: the card that is no adapter of another
+            cards = self._call(self.client.models.list).data
+            self._base = next(c.id for c in cards if getattr(c, "parent", None) is None)
+        return self._base
+
+    def _call(self, fn: Any, **kwargs: Any) -> Any:
+        """One API call, its failures as the errors the syncer recovers from."""
+        try:
+            return fn(**kwargs)
+        except self._openai.APITimeoutError:
+            raise TransferError(f"{self.client.base_url}: no answer within {self.timeout_s:g} s ([weight_sync] "
+                                "rollout_timeout_s); the engine aborts the request") from None
+        except self._openai.APIConnectionError as err:
+            raise EngineUnreachable(f"{self.client.base_url}: {err}") from None
+        except self._openai.AuthenticationError:
+            raise TransferError(f"{self.client.base_url} refused the API key (HTTP 401): set [engine] api_key "
+                                "to the key the engine was started with") from None
+        except self._openai.APIStatusError as err:
+            raise TransferError(f"{self.client.base_url} failed with HTTP {err.status_code}: {err.message}") \
+                from None
+
+    def _sample(self, model: str, prompt: list[int], n: int, seed: int | None, max_tokens: int,
+                temperature: float, stop_token_ids: list[int]) -> list[Completion]:
+        reply = self._call(self.client.completions.create, model=model, prompt=prompt, n=n, seed=seed,
+                           max_tokens=max_tokens, temperature=temperature, logprobs=0,
+                           extra_body={"return_token_ids": True, "stop_token_ids": stop_token_ids})
+        if reply.model != model:
+            raise TransferError(f"asked for model {model!r}, the engine answered with {reply.model!r}")
+        if len(reply.choices) != n:
+            raise TransferError(f"asked for {n} completions, the engine returned {len(reply.choices)}")
+        return [Completion(list(c.token_ids), c.text, list(c.logprobs.token_logprobs))
+                for c in sorted(reply.choices, key=lambda c: c.index)]
+
+    def generate(self, prompts: list[list[int]], adapter: str | None, max_tokens: int,
+                 temperature: float, seed: int | None, stop_token_ids: list[int]) -> list[Completion]:
+        """One completion per token-id prompt, sampled under model `adapter` (None: the base)."""
+        model = self._model(adapter)
+        futures = [self._pool.submit(self._sample, model, prompt, n, None if seed is None else seed + start,
+                                     max_tokens, temperature, stop_token_ids)
+                   for start, prompt, n in prompt_runs(prompts)]
+        return [c for f in futures for c in f.result()]
+
+    def score(self, sequences: list[list[int]], adapter: str | None) -> list[list[float]]:
+        """log p(token t | tokens < t) for every token after the first of each sequence."""
+        model = self._model(adapter)
+        out = []
+        for ids in sequences:
+            reply = self._call(self.client.completions.create, model=model, prompt=ids, max_tokens=1,
+                               temperature=0.0, extra_body={"prompt_logprobs": 0})
+            if reply.model != model:
+                raise TransferError(f"asked for model {model!r}, the engine answered with {reply.model!r}")
+            per_token = reply.choices[0].prompt_logprobs
+            out.append([per_token[j][str(ids[j])]["logprob"] for j in range(1, len(ids))])
+        return out
+
+
+def openai_rollouts(endpoint: Endpoint, ws: WeightSync) -> OpenAIRolloutClient:
+    """The rollout client of an OpenAI-compatible engine at `endpoint`."""
+    return OpenAIRolloutClient(endpoint.url, endpoint.api_key, ws.rollout_timeout_s)

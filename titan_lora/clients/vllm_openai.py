@@ -1,0 +1,32 @@
+"""The `vllm` engine kind (also `vllm-openai`): vLLM's own OpenAI server with titan_lora's transfer
+routes inside (`titan_lora.engines.vllm_openai`); adapters go in buckets (`VLLMBucketEmitter`), rollouts
+over `/v1/completions`. titan_lora's standalone server stays reachable as
+`[engine] kind = "titan_lora.clients.vllm:VLLM"` (the `vllm-disk` baseline runs on it)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from titan_lora.clients.kinds import EngineKind, LaunchPlan, LaunchRequest
+from titan_lora.clients.launch import engine_lora_rank
+from titan_lora.clients.openai_rollout import openai_rollouts
+from titan_lora.clients.vllm import build_vllm_emitter
+
+
+def vllm_openai_launch(req: LaunchRequest) -> LaunchPlan:
+    """`vllm serve` flags for the job: fp32 on the trainer's model, adapter slots for every live version
+    plus one being installed, bound to localhost."""
+    return LaunchPlan("titan_lora.engines.vllm_openai", [
+        req.hf_dir, "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--seed", "0",
+        "--max-lora-rank", str(engine_lora_rank(req.lora_rank)),
+        "--max-loras", str(req.keep_versions + 1), "--max-cpu-loras", str(req.keep_versions + 2),
+        "--max-model-len", str(req.engine.max_model_len), "--max-num-seqs", "64",
+        "--max-num-batched-tokens", str(max(4096, req.engine.max_model_len)),
+        "--kv-cache-memory-bytes", str(req.engine.kv_cache_gib * 2**30), "--disable-uvicorn-access-log",
+    ])
+
+
+VLLM_OPENAI = EngineKind("vllm-openai", build_vllm_emitter, openai_rollouts, vllm_openai_launch,
+                         shm_buckets=True, max_lora_rank=engine_lora_rank)
+VLLM = dataclasses.replace(VLLM_OPENAI, name="vllm")
+"""The default engine kind."""

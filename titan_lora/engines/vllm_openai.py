@@ -1,0 +1,66 @@
+"""The vLLM engine as vLLM's own OpenAI-compatible server, with titan_lora's transfer routes inside.
+
+    python -m titan_lora.engines.vllm_openai MODEL [any `vllm serve` flag]
+
+It is `vllm serve` (its argument parser, API server, AsyncLLM and engine processes), with defaults of
+its own: LoRA on, chunked prefill off on CPU (see `parse_args`), titan_lora's worker extension
+(adapters arrive in memory through `collective_rpc`) and the middleware `titan_asgi.TitanRoutes` (the `/titan/*` routes, the alias of
+each adapter to its newest version, and a lease per request). `/v1/*` serves the base and every live
+adapter version (`model="<lora_name>-v<step>"`, or `model="<lora_name>"` for the newest).
+
+Secrets come by environment, never argv (`ps` shows argv): TITAN_LORA_API_KEY becomes vLLM's
+`--api-key`, which then guards `/v1/*` and `/titan/*` alike; TITAN_LORA_ENGINE_NONCE is echoed by
+`/titan/info`. The fault-injection variables of `titan_lora.engines.transfers` apply as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from titan_lora.engines import vllm_compat as compat
+from titan_lora.engines.lifetime import die_with_spawning_parent
+from titan_lora.transfer import protocol
+
+# vLLM spawns its engine core and workers, and a spawned child imports this module first: each of
+# them then dies with the process that spawned it (vLLM's engine core does not watch its API server).
+die_with_spawning_parent()
+
+EXTENSION = "titan_lora.engines.vllm_ext.TitanLoRAWorkerExtension"
+MIDDLEWARE = "titan_lora.engines.titan_asgi.TitanRoutes"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """`vllm serve`'s options, with LoRA, titan_lora's worker extension and middleware, and the key
+    from TITAN_LORA_API_KEY."""
+    parser = compat.serve_parser(__doc__.split("\n\n")[0])
+    parser.set_defaults(enable_lora=True, worker_extension_cls=EXTENSION)
+    if compat.is_cpu():
+        # After a partial (chunked) prefill vLLM rewinds a seeded request's generator, which a CPU
+        # generator cannot do: the engine dies ("CPU Generator does not use offset", vLLM 0.32).
+        parser.set_defaults(enable_chunked_prefill=False)
+    args = parser.parse_args(argv)
+    if args.model_tag is not None:
+        args.model = args.model_tag
+    if args.api_server_count not in (None, 1):
+        raise SystemExit(f"--api-server-count {args.api_server_count}: titan_lora's adapter table and leases "
+                         "live in one API server process; leave it at 1 (vLLM still runs every "
+                         "--data-parallel-size engine behind it)")
+    args.api_server_count = 1
+    if not args.enable_lora:
+        raise SystemExit("titan_lora serves adapters: drop --no-enable-lora")
+    if MIDDLEWARE not in args.middleware:
+        args.middleware = [*args.middleware, MIDDLEWARE]
+    key = os.environ.get(protocol.API_KEY_ENV)
+    if key:
+        args.api_key = [key]
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Serve until SIGTERM (or Ctrl-C); every worker unmaps the trainer's buffers on the way out."""
+    compat.serve(parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
