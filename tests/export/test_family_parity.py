@@ -2,7 +2,8 @@
 adapter on every linear: torchtitan's log-probs == HF + peft loading our export (fp32, <= 1e-4).
 
 Llama (GQA, tied head, sharded with an index) needs the RoPE row permutation of wq/wk lora_B; Qwen3
-(q/k norms, head_dim 32 != 64 / 4, untied head) needs none: torchtitan's Qwen3 is rotate-half like HF.
+(q/k norms, head_dim 32 != 64 / 4) needs none: torchtitan's Qwen3 is rotate-half like HF. A tied Qwen3 ties
+its head in memory too (one parameter), which FSDP must shard in one group.
 A wrong layout for either family moves the log-probs by far more than the bound.
 """
 
@@ -22,6 +23,7 @@ TOKENS = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(
 CASES = {
     "llama3-gqa-tied-sharded": ("llama3", lambda out: tiny_llama(out, tied=True, shard_mb=0.05)),
     "qwen3-qknorm-headdim32-untied": ("qwen3", lambda out: tiny_qwen3(out, tied=False)),
+    "qwen3-tied": ("qwen3", lambda out: tiny_qwen3(out, tied=True)),
 }
 
 

@@ -8,12 +8,13 @@ with DTensors). So a family hands over only its TP step, and the rest is shared.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
@@ -86,17 +87,49 @@ def _ac_and_fsdp(model: nn.Module, parallel_dims: ParallelDims, job_config) -> n
 
 def shard_model(model: nn.Module, mesh: DeviceMesh, job_config) -> None:  # noqa: ANN001
     """torchtitan's FSDP2 over `mesh` with `[training]`'s mixed precision (gloo-safe reductions on CPU)."""
-    apply_fsdp(
-        model,
-        mesh,
-        param_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_param],
-        reduce_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_reduce],
-        pp_enabled=False,
-        cpu_offload=job_config.training.enable_cpu_offload,
-        reshard_after_forward_policy=job_config.parallelism.fsdp_reshard_after_forward,
-    )
+    training, policy = job_config.training, job_config.parallelism.fsdp_reshard_after_forward
+    param_dtype = TORCH_DTYPE_MAP[training.mixed_precision_param]
+    reduce_dtype = TORCH_DTYPE_MAP[training.mixed_precision_reduce]
+    tied = _tied_head(model)
+    if tied:
+        # FSDP needs a tied pair in one group, and apply_fsdp splits it (embedding | norm + output): shard the
+        # pair with norm as apply_fsdp's last group would be sharded, then hide the pair from apply_fsdp.
+        fully_shard(
+            [model.tok_embeddings, model.norm, model.output], mesh=mesh,
+            mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+            offload_policy=CPUOffloadPolicy() if training.enable_cpu_offload else OffloadPolicy(),
+            reshard_after_forward=policy == "always",  # used first and last in forward: keep it gathered
+        )
+    with _hidden(model, ("tok_embeddings", "output") if tied else ()):
+        apply_fsdp(
+            model,
+            mesh,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            pp_enabled=False,
+            cpu_offload=training.enable_cpu_offload,
+            reshard_after_forward_policy=policy,
+        )
     if mesh.device_type == "cpu":
         # gloo has no PREMUL_SUM; plain sums with FSDP's own pre/post scaling are equivalent.
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_force_sum_reduction_for_comms(True)
+
+
+def _tied_head(model: nn.Module) -> bool:
+    output, embedding = getattr(model, "output", None), getattr(model, "tok_embeddings", None)
+    return output is not None and embedding is not None and output.weight is embedding.weight
+
+
+@contextmanager
+def _hidden(model: nn.Module, names: tuple[str, ...]) -> Iterator[None]:
+    # apply_fsdp skips a submodule that is None; the root group then skips it as already sharded.
+    modules = {name: getattr(model, name) for name in names}
+    for name in names:
+        setattr(model, name, None)
+    try:
+        yield
+    finally:
+        for name, module in modules.items():
+            setattr(model, name, module)
