@@ -73,6 +73,10 @@ class _BucketServer(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
 
+    # The listen backlog: connections past it wait on SYN retransmits (seconds) before they are even
+    # accepted or refused; every connection the cap admits, and as many again to refuse, fit in it.
+    request_queue_size = 2 * MAX_CONNECTIONS
+
     def __init__(self, host: str, port: int) -> None:
         family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                       flags=socket.AI_PASSIVE)[0]
