@@ -177,6 +177,7 @@ def main(argv: list[str] | None = None) -> None:
         level=logging.INFO if rank0 else logging.WARNING, format="[titan_lora %(asctime)s] %(message)s",
         datefmt="%H:%M:%S",
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # the openai client's one line per rollout request
     try:
         job_config, model = load_job(sys.argv[1:] if argv is None else argv)
         task = check_plugins(job_config)

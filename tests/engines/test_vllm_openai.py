@@ -135,6 +135,9 @@ def test_the_rollout_client_samples_and_scores_like_the_trainer(ctx: Ctx) -> Non
         assert gap <= PARITY_TOL, f"sampled-token log-probs differ from the trainer's by {gap:.2e}"
     scored = ctx.rollouts.score(ctx.sequences, "policy-v2")
     assert max_abs_diff(scored, trainer_logprobs(ctx.built.model, ctx.sequences, CPU)) <= PARITY_TOL
+    # Greedy, as the held-out eval asks: repeated prompts (vLLM refuses n > 1 without sampling) get one answer each.
+    greedy = ctx.rollouts.generate(prompts, "policy-v2", 10, 0.0, None, [])
+    assert len(greedy) == 5 and len({tuple(c.token_ids) for c in greedy[:3]}) == 1
 
 
 def test_a_versioned_name_keeps_serving_while_the_next_loads(ctx: Ctx) -> None:

@@ -96,10 +96,14 @@ class OpenAIRolloutClient:
                  temperature: float, seed: int | None, stop_token_ids: list[int]) -> list[Completion]:
         """One completion per token-id prompt, sampled under model `adapter` (None: the base)."""
         model = self._model(adapter)
-        futures = [self._pool.submit(self._sample, model, prompt, n, None if seed is None else seed + start,
-                                     max_tokens, temperature, stop_token_ids)
-                   for start, prompt, n in prompt_runs(prompts)]
-        return [c for f in futures for c in f.result()]
+        # Greedy decoding is the same for a repeated prompt, and vLLM refuses n > 1 without sampling: one
+        # request per run, its answer repeated.
+        greedy = temperature == 0
+        runs = prompt_runs(prompts)
+        futures = [self._pool.submit(self._sample, model, prompt, 1 if greedy else n,
+                                     None if seed is None else seed + start, max_tokens, temperature, stop_token_ids)
+                   for start, prompt, n in runs]
+        return [c for f, (_, _, n) in zip(futures, runs) for c in (f.result() * n if greedy else f.result())]
 
     def score(self, sequences: list[list[int]], adapter: str | None) -> list[list[float]]:
         """log p(token t | tokens < t) for every token after the first of each sequence."""
