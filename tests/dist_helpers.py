@@ -27,6 +27,9 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, errors:
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         fn(rank, world, *args)
+        # A rank that tears its gloo pairs down while a peer still drains the last collective makes
+        # that peer's gloo thread abort (SIGABRT at exit, seen in CI): leave together.
+        dist.barrier()
     except BaseException:  # noqa: BLE001 (reported to the parent, which fails the test)
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
         raise
