@@ -34,7 +34,9 @@ class LoRALinear(nn.Linear):
         base = F.linear(x, self.weight, self.bias)
         dropped = F.dropout(x, self.lora_dropout_p, self.training) if self.lora_dropout_p else x
         update = F.linear(F.linear(dropped, self.lora_A), self.lora_B)
-        return base + self.scale * update
+        # In place, with the scale as add's alpha: one elementwise kernel and no extra activation
+        # (F.linear's backward does not need its output, so autograd allows it).
+        return base.add_(update, alpha=self.scale)
 
 
 def lora_scale(rank: int, alpha: float, use_rslora: bool) -> float:
