@@ -268,7 +268,7 @@ def test_a_server_stops_when_its_last_buffer_closes() -> None:
     first.close()
     fetcher.fetch(second.describe(0), 0, torch.empty(8, dtype=torch.uint8))
     second.close()
-    assert ("127.0.0.5", 0) not in tcp._SERVERS
+    assert (tcp._BucketServer, "127.0.0.5", 0) not in tcp._SERVERS
     assert not any(t.is_alive() for t in handlers), "the idle connection's handler was ended and joined"
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.5", desc["port"]), timeout=2).close()
