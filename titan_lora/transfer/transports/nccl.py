@@ -199,15 +199,15 @@ class _HubHandler:
 
     def __init__(self, request: socket.socket, client_address: tuple, server: _Hub) -> None:
         self.request, self.server = request, server
+        self.group: _Group | None = None  # once joined
         _keepalive(request)
-        group = None
         try:
-            group = self._serve()
+            self._serve()
         except (OSError, TcpRefused) as err:
             logger.warning("nccl hub %s:%d: worker at %s: %s", server.host, server.port, client_address, err)
         finally:
-            if group is not None:
-                server.leave(group, f"worker connection from {client_address} ended")
+            if self.group is not None:
+                server.leave(self.group, f"worker connection from {client_address} ended")
 
     def _read(self) -> tuple | None:
         head = memoryview(bytearray(_REQUEST.size))
@@ -232,10 +232,10 @@ class _HubHandler:
     def _refuse(self, err: TcpRefused) -> None:
         self._reply(_REFUSED, str(err).encode())
 
-    def _serve(self) -> _Group | None:
+    def _serve(self) -> None:
         request = self._read()
         if request is None:
-            return None
+            return
         op, buffer_id, token, rank, world, key = request
         try:
             if op != _JOIN:
@@ -244,7 +244,8 @@ class _HubHandler:
             group, member = self.server.join(key, rank, world)
         except TcpRefused as err:
             self._refuse(err)
-            return None
+            return
+        self.group = group
         self._reply(_OK, json.dumps({"store_port": self.server.store.port, "group": group.name, "rank": member,
                                      "world": group.world, "backend": self.server.backend}).encode())
         while (request := self._read()) is not None:
@@ -262,7 +263,6 @@ class _HubHandler:
                 continue
             self._reply(_OK, length=nbytes)
             self._send(group, member, view)
-        return group
 
     def _send(self, group: _Group, member: int, view: torch.Tensor) -> None:
         with group.send_lock:
