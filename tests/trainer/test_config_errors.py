@@ -92,7 +92,7 @@ BAD = {
     "pause mode": (_sync("", engine='pause_mode = "stop"'), ["[engine] pause_mode = 'stop'", "in_place"]),
     "engine port": (_sync("", engine="port = 70000"), ["[engine] port = 70000", "0 to pick"]),
     "unknown transport": (
-        _sync("", engine='transport = "rdma"'), ["[engine] transport = 'rdma'", "cuda_ipc, shm, tcp", '"auto"'],
+        _sync("", engine='transport = "rdma"'), ["[engine] transport = 'rdma'", "cuda_ipc, nccl, shm, tcp", '"auto"'],
     ),
     "a transport for a kind that sends no buckets": (
         _sync("", engine='kind = "sglang"\nurl = "http://sglang:30000"\ntransport = "tcp"'),

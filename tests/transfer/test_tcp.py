@@ -176,7 +176,7 @@ def test_auto_keeps_the_device_default_on_this_host_and_takes_tcp_elsewhere() ->
     assert choose_transport("auto", "http://192.0.2.7:8000", "10.1.2.3", 7000) == \
         TransportChoice("tcp", (("host", "10.1.2.3"), ("port", 7000)))
     assert choose_transport("cuda_ipc", "") == TransportChoice("cuda_ipc")
-    with pytest.raises(ValueError, match="unknown bucket transport 'rdma': this process has cuda_ipc, shm, tcp"):
+    with pytest.raises(ValueError, match="unknown bucket transport 'rdma': this process has cuda_ipc, nccl, shm, tcp"):
         transport_kind("rdma", "")
 
 
