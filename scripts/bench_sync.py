@@ -19,7 +19,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,44 +26,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_timing import alternating, p, timed  # noqa: E402,F401 (bench_transport imports them here)
+
 from titan_lora.lora.layer import adapter_params, fill_param, lora_modules  # noqa: E402
 from titan_lora.trainer.build import build_from_toml  # noqa: E402
 from titan_lora.trainer.job_config import job_config_from_toml, job_from_toml  # noqa: E402
-
-
-def timed(fn: Callable[[], object], iters: int, sync: Callable[[], None] = lambda: None, warmup: int = 2) -> list[float]:
-    """Wall times of `fn` in ms (after `warmup` calls), with `sync` closing each timing."""
-    for _ in range(warmup):
-        fn()
-        sync()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
-
-
-def alternating(
-    fns: list[Callable[[], object]], iters: int, between: Callable[[], object], warmup: int = 2
-) -> list[list[float]]:
-    """Wall times in ms of each of `fns`, called in turn (`between` untimed after each call)."""
-    out: list[list[float]] = [[] for _ in fns]
-    for i in range(warmup + iters):
-        for times, fn in zip(out, fns):
-            t0 = time.perf_counter()
-            fn()
-            elapsed = (time.perf_counter() - t0) * 1e3
-            between()
-            if i >= warmup:
-                times.append(elapsed)
-    return out
-
-
-def p(times: list[float], q: float) -> float:
-    """The q-quantile of `times`."""
-    return statistics.quantiles(times, n=100, method="inclusive")[int(q * 100) - 1] if len(times) > 1 else times[0]
 
 
 def report(rows: list[tuple[str, list[float]]], floor_ms: float, baseline: str) -> None:

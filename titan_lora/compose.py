@@ -80,7 +80,8 @@ def engine_endpoint(kind: EngineKind, engine: Engine, url: str, api_key: str) ->
     transport`, where "auto" decides from where the engine is (`transfer/placement.py`)."""
     if not kind.shm_buckets:
         return Endpoint(url, api_key)
-    return Endpoint(url, api_key, choose_transport(engine.transport, url, engine.tcp_host, engine.tcp_port))
+    return Endpoint(url, api_key, choose_transport(engine.transport, url, engine.tcp_host, engine.tcp_port,
+                                                  engine.nccl_backend))
 
 
 def connect_engine(engine: Engine, ws: WeightSync, hf_dir: str, device: torch.device, dump_folder: str,

@@ -81,12 +81,17 @@ class Engine:
     """vllm-disk only: where PEFT directories are written; empty: a temporary directory."""
     transport: str = "auto"
     """How bucket bytes reach the engine (kinds that send buckets: vllm, receiver): auto (an engine on
-    this host: shm on CPU, cuda_ipc on GPU; elsewhere: tcp), shm, cuda_ipc, tcp, or a registered plug-in."""
+    this host: shm on CPU, cuda_ipc on GPU; elsewhere: tcp), shm, cuda_ipc, tcp, nccl (a process group
+    with the engine's workers, GPU engines on any host), or a registered plug-in."""
     tcp_host: str = ""
-    """tcp: the address the trainer serves buckets on, as the engine reaches it; empty: 127.0.0.1 for an
-    engine on loopback, else this host's address on the route to the engine."""
+    """tcp and nccl: the address the trainer serves buckets (tcp) or its group's rendezvous (nccl) on, as
+    the engine reaches it; empty: 127.0.0.1 for an engine on loopback, else this host's address on the
+    route to the engine."""
     tcp_port: int = 0
-    """tcp: the port the trainer serves buckets on; 0: any free port."""
+    """tcp and nccl: the port the trainer serves on; 0: any free port."""
+    nccl_backend: str = "nccl"
+    """nccl only: "nccl" (GPU trainer and engine), or "gloo": the same group on CPU, for a trainer
+    without CUDA (tests, CPU engines); nccl without CUDA is refused unless gloo is asked for here."""
 
 
 @dataclass
@@ -240,6 +245,7 @@ def validate_training(cfg: Training) -> None:
 
 PAUSE_MODES = ("none", "abort", "retract", "in_place")
 UNSPECIFIED_HOSTS = ("0.0.0.0", "::", "[::]")
+NCCL_BACKENDS = ("nccl", "gloo")
 
 
 def validate_engine(cfg: Engine) -> None:
@@ -253,6 +259,8 @@ def validate_engine(cfg: Engine) -> None:
     if cfg.tcp_host in UNSPECIFIED_HOSTS:
         raise ValueError(f"[engine] tcp_host = {cfg.tcp_host!r} is the address the engine connects to: name "
                          "this host's address as the engine sees it, or leave it empty to derive it")
+    if cfg.nccl_backend not in NCCL_BACKENDS:
+        raise ValueError(f"[engine] nccl_backend = {cfg.nccl_backend!r}: use {' or '.join(NCCL_BACKENDS)}")
     if cfg.disk_dir:
         check_writable_dir(cfg.disk_dir, "[engine] disk_dir")
 

@@ -1,11 +1,16 @@
-"""The real receiver process fed over tcp by the real bucket emitter, as the composition root wires it
-for `[engine] transport = "tcp"`: the base and two adapter versions arrive byte for byte, every bucket
-acked with its checksum, and the engine never opens a shared-memory segment (the trainer made none)."""
+"""The real receiver process fed over tcp, and over nccl's gloo fallback, by the real bucket emitter, as
+the composition root wires it for `[engine] transport = "tcp"` / `"nccl"`: the base and two adapter
+versions arrive byte for byte, every bucket acked with its checksum, and the engine never opens a
+shared-memory segment (the trainer made none). Over nccl: wrong bytes are refused by the checksum, and
+an engine that restarts, or dies mid-transfer, gets a new group for its new incarnation."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -17,7 +22,9 @@ from titan_lora.clients.kinds import engine_kind
 from titan_lora.clients.launch import EmbeddedEngine
 from titan_lora.compose import engine_endpoint
 from titan_lora.config import Engine, WeightSync
-from titan_lora.transfer.transports.tcp import TcpBuffer
+from titan_lora.transfer.buckets import bucket_checksum, bucket_size, layout_id, plan_buckets
+from titan_lora.transfer.errors import TransferError
+from titan_lora.transfer.transports import nccl
 
 CPU = torch.device("cpu")
 SHIM_DIR = str(Path(__file__).parent)
@@ -49,10 +56,16 @@ def _adapter(emitter, version: int) -> AdapterPayload:  # noqa: ANN001
     return AdapterPayload(f"policy-v{version}", version, tensors, {"r": 16, "lora_alpha": 32}, home=home)
 
 
-def test_the_receiver_gets_base_and_adapters_over_tcp_and_opens_no_shared_memory(receiver) -> None:  # noqa: ANN001
-    config = Engine(kind="receiver", transport="tcp")
+def _emitter(receiver, transport: str):  # noqa: ANN001, ANN202
+    """The bucket emitter the composition root builds for `[engine] transport` (nccl: its gloo fallback)."""
+    config = Engine(kind="receiver", transport=transport, nccl_backend="gloo")
     endpoint = engine_endpoint(engine_kind("receiver"), config, receiver.url, receiver.api_key)
-    emitter = engine_kind("receiver").emitter(WeightSync(bucket_mb=1, timeout_s=30), config, endpoint)
+    return engine_kind("receiver").emitter(WeightSync(bucket_mb=1, timeout_s=30), config, endpoint)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "nccl"])
+def test_the_receiver_gets_base_and_adapters_and_opens_no_shared_memory(receiver, transport: str) -> None:  # noqa: ANN001
+    emitter = _emitter(receiver, transport)
     try:
         g = torch.Generator().manual_seed(0)
         base = {f"model.layers.{i}.mlp.up_proj.weight": torch.randn(1536, 576, generator=g) for i in range(2)}
@@ -62,13 +75,77 @@ def test_the_receiver_gets_base_and_adapters_over_tcp_and_opens_no_shared_memory
             payload = _adapter(emitter, version)
             ack = emitter.send_adapter(payload)
             assert (ack.version, ack.num_tensors, ack.nbytes) == (version, payload.num_tensors, payload.nbytes)
-            assert ack.phases_ms["pack_ms"] == 0, "the lent tcp buffer went as it is, with no packing copy"
+            assert ack.phases_ms["pack_ms"] == 0, f"the lent {transport} buffer went as it is, with no packing copy"
             held = emitter.client.post("/titan/digest", {"name": payload.name})
             assert held == {n: _digest(t) for n, t in payload.tensors.items()}, f"v{version} bytes differ"
         assert emitter.client.post("/titan/digest", {"name": "base"}) == {n: _digest(t) for n, t in base.items()}
-        assert emitter._buffers and all(isinstance(b, TcpBuffer) for b in [*emitter._buffers, payload.home])
+        assert emitter._buffers and {b.kind for b in [*emitter._buffers, payload.home]} == {transport}
         assert mapped_segments(receiver.proc.pid) == set(), "the engine mapped a shared-memory segment"
         fds = f"/proc/{receiver.proc.pid}/fd"
         assert not [fd for fd in os.listdir(fds) if os.readlink(f"{fds}/{fd}").startswith("/dev/shm/")]
+    finally:
+        emitter.close()
+
+
+def _groups(buf: nccl.NcclBuffer) -> list[nccl._Group]:
+    """The groups of the trainer's nccl hub that serves `buf`: one per engine incarnation."""
+    return list(buf._server._groups.values())
+
+
+def test_over_nccl_wrong_bytes_are_refused_by_the_checksum(receiver) -> None:  # noqa: ANN001
+    emitter = _emitter(receiver, "nccl")
+    try:
+        payload = _adapter(emitter, 1)
+        emitter.send_adapter(payload)  # buffers made, layouts known, group joined
+        tensors = dict(list(payload.tensors.items())[:2])
+        (entries,) = plan_buckets(tensors, 1 << 20)
+        buf = payload.home
+        other = buf.tensor[: bucket_size(entries)].clone()
+        other[100] ^= 1  # the trainer claims other bytes than the engine receives
+        claimed = bucket_checksum(other)
+        with pytest.raises(TransferError, match="checksum mismatch"):
+            emitter.client.post("/titan/bucket", {
+                "transfer_id": "wrong-bytes", "kind": "adapter", "layout": layout_id(entries),
+                "header": [e.to_json() for e in entries], "segment": buf.describe(0), "checksum": claimed})
+        assert len(_groups(buf)) == 1, "a refused bucket leaves the group as it was"
+    finally:
+        emitter.close()
+
+
+def test_over_nccl_an_engine_restart_gets_a_new_group_even_mid_transfer(receiver, monkeypatch) -> None:  # noqa: ANN001
+    emitter = _emitter(receiver, "nccl")
+    try:
+        hub = _adapter(emitter, 1)
+        emitter.send_adapter(hub)
+        hub = hub.home
+        (first,) = _groups(hub)
+        os.kill(receiver.proc.pid, signal.SIGKILL)  # dies between transfers: its connection ends
+        receiver.proc.wait(10)
+        deadline = time.monotonic() + 10
+        while not first.failed and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert first.failed and not _groups(hub), "the trainer dropped the dead incarnation's group"
+        receiver.start()  # the new incarnation: same emitter, same buffers, a new group
+        payload = _adapter(emitter, 2)
+        ack = emitter.send_adapter(payload)
+        assert ack.version == 2 and emitter.client.post("/titan/digest", {"name": payload.name}) == {
+            n: _digest(t) for n, t in payload.tensors.items()}
+        (second,) = _groups(hub)
+        assert second.name != first.name and not second.failed
+        # Dies mid-transfer: paused inside its bucket, after joining, before the copy-out.
+        marker = f"{receiver.log_path}.marker"
+        receiver.stop()
+        monkeypatch.setenv("TITAN_LORA_FAULT_BUCKET_PAUSE_S", "30")
+        monkeypatch.setenv("TITAN_LORA_FAULT_MARKER", marker)
+        receiver.start()
+        started = time.monotonic()
+        sending = ThreadPoolExecutor(1).submit(emitter.send_adapter, _adapter(emitter, 3))
+        while not os.path.exists(marker):
+            assert time.monotonic() - started < 30, "the receiver never paused in its bucket"
+            time.sleep(0.05)
+        os.kill(receiver.proc.pid, signal.SIGKILL)
+        with pytest.raises(Exception):  # noqa: B017 (the HTTP post fails: connection reset or refused)
+            sending.result(timeout=30)
+        assert time.monotonic() - started < 30, "the trainer waited on the dead engine past its bounds"
     finally:
         emitter.close()

@@ -92,7 +92,7 @@ BAD = {
     "pause mode": (_sync("", engine='pause_mode = "stop"'), ["[engine] pause_mode = 'stop'", "in_place"]),
     "engine port": (_sync("", engine="port = 70000"), ["[engine] port = 70000", "0 to pick"]),
     "unknown transport": (
-        _sync("", engine='transport = "rdma"'), ["[engine] transport = 'rdma'", "cuda_ipc, shm, tcp", '"auto"'],
+        _sync("", engine='transport = "rdma"'), ["[engine] transport = 'rdma'", "cuda_ipc, nccl, shm, tcp", '"auto"'],
     ),
     "a transport for a kind that sends no buckets": (
         _sync("", engine='kind = "sglang"\nurl = "http://sglang:30000"\ntransport = "tcp"'),
@@ -149,6 +149,22 @@ def test_cuda_ipc_on_a_trainer_without_cuda_is_refused_when_read(monkeypatch: py
         job_config_from(_sync("", engine='transport = "cuda_ipc"'))
     with pytest.raises(ValueError, match=r"trainer's device is cpu: set \[engine\] transport = \"auto\""):
         CudaIpcBuffer(64, torch.device("cpu"))
+
+
+def test_nccl_on_a_trainer_without_cuda_needs_the_gloo_fallback_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from titan_lora.transfer.transports.nccl import NcclBuffer
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r'transport = "nccl" sends GPU memory.*nccl_backend = "gloo"'):
+        job_config_from(_sync("", engine='transport = "nccl"'))
+    cfg = job_config_from(_sync("", engine='transport = "nccl"\nnccl_backend = "gloo"'))
+    assert (cfg.engine.transport, cfg.engine.nccl_backend) == ("nccl", "gloo")
+    with pytest.raises(ValueError, match=r"nccl_backend = 'mpi': use nccl or gloo"):
+        job_config_from(_sync("", engine='transport = "nccl"\nnccl_backend = "mpi"'))
+    with pytest.raises(ValueError, match=r'trainer\'s device is cpu: on a CPU trainer set \[engine\] nccl_backend = "gloo"'):
+        NcclBuffer(64, torch.device("cpu"), backend="nccl")
 
 
 @pytest.mark.parametrize("case", list(BAD))

@@ -176,7 +176,7 @@ def test_auto_keeps_the_device_default_on_this_host_and_takes_tcp_elsewhere() ->
     assert choose_transport("auto", "http://192.0.2.7:8000", "10.1.2.3", 7000) == \
         TransportChoice("tcp", (("host", "10.1.2.3"), ("port", 7000)))
     assert choose_transport("cuda_ipc", "") == TransportChoice("cuda_ipc")
-    with pytest.raises(ValueError, match="unknown bucket transport 'rdma': this process has cuda_ipc, shm, tcp"):
+    with pytest.raises(ValueError, match="unknown bucket transport 'rdma': this process has cuda_ipc, nccl, shm, tcp"):
         transport_kind("rdma", "")
 
 
@@ -268,7 +268,7 @@ def test_a_server_stops_when_its_last_buffer_closes() -> None:
     first.close()
     fetcher.fetch(second.describe(0), 0, torch.empty(8, dtype=torch.uint8))
     second.close()
-    assert ("127.0.0.5", 0) not in tcp._SERVERS
+    assert (tcp._BucketServer, "127.0.0.5", 0) not in tcp._SERVERS
     assert not any(t.is_alive() for t in handlers), "the idle connection's handler was ended and joined"
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.5", desc["port"]), timeout=2).close()

@@ -231,7 +231,7 @@ def test_an_unknown_device_or_transport_is_refused() -> None:
     assert str(err.value) == "no bucket transport for device type 'meta'"
     with pytest.raises(ValueError) as err:
         transport._open({"kind": "rdma"})
-    assert str(err.value) == ("unknown bucket transport 'rdma': this process has cuda_ipc, shm, tcp (a plug-in "
+    assert str(err.value) == ("unknown bucket transport 'rdma': this process has cuda_ipc, nccl, shm, tcp (a plug-in "
                               "transport must be registered with register_transport in the trainer and in the "
                               "engine process)")
 

@@ -124,7 +124,7 @@ def test_a_transport_registered_as_a_device_default_is_what_the_trainer_lends_an
 def test_an_unknown_kind_is_refused_naming_the_registered_ones() -> None:
     with pytest.raises(ValueError) as err:
         BufferCache().get({"kind": "rdma", "name": "x", "size": 8, "offset": 0})
-    assert str(err.value) == ("unknown bucket transport 'rdma': this process has cuda_ipc, file, shm, tcp (a "
+    assert str(err.value) == ("unknown bucket transport 'rdma': this process has cuda_ipc, file, nccl, shm, tcp (a "
                               "plug-in transport must be registered with register_transport in the trainer "
                               "and in the engine process)")
     with pytest.raises(ValueError, match="unknown bucket transport None"):
@@ -138,7 +138,7 @@ def test_a_kind_registers_once() -> None:
     with pytest.raises(ValueError) as err:
         register_transport(Transport(FileBuffer, FileOpener()))
     assert str(err.value) == "bucket transport 'file' is already registered"
-    assert registered_transports() == ["cuda_ipc", "file", "shm", "tcp"]
+    assert registered_transports() == ["cuda_ipc", "file", "nccl", "shm", "tcp"]
 
 
 def test_each_device_has_its_default_transport_and_built_ins_carry_their_kind() -> None:

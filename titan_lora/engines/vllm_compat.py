@@ -96,6 +96,12 @@ def is_cpu() -> bool:
     return current_platform.is_cpu()
 
 
+def worker_member(worker: Any) -> tuple[int, int, str]:
+    """The worker's rank, its engine's worker count, and a name its workers share that a restart changes
+    (vLLM's own rendezvous address): how it joins the trainer's nccl group."""
+    return worker.rank, worker.vllm_config.parallel_config.world_size, worker.distributed_init_method
+
+
 def lora_manager(worker: Any) -> Any:
     """The worker's LoRA manager (vLLM's WorkerLoRAManager: add_adapter, remove_adapter)."""
     return worker.model_runner.lora_manager

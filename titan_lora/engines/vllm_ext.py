@@ -2,8 +2,8 @@
 
 Its methods are mixed into vLLM's Worker and reached with `collective_rpc`. Arguments are only
 strings, ints and JSON-able headers, so they cross vLLM's msgpack hop in multi-process mode too; the
-bytes come through a trainer-owned buffer (shared memory or CUDA IPC, or fetched over tcp) that each
-worker copies out before acknowledging.
+bytes come through a trainer-owned buffer (shared memory or CUDA IPC, or fetched over tcp or received
+over the trainer's nccl group, which every worker joins) that each worker copies out before acknowledging.
 
 vLLM 0.32 has no LoRA-from-tensors API. The first adapter of a run is built with vLLM's own
 `LoRAModel.from_lora_tensors`; later ones with the same tensor names reuse what that build resolved
@@ -31,6 +31,7 @@ from titan_lora.engines.vllm_compat import LoRAModel, LoRARequest
 from titan_lora.transfer.buckets import Entry, LayoutCache, bucket_size, copy_out, tensor_views
 from titan_lora.transfer.host_copy import copy_flat
 from titan_lora.transfer.transport import BufferCache
+from titan_lora.transfer.transports.base import transport_named
 
 if compat.FAST_PATH:  # both drive vLLM internals that only the tested versions are known to have
     from titan_lora.engines import vllm_cpu_lora, vllm_fastpath
@@ -110,6 +111,8 @@ class TitanLoRAWorkerExtension:
         state = self.__dict__.get("_titan")
         if state is None:
             state = self.__dict__["_titan"] = _State()
+            # Every worker of this engine joins one nccl group with the trainer (if nccl is used).
+            transport_named("nccl").opener.join_as(*compat.worker_member(self))
             manager = compat.lora_manager(self)
             compat.serve_from_memory(manager, state.model)
             if compat.FAST_PATH:

@@ -69,6 +69,10 @@ def check_transport(engine: Engine, kind: EngineKind) -> str | None:
     if transport == "cuda_ipc" and not torch.cuda.is_available():
         raise ValueError('[engine] transport = "cuda_ipc" shares GPU memory, but this trainer has no CUDA '
                          'device: use "auto" (shared memory on this host) or "shm"')
+    if transport == "nccl" and engine.nccl_backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError('[engine] transport = "nccl" sends GPU memory over NCCL, but this trainer has no CUDA '
+                         'device: set [engine] nccl_backend = "gloo" to run the same group over gloo on CPU, '
+                         'or use transport = "tcp" (an engine on another host) or "auto"')
     return transport
 
 

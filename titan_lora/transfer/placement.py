@@ -78,12 +78,14 @@ def transport_kind(name: str, engine_url: str) -> str | None:
     return transport_named(name).kind
 
 
-def choose_transport(name: str, engine_url: str, serve_host: str = "", serve_port: int = 0) -> TransportChoice:
+def choose_transport(name: str, engine_url: str, serve_host: str = "", serve_port: int = 0,
+                     nccl_backend: str = "") -> TransportChoice:
     """The trainer's bucket transport for an engine at `engine_url`. A network transport serves on
     `serve_host:serve_port`; an empty host is 127.0.0.1 for an engine on loopback, else this host's
-    address on the route to the engine."""
+    address on the route to the engine. nccl's group runs `nccl_backend` (empty: by the buffer's device)."""
     kind = transport_kind(name, engine_url)
     if kind is None or not transport_named(kind).buffer.network:
         return TransportChoice(kind)
     host = serve_host or ("127.0.0.1" if is_loopback_url(engine_url) else route_address(engine_url))
-    return TransportChoice(kind, (("host", host), ("port", serve_port)))
+    backend = (("backend", nccl_backend),) if kind == "nccl" and nccl_backend else ()
+    return TransportChoice(kind, (("host", host), ("port", serve_port), *backend))

@@ -106,9 +106,10 @@ def _mapping_key(desc: dict) -> str:
     return json.dumps({k: v for k, v in desc.items() if k != "offset"}, sort_keys=True)
 
 
-class _HostSlabs:
-    """Reusable host slabs that fetched buckets land in: a fresh multi-MB allocation page-faults on
-    every first touch, which costs about as much as the copy. At most `kept` wait for reuse."""
+class _Slabs:
+    """Reusable slabs that fetched buckets land in, on the device their transport receives on: a fresh
+    multi-MB allocation page-faults on every first touch, which costs about as much as the copy. At
+    most `kept` wait for reuse."""
 
     def __init__(self, kept: int = 4) -> None:
         self.kept = kept
@@ -116,22 +117,21 @@ class _HostSlabs:
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
-    def lease(self, nbytes: int) -> Iterator[torch.Tensor]:
-        """`nbytes` uint8 host bytes, this caller's alone until the block ends."""
+    def lease(self, nbytes: int, device: torch.device = torch.device("cpu")) -> Iterator[torch.Tensor]:
+        """`nbytes` uint8 bytes on `device`, this caller's alone until the block ends."""
         with self._lock:
-            fits = [s for s in self._free if s.numel() >= nbytes]
-            slab = min(fits, key=torch.Tensor.numel) if fits else None
-            if slab is not None:
-                self._free.remove(slab)
+            fits = [i for i, s in enumerate(self._free) if s.numel() >= nbytes and s.device == device]
+            # By index: list.remove compares tensors with ==, elementwise.
+            slab = self._free.pop(min(fits, key=lambda i: self._free[i].numel())) if fits else None
         if slab is None:
-            slab = torch.empty(nbytes, dtype=torch.uint8)
+            slab = torch.empty(nbytes, dtype=torch.uint8, device=device)
         try:
             yield slab[:nbytes]
         finally:
             with self._lock:
                 self._free.append(slab)
                 if len(self._free) > self.kept:  # the smallest go first: buckets only grow
-                    self._free.remove(min(self._free, key=torch.Tensor.numel))
+                    self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].numel()))
 
 
 class BufferCache:
@@ -142,7 +142,7 @@ class BufferCache:
         self.max_entries = max_entries
         self._open: collections.OrderedDict[str, tuple[dict, torch.Tensor]] = collections.OrderedDict()
         self._lock = threading.Lock()  # the engine serves buckets from several threads
-        self._slabs = _HostSlabs()
+        self._slabs = _Slabs()
 
     def __len__(self) -> int:
         """Mappings held now."""
@@ -164,10 +164,11 @@ class BufferCache:
     @contextlib.contextmanager
     def bucket(self, desc: dict, nbytes: int) -> Iterator[torch.Tensor]:
         """The `nbytes` bytes of the bucket `desc` names, valid until the block ends (copy them out in
-        it): a view of the cached mapping, or a host slab filled from the trainer now."""
+        it): a view of the cached mapping, or a slab filled from the trainer now (on the device the
+        fetcher receives on: the host, or the engine's GPU for nccl)."""
         opener = transport_named(desc.get("kind")).opener
         if isinstance(opener, Fetcher):
-            with self._slabs.lease(nbytes) as slab:
+            with self._slabs.lease(nbytes, opener.device(desc)) as slab:
                 opener.fetch(desc, int(desc.get("offset", 0)), slab)
                 yield slab
             return

@@ -25,6 +25,7 @@ BUILT_IN_TRANSPORTS = {
     "shm": "titan_lora.transfer.transports.shm:SHM",
     "cuda_ipc": "titan_lora.transfer.transports.cuda_ipc:CUDA_IPC",
     "tcp": "titan_lora.transfer.transports.tcp:TCP",
+    "nccl": "titan_lora.transfer.transports.nccl:NCCL",
 }
 DEVICE_DEFAULTS = {"cpu": "shm", "cuda": "cuda_ipc"}
 """The transport a trainer's buffers use, by device type."""
@@ -105,9 +106,13 @@ class Fetcher(abc.ABC):
     """The engine side of a transport whose buffers cannot be mapped (another host): it copies the bytes
     of each bucket anew, and the engine caches nothing of them."""
 
+    def device(self, desc: dict) -> torch.device:
+        """Where the bytes of `desc`'s buffer arrive: the engine lends `fetch` a slab there."""
+        return torch.device("cpu")
+
     @abc.abstractmethod
     def fetch(self, desc: dict, offset: int, into: torch.Tensor) -> None:
-        """Fill `into` (uint8, host) with the buffer's bytes [offset, offset + into.numel()). Anything
+        """Fill `into` (uint8, on `device(desc)`) with the buffer's bytes [offset, offset + into.numel()). Anything
         short of all of them raises: the engine must never ack bytes it did not receive."""
 
 

@@ -26,6 +26,7 @@ import socketserver
 import struct
 import threading
 import time
+from typing import ClassVar
 
 import torch
 
@@ -72,6 +73,8 @@ class _BucketServer(socketserver.ThreadingTCPServer):
 
     daemon_threads = True
     allow_reuse_address = True
+    handler: ClassVar[type[socketserver.BaseRequestHandler]]
+    """What serves one connection (`_Handler`, set below; the nccl hub has its own)."""
 
     # The listen backlog: connections past it wait on SYN retransmits (seconds) before they are even
     # accepted or refused; every connection the cap admits, and as many again to refuse, fit in it.
@@ -81,7 +84,7 @@ class _BucketServer(socketserver.ThreadingTCPServer):
         family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                       flags=socket.AI_PASSIVE)[0]
         self.address_family = family  # IPv6 when the host is one
-        super().__init__(address, _Handler)
+        super().__init__(address, self.handler)
         self.host = host
         self._buffers: dict[bytes, tuple[bytes, torch.Tensor]] = {}
         self._lock = threading.Lock()
@@ -246,19 +249,21 @@ def _needs_staging(view: torch.Tensor) -> bool:
     return view.is_cuda
 
 
-_SERVERS: dict[tuple[str, int], _BucketServer] = {}
+_BucketServer.handler = _Handler
+_SERVERS: dict[tuple[type[_BucketServer], str, int], _BucketServer] = {}
 _SERVERS_LOCK = threading.Lock()
 
 
-def serving(host: str, port: int) -> _BucketServer:
-    """This process's bucket server on `host:port` (port 0: one on a free port), started on first use.
-    Hold `_SERVERS_LOCK` until a buffer is added, so that a last buffer's close cannot stop it between."""
-    server = _SERVERS.get((host, port))
+def serving(host: str, port: int, cls: type[_BucketServer] = _BucketServer) -> _BucketServer:
+    """This process's bucket server of class `cls` on `host:port` (port 0: one on a free port), started
+    on first use. Hold `_SERVERS_LOCK` until a buffer is added, so that a last buffer's close cannot stop
+    it between."""
+    server = _SERVERS.get((cls, host, port))
     if server is None:
         try:
-            server = _SERVERS[(host, port)] = _BucketServer(host, port)
+            server = _SERVERS[(cls, host, port)] = cls(host, port)
         except OSError as err:
-            raise OSError(f"cannot serve tcp buckets on {host}:{port} ({err}): set [engine] tcp_host to "
+            raise OSError(f"cannot serve buckets on {host}:{port} ({err}): set [engine] tcp_host to "
                           "an address of this host that the engine can reach, and tcp_port to a free "
                           "port (0: any)") from err
     return server
@@ -291,11 +296,13 @@ class TcpBuffer(BucketBuffer):
 
     kind = "tcp"
     network = True
+    server_class: ClassVar[type[_BucketServer]] = _BucketServer
+    """The server that hands this buffer's bytes out (the nccl transport's sends them over its group)."""
 
     def __init__(self, size: int, device: torch.device, *, host: str = "127.0.0.1", port: int = 0) -> None:
         self._id, self._token = secrets.token_bytes(16), secrets.token_bytes(16)
         with _SERVERS_LOCK:
-            self._server = serving(host, port)
+            self._server = serving(host, port, self.server_class)
             super().__init__(size, device)
             self._server.add(self._id, self._token, self.tensor)
             self._server.owners += 1
