@@ -104,3 +104,16 @@ def test_a_sum_that_overflows_is_still_finite_element_by_element() -> None:
     big[0, 1] = float("nan")
     gatherer.gather()
     assert not gatherer.all_finite()
+
+
+def test_the_index_scatter_moves_8_byte_words_where_every_run_is_whole_words() -> None:
+    g = torch.Generator().manual_seed(0)
+    rows = lambda t: t.flip(0)  # noqa: E731 (a row permutation, as the RoPE layout of lora_B is)
+    whole = [("q.lora_A", torch.randn(4, 12, generator=g).bfloat16()), ("q.lora_B", torch.randn(8, 4, generator=g).bfloat16())]
+    gatherer = ShardGatherer(whole, layouts=[None, rows], scatter="index")
+    got = gatherer.gather()
+    assert gatherer.word == 4, "bf16 runs of 4k elements go as int64 words"
+    assert torch.equal(got["q.lora_A"], whole[0][1]) and torch.equal(got["q.lora_B"], whole[1][1].flip(0))
+    odd = [("k.lora_B", torch.randn(6, 3, generator=g).bfloat16())]  # rows of 3 elements: 6 bytes
+    gatherer = ShardGatherer(odd, layouts=[rows], scatter="index")
+    assert gatherer.word == 1 and torch.equal(gatherer.gather()["k.lora_B"], odd[0][1].flip(0))
