@@ -134,12 +134,17 @@ class _Transfer:
     def finish(self) -> _Streamed:
         """Every ack, in order (the last one carries the commit), and the phase times."""
         out = _Streamed(self.id)
+        copy_ms = 0.0
         for post in self.posts:
-            out.add(post.result())
+            ack = post.result()
+            out.add(ack)
+            copy_ms += float(ack.get("copy_ms", 0.0))
         total_ms = (time.perf_counter() - self.started) * 1e3
         pack_ms, checksum_ms = self.pack_s * 1e3, self.checksum_s * 1e3
         out.phases = {"pack_ms": pack_ms, "checksum_ms": checksum_ms,
                       "transfer_ms": total_ms - pack_ms - checksum_ms, "buckets": len(self.posts)}
+        if copy_ms:  # the engine's own time per bucket (copy-out and checksum), where it reports it
+            out.phases["engine_copy_ms"] = copy_ms
         return out
 
     def abandon(self) -> None:

@@ -254,15 +254,19 @@ class ShardGatherer:
             dist.gather(self._send, self._recv_chunks, dst=self.dst, group=self.group)
         if not is_dst:
             return None
+        self.scatter()
+        return self.views
+
+    def scatter(self) -> None:
+        """Rank `dst`, after the collective: place every received element (the benchmark times it alone)."""
         if self._runs is not None:
             self._runs.run()
+            return
+        src = self._send if self.world == 1 else self._recv
+        if self.word > 1:
+            self._full.view(WORD).index_copy_(0, self._index, src.view(WORD))
         else:
-            src = self._send if self.world == 1 else self._recv
-            if self.word > 1:
-                self._full.view(WORD).index_copy_(0, self._index, src.view(WORD))
-            else:
-                self._full.index_copy_(0, self._index, src)
-        return self.views
+            self._full.index_copy_(0, self._index, src)
 
     def all_finite(self) -> bool:
         """Rank `dst`: True when the last gathered tensors hold no NaN or Inf.
