@@ -100,7 +100,8 @@ def test_the_receiver_gets_base_and_adapters_over_tcp_and_opens_no_shared_memory
 
 
 @needs_gpus(1)
-def test_the_receiver_on_the_gpu_gets_base_and_adapters_over_cuda_ipc_byte_for_byte(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+def test_the_receiver_on_the_gpu_gets_base_and_adapters_over_cuda_ipc_byte_for_byte(
+        tmp_path, monkeypatch) -> None:  # noqa: ANN001
     device = torch.device("cuda", 0)
     engine = _start(tmp_path, monkeypatch, "--device", str(device))
     emitter = _emitter(engine, "cuda_ipc")

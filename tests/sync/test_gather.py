@@ -109,7 +109,8 @@ def test_a_sum_that_overflows_is_still_finite_element_by_element() -> None:
 def test_the_index_scatter_moves_8_byte_words_where_every_run_is_whole_words() -> None:
     g = torch.Generator().manual_seed(0)
     rows = lambda t: t.flip(0)  # noqa: E731 (a row permutation, as the RoPE layout of lora_B is)
-    whole = [("q.lora_A", torch.randn(4, 12, generator=g).bfloat16()), ("q.lora_B", torch.randn(8, 4, generator=g).bfloat16())]
+    whole = [("q.lora_A", torch.randn(4, 12, generator=g).bfloat16()),
+             ("q.lora_B", torch.randn(8, 4, generator=g).bfloat16())]
     gatherer = ShardGatherer(whole, layouts=[None, rows], scatter="index")
     got = gatherer.gather()
     assert gatherer.word == 4, "bf16 runs of 4k elements go as int64 words"
