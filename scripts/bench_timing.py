@@ -8,17 +8,21 @@ import time
 from collections.abc import Callable
 
 
-def timed(fn: Callable[[], object], iters: int, sync: Callable[[], None] = lambda: None, warmup: int = 2) -> list[float]:
-    """Wall times of `fn` in ms (after `warmup` calls), with `sync` closing each timing."""
+def timed(fn: Callable[[], object], iters: int, sync: Callable[[], None] = lambda: None, warmup: int = 2,
+          between: Callable[[], object] = lambda: None) -> list[float]:
+    """Wall times of `fn` in ms (after `warmup` calls), with `sync` closing each timing and `between`
+    run untimed after each call."""
     for _ in range(warmup):
         fn()
         sync()
+        between()
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
         fn()
         sync()
         times.append((time.perf_counter() - t0) * 1e3)
+        between()
     return times
 
 

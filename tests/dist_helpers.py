@@ -1,4 +1,5 @@
-"""Run a function on N CPU ranks (gloo) with torch.multiprocessing, as torchrun would."""
+"""Run a function on N ranks with torch.multiprocessing, as torchrun would: gloo on CPU (the suite's
+default) or NCCL with one GPU per rank (`pytest -m gpu`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -19,13 +22,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, errors: Any) -> None:
+def needs_gpus(n: int) -> Callable[[Callable], Callable]:
+    """Mark a test `gpu` and skip it on hosts with fewer than `n` GPUs (a CPU build answers at once)."""
+    have = torch.cuda.device_count()
+    skip = pytest.mark.skipif(have < n, reason=f"needs {n} CUDA GPUs, this host has {have}")
+    return lambda test: pytest.mark.gpu(skip(test))
+
+
+def rank_device() -> torch.device:
+    """This rank's device: its GPU when the process group runs NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: tuple, errors: Any) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world),
     )
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        kwargs = {}
+        if backend == "nccl":  # one GPU per rank, bound before the first collective
+            device = torch.device("cuda", rank)
+            torch.cuda.set_device(device)
+            kwargs["device_id"] = device
+        dist.init_process_group(backend, rank=rank, world_size=world, **kwargs)
         fn(rank, world, *args)
         # A rank that tears its gloo pairs down while a peer still drains the last collective makes
         # that peer's gloo thread abort (SIGABRT at exit, seen in CI): leave together.
@@ -38,12 +60,17 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, errors:
             dist.destroy_process_group()
 
 
-def run_ranks(world: int, fn: Callable, *args: Any) -> None:
-    """Run `fn(rank, world, *args)` on `world` gloo ranks; re-raise the first rank's error."""
+def run_ranks(world: int, fn: Callable, *args: Any, backend: str = "gloo") -> None:
+    """Run `fn(rank, world, *args)` on `world` ranks of `backend` ("gloo": CPU; "nccl": rank r on GPU r);
+    re-raise the first rank's error."""
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and torch.cuda.device_count() < world:
+        raise RuntimeError(f"{world} NCCL ranks need {world} GPUs, this host has {torch.cuda.device_count()}")
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, errors)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, backend, fn, args, errors)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -52,4 +79,3 @@ def run_ranks(world: int, fn: Callable, *args: Any) -> None:
         raise AssertionError(errors.get())
     codes = [p.exitcode for p in procs]
     assert codes == [0] * world, f"ranks exited with {codes}"
-

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from dist_helpers import rank_device
 
 from titan_lora.lora.layer import fill_param, lora_modules
 from titan_lora.trainer.build import BuiltModel, build_from_toml
@@ -33,14 +34,40 @@ DEBUG_LORA = SMOLLM2_LORA.replace('flavor = "135M"', 'flavor = "debug"').replace
 )
 
 
+TP2 = ("--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1")
+"""Overrides for TP=2 alone (2 ranks)."""
+COLWISE = {"wq", "wk", "wv", "w1", "w3"}
+ROWWISE = {"wo", "w2"}
+
+
+def check_tp2_placements(model: torch.nn.Module) -> None:
+    """Under TP=2 alone every adapter follows its base's plan: colwise (B sharded on its output rows,
+    A replicated) or rowwise (A sharded on its input columns, B replicated), on all seven linears."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    seen = set()
+    for name, module in lora_modules(model):
+        leaf = name.rsplit(".", 1)[-1]
+        seen.add(leaf)
+        w, a, b = module.weight, module.lora_A, module.lora_B
+        assert all(isinstance(t, DTensor) for t in (w, a, b)), name
+        want = (Shard(0), Replicate(), Shard(0)) if leaf in COLWISE else (Shard(1), Shard(1), Replicate())
+        assert (w.placements[0], a.placements[0], b.placements[0]) == want, (name, w.placements, a.placements,
+                                                                            b.placements)
+        assert a.to_local().numel() * (2 if leaf in ROWWISE else 1) == a.numel(), name
+        assert b.to_local().numel() * (2 if leaf in COLWISE else 1) == b.numel(), name
+    assert seen == COLWISE | ROWWISE
+
+
 def job_config_from(toml: str, *overrides: str):  # noqa: ANN201
     """Parse TOML text (plus CLI-style overrides) into the merged JobConfig."""
     return job_config_from_toml(toml, *overrides)
 
 
 def build_from(toml: str, *overrides: str) -> BuiltModel:
-    """Build the model of `toml` on this rank's CPU, sharded over the current process group."""
-    return build_from_toml(toml, *overrides, device=torch.device("cpu"))
+    """Build the model of `toml` on this rank's device (its GPU under NCCL, else the CPU), sharded over
+    the current process group."""
+    return build_from_toml(toml, *overrides, device=rank_device())
 
 
 @torch.no_grad()
@@ -86,10 +113,10 @@ class StubBaseModel(torch.nn.Module):
 
 
 def full_copy(t: torch.Tensor) -> torch.Tensor:
-    """A detached copy of the whole tensor (collective for a DTensor: every rank must call it)."""
+    """A detached copy of the whole tensor on the CPU (collective for a DTensor: every rank must call it)."""
     from torch.distributed.tensor import DTensor
 
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
 
 
 def full_adapter(named) -> dict[str, torch.Tensor]:  # noqa: ANN001

@@ -167,6 +167,26 @@ def test_tensors_already_in_shared_memory_go_in_place_with_their_checksum(emitte
     assert all(torch.equal(engine.adapters["policy-v6"][n], t) for n, t in tensors.items())
 
 
+def test_a_read_only_mapping_sent_again_reuses_its_plan_and_a_plain_dict_is_looked_at_again(
+        emitter_for: Make) -> None:
+    import types
+
+    flat, buf = lend_buffer(4 * 64 * 1024, torch.float32, torch.device("cpu"))
+    tensors = {f"t{i}": flat[i * 65536 : (i + 1) * 65536] for i in range(4)}
+    proxy = types.MappingProxyType(dict(tensors))  # what AdapterSource hands out every snapshot
+    emitter = emitter_for(ReadingEngine())
+    emitter.send_adapter(AdapterPayload("policy-v1", 1, proxy, {}, home=buf))
+    plan = emitter._plan
+    emitter._plan_key = ("stale",)  # the key is not even computed for the same read-only mapping
+    emitter.send_adapter(AdapterPayload("policy-v2", 2, proxy, {}, home=buf))
+    assert emitter._plan is plan
+    tensors["t3"] = torch.zeros(8)  # a plain dict changed in place gets a new plan
+    engine = ReadingEngine()
+    emitter.client = engine
+    emitter.send_adapter(AdapterPayload("policy-v3", 3, tensors, {}, home=buf))
+    assert emitter._plan is not plan and torch.equal(engine.adapters["policy-v3"]["t3"], torch.zeros(8))
+
+
 # ---- the engine's info and unload routes, request bodies, phase times, buffers ----------------------
 
 

@@ -30,7 +30,7 @@ def tensor_digest(t: torch.Tensor) -> str:
 
 
 def _digest(service: receiver.ReceiverService, req: dict) -> dict:
-    held = service.base_weights if req["name"] == "base" else service.adapters[req["name"]]
+    held = service.base_weights if req["name"] == "base" else service.adapter_tensors(req["name"])
     return {name: tensor_digest(t) for name, t in (held or {}).items()}
 
 

@@ -142,7 +142,7 @@ def test_the_ack_carries_the_checksum_of_the_bytes_the_engine_holds(receiver, bu
     body["commit"] = {"name": "policy-v1", "version": 1, "peft_config": {}}
     ack = JsonClient(_url(server), KEY).post("/titan/bucket", body)
     assert ack["checksum"] == bucket_checksum(sent) and ack["tensors"] == 4 and ack["bytes"] == 4 * 8 * 16 * 4
-    held = service.adapters["policy-v1"]
+    held = service.adapter_tensors("policy-v1")
     assert all(torch.equal(held[k], v) for k, v in tensors.items())
 
 

@@ -5,6 +5,11 @@ Llama (GQA, tied head, sharded with an index) needs the RoPE row permutation of 
 (q/k norms, head_dim 32 != 64 / 4) needs none: torchtitan's Qwen3 is rotate-half like HF. A tied Qwen3 ties
 its head in memory too (one parameter), which FSDP must shard in one group.
 A wrong layout for either family moves the log-probs by far more than the bound.
+
+With `pytest -m gpu` the Llama and untied Qwen3 cases also run under TP=2 on 2 GPUs (NCCL): placements
+per the base's plan, then the export against HF + peft (CPU, fp32) in fp32 (<= 1e-4, TF32 off) and under
+bf16 autocast (<= 0.1, at least 5x under the adapter's effect: bf16 keeps 8 bits of mantissa). Qwen3's
+TP forward runs only here (DTensor has no rule for CPU attention).
 """
 
 from __future__ import annotations
@@ -13,8 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_helpers import run_ranks
-from model_helpers import build_from, job_config_from, randomize_adapters
+from dist_helpers import needs_gpus, run_ranks
+from model_helpers import TP2, build_from, check_tp2_placements, full_copy, job_config_from, randomize_adapters
 from tiny_checkpoints import hf_model, hf_toml, tiny_llama, tiny_qwen3
 
 from titan_lora.sync.adapter_source import AdapterSource
@@ -27,30 +32,61 @@ CASES = {
 }
 
 
-def _export_and_score(rank: int, world: int, toml: str, out_dir: str) -> None:
-    built = build_from(toml)
+BF16_BOUND = 0.1
+
+
+def _export_and_score(rank: int, world: int, toml: str, out_dir: str, *overrides: str) -> None:
+    built = build_from(toml, *overrides)
+    if overrides == TP2:
+        check_tp2_placements(built.model)
     randomize_adapters(built.model, std=0.1)
     AdapterSource(built.model, built.peft_layout, job_config_from(toml).lora).export(out_dir)  # collective
+    tokens = TOKENS.to(next(built.model.parameters()).device)
     with torch.no_grad():
-        log_probs = built.model(TOKENS).log_softmax(-1)
+        scores = {"fp32": full_copy(built.model(tokens)).log_softmax(-1)}  # full_copy: vocab-sharded under TP
+        if tokens.is_cuda:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                scores["bf16"] = full_copy(built.model(tokens)).float().log_softmax(-1)
     if rank == 0:
-        torch.save(log_probs, Path(out_dir).parent / "titan_log_probs.pt")
+        torch.save(scores, Path(out_dir).parent / "titan_log_probs.pt")
+
+
+def _hf_peft(hf_dir: Path, adapter: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """(base, base + our exported adapter) log-probs of TOKENS through transformers and peft, CPU fp32."""
+    from peft import PeftModel
+
+    hf = hf_model(hf_dir)
+    with torch.no_grad():
+        base = hf(TOKENS).logits.log_softmax(-1)
+        return base, PeftModel.from_pretrained(hf, str(adapter)).eval()(TOKENS).logits.log_softmax(-1)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_fsdp2_adapter_matches_hf_peft_for_each_family(tmp_path: Path, case: str) -> None:
-    from peft import PeftModel
-
     name, make = CASES[case]
     hf_dir = make(tmp_path / "hf")
     run_ranks(2, _export_and_score, hf_toml(name, hf_dir), str(tmp_path / "adapter"))
-    hf = hf_model(hf_dir)
-    with torch.no_grad():
-        base = hf(TOKENS).logits.log_softmax(-1)
-        theirs = PeftModel.from_pretrained(hf, str(tmp_path / "adapter")).eval()(TOKENS).logits.log_softmax(-1)
-    ours = torch.load(tmp_path / "titan_log_probs.pt")
+    base, theirs = _hf_peft(hf_dir, tmp_path / "adapter")
+    ours = torch.load(tmp_path / "titan_log_probs.pt")["fp32"]
     diff, effect = (ours - theirs).abs().max().item(), (theirs - base).abs().max().item()
     print(f"{case}: max |log_softmax titan - hf+peft| = {diff:.2e}; adapter effect {effect:.2f}")
     assert effect > 0.5, f"the adapter moved the log-probs by only {effect:.3f}: this test would prove nothing"
     assert diff <= 1e-4, f"{case}: max |log_softmax titan - hf+peft| = {diff:.2e} (adapter effect {effect:.2f})"
+
+
+@needs_gpus(2)
+@pytest.mark.parametrize("case", ["llama3-gqa-tied-sharded", "qwen3-qknorm-headdim32-untied"])
+def test_tp2_adapter_matches_hf_peft_on_two_gpus(tmp_path: Path, case: str) -> None:
+    name, make = CASES[case]
+    hf_dir = make(tmp_path / "hf")
+    run_ranks(2, _export_and_score, hf_toml(name, hf_dir), str(tmp_path / "adapter"), *TP2, backend="nccl")
+    base, theirs = _hf_peft(hf_dir, tmp_path / "adapter")
+    ours = torch.load(tmp_path / "titan_log_probs.pt")
+    effect = (theirs - base).abs().max().item()
+    diffs = {kind: (scores - theirs).abs().max().item() for kind, scores in ours.items()}
+    print(f"{case} TP=2: max |log_softmax titan - hf+peft| fp32 {diffs['fp32']:.2e}, bf16 autocast "
+          f"{diffs['bf16']:.2e}; adapter effect {effect:.2f}")
+    assert effect > 5 * BF16_BOUND, f"the adapter moved the log-probs by only {effect:.3f}: this proves nothing"
+    assert diffs["fp32"] <= 1e-4, f"{case} TP=2 fp32: {diffs['fp32']:.2e}"
+    assert diffs["bf16"] <= BF16_BOUND, f"{case} TP=2 bf16 autocast: {diffs['bf16']:.2e}"

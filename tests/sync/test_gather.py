@@ -1,11 +1,12 @@
-"""ShardGatherer: one collective brings every adapter shard to rank 0, exactly as full_tensor() would."""
+"""ShardGatherer: one collective brings every adapter shard to rank 0, exactly as full_tensor() would
+(2 gloo ranks; with `pytest -m gpu` also 2 NCCL ranks on GPUs, where the scatter is one index_copy_)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.distributed as dist
-from dist_helpers import run_ranks
+from dist_helpers import needs_gpus, run_ranks
 from model_helpers import DEBUG_LORA, build_from, full_adapter, randomize_adapters
 from torch.distributed.tensor import DTensor
 
@@ -34,7 +35,7 @@ def _gather_on_ranks(rank: int, world: int, scatter: str) -> None:
         assert list(got) == [n for n, _ in named], "names in the one fixed order"
         for name, tensor in want.items():
             assert got[name].shape == tensor.shape, name
-            assert torch.equal(got[name], tensor), f"{name} gathered wrong"
+            assert torch.equal(got[name].cpu(), tensor), f"{name} gathered wrong"
         assert gatherer.all_finite()
 
     # An optimizer step updates the shards in place; the next gather must see the new values.
@@ -44,7 +45,7 @@ def _gather_on_ranks(rank: int, world: int, scatter: str) -> None:
     got = gatherer.gather()
     want = full_adapter(named)
     if rank == 0:
-        assert all(torch.equal(got[n], want[n]) for n in want), "a second gather returned stale values"
+        assert all(torch.equal(got[n].cpu(), want[n]) for n in want), "a second gather returned stale values"
         assert gatherer.all_finite()
 
     # A NaN (then an Inf) in a shard that lives only on rank 1 is seen on rank 0.
@@ -68,6 +69,11 @@ def _gather_on_ranks(rank: int, world: int, scatter: str) -> None:
 @pytest.mark.parametrize("scatter", ["runs", "index"])  # CPU default, GPU default
 def test_gather_equals_full_tensor_on_two_ranks_with_uneven_shards(scatter: str) -> None:
     run_ranks(2, _gather_on_ranks, scatter)
+
+
+@needs_gpus(2)
+def test_gather_equals_full_tensor_on_two_gpus_with_uneven_shards() -> None:
+    run_ranks(2, _gather_on_ranks, "index", backend="nccl")
 
 
 def test_single_process_gather_is_the_params_themselves() -> None:
@@ -98,3 +104,17 @@ def test_a_sum_that_overflows_is_still_finite_element_by_element() -> None:
     big[0, 1] = float("nan")
     gatherer.gather()
     assert not gatherer.all_finite()
+
+
+def test_the_index_scatter_moves_8_byte_words_where_every_run_is_whole_words() -> None:
+    g = torch.Generator().manual_seed(0)
+    rows = lambda t: t.flip(0)  # noqa: E731 (a row permutation, as the RoPE layout of lora_B is)
+    whole = [("q.lora_A", torch.randn(4, 12, generator=g).bfloat16()),
+             ("q.lora_B", torch.randn(8, 4, generator=g).bfloat16())]
+    gatherer = ShardGatherer(whole, layouts=[None, rows], scatter="index")
+    got = gatherer.gather()
+    assert gatherer.word == 4, "bf16 runs of 4k elements go as int64 words"
+    assert torch.equal(got["q.lora_A"], whole[0][1]) and torch.equal(got["q.lora_B"], whole[1][1].flip(0))
+    odd = [("k.lora_B", torch.randn(6, 3, generator=g).bfloat16())]  # rows of 3 elements: 6 bytes
+    gatherer = ShardGatherer(odd, layouts=[rows], scatter="index")
+    assert gatherer.word == 1 and torch.equal(gatherer.gather()["k.lora_B"], odd[0][1].flip(0))

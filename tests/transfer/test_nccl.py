@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from dist_helpers import free_port
 
 from titan_lora.transfer.buckets import bucket_checksum, bucket_size, copy_out, pack, plan_buckets
 from titan_lora.transfer.placement import choose_transport
@@ -24,7 +25,9 @@ CPU = torch.device("cpu")
 
 @pytest.fixture
 def buf():
-    b = nccl.NcclBuffer(1 << 20, CPU, backend="gloo")
+    # A hub of its own (its own port): a port-0 hub is shared by every nccl buffer of this process, so
+    # groups of other tests' engines could still be in it.
+    b = nccl.NcclBuffer(1 << 20, CPU, backend="gloo", port=free_port())
     yield b
     b.close()
 

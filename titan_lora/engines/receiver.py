@@ -26,9 +26,9 @@ from http.server import ThreadingHTTPServer
 import torch
 
 from titan_lora.engines.http_server import DEFAULT_MAX_BODY_MB, make_handler
-from titan_lora.engines.transfers import TransferStore, fault_pause
+from titan_lora.engines.transfers import SlabPool, Staged, TransferStore, receive
 from titan_lora.transfer import protocol
-from titan_lora.transfer.buckets import LayoutCache, bucket_size, copy_out
+from titan_lora.transfer.buckets import LayoutCache
 from titan_lora.transfer.errors import check_name
 from titan_lora.transfer.transport import BufferCache
 
@@ -36,18 +36,21 @@ logger = logging.getLogger("titan_lora.receiver")
 
 
 class ReceiverService:
-    """Holds the latest base and every live adapter, as copies it owns."""
+    """Holds the latest base and every live adapter, as copies it owns: slabs on `device` (None: where
+    the trainer's buffer lies), pooled by layout, so that a retired adapter's slab takes a later one."""
 
-    def __init__(self, max_lora_rank: int, max_loras: int) -> None:
+    def __init__(self, max_lora_rank: int, max_loras: int, device: torch.device | None = None) -> None:
         self.incarnation = uuid.uuid4().hex
         self.max_lora_rank = max_lora_rank
         self.max_loras = max_loras
         self.nonce = os.environ.get(protocol.NONCE_ENV, "")
         self.buffers = BufferCache()
         self.layouts = LayoutCache()
-        self.transfers = TransferStore()
-        self.adapters: dict[str, dict[str, torch.Tensor]] = {}
-        self.base_weights: dict[str, torch.Tensor] | None = None
+        self.slabs = SlabPool(device, kept_per_layout=max_loras + 1)
+        self.base_slabs = SlabPool(device, kept_per_layout=0)  # the base comes once: nothing to reuse
+        self.transfers = TransferStore(on_drop=self._give_back)
+        self.adapters: dict[str, Staged] = {}
+        self._base: Staged | None = None
         self.base_version: int | None = None
         self._lock = threading.Lock()
 
@@ -57,15 +60,28 @@ class ReceiverService:
                 "max_lora_rank": self.max_lora_rank,
                 "max_loras": self.max_loras, "target_modules": None, "adapters": sorted(self.adapters)}
 
+    def _pool(self, kind: str) -> SlabPool:
+        return self.base_slabs if kind == "base" else self.slabs
+
+    def _give_back(self, staged: Staged) -> None:
+        self._pool(staged.kind).give_all(staged)
+
+    @property
+    def base_weights(self) -> dict[str, torch.Tensor] | None:
+        """The base's tensors by HF name, or None before the first base."""
+        return None if self._base is None else self._base.tensors
+
+    def adapter_tensors(self, name: str) -> dict[str, torch.Tensor]:
+        """Adapter `name`'s tensors as this process holds them (views of its slabs)."""
+        return self.adapters[name].tensors
+
     def bucket(self, req: dict) -> dict:
-        """Copy one bucket out, check its checksum, then acknowledge it."""
+        """Copy one bucket out, check its checksum, then acknowledge it (`copy_ms`: this process's time)."""
+        started = time.perf_counter()
         entries = self.layouts.resolve(req["layout"], req.get("header"))
-        # Refuses anything but a bare segment name, a wrong tcp token, a range past the buffer's end.
-        with self.buffers.bucket(req["segment"], bucket_size(entries)) as buffer:
-            staged = self.transfers.stage(req["transfer_id"], req.get("kind", "adapter"), self.buffers.prune)
-            fault_pause()
-            owned, views = copy_out(buffer, entries)
-        ack = self.transfers.hold(req["transfer_id"], staged, owned, views, req.get("checksum"))
+        staged, slab = receive(self.buffers, self._pool(req.get("kind", "adapter")), self.transfers, req, entries)
+        ack = self.transfers.hold(req["transfer_id"], staged, slab, req.get("checksum"), req["layout"])
+        ack["copy_ms"] = (time.perf_counter() - started) * 1e3
         if "commit" in req:  # an adapter's last bucket carries its commit
             ack["commit"] = self.adapter({**req["commit"], "transfer_id": req["transfer_id"]})
         return ack
@@ -76,20 +92,24 @@ class ReceiverService:
         name = check_name(req["name"])
         staged = self.transfers.take(req["transfer_id"])
         with self._lock:
-            self.adapters[name] = staged.tensors
+            replaced, self.adapters[name] = self.adapters.get(name), staged
+        if replaced is not None:
+            self._give_back(replaced)
         return {**staged.size(), "name": req["name"], "version": req["version"],
                 "apply_ms": (time.perf_counter() - started) * 1e3}
 
     def base(self, req: dict) -> dict:
         """Keep the staged transfer as the base."""
         staged = self.transfers.take(req["transfer_id"])
-        self.base_weights, self.base_version = staged.tensors, req["version"]
+        self._base, self.base_version = staged, req["version"]
         return {**staged.size(), "version": req["version"]}
 
     def unload(self, req: dict) -> dict:
         """Drop adapter `name`."""
         with self._lock:
-            self.adapters.pop(req["name"], None)
+            dropped = self.adapters.pop(req["name"], None)
+        if dropped is not None:
+            self._give_back(dropped)  # nothing reads its views now: the next adapter reuses the slab
         return {"unloaded": True}
 
 
@@ -106,9 +126,10 @@ def build_server(argv: list[str] | None = None) -> tuple[ThreadingHTTPServer, Re
     p.add_argument("--max-body-mb", type=int, default=DEFAULT_MAX_BODY_MB,
                    help="largest request body accepted")
     args = p.parse_args(argv)
-    if args.device:
-        torch.cuda.set_device(torch.device(args.device))
-    service = ReceiverService(args.max_lora_rank, args.max_loras)
+    device = torch.device(args.device) if args.device else None
+    if device is not None:
+        torch.cuda.set_device(device)
+    service = ReceiverService(args.max_lora_rank, args.max_loras, device)
     routes = {op: getattr(service, op) for op in protocol.TRANSFER_ROUTES}
     handler = make_handler(routes, args.api_key, args.max_body_mb * 2**20)
     return ThreadingHTTPServer((args.host, args.port), handler), service

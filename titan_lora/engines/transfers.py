@@ -1,5 +1,13 @@
 """Engine side of a transfer, shared by the vLLM worker extension and the receiver process.
 
+A bucket is copied once, out of the trainer's buffer into a slab the engine owns (`receive`). Slabs
+are pooled by bucket layout (`SlabPool`): a slab whose adapter was retired is filled again by a later
+bucket of the same layout, and its tensor views and byte count were made when it was first allocated,
+so a steady-state sync allocates nothing and runs no Python per tensor (an 8B adapter has 448 of them:
+making their views and summing their sizes cost milliseconds per bucket). The checksum of the copy is
+computed where the copy lies (on GPU: on the device), and reading its chunk sums back is the one host
+synchronisation of a bucket: it also waits for the copy, so the ack never comes before the bytes.
+
 Staging holds a transfer's tensors between its buckets and its commit, bounded per kind: a new
 transfer evicts the oldest uncommitted ones of its kind (at most one base and two adapters wait), so
 transfers that never commit cannot pile up. Every bucket is checked against the checksum the trainer
@@ -23,11 +31,12 @@ import pathlib
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
-from titan_lora.transfer.buckets import bucket_checksum
+from titan_lora.transfer.buckets import Entry, bucket_checksum, bucket_size, tensor_views
+from titan_lora.transfer.host_copy import copy_flat
+from titan_lora.transfer.transport import BufferCache
 
 PAUSE_ENV = "TITAN_LORA_FAULT_BUCKET_PAUSE_S"
 MARKER_ENV = "TITAN_LORA_FAULT_MARKER"
@@ -54,13 +63,84 @@ def fault_pause() -> None:
 
 
 @dataclasses.dataclass
+class Slab:
+    """One bucket's bytes in storage the engine owns, with its tensor views and byte count made once."""
+
+    data: torch.Tensor
+    views: dict[str, torch.Tensor]
+    nbytes: int
+
+
+class SlabPool:
+    """Free slabs by bucket layout and device (a layout fixes size, views and bytes); at most
+    `kept_per_layout` wait for reuse (0: a pool that only allocates). `device` None: the bucket's own."""
+
+    def __init__(self, device: torch.device | None = None, kept_per_layout: int = 2) -> None:
+        self.device = device
+        self.kept_per_layout = kept_per_layout
+        self._free: dict[tuple[str, torch.device], list[Slab]] = {}
+        self._sizes: dict[str, int] = {}
+        self._lock = threading.Lock()  # the receiver serves buckets from several threads
+
+    def size(self, layout: str, entries: list[Entry]) -> int:
+        """Bytes of a bucket of `layout` (computed once per layout)."""
+        size = self._sizes.get(layout)
+        if size is None:
+            size = self._sizes[layout] = bucket_size(entries)
+        return size
+
+    def take(self, layout: str, entries: list[Entry], source: torch.device) -> Slab:
+        """A slab for a bucket of `layout` from `source`: a free one, or a new one (views made now)."""
+        device = self.device or source
+        with self._lock:
+            free = self._free.get((layout, device))
+            if free:
+                return free.pop()
+        data = torch.empty(bucket_size(entries), dtype=torch.uint8, device=device)
+        return Slab(data, tensor_views(data, entries), sum(e.nbytes for e in entries))
+
+    def give(self, layout: str, slab: Slab) -> None:
+        """Take back a slab nothing reads any more."""
+        with self._lock:
+            free = self._free.setdefault((layout, slab.data.device), [])
+            if len(free) < self.kept_per_layout:
+                free.append(slab)
+
+    def give_all(self, staged: Staged) -> None:
+        """Take back every slab of a transfer (dropped, replaced or retired)."""
+        for layout, slab in staged.held:
+            self.give(layout, slab)
+
+
+def receive(buffers: BufferCache, pool: SlabPool, transfers: TransferStore, req: dict,
+            entries: list[Entry]) -> tuple[Staged, Slab]:
+    """Copy the bucket `req` names ("transfer_id", "kind", "segment", "layout") out of the trainer's
+    buffer into a slab of `pool`, once; returns its staging and the slab (check it with `hold`)."""
+    layout = req["layout"]
+    size = pool.size(layout, entries)
+    slab: Slab | None = None
+    try:
+        # Refuses anything but a bare segment name, a wrong tcp token, a range past the buffer's end.
+        with buffers.bucket(req["segment"], size) as buffer:
+            staged = transfers.stage(req["transfer_id"], req.get("kind", "adapter"), buffers.prune)
+            fault_pause()
+            slab = pool.take(layout, entries, buffer.device)
+            copy_flat(slab.data, buffer[:size])
+    except BaseException:
+        if slab is not None:
+            pool.give(layout, slab)
+        raise
+    return staged, slab
+
+
+@dataclasses.dataclass
 class Staged:
     """A transfer's tensors between its buckets and its commit."""
 
     kind: str
     tensors: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     nbytes: int = 0
-    held: list[Any] = dataclasses.field(default_factory=list)  # storage to give back when it is dropped
+    held: list[tuple[str, Slab]] = dataclasses.field(default_factory=list)  # (layout, slab) it lies in
 
     def size(self) -> dict[str, int]:
         """What an ack reports of these tensors."""
@@ -98,25 +178,22 @@ class TransferStore:
         on_begin()
         return staged
 
-    def hold(self, transfer_id: str, staged: Staged, held: torch.Tensor, views: dict[str, torch.Tensor],
-             expected: str | None, keep: Any = None) -> dict:
-        """Add one copied-out bucket (`held`: its bytes, `views`: its tensors) to `staged` after checking
-        `held` against the trainer's checksum; the return value is the bucket's ack."""
-        if keep is not None:
-            staged.held.append(keep)  # given back by on_drop even when the check below fails
+    def hold(self, transfer_id: str, staged: Staged, slab: Slab, expected: str | None, layout: str) -> dict:
+        """Add one copied-out bucket (`slab`, of `layout`) to `staged` after checking its bytes against
+        the trainer's checksum; the return value is the bucket's ack."""
+        staged.held.append((layout, slab))  # given back by on_drop even when the check below fails
         if expected is None:
             self.discard(transfer_id)
             raise ValueError("a bucket came without the checksum of its bytes: upgrade the trainer's titan_lora")
-        checksum = bucket_checksum(held)
+        checksum = bucket_checksum(slab.data)  # its host read waits for the copy on a device
         if checksum != expected:
             self.discard(transfer_id)
             raise ChecksumMismatch(f"checksum mismatch in transfer {transfer_id}: the engine holds "
                                    f"{checksum}, the trainer sent {expected}; the transfer was discarded, "
                                    "send it again")
-        nbytes = sum(t.numel() * t.element_size() for t in views.values())
-        staged.tensors.update(views)
-        staged.nbytes += nbytes
-        return {"tensors": len(views), "bytes": nbytes, "checksum": checksum}
+        staged.tensors.update(slab.views)
+        staged.nbytes += slab.nbytes
+        return {"tensors": len(slab.views), "bytes": slab.nbytes, "checksum": checksum}
 
     def take(self, transfer_id: str) -> Staged:
         """Remove and return a transfer to commit it."""

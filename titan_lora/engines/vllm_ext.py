@@ -26,10 +26,9 @@ import time
 import torch
 
 from titan_lora.engines import vllm_compat as compat
-from titan_lora.engines.transfers import Staged, TransferStore, fault_pause
+from titan_lora.engines.transfers import Slab, SlabPool, Staged, TransferStore, receive
 from titan_lora.engines.vllm_compat import LoRAModel, LoRARequest
-from titan_lora.transfer.buckets import Entry, LayoutCache, bucket_size, copy_out, tensor_views
-from titan_lora.transfer.host_copy import copy_flat
+from titan_lora.transfer.buckets import LayoutCache
 from titan_lora.transfer.transport import BufferCache
 from titan_lora.transfer.transports.base import transport_named
 
@@ -43,33 +42,7 @@ else:
 
 ADAPTER_SCHEME = compat.MEMORY_SCHEME
 SLABS_KEPT_PER_LAYOUT = 2
-
-
-@dataclasses.dataclass
-class _Slab:
-    """Host bytes of one adapter bucket, with its tensor views made once."""
-
-    data: torch.Tensor
-    views: dict[str, torch.Tensor]
-
-
-class _SlabPool:
-    """Free adapter slabs by bucket layout (a layout fixes size and views)."""
-
-    def __init__(self) -> None:
-        self._free: dict[str, list[_Slab]] = {}
-
-    def take(self, layout: str, entries: list[Entry]) -> _Slab:
-        free = self._free.get(layout)
-        if free:
-            return free.pop()
-        data = torch.empty(bucket_size(entries), dtype=torch.uint8)
-        return _Slab(data, tensor_views(data, entries))
-
-    def give(self, layout: str, slab: _Slab) -> None:
-        free = self._free.setdefault(layout, [])
-        if len(free) < SLABS_KEPT_PER_LAYOUT:
-            free.append(slab)
+HOST = torch.device("cpu")
 
 
 @dataclasses.dataclass
@@ -77,14 +50,16 @@ class _Stored:
     """An installed adapter and the slabs its tensors live in."""
 
     model: LoRAModel
-    slabs: list[tuple[str, _Slab]]
+    slabs: list[tuple[str, Slab]]
 
 
 @dataclasses.dataclass
 class _State:
     buffers: BufferCache = dataclasses.field(default_factory=BufferCache)
     layouts: LayoutCache = dataclasses.field(default_factory=LayoutCache)
-    slabs: _SlabPool = dataclasses.field(default_factory=_SlabPool)
+    # Adapters on the host (vLLM keeps them there); the base in slabs on the buffer's device, never reused.
+    slabs: SlabPool = dataclasses.field(default_factory=lambda: SlabPool(HOST, SLABS_KEPT_PER_LAYOUT))
+    base_slabs: SlabPool = dataclasses.field(default_factory=lambda: SlabPool(None, 0))
     transfers: TransferStore = dataclasses.field(init=False)
     adapters: dict[int, _Stored] = dataclasses.field(default_factory=dict)
     # Recorded by the fast path only.
@@ -98,10 +73,13 @@ class _State:
         stored = self.adapters.get(lora_int_id)
         return None if stored is None else stored.model
 
+    def pool(self, kind: str) -> SlabPool:
+        """Where the buckets of a `kind` transfer are copied to."""
+        return self.base_slabs if kind == "base" else self.slabs
+
     def give_back(self, staged: Staged) -> None:
-        """Return an uncommitted transfer's adapter slabs to the pool (vLLM never saw them)."""
-        for layout, slab in staged.held:
-            self.slabs.give(layout, slab)
+        """Return an uncommitted transfer's slabs to their pool (vLLM never saw them)."""
+        self.pool(staged.kind).give_all(staged)
 
 
 class TitanLoRAWorkerExtension:
@@ -149,16 +127,9 @@ class TitanLoRAWorkerExtension:
         """Copy one bucket out of the trainer's buffer and check it; the return value is the ack."""
         state = self._titan_state()
         entries = state.layouts.resolve(layout, header)
-        # Refuses anything but a bare segment name, a wrong tcp token, a range past the buffer's end.
-        with state.buffers.bucket(segment, bucket_size(entries)) as buffer:
-            staged = state.transfers.stage(transfer_id, kind, state.buffers.prune)
-            fault_pause()
-            if kind == "adapter":  # into a reusable host slab (vLLM keeps adapters on the host)
-                slab = state.slabs.take(layout, entries)
-                copy_flat(slab.data, buffer[: slab.data.numel()])
-                return state.transfers.hold(transfer_id, staged, slab.data, slab.views, checksum, (layout, slab))
-            owned, views = copy_out(buffer, entries)
-        return state.transfers.hold(transfer_id, staged, owned, views, checksum)
+        req = {"transfer_id": transfer_id, "kind": kind, "segment": segment, "layout": layout}
+        staged, slab = receive(state.buffers, state.pool(kind), state.transfers, req, entries)
+        return state.transfers.hold(transfer_id, staged, slab, checksum, layout)
 
     def titan_commit_adapter(self, transfer_id: str, lora_int_id: int, lora_name: str, peft_config: dict) -> dict:
         """Install the staged tensors as adapter `lora_int_id`; returns what was installed."""

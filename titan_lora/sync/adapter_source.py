@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import types
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,10 @@ class AdapterSource:
                                                                 head_dim=rope.head_dim)
                    for _, rope in named]
         self.gatherer = ShardGatherer(params, layouts=layouts, lend=lend)
+        # The gatherer hands out the same views every time: one read-only mapping of them in PEFT naming
+        # serves every snapshot, so the emitter recognises it and reuses its bucket plan.
+        views = self.gatherer.views
+        self._tensors = types.MappingProxyType(dict(zip(self.peft_names, views.values()))) if views else None
         self.lora_name = lora_name
         adapted = [n for n, _ in lora_modules(model)]
         self.target_modules = hf_leaf_names(adapted, leaf_names_of(layout.hf_modules))
@@ -50,10 +55,11 @@ class AdapterSource:
         return AdapterPayload(
             name=versioned_name(self.lora_name, version),
             version=version,
-            tensors=dict(zip(self.peft_names, gathered.values())),
+            tensors=self._tensors,
             peft_config=self.config,
             home=self.gatherer.home,
             finite=self.gatherer.all_finite(),  # one kernel, one host sync
+            known_nbytes=self.gatherer.nbytes,
         )
 
     def export(self, path: str | Path) -> Path | None:

@@ -8,7 +8,9 @@ receive buffer, and a scatter of every element to its place in the full tensors.
 
 The scatter index is built once, from each param's own DTensor placements (a sharded arange), so it
 holds for any mix of FSDP and TP placements, uneven shards included. On GPU the scatter is one
-`index_copy_` kernel. On CPU an element-wise index copy runs at a fraction of memory speed, so the
+`index_copy_` kernel, over 8-byte words wherever the index moves whole aligned words (every run a
+multiple of 4 bf16 elements: rows of r >= 4 columns, even shards): a quarter of the index to read
+(an 8B adapter's element index alone is 336 MB, four times its bytes). On CPU an element-wise index copy runs at a fraction of memory speed, so the
 index is cut, once, into runs of consecutive elements: one batched `_foreach_copy_` moves the runs
 (rank 0's own shards straight from the params, with no send copy), and only what lies in short runs
 (rows that a layout permutes) goes through `index_copy_`. Every rank must call `gather` in the same
@@ -52,6 +54,22 @@ def _global_flat_index(param: torch.Tensor, offset: int, layout: Layout | None) 
     return shard.to_local().reshape(-1)
 
 
+WORD = torch.int64  # the widest word the index scatter moves
+
+
+def word_index(index: torch.Tensor, element_size: int) -> tuple[int, torch.Tensor]:
+    """(w, index of w-element words) for the widest w <= 8 bytes such that `index` moves only whole,
+    aligned words of w elements (w = 1: the element index itself)."""
+    for w in (8 // element_size, 4 // element_size, 2 // element_size):
+        if w <= 1 or index.numel() % w:
+            continue
+        groups = index.view(-1, w)
+        first = groups[:, :1]
+        if bool((first % w == 0).all()) and bool((groups == first + torch.arange(w, device=index.device)).all()):
+            return w, first.reshape(-1) // w
+    return 1, index
+
+
 # Runs shorter than this are scattered element-wise: a batched copy of tiny pieces costs more.
 MIN_RUN = 64
 
@@ -60,8 +78,9 @@ class _RunPlan:
     """The CPU scatter: long runs as (source view, output view) pairs; the elements of short runs are
     staged side by side and placed with a single `index_copy_`."""
 
-    def __init__(self, out: torch.Tensor) -> None:
+    def __init__(self, out: torch.Tensor, limit: int) -> None:
         self.out = out
+        self.limit = limit  # positions from here on are padding
         self.srcs: list[torch.Tensor] = []
         self.dsts: list[torch.Tensor] = []
         # (source, which of its elements or None for all, their output positions)
@@ -73,13 +92,13 @@ class _RunPlan:
         self._picked: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def add(self, source: torch.Tensor, index: torch.Tensor) -> None:
-        """Plan moving source[i] to out[index[i]] for every i (index == out.numel() - 1 is padding)."""
+        """Plan moving source[i] to out[index[i]] for every i (index >= limit is padding)."""
         if index.numel() == 0:
             return
         breaks = torch.nonzero(index[1:] - index[:-1] != 1).flatten() + 1
         starts = torch.cat([torch.zeros(1, dtype=torch.int64), breaks])
         lengths = torch.diff(starts, append=torch.tensor([index.numel()]))
-        real = index[starts] != self.out.numel() - 1
+        real = index[starts] < self.limit
         long = real & (lengths >= MIN_RUN)
         for start, length in zip(starts[long].tolist(), lengths[long].tolist()):
             first = int(index[start])
@@ -168,16 +187,21 @@ class ShardGatherer:
         self._send = torch.empty(self.max_local, dtype=self.dtype, device=device)
         is_dst = self.rank == dst
         self._recv = torch.empty(self.world * self.max_local if is_dst else 0, dtype=self.dtype, device=device)
-        # One extra slot at the end soaks up the padding of ranks whose shard is smaller. Zeros: the
-        # alignment gaps between tensors are never written and must stay finite.
-        self._full, self.home = (lend(self.total_numel + 1, self.dtype, device) if is_dst
+        # A word of extra slots at the end soaks up the padding of ranks whose shard is smaller. Zeros:
+        # the alignment gaps between tensors are never written and must stay finite.
+        self._pad = max(WORD.itemsize // self._locals[0].element_size(), 1)
+        self._full, self.home = (lend(self.total_numel + self._pad, self.dtype, device) if is_dst
                                  else (torch.empty(0, dtype=self.dtype), None))
+        self._recv_chunks = list(self._recv.chunk(self.world)) if is_dst else None
         scatter = scatter or ("runs" if device.type == "cpu" else "index")
         if scatter not in ("runs", "index"):
             raise ValueError(f"scatter must be 'runs' or 'index', got {scatter!r}")
         index = self._gather_index(local_index.to(device), device)
+        self.word = 1
         if scatter == "index":
             self._index, self._runs = index, None
+            if index is not None:
+                self.word, self._index = word_index(index, self._locals[0].element_size())
         else:
             self._index, self._runs = None, self._run_plan(index, local_indices)
         self.views = {
@@ -201,7 +225,7 @@ class ShardGatherer:
         """On rank `dst`: runs from its own params and from the other ranks' parts of the receive buffer."""
         if index is None:
             return None
-        plan = _RunPlan(self._full)
+        plan = _RunPlan(self._full, self.total_numel)
         for local, own in zip(self._locals, local_indices):
             plan.add(local, own)
         for r, (chunk, chunk_index) in enumerate(zip(self._recv.chunk(self.world), index.chunk(self.world))):
@@ -210,7 +234,9 @@ class ShardGatherer:
         return plan.finish()
 
     def _gather_index(self, local_index: torch.Tensor, device: torch.device) -> torch.Tensor | None:
-        padded = torch.full((self.max_local,), self.total_numel, dtype=torch.int64, device=device)
+        # Padding goes to the spare slots past the end, a word's worth, so that whole words stay whole.
+        spare = torch.arange(self.max_local, dtype=torch.int64, device=device) % self._pad
+        padded = self.total_numel + spare
         padded[: local_index.numel()] = local_index
         if self.world == 1:
             return padded
@@ -225,15 +251,22 @@ class ShardGatherer:
         if not is_dst or self._runs is None:  # the run plan reads rank dst's own shards in place
             torch.cat(self._locals, out=self._send[: self.local_numel])
         if self.world > 1:
-            recv = list(self._recv.chunk(self.world)) if is_dst else None
-            dist.gather(self._send, recv, dst=self.dst, group=self.group)
+            dist.gather(self._send, self._recv_chunks, dst=self.dst, group=self.group)
         if not is_dst:
             return None
+        self.scatter()
+        return self.views
+
+    def scatter(self) -> None:
+        """Rank `dst`, after the collective: place every received element (the benchmark times it alone)."""
         if self._runs is not None:
             self._runs.run()
+            return
+        src = self._send if self.world == 1 else self._recv
+        if self.word > 1:
+            self._full.view(WORD).index_copy_(0, self._index, src.view(WORD))
         else:
-            self._full.index_copy_(0, self._index, self._send if self.world == 1 else self._recv)
-        return self.views
+            self._full.index_copy_(0, self._index, src)
 
     def all_finite(self) -> bool:
         """Rank `dst`: True when the last gathered tensors hold no NaN or Inf.
