@@ -3,6 +3,7 @@
 GPU (one process per GPU; 8B full fine-tuning needs ~16 bytes a param, so one 80 GB GPU takes ~8 layers):
     torchrun --nproc_per_node=1 scripts/bench_step.py --layers 8 [--steps 20] [--profile]
     torchrun --nproc_per_node=2 scripts/bench_step.py            (all 32 layers, FSDP over 2 GPUs)
+    torchrun --nproc_per_node=4 scripts/bench_step.py --tp 2     (TP=2 x FSDP=2)
 CPU smoke test:
     python scripts/bench_step.py --device cpu --flavor debugmodel --seq-len 64 --steps 2
 
@@ -82,6 +83,9 @@ mixed_precision_param = "{args.mixed_precision_param}"
 implementation = "{args.optimizer_impl}"
 [activation_checkpoint]
 mode = "none"
+[parallelism]
+tensor_parallel_degree = {args.tp}
+disable_loss_parallel = {str(args.tp > 1).lower()}
 """
 
 
@@ -227,6 +231,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--layers", type=int, default=0, help="override n_layers (0: the flavor's) to fit the GPU")
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=1, help="sequences per rank")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (FSDP over the other ranks)")
     ap.add_argument("--steps", type=int, default=20, help="timed steps per variant")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--mixed-precision-param", choices=["bfloat16", "float32"], default="bfloat16")
@@ -241,6 +246,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     device = torch.device("cpu") if args.device == "cpu" else device_for_rank()
     init_distributed(device)
+    if args.tp > 1 and dist.get_world_size() <= args.tp:
+        raise SystemExit(f"--tp {args.tp} needs more than {args.tp} ranks (FSDP over the rest), got {dist.get_world_size()}")
     dims = build_parallel_dims(job_from_toml(job_toml(args, lora=False))[0].parallelism, dist.get_world_size(), device)
     results = {v: run_variant(args, v, device, dims) for v in VARIANTS}
     if dist.get_rank() == 0:

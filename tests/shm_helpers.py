@@ -4,13 +4,23 @@ clean-up of segments a killed process left behind (without touching other jobs' 
 from __future__ import annotations
 
 import os
+import re
 
 SHM = "/dev/shm"
+# The CUDA driver's own per-process IPC file, `cuda.shm.<device>.<pid in hex>.<n>` (4 KiB): it leaves one
+# for each process that exported a CUDA IPC handle, and keeps it after the process exits
+# (docs/benchmarks.md, the IPC soak). Not ours: torch's ref-counter files are `torch_*`, buckets `psm_*`.
+CUDA_DRIVER_FILE = re.compile(r"cuda\.shm\.\d+\.[0-9a-f]+\.\d+")
 
 
 def shm_segments() -> set[str]:
     """The POSIX shared-memory segments on this host."""
     return set(os.listdir(SHM)) if os.path.isdir(SHM) else set()
+
+
+def cuda_driver_files(names: set[str]) -> set[str]:
+    """The CUDA driver's per-process IPC files among `names`."""
+    return {n for n in names if CUDA_DRIVER_FILE.fullmatch(n)}
 
 
 def mapped_segments(pid: int) -> set[str]:

@@ -96,8 +96,8 @@ class _RunPlan:
         if index.numel() == 0:
             return
         breaks = torch.nonzero(index[1:] - index[:-1] != 1).flatten() + 1
-        starts = torch.cat([torch.zeros(1, dtype=torch.int64), breaks])
-        lengths = torch.diff(starts, append=torch.tensor([index.numel()]))
+        starts = torch.cat([index.new_zeros(1), breaks])
+        lengths = torch.diff(starts, append=index.new_tensor([index.numel()]))
         real = index[starts] < self.limit
         long = real & (lengths >= MIN_RUN)
         for start, length in zip(starts[long].tolist(), lengths[long].tolist()):
