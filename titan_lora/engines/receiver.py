@@ -14,6 +14,7 @@ TITAN_LORA_FAULT_BUCKET_PAUSE_S and TITAN_LORA_FAULT_MARKER (`titan_lora.engines
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import signal
@@ -21,6 +22,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from http.server import ThreadingHTTPServer
 
 import torch
@@ -130,9 +132,22 @@ def build_server(argv: list[str] | None = None) -> tuple[ThreadingHTTPServer, Re
     if device is not None:
         torch.cuda.set_device(device)
     service = ReceiverService(args.max_lora_rank, args.max_loras, device)
-    routes = {op: getattr(service, op) for op in protocol.TRANSFER_ROUTES}
+    routes = {op: _on_device(getattr(service, op), device) for op in protocol.TRANSFER_ROUTES}
     handler = make_handler(routes, args.api_key, args.max_body_mb * 2**20)
     return ThreadingHTTPServer((args.host, args.port), handler), service
+
+
+def _on_device(route: Callable[[dict], dict], device: torch.device | None) -> Callable[[dict], dict]:
+    """`route` run with `device` current: the current CUDA device is per thread, and each request has its
+    own (an NCCL group formed on another GPU than its buffers fails with "Duplicate GPU detected")."""
+    if device is None or device.type != "cuda":
+        return route
+    return functools.wraps(route)(lambda body: _call_on(device, route, body))
+
+
+def _call_on(device: torch.device, route: Callable[[dict], dict], body: dict) -> dict:
+    with torch.cuda.device(device):
+        return route(body)
 
 
 def main(argv: list[str] | None = None) -> None:
