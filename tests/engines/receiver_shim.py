@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import hashlib
+import inspect
 import os
 
 import torch
@@ -38,7 +39,7 @@ _make_handler = receiver.make_handler
 
 
 def _handler_with_digest(routes: dict, *args):  # noqa: ANN002, ANN202
-    service = routes["info"].__self__
+    service = inspect.unwrap(routes["info"]).__self__  # a GPU receiver wraps its routes (device per thread)
     return _make_handler({**routes, "digest": lambda req: _digest(service, req)}, *args)
 
 
