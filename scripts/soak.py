@@ -28,8 +28,9 @@ from titan_lora.clients.base import AdapterPayload
 from titan_lora.clients.http import JsonClient
 from titan_lora.clients.kinds import LaunchRequest
 from titan_lora.clients.launch import EmbeddedEngine
-from titan_lora.clients.rollout import VLLMRolloutClient
-from titan_lora.clients.vllm import VLLMBucketEmitter, vllm_launch
+from titan_lora.clients.openai_rollout import OpenAIRolloutClient
+from titan_lora.clients.vllm import VLLMBucketEmitter
+from titan_lora.clients.vllm_openai import vllm_openai_launch
 from titan_lora.config import Engine, LoRA
 from titan_lora.export.peft import peft_config
 from titan_lora.sync.retire import Retirer
@@ -119,7 +120,7 @@ def adapter_tensors() -> dict[str, torch.Tensor]:
 
 def engine(model_dir: str, keep_versions: int, log_path: Path, start_timeout_s: float) -> EmbeddedEngine:
     """The vLLM engine process as a job would start it, with slots for `keep_versions` (not started)."""
-    plan = vllm_launch(LaunchRequest(Engine(max_model_len=256, kv_cache_gib=1), keep_versions, model_dir,
+    plan = vllm_openai_launch(LaunchRequest(Engine(max_model_len=256, kv_cache_gib=1), keep_versions, model_dir,
                                      torch.device("cpu"), RANK))
     return EmbeddedEngine(plan.module, 0, plan.args, str(log_path), start_timeout_s=start_timeout_s)
 
@@ -127,7 +128,7 @@ def engine(model_dir: str, keep_versions: int, log_path: Path, start_timeout_s: 
 class Sampler:
     """A thread that keeps generate requests in flight on the active version, under a lease."""
 
-    def __init__(self, rollouts: VLLMRolloutClient, versions: AdapterVersions, result: SoakResult) -> None:
+    def __init__(self, rollouts: OpenAIRolloutClient, versions: AdapterVersions, result: SoakResult) -> None:
         self._rollouts, self._versions, self._result = rollouts, versions, result
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="soak-sampler", daemon=True)
@@ -173,7 +174,7 @@ def soak(model_dir: str, syncs: int, keep_versions: int = 2, rss_from: int = 100
     emitter = VLLMBucketEmitter(JsonClient(url, api_key, call_timeout_s), bucket_mb=4)
     versions = AdapterVersions("soak", keep_versions)
     retirer = Retirer(versions, emitter.retire_adapter, timeout_s=min(30.0, call_timeout_s))
-    sampler = Sampler(VLLMRolloutClient(JsonClient(url, api_key), call_timeout_s), versions, result)
+    sampler = Sampler(OpenAIRolloutClient(url, api_key, call_timeout_s), versions, result)
     info = JsonClient(url, api_key, call_timeout_s)
     mapped_before = shm_mapped(os.getpid())  # a test process may hold segments of earlier tests
     try:

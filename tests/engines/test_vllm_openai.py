@@ -10,6 +10,7 @@ an engine restart.
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 import time
 
@@ -205,6 +206,23 @@ def test_a_calculator_episode_stays_on_its_first_version_across_a_sync(ctx: Ctx)
     # answer, so nothing in it came from v7.
     replay = run_episode(ctx.rollouts, "policy-v6", problem, max_tokens=24)
     assert (replay.replies, replay.model, replay.reward) == (episode.replies, "policy-v6", episode.reward)
+
+
+def running_requests(ctx: Ctx) -> float:
+    """vLLM's own count of requests running in its engine (Prometheus gauge)."""
+    found = re.search(r"^vllm:num_requests_running\{[^}]*\} ([\d.]+)$", httpx.get(ctx.engine.url + "/metrics").text,
+                      re.MULTILINE)
+    assert found, "no vllm:num_requests_running in /metrics"
+    return float(found.group(1))
+
+
+def test_a_request_the_client_gave_up_on_is_aborted_and_frees_its_version(ctx: Ctx) -> None:
+    prompt = ctx.prompt("Count from 1 to 1000.")
+    with pytest.raises(openai.APITimeoutError):
+        ctx.api.with_options(timeout=1).completions.create(
+            model="policy-v7", prompt=prompt, max_tokens=200, temperature=1.0, extra_body={"ignore_eos": True})
+    # The dropped connection aborts the request in vLLM and ends its lease: v7 could be retired now.
+    wait_until(lambda: running_requests(ctx) == 0 and not ctx.titan.post("/titan/info")["in_flight"], 60)
 
 
 def test_the_key_unknown_names_and_metrics(ctx: Ctx) -> None:

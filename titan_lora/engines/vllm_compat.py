@@ -228,6 +228,19 @@ def serve(args: Any) -> None:
     ServeSubcommand.cmd(args)
 
 
+async def collective_rpc_all(engine_client: Any, method: str, timeout: float | None, args: tuple) -> list[Any]:
+    """`method` on every worker of every engine core the API server manages (all data-parallel ranks),
+    each worker's reply in rank order. `AsyncLLM.collective_rpc` reaches them too with the internal load
+    balancer, but returns only the first core's replies (vllm/v1/engine/core_client.py,
+    `DPLBAsyncMPClient.call_utility_async`); this keeps every core's, so each rank's ack is checked."""
+    core = getattr(engine_client, "engine_core", None)
+    per_core = getattr(core, "call_utility_all_async", None)
+    if per_core is None:  # an in-process core: one engine
+        return list(await engine_client.collective_rpc(method, timeout=timeout, args=args))
+    replies = await per_core("collective_rpc", method, timeout, args, None)
+    return [reply for core_replies in replies for reply in core_replies]
+
+
 def api_keys(args: Any) -> list[str]:
     """The keys vLLM's API server accepts: `--api-key`, else VLLM_API_KEY."""
     import vllm.envs as envs
@@ -240,9 +253,10 @@ def new_lora_id(models: Any) -> int:
     return models.lora_id_counter.inc(1)
 
 
-def serve_adapter(models: Any, name: str, lora_id: int) -> None:
-    """Make the OpenAI layer (`OpenAIServingModels`) serve installed adapter `lora_id` as model `name`."""
-    models.lora_requests[name] = LoRARequest(name, lora_id, MEMORY_SCHEME + name)
+def serve_adapter(models: Any, name: str, lora_id: int, path: str = "") -> None:
+    """Make the OpenAI layer (`OpenAIServingModels`) serve installed adapter `lora_id` as model `name`;
+    `path`: a PEFT directory vLLM's own loader reads (empty: one of ours, in memory)."""
+    models.lora_requests[name] = LoRARequest(name, lora_id, path or MEMORY_SCHEME + name)
 
 
 def unserve_adapter(models: Any, name: str) -> None:

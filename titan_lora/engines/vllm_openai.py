@@ -30,6 +30,29 @@ EXTENSION = "titan_lora.engines.vllm_ext.TitanLoRAWorkerExtension"
 MIDDLEWARE = "titan_lora.engines.titan_asgi.TitanRoutes"
 
 
+def data_parallel_refusal(args: argparse.Namespace) -> str | None:
+    """Why these data-parallel flags cannot serve titan_lora's syncs, or None when they can.
+
+    With `--data-parallel-size N` alone (the internal load balancer) the one API server manages every
+    engine core and `vllm_compat.collective_rpc_all` reaches each. With an external, hybrid or
+    multi-port load balancer each API server manages only its own node's (or rank's) cores, so a sync
+    through one server would leave the other ranks on their old adapter.
+    """
+    modes = [flag for flag, on in (
+        ("--data-parallel-external-lb", args.data_parallel_external_lb),
+        ("--data-parallel-rank", args.data_parallel_rank is not None),
+        ("--data-parallel-hybrid-lb", args.data_parallel_hybrid_lb),
+        ("--data-parallel-start-rank", args.data_parallel_start_rank is not None),
+        ("--data-parallel-multi-port-external-lb", args.data_parallel_multi_port_external_lb),
+    ) if on]
+    if not modes:
+        return None
+    return (f"{', '.join(modes)}: each API server then reaches only its own data-parallel ranks, and a sync "
+            "through one of them would leave the others on their old adapter. Use --data-parallel-size N "
+            "alone (one API server, vLLM's internal load balancer: every rank gets each adapter), or run "
+            "independent engines, one URL each")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """`vllm serve`'s options, with LoRA, titan_lora's worker extension and middleware, and the key
     from TITAN_LORA_API_KEY."""
@@ -47,6 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "live in one API server process; leave it at 1 (vLLM still runs every "
                          "--data-parallel-size engine behind it)")
     args.api_server_count = 1
+    refusal = data_parallel_refusal(args)
+    if refusal is not None:
+        raise SystemExit(refusal)
     if not args.enable_lora:
         raise SystemExit("titan_lora serves adapters: drop --no-enable-lora")
     if MIDDLEWARE not in args.middleware:
