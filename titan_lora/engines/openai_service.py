@@ -2,8 +2,9 @@
 ADAPTER_FROM_PATH (the `vllm-disk` baseline: vLLM's own loader reads a PEFT directory).
 
 Same requests and acks as the receiver's. Every engine call is a `collective_rpc` to the worker
-extension (`vllm_ext`), which vLLM's engine core runs between two engine steps, so requests keep
-decoding while a version installs. A committed version is registered with the OpenAI layer under
+extension (`vllm_ext`) of every worker of every data-parallel engine core (`vllm_compat.collective_rpc_all`),
+whose replies must agree; each core runs it between two engine steps, so requests keep decoding while a
+version installs. A committed version is registered with the OpenAI layer under
 its versioned name (`AdapterTable` keeps the alias and the leases); an unload waits, bounded, until no
 request holds the version, then drops it from the OpenAI layer before the worker forgets it.
 """
