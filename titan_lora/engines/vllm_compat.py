@@ -62,12 +62,17 @@ VERSION = installed_version()
 FAST_PATH = is_tested(VERSION)
 """Whether the fast tier (fast adapter install, grouped CPU kernels) may run on this vLLM."""
 
-if not FAST_PATH:
-    logger.warning(
-        "vLLM %s is not a version titan_lora was tested with (%s): the fast adapter install "
-        "(recorded plans, batched slot writes) and the grouped CPU LoRA kernels are disabled; every "
-        "adapter goes through vLLM's own builder and activation (same log-probs, slower). Install "
-        "one of the tested versions to get them back.", VERSION, " or ".join(s + ".x" for s in TESTED_SERIES))
+
+def warn_if_untested() -> None:
+    """Say what an untested vLLM turns off; called once by each worker, the process that installs
+    adapters (the API server and the engine core import this module too, and stay quiet)."""
+    if not FAST_PATH:
+        logger.warning(
+            "vLLM %s is not a version titan_lora was tested with (%s): the fast adapter install "
+            "(recorded plans, batched slot writes) and the grouped CPU LoRA kernels are disabled; every "
+            "adapter goes through vLLM's own builder and activation (same log-probs, slower). Install "
+            "one of the tested versions to get them back.", VERSION, " or ".join(s + ".x" for s in TESTED_SERIES))
+
 
 try:  # the builder tier
     from vllm.config import set_current_vllm_config

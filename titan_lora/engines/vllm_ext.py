@@ -32,6 +32,7 @@ from titan_lora.transfer.buckets import Entry, LayoutCache, bucket_size, copy_ou
 from titan_lora.transfer.host_copy import copy_flat
 from titan_lora.transfer.transport import BufferCache
 
+compat.warn_if_untested()  # runs in every worker process: the extension is imported there
 if compat.FAST_PATH:  # both drive vLLM internals that only the tested versions are known to have
     from titan_lora.engines import vllm_cpu_lora, vllm_fastpath
 
