@@ -93,7 +93,7 @@ def main() -> None:
     randomize(built.model)
     kinds = args.kinds.split(",")
     emitter_lend = engine_kind(kinds[0]).emitter(WeightSync(), Engine(), Endpoint("http://127.0.0.1:1")).lend_buffer
-    source = AdapterSource(built.model, built.sd_adapter, job_config_from_toml(CPU_TOML).lora, lend=emitter_lend)
+    source = AdapterSource(built.model, built.peft_layout, job_config_from_toml(CPU_TOML).lora, lend=emitter_lend)
     tok = AutoTokenizer.from_pretrained(built.hf_dir)
     questions = [f"What is {a} + {b}?" for a, b in zip(range(1, 9), range(9, 1, -1))]
     prompts = [tok(task_prompt(tok, ArithTask(), q), add_special_tokens=False)["input_ids"]

@@ -19,10 +19,11 @@ one (tests use it to exercise the fallback on the vLLM that is installed).
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import torch
@@ -244,6 +245,36 @@ async def collective_rpc_all(engine_client: Any, method: str, timeout: float | N
         return list(await engine_client.collective_rpc(method, timeout=timeout, args=args))
     replies = await per_core("collective_rpc", method, timeout, args, None)
     return [reply for core_replies in replies for reply in core_replies]
+
+
+def run_before_shutdown(engine_client: Any, hook: Callable[[], Awaitable[None]], timeout_s: float) -> None:
+    """Run `hook` on the API server's event loop when vLLM shuts its engine client down, before it does.
+
+    On SIGTERM vLLM 0.32's `serve_http` (entrypoints/launchers/launcher.py:263-279) stops the engine
+    client, and with it the engine core and workers, before uvicorn's lifespan shutdown, so an ASGI
+    shutdown hook can no longer reach the workers; and its signal handler lives in uvloop, out of
+    reach. It calls `engine_client.shutdown` from an executor thread while the loop stays free, so that
+    call is wrapped: `hook` runs first (at most `timeout_s`), once. A shutdown called on the loop's own
+    thread (an error path) skips the hook, since waiting there would deadlock.
+    """
+    loop = asyncio.get_running_loop()
+    original = engine_client.shutdown
+    ran = False
+
+    def shutdown(*args: Any, **kwargs: Any) -> Any:
+        nonlocal ran
+        if not ran:
+            ran = True
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:  # not the loop's thread: the loop can run the hook meanwhile
+                try:
+                    asyncio.run_coroutine_threadsafe(hook(), loop).result(timeout=timeout_s)
+                except Exception:  # noqa: BLE001 (the shutdown goes on)
+                    logger.exception("the pre-shutdown hook failed")
+        return original(*args, **kwargs)
+
+    engine_client.shutdown = shutdown
 
 
 def api_keys(args: Any) -> list[str]:

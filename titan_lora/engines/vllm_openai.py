@@ -16,6 +16,7 @@ Secrets come by environment, never argv (`ps` shows argv): TITAN_LORA_API_KEY be
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 
 from titan_lora.engines import vllm_compat as compat
@@ -83,8 +84,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _log_titan_lines() -> None:
+    """Print titan_lora's own INFO lines in the API server (vLLM configures only its `vllm` logger, so
+    they would be dropped: e.g. how many trainer mappings were released at shutdown)."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[titan_lora engine %(asctime)s] %(message)s", "%H:%M:%S"))
+    log = logging.getLogger("titan_lora")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
 def main(argv: list[str] | None = None) -> None:
     """Serve until SIGTERM (or Ctrl-C); every worker unmaps the trainer's buffers on the way out."""
+    _log_titan_lines()
     compat.serve(parse_args(argv))
 
 
