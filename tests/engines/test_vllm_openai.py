@@ -3,12 +3,14 @@ SmolLM2, driven by the real `openai` client and an in-process trainer's syncer.
 
 One engine serves the module (plus one restart at the end); the tests run in file order and build on
 each other's versions: v1 and v2 (the alias follows), v3 loads while a v2 request runs, v4 retires v2
-(a chat pinned to v4 survives v5's sync), then v6 after an engine restart.
+(a chat pinned to v4 survives v5's sync), a calculator episode on v6 survives v7's sync, then v8 after
+an engine restart.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 import time
 
@@ -26,7 +28,8 @@ from titan_lora.clients.launch import EmbeddedEngine
 from titan_lora.clients.openai_rollout import OpenAIRolloutClient
 from titan_lora.compose import probe_sequences
 from titan_lora.config import Engine, WeightSync
-from titan_lora.rl.task import task_prompt
+from titan_lora.rl.agentic import run_episode
+from titan_lora.rl.task import Problem, task_prompt
 from titan_lora.rl.tasks import ArithTask
 from titan_lora.sync.parity import trainer_logprobs
 from titan_lora.sync.syncer import WeightSyncer
@@ -47,9 +50,9 @@ class Ctx:
     tokenizer: object
     sequences: list[list[int]]
 
-    def sync(self, version: int, seed: int | None = None) -> dict[str, float]:
+    def sync(self, version: int, seed: int | None = None, std: float = 0.05) -> dict[str, float]:
         """Move the trainer's adapter (seeded), then sync it as `version`."""
-        randomize_adapters(self.built.model, seed=version if seed is None else seed, std=0.05)
+        randomize_adapters(self.built.model, seed=version if seed is None else seed, std=std)
         metrics = self.syncer.sync(version)
         FIGURES.setdefault("sync_total_ms", []).append(metrics["sync/total_ms"])
         return metrics
@@ -187,15 +190,50 @@ def test_a_two_turn_chat_stays_on_one_version_across_a_sync(ctx: Ctx) -> None:
     assert ctx.api.chat.completions.create(model="policy", messages=messages, max_tokens=1).model == "policy-v5"
 
 
+def test_a_calculator_episode_stays_on_its_first_version_across_a_sync(ctx: Ctx) -> None:
+    ctx.sync(6)
+    problem = Problem("What is 45 + 74?", 119)
+    episode = run_episode(ctx.rollouts, "policy", problem, max_tokens=24, between_turns=lambda: ctx.sync(7))
+    FIGURES["agentic_version"] = [episode.version]
+    print(f"\nagentic episode: {episode.replies} tool {episode.tool_call!r} -> {episode.tool_result} "
+          f"reward {episode.reward} on {episode.model}")
+    assert episode.tool_call is not None, f"no tool call in turn 1 ({episode.replies}): no second turn ran"
+    assert len(episode.replies) == 2 and (episode.tool_call, episode.tool_result) == ("45 + 74", "119")
+    assert (episode.model, episode.version) == ("policy-v6", 6), "turn 1 is served by the alias's newest"
+    assert ctx.live()[-1] == "policy-v7" and ctx.alias_logprobs("policy")[0] == "policy-v7", \
+        "the sync between the turns moved the alias on"
+    # Turn 2 ran on v6 (run_episode checks the served name of every turn); replayed on v6 it is the same
+    # answer, so nothing in it came from v7.
+    replay = run_episode(ctx.rollouts, "policy-v6", problem, max_tokens=24)
+    assert (replay.replies, replay.model, replay.reward) == (episode.replies, "policy-v6", episode.reward)
+
+
+def running_requests(ctx: Ctx) -> float:
+    """vLLM's own count of requests running in its engine (Prometheus gauge)."""
+    found = re.search(r"^vllm:num_requests_running\{[^}]*\} ([\d.]+)$", httpx.get(ctx.engine.url + "/metrics").text,
+                      re.MULTILINE)
+    assert found, "no vllm:num_requests_running in /metrics"
+    return float(found.group(1))
+
+
+def test_a_request_the_client_gave_up_on_is_aborted_and_frees_its_version(ctx: Ctx) -> None:
+    prompt = ctx.prompt("Count from 1 to 1000.")
+    with pytest.raises(openai.APITimeoutError):
+        ctx.api.with_options(timeout=1).completions.create(
+            model="policy-v7", prompt=prompt, max_tokens=200, temperature=1.0, extra_body={"ignore_eos": True})
+    # The dropped connection aborts the request in vLLM and ends its lease: v7 could be retired now.
+    wait_until(lambda: running_requests(ctx) == 0 and not ctx.titan.post("/titan/info")["in_flight"], 60)
+
+
 def test_the_key_unknown_names_and_metrics(ctx: Ctx) -> None:
     keyless = openai.OpenAI(base_url=ctx.engine.url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as err:
         keyless.completions.create(model="policy", prompt=[1, 2], max_tokens=1)
     assert err.value.status_code == 401
     assert httpx.post(ctx.engine.url + "/titan/info", json={}).status_code == 401
-    assert httpx.post(ctx.engine.url + "/titan/unload", json={"name": "policy-v5"},
+    assert httpx.post(ctx.engine.url + "/titan/unload", json={"name": "policy-v7"},
                       headers={"Authorization": "Bearer wrong"}).status_code == 401
-    assert "policy-v5" in ctx.live()
+    assert "policy-v7" in ctx.live()
     with pytest.raises(openai.NotFoundError) as err:
         ctx.api.completions.create(model="no-such-model", prompt=[1, 2], max_tokens=1)
     assert err.value.status_code == 404 and "no-such-model" in err.value.message
@@ -212,10 +250,10 @@ def test_a_killed_engine_leaves_no_process_and_comes_back_with_the_base_and_the_
     # vLLM's engine core goes with its API server (it would keep the model and our buffers otherwise).
     _, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, f"orphaned engine processes: {[c.pid for c in alive]}"
-    ctx.sync(6)  # recovers: restart, base, then v6
+    ctx.sync(8)  # recovers: restart, base, then v8
     info = ctx.titan.post("/titan/info")
     assert info["incarnation"] != old and info["base_version"] is not None
     assert ctx.syncer.counters["engine_recoveries"] == 1 and ctx.syncer.counters["base_sends"] == 2
     served, theirs = ctx.alias_logprobs("policy")
-    assert served == "policy-v6" and sorted(info["adapters"]) == ["policy-v6"]
+    assert served == "policy-v8" and sorted(info["adapters"]) == ["policy-v8"]
     assert max_abs_diff(theirs, trainer_logprobs(ctx.built.model, ctx.sequences, CPU)) <= PARITY_TOL

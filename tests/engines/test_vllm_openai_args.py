@@ -33,3 +33,23 @@ def test_several_api_servers_and_no_lora_are_refused() -> None:
         vllm_openai.parse_args(["/m", "--api-server-count", "2"])
     with pytest.raises(SystemExit, match="drop --no-enable-lora"):
         vllm_openai.parse_args(["/m", "--no-enable-lora"])
+
+
+def test_internal_data_parallelism_is_taken() -> None:
+    args = vllm_openai.parse_args(["/m", "--data-parallel-size", "2"])
+    assert args.data_parallel_size == 2 and vllm_openai.data_parallel_refusal(args) is None
+
+
+@pytest.mark.parametrize("flags", [
+    ["--data-parallel-external-lb", "--data-parallel-rank", "0"],
+    ["--data-parallel-rank", "1"],
+    ["--data-parallel-hybrid-lb"],
+    ["--data-parallel-start-rank", "2"],
+    ["--data-parallel-multi-port-external-lb"],
+])
+def test_load_balancers_that_split_the_ranks_between_servers_are_refused(flags: list[str]) -> None:
+    with pytest.raises(SystemExit) as err:
+        vllm_openai.parse_args(["/m", "--data-parallel-size", "4", *flags])
+    message = str(err.value)
+    assert message.startswith(flags[0] + (", " if len(flags) > 2 else ":"))
+    assert "would leave the others on their old adapter" in message and "--data-parallel-size N alone" in message

@@ -6,15 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_helpers import free_port
 from model_helpers import build_from, job_config_from, randomize_adapters
 from tiny_checkpoints import SMOLLM2_VOCAB, hf_toml, tiny_qwen3
-from vllm_helpers import CPU, PARITY_TOL, assert_adapter_parity, emitter_to, max_abs_diff
+from vllm_helpers import CPU, PARITY_TOL, assert_adapter_parity, emitter_to, max_abs_diff, rollouts_of, vllm_engine
 
 from titan_lora.clients.base import Endpoint
-from titan_lora.clients.http import JsonClient
-from titan_lora.clients.launch import EmbeddedEngine
-from titan_lora.clients.rollout import VLLMRolloutClient
 from titan_lora.config import WeightSync
 from titan_lora.lora.layer import adapter_params
 from titan_lora.sync.adapter_source import AdapterSource
@@ -31,10 +27,7 @@ def test_the_engine_serves_the_synced_qwen3_adapter(tmp_path, smollm2_dir) -> No
     hf_dir = tiny_qwen3(tmp_path / "qwen3", vocab=SMOLLM2_VOCAB, tokenizer_from=smollm2_dir)
     toml = hf_toml("qwen3", hf_dir)
     built = build_from(toml)
-    engine = EmbeddedEngine("titan_lora.engines.vllm_server", free_port(), [
-        "--model", str(hf_dir), "--max-lora-rank", "8", "--max-loras", "2", "--max-cpu-loras", "2",
-        "--max-model-len", "128", "--kv-cache-gib", "1",
-    ], str(tmp_path / "engine.log"), start_timeout_s=300)
+    engine = vllm_engine(hf_dir, tmp_path / "engine.log", max_model_len=128, keep_versions=1)
     engine.start()
     cfg = WeightSync(enabled=True, keep_versions=2, bucket_mb=1, timeout_s=60, retries=1, parity_every=0)
     try:
@@ -43,7 +36,7 @@ def test_the_engine_serves_the_synced_qwen3_adapter(tmp_path, smollm2_dir) -> No
                                built.hf_dir, lend=emitter.lend_buffer)
         syncer = WeightSyncer(source, base_weights_source(built.model, built.sd_adapter, False), emitter, cfg,
                               CPU, versions=AdapterVersions("policy", 2), engine=engine)
-        rollouts = VLLMRolloutClient(JsonClient(engine.url, engine.api_key, timeout_s=120))
+        rollouts = rollouts_of(engine)
         base = rollouts.score(SEQUENCES, None)
         assert max_abs_diff(base, trainer_logprobs(built.model, SEQUENCES, CPU)) <= PARITY_TOL, "base differs"
 

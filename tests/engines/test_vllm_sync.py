@@ -16,12 +16,12 @@ import pytest
 import torch
 from dist_helpers import free_port
 from model_helpers import randomize_adapters
-from vllm_helpers import CPU, PARITY_TOL, emitter_to, max_abs_diff, smollm2_engine, smollm2_trainer
+from vllm_helpers import CPU, PARITY_TOL, emitter_to, max_abs_diff, rollouts_of, smollm2_engine, smollm2_trainer
 
 from titan_lora.clients.base import Endpoint
 from titan_lora.clients.http import JsonClient
 from titan_lora.clients.launch import EmbeddedEngine
-from titan_lora.clients.rollout import VLLMRolloutClient
+from titan_lora.clients.openai_rollout import OpenAIRolloutClient
 from titan_lora.compose import probe_sequences
 from titan_lora.config import Engine, WeightSync
 from titan_lora.lora.finite import NonFiniteAdapterError
@@ -48,7 +48,7 @@ class Ctx:
     source: AdapterSource
     syncer: WeightSyncer
     client: JsonClient
-    rollouts: VLLMRolloutClient
+    rollouts: OpenAIRolloutClient
     tokenizer: object
     sequences: list[list[int]]
     cfg: WeightSync
@@ -104,7 +104,7 @@ def ctx(smollm2_dir, tmp_path_factory) -> Ctx:
         built, lora, source, syncer = smollm2_trainer(engine, cfg)
         client = JsonClient(engine.url, engine.api_key, timeout_s=300)
         tokenizer = AutoTokenizer.from_pretrained(built.hf_dir)
-        yield Ctx(engine, built, lora, source, syncer, client, VLLMRolloutClient(client), tokenizer,
+        yield Ctx(engine, built, lora, source, syncer, client, rollouts_of(engine), tokenizer,
                   probe_sequences(tokenizer), cfg)
         syncer.close()  # also stops the engine
     finally:

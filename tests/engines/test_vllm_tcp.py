@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import pytest
 from model_helpers import randomize_adapters
-from vllm_helpers import assert_adapter_parity, smollm2_engine, smollm2_trainer
+from vllm_helpers import assert_adapter_parity, rollouts_of, smollm2_engine, smollm2_trainer
 
-from titan_lora.clients.http import JsonClient
-from titan_lora.clients.rollout import VLLMRolloutClient
 from titan_lora.compose import probe_sequences
 from titan_lora.transfer.placement import choose_transport
 from titan_lora.transfer.transports.tcp import TcpBuffer
@@ -26,7 +24,7 @@ def test_one_sync_over_tcp_serves_the_trainers_log_probs(smollm2_dir, tmp_path) 
     try:
         cfg = WeightSync(enabled=True, keep_versions=2, bucket_mb=4, timeout_s=60, retries=1, parity_every=0)
         built, _, source, syncer = smollm2_trainer(engine, cfg, choose_transport("tcp", engine.url))
-        rollouts = VLLMRolloutClient(JsonClient(engine.url, engine.api_key, timeout_s=300))
+        rollouts = rollouts_of(engine)
         sequences = probe_sequences(AutoTokenizer.from_pretrained(built.hf_dir))
         base_lp = rollouts.score(sequences, None)
         randomize_adapters(built.model, seed=1, std=0.05)

@@ -9,8 +9,9 @@ from dist_helpers import free_port
 from model_helpers import SMOLLM2_LORA, build_from, job_config_from
 
 from titan_lora.clients.base import Endpoint
-from titan_lora.clients.kinds import engine_kind
+from titan_lora.clients.kinds import LaunchRequest, engine_kind
 from titan_lora.clients.launch import EmbeddedEngine
+from titan_lora.clients.openai_rollout import OpenAIRolloutClient
 from titan_lora.config import Engine, WeightSync
 from titan_lora.sync.adapter_source import AdapterSource
 from titan_lora.sync.base_stream import base_weights_source
@@ -44,12 +45,22 @@ def emitter_to(kind: str, endpoint: Endpoint, cfg: WeightSync, engine: Engine | 
     return engine_kind(kind).emitter(cfg, engine or Engine(kind=kind), endpoint)
 
 
+def vllm_engine(model_dir: Path, log: Path, max_model_len: int = 256, keep_versions: int = 2) -> EmbeddedEngine:
+    """The default engine (vLLM's OpenAI server with titan's routes) on `model_dir`, as a job would start it
+    for rank-8 adapters and `keep_versions` live versions (not started yet)."""
+    plan = engine_kind("vllm").launch(
+        LaunchRequest(Engine(max_model_len=max_model_len, kv_cache_gib=1), keep_versions, str(model_dir), CPU, 8))
+    return EmbeddedEngine(plan.module, free_port(), plan.args, str(log), start_timeout_s=300)
+
+
 def smollm2_engine(model_dir: Path, log: Path) -> EmbeddedEngine:
-    """The vLLM engine process on SmolLM2 with room for rank-8 adapters (not started yet)."""
-    return EmbeddedEngine("titan_lora.engines.vllm_server", free_port(), [
-        "--model", str(model_dir), "--max-lora-rank", "8", "--max-loras", "3", "--max-cpu-loras", "4",
-        "--max-model-len", "256", "--kv-cache-gib", "1",
-    ], str(log), start_timeout_s=300)
+    """The default engine on SmolLM2 with room for rank-8 adapters (not started yet)."""
+    return vllm_engine(model_dir, log)
+
+
+def rollouts_of(engine: EmbeddedEngine) -> OpenAIRolloutClient:
+    """The OpenAI rollout client of `engine` (sample and score under an adapter name)."""
+    return OpenAIRolloutClient(engine.url, engine.api_key, timeout_s=300)
 
 
 def smollm2_trainer(engine: EmbeddedEngine, cfg: WeightSync,  # noqa: ANN201

@@ -1,4 +1,5 @@
-"""The disk emitter: write a PEFT directory, then have the engine load it with its own disk loader.
+"""The disk emitter: write a PEFT directory, then have the engine load it with its own disk loader
+(`/titan/adapter_from_path` on the `vllm` engine: vLLM's `add_lora` with the directory's path).
 
 It is the baseline the bucket path is measured against (what most frameworks do) and a fallback
 when no shared memory or IPC reaches the engine. Base weights still travel in buckets.
@@ -14,7 +15,8 @@ from pathlib import Path
 
 from titan_lora.clients.base import AdapterPayload, Endpoint
 from titan_lora.clients.http import JsonClient
-from titan_lora.clients.vllm import VLLM, VLLMBucketEmitter
+from titan_lora.clients.vllm import VLLMBucketEmitter
+from titan_lora.clients.vllm_openai import VLLM
 from titan_lora.config import Engine, WeightSync
 from titan_lora.export.peft import save_peft_dir
 from titan_lora.transfer import protocol

@@ -5,6 +5,7 @@ generate: token-id prompts in; sampled token ids and the log-prob of each out (`
 `return_token_ids`). A run of identical prompts (a GRPO group) is one request with `n` samples: vLLM
 seeds sample i of a request with `seed + i`, so prompt k of the call is sampled with `seed + k`, as on
 titan_lora's own engine. Runs go out concurrently and the engine batches them.
+chat: one `/v1/chat/completions` turn, its text and the served model name (the agentic example's).
 score: vLLM's `prompt_logprobs` with `max_tokens=1`, one sequence per request and one request at a
 time (vLLM 0.32's CPU LoRA kernels fail on prompt log-probs of several LoRA sequences in one batch).
 
@@ -14,6 +15,7 @@ connection drops.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -24,6 +26,14 @@ from titan_lora.config import WeightSync
 from titan_lora.transfer.errors import EngineUnreachable, TransferError
 
 MAX_CONCURRENT = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatReply:
+    """One chat turn's text and the model name that served it (`<lora_name>-v<step>` for an adapter)."""
+
+    model: str
+    text: str
 
 
 def prompt_runs(prompts: list[list[int]]) -> list[tuple[int, list[int], int]]:
@@ -104,6 +114,13 @@ class OpenAIRolloutClient:
                                      None if seed is None else seed + start, max_tokens, temperature, stop_token_ids)
                    for start, prompt, n in runs]
         return [c for f, (_, _, n) in zip(futures, runs) for c in (f.result() * n if greedy else f.result())]
+
+    def chat(self, model: str, messages: list[dict], max_tokens: int, temperature: float,
+             seed: int | None = None) -> ChatReply:
+        """One `/v1/chat/completions` turn under `model` (the engine applies the chat template)."""
+        reply = self._call(self.client.chat.completions.create, model=model, messages=messages,
+                           max_tokens=max_tokens, temperature=temperature, seed=seed)
+        return ChatReply(reply.model, reply.choices[0].message.content or "")
 
     def score(self, sequences: list[list[int]], adapter: str | None) -> list[list[float]]:
         """log p(token t | tokens < t) for every token after the first of each sequence."""

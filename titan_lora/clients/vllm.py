@@ -28,8 +28,6 @@ import torch
 from titan_lora.clients.base import AdapterPayload, BaseTensors, Endpoint, base_items
 from titan_lora.clients.http import JsonClient
 from titan_lora.clients.kinds import EngineKind, LaunchPlan, LaunchRequest
-from titan_lora.clients.launch import engine_lora_rank
-from titan_lora.clients.rollout import vllm_rollouts
 from titan_lora.config import Engine, WeightSync
 from titan_lora.transfer import protocol
 from titan_lora.transfer.buckets import (
@@ -371,21 +369,10 @@ def build_vllm_emitter(ws: WeightSync, engine: Engine, endpoint: Endpoint) -> VL
                              endpoint.transport)
 
 
-def vllm_launch(req: LaunchRequest) -> LaunchPlan:
-    """titan_lora's vLLM server, with adapter slots for every live version plus one being installed."""
-    return LaunchPlan("titan_lora.engines.vllm_server", [
-        "--model", req.hf_dir, "--max-lora-rank", str(engine_lora_rank(req.lora_rank)),
-        "--max-loras", str(req.keep_versions + 1), "--max-cpu-loras", str(req.keep_versions + 2),
-        "--max-model-len", str(req.engine.max_model_len), "--kv-cache-gib", str(req.engine.kv_cache_gib),
-    ])
-
-
 def receiver_launch(req: LaunchRequest) -> LaunchPlan:
     """The receiver: vLLM's transfer protocol and copy-out with no inference, on the trainer's device."""
     cuda = ["--device", str(req.device)] if req.device.type == "cuda" else []
     return LaunchPlan("titan_lora.engines.receiver", cuda)
 
 
-VLLM = EngineKind("vllm", build_vllm_emitter, vllm_rollouts, vllm_launch, shm_buckets=True,
-                  max_lora_rank=engine_lora_rank)
 RECEIVER = EngineKind("receiver", build_vllm_emitter, None, receiver_launch, shm_buckets=True)

@@ -1,7 +1,6 @@
 """The `vllm` engine kind (also `vllm-openai`): vLLM's own OpenAI server with titan_lora's transfer
 routes inside (`titan_lora.engines.vllm_openai`); adapters go in buckets (`VLLMBucketEmitter`), rollouts
-over `/v1/completions`. titan_lora's standalone server stays reachable as
-`[engine] kind = "titan_lora.clients.vllm:VLLM"` (the `vllm-disk` baseline runs on it)."""
+over `/v1/completions`. The `vllm-disk` baseline (`clients/disk.py`) runs on the same engine."""
 
 from __future__ import annotations
 

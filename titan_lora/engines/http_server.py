@@ -1,4 +1,4 @@
-"""The JSON-over-HTTP front shared by the engine processes: POST /titan/<op> -> service op.
+"""The JSON-over-HTTP front of the receiver process (`engines/receiver.py`): POST /titan/<op> -> service op.
 
 A request is authenticated, and its Content-Length checked against a cap, before its body is read:
 a caller without the key cannot make the engine read (or buffer) anything. Bodies must be JSON objects.

@@ -1,14 +1,17 @@
-"""The `/titan/*` transfer routes inside vLLM's OpenAI server: INFO, BUCKET, BASE, UNLOAD.
+"""The `/titan/*` transfer routes inside vLLM's OpenAI server: INFO, BUCKET, BASE, UNLOAD, and
+ADAPTER_FROM_PATH (the `vllm-disk` baseline: vLLM's own loader reads a PEFT directory).
 
-Same requests and acks as the standalone server's. Every engine call is a `collective_rpc` to the
-worker extension (`vllm_ext`), which vLLM's engine core runs between two engine steps, so requests
-keep decoding while a version installs. A committed version is registered with the OpenAI layer under
+Same requests and acks as the receiver's. Every engine call is a `collective_rpc` to the worker
+extension (`vllm_ext`) of every worker of every data-parallel engine core (`vllm_compat.collective_rpc_all`),
+whose replies must agree; each core runs it between two engine steps, so requests keep decoding while a
+version installs. A committed version is registered with the OpenAI layer under
 its versioned name (`AdapterTable` keeps the alias and the leases); an unload waits, bounded, until no
 request holds the version, then drops it from the OpenAI layer before the worker forgets it.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import uuid
 from collections.abc import Awaitable, Callable
@@ -40,12 +43,13 @@ class TitanService:
     @classmethod
     async def start(cls, engine_client: Any, models: Any, model: str) -> TitanService:
         """The service, with the engine's LoRA limits read once."""
-        limits = (await engine_client.collective_rpc("titan_lora_info"))[0]
+        limits = agreed("titan_lora_info", await compat.collective_rpc_all(engine_client, "titan_lora_info", None, ()))
         return cls(engine_client, models, model, limits)
 
     async def rpc(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
-        """`collective_rpc` to the worker extension; the first worker's answer."""
-        return (await self.engine_client.collective_rpc(method, timeout=timeout_s, args=args))[0]
+        """`method` on the worker extension of every worker of every data-parallel rank; their common
+        answer (`agreed`)."""
+        return agreed(method, await compat.collective_rpc_all(self.engine_client, method, timeout_s, args))
 
     async def info(self, _: dict) -> dict:
         """Identity, base state, live adapters, the alias of each, requests in flight and LoRA limits."""
@@ -70,21 +74,41 @@ class TitanService:
         self._layouts.add(layout)
         return ack
 
+    async def _free_name(self, name: str) -> None:
+        """Unload `name` if it is live (a resumed trainer re-sends its last version); refuse while
+        requests still hold it."""
+        if self.table.get(name) is None:
+            return
+        reply = await self.unload({"name": name, "timeout_s": REPLACE_TIMEOUT_S})
+        if not reply["unloaded"]:
+            raise RuntimeError(f"adapter {name!r} cannot be replaced: {reply['in_flight']} requests "
+                               f"still use it after {REPLACE_TIMEOUT_S:g} s; send it under a new "
+                               "versioned name or retry when they finish")
+
     async def _commit(self, commit: dict, install: Callable[[int, str, dict], Awaitable[dict]]) -> dict:
         """Install an adapter as `commit["name"]` through `install(lora_id, name, peft_config)`, then
         serve it under that name (and its alias)."""
         name, version = check_name(commit["name"]), int(commit["version"])
-        if self.table.get(name) is not None:  # a resumed trainer re-sends its last version
-            reply = await self.unload({"name": name, "timeout_s": REPLACE_TIMEOUT_S})
-            if not reply["unloaded"]:
-                raise RuntimeError(f"adapter {name!r} cannot be replaced: {reply['in_flight']} requests "
-                                   f"still use it after {REPLACE_TIMEOUT_S:g} s; send it under a new "
-                                   "versioned name or retry when they finish")
+        await self._free_name(name)
         lora_id = compat.new_lora_id(self.models)
         ack = await install(lora_id, name, commit["peft_config"])
         self.table.add(name, version, lora_id)
         compat.serve_adapter(self.models, name, lora_id)
         return {**ack, "commit": {**ack["commit"], "name": name, "version": version}}
+
+    async def adapter_from_path(self, req: dict) -> dict:
+        """Load the PEFT directory `path` with vLLM's own loader as adapter `name` (the baseline), then
+        serve it like a bucket-installed version; the ack counts the tensors and bytes of its file."""
+        name, version, path = check_name(req["name"]), int(req["version"]), str(req["path"])
+        weights = os.path.join(path, "adapter_model.safetensors")
+        if not os.path.isfile(weights):
+            raise ValueError(f"{weights} does not exist: the engine must see the trainer's disk_dir")
+        await self._free_name(name)
+        lora_id = compat.new_lora_id(self.models)
+        await self.engine_client.add_lora(compat.LoRARequest(name, lora_id, path))
+        self.table.add(name, version, lora_id)
+        compat.serve_adapter(self.models, name, lora_id, path)
+        return {**describe_safetensors(weights), "name": name, "version": version}
 
     async def base(self, req: dict) -> dict:
         """Install the staged transfer as the base weights; cached KV came from the old ones."""
@@ -110,5 +134,37 @@ class TitanService:
         return {"unloaded": True}
 
     async def release(self, timeout_s: float) -> int:
-        """Unmap every trainer buffer in every worker (at shutdown); how many were mapped."""
-        return await self.rpc("titan_release_buffers", timeout_s=timeout_s)
+        """Unmap every trainer buffer in every worker (at shutdown); how many were mapped, in all."""
+        return sum(await compat.collective_rpc_all(self.engine_client, "titan_release_buffers", timeout_s, ()))
+
+
+def describe_safetensors(path: str) -> dict:
+    """Tensor count and bytes of a safetensors file, read from its header."""
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        slices = [f.get_slice(k) for k in f.keys()]
+        width = {"F32": 4, "BF16": 2, "F16": 2}
+        return {"tensors": len(slices),
+                "bytes": sum(math.prod(s.get_shape()) * width[s.get_dtype()] for s in slices)}
+
+
+def _without_timings(reply: Any) -> Any:
+    """`reply` with every `*_ms` entry dropped (each worker times its own work)."""
+    if isinstance(reply, dict):
+        return {k: _without_timings(v) for k, v in reply.items() if not k.endswith("_ms")}
+    return reply
+
+
+def agreed(method: str, replies: list[Any]) -> Any:
+    """The first reply, once every worker's (every data-parallel rank's) reply says the same, timings
+    aside: a rank that installed other bytes, counts or versions fails the call instead of hiding behind
+    rank 0's ack."""
+    if not replies:
+        raise RuntimeError(f"{method}: no worker answered")
+    first = _without_timings(replies[0])
+    for rank, reply in enumerate(replies[1:], start=1):
+        if _without_timings(reply) != first:
+            raise RuntimeError(f"{method}: worker {rank} answered {reply!r}, worker 0 {replies[0]!r}; the "
+                               "engine's workers (data-parallel ranks) disagree")
+    return replies[0]

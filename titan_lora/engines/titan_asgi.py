@@ -7,7 +7,8 @@
   versioned name of the newest version, resolved now, and the request holds a lease on the version it
   runs on until its response (streamed or not) is over; a version that is no longer live gets a 404
   that says which ones are. Names that are not ours go to vLLM untouched.
-- at shutdown (the ASGI lifespan), every worker unmaps the trainer's buffers before vLLM stops.
+- at shutdown (SIGTERM, SIGINT), before vLLM stops its engine, every worker unmaps the trainer's buffers
+  (`vllm_compat.run_before_shutdown`: vLLM stops the engine before the ASGI lifespan ends).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from titan_lora.transfer.buckets import UnknownLayout
 logger = logging.getLogger("titan_lora.engine")
 MAX_BODY_BYTES = 64 * 2**20
 RELEASE_TIMEOUT_S = 20.0  # below the 30 s a launcher waits after SIGTERM before it kills
-ROUTES = protocol.TRANSFER_ROUTES
+ROUTES = (*protocol.TRANSFER_ROUTES, protocol.ADAPTER_FROM_PATH)
 
 
 def _error(code: int, message: str, err_type: str = "BadRequestError", param: str | None = None) -> JSONResponse:
@@ -85,8 +86,6 @@ class TitanRoutes:
         self._tokens: list[bytes] | None = None
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            return await self.app(scope, self._on_shutdown(scope, receive), send)
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"].removeprefix(scope.get("root_path", ""))
@@ -105,6 +104,7 @@ class TitanRoutes:
                     state = scope["app"].state
                     self._service = await TitanService.start(
                         state.engine_client, state.openai_serving_models, state.args.model)
+                    compat.run_before_shutdown(state.engine_client, self._release, RELEASE_TIMEOUT_S + 5)
         return self._service
 
     def _authorized(self, scope: dict) -> bool:
@@ -192,15 +192,11 @@ class TitanRoutes:
             await self.app(scope, _replay(raw, receive), send)
 
     # ---- shutdown ------------------------------------------------------------------------------------
-    def _on_shutdown(self, scope: dict, receive: Any) -> Any:
-        async def receive_then_release() -> dict:
-            message = await receive()
-            if message["type"] == "lifespan.shutdown" and self._service is not None:
-                try:  # a trainer's CUDA IPC ref-counter file goes only once every mapping is gone
-                    held = await self._service.release(RELEASE_TIMEOUT_S)
-                    logger.info("engine %s stopping; %d mappings released", self._service.incarnation[:8], held)
-                except Exception:  # noqa: BLE001 (shutdown goes on)
-                    logger.exception("releasing the trainer's buffers failed")
-            return message
-
-        return receive_then_release
+    async def _release(self) -> None:
+        """Unmap the trainer's buffers in every worker (a trainer's CUDA IPC ref-counter file goes only
+        once every mapping is gone); the server's shutdown goes on whatever happens."""
+        try:
+            held = await self._service.release(RELEASE_TIMEOUT_S)
+            logger.info("engine %s stopping; %d mappings released", self._service.incarnation[:8], held)
+        except Exception:  # noqa: BLE001 (shutdown goes on)
+            logger.exception("releasing the trainer's buffers failed")

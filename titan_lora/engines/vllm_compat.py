@@ -19,10 +19,11 @@ one (tests use it to exercise the fallback on the vLLM that is installed).
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import torch
@@ -62,12 +63,17 @@ VERSION = installed_version()
 FAST_PATH = is_tested(VERSION)
 """Whether the fast tier (fast adapter install, grouped CPU kernels) may run on this vLLM."""
 
-if not FAST_PATH:
-    logger.warning(
-        "vLLM %s is not a version titan_lora was tested with (%s): the fast adapter install "
-        "(recorded plans, batched slot writes) and the grouped CPU LoRA kernels are disabled; every "
-        "adapter goes through vLLM's own builder and activation (same log-probs, slower). Install "
-        "one of the tested versions to get them back.", VERSION, " or ".join(s + ".x" for s in TESTED_SERIES))
+
+def warn_if_untested() -> None:
+    """Say what an untested vLLM turns off; called once by each worker, the process that installs
+    adapters (the API server and the engine core import this module too, and stay quiet)."""
+    if not FAST_PATH:
+        logger.warning(
+            "vLLM %s is not a version titan_lora was tested with (%s): the fast adapter install "
+            "(recorded plans, batched slot writes) and the grouped CPU LoRA kernels are disabled; every "
+            "adapter goes through vLLM's own builder and activation (same log-probs, slower). Install "
+            "one of the tested versions to get them back.", VERSION, " or ".join(s + ".x" for s in TESTED_SERIES))
+
 
 try:  # the builder tier
     from vllm.config import set_current_vllm_config
@@ -234,6 +240,49 @@ def serve(args: Any) -> None:
     ServeSubcommand.cmd(args)
 
 
+async def collective_rpc_all(engine_client: Any, method: str, timeout: float | None, args: tuple) -> list[Any]:
+    """`method` on every worker of every engine core the API server manages (all data-parallel ranks),
+    each worker's reply in rank order. `AsyncLLM.collective_rpc` reaches them too with the internal load
+    balancer, but returns only the first core's replies (vllm/v1/engine/core_client.py,
+    `DPLBAsyncMPClient.call_utility_async`); this keeps every core's, so each rank's ack is checked."""
+    core = getattr(engine_client, "engine_core", None)
+    per_core = getattr(core, "call_utility_all_async", None)
+    if per_core is None:  # an in-process core: one engine
+        return list(await engine_client.collective_rpc(method, timeout=timeout, args=args))
+    replies = await per_core("collective_rpc", method, timeout, args, None)
+    return [reply for core_replies in replies for reply in core_replies]
+
+
+def run_before_shutdown(engine_client: Any, hook: Callable[[], Awaitable[None]], timeout_s: float) -> None:
+    """Run `hook` on the API server's event loop when vLLM shuts its engine client down, before it does.
+
+    On SIGTERM vLLM 0.32's `serve_http` (entrypoints/launchers/launcher.py:263-279) stops the engine
+    client, and with it the engine core and workers, before uvicorn's lifespan shutdown, so an ASGI
+    shutdown hook can no longer reach the workers; and its signal handler lives in uvloop, out of
+    reach. It calls `engine_client.shutdown` from an executor thread while the loop stays free, so that
+    call is wrapped: `hook` runs first (at most `timeout_s`), once. A shutdown called on the loop's own
+    thread (an error path) skips the hook, since waiting there would deadlock.
+    """
+    loop = asyncio.get_running_loop()
+    original = engine_client.shutdown
+    ran = False
+
+    def shutdown(*args: Any, **kwargs: Any) -> Any:
+        nonlocal ran
+        if not ran:
+            ran = True
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:  # not the loop's thread: the loop can run the hook meanwhile
+                try:
+                    asyncio.run_coroutine_threadsafe(hook(), loop).result(timeout=timeout_s)
+                except Exception:  # noqa: BLE001 (the shutdown goes on)
+                    logger.exception("the pre-shutdown hook failed")
+        return original(*args, **kwargs)
+
+    engine_client.shutdown = shutdown
+
+
 def api_keys(args: Any) -> list[str]:
     """The keys vLLM's API server accepts: `--api-key`, else VLLM_API_KEY."""
     import vllm.envs as envs
@@ -246,9 +295,10 @@ def new_lora_id(models: Any) -> int:
     return models.lora_id_counter.inc(1)
 
 
-def serve_adapter(models: Any, name: str, lora_id: int) -> None:
-    """Make the OpenAI layer (`OpenAIServingModels`) serve installed adapter `lora_id` as model `name`."""
-    models.lora_requests[name] = LoRARequest(name, lora_id, MEMORY_SCHEME + name)
+def serve_adapter(models: Any, name: str, lora_id: int, path: str = "") -> None:
+    """Make the OpenAI layer (`OpenAIServingModels`) serve installed adapter `lora_id` as model `name`;
+    `path`: a PEFT directory vLLM's own loader reads (empty: one of ours, in memory)."""
+    models.lora_requests[name] = LoRARequest(name, lora_id, path or MEMORY_SCHEME + name)
 
 
 def unserve_adapter(models: Any, name: str) -> None:

@@ -32,6 +32,7 @@ from titan_lora.transfer.buckets import LayoutCache
 from titan_lora.transfer.transport import BufferCache
 from titan_lora.transfer.transports.base import transport_named
 
+compat.warn_if_untested()  # runs in every worker process: the extension is imported there
 if compat.FAST_PATH:  # both drive vLLM internals that only the tested versions are known to have
     from titan_lora.engines import vllm_cpu_lora, vllm_fastpath
 

@@ -16,6 +16,7 @@ Secrets come by environment, never argv (`ps` shows argv): TITAN_LORA_API_KEY be
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 
 from titan_lora.engines import vllm_compat as compat
@@ -28,6 +29,29 @@ die_with_spawning_parent()
 
 EXTENSION = "titan_lora.engines.vllm_ext.TitanLoRAWorkerExtension"
 MIDDLEWARE = "titan_lora.engines.titan_asgi.TitanRoutes"
+
+
+def data_parallel_refusal(args: argparse.Namespace) -> str | None:
+    """Why these data-parallel flags cannot serve titan_lora's syncs, or None when they can.
+
+    With `--data-parallel-size N` alone (the internal load balancer) the one API server manages every
+    engine core and `vllm_compat.collective_rpc_all` reaches each. With an external, hybrid or
+    multi-port load balancer each API server manages only its own node's (or rank's) cores, so a sync
+    through one server would leave the other ranks on their old adapter.
+    """
+    modes = [flag for flag, on in (
+        ("--data-parallel-external-lb", args.data_parallel_external_lb),
+        ("--data-parallel-rank", args.data_parallel_rank is not None),
+        ("--data-parallel-hybrid-lb", args.data_parallel_hybrid_lb),
+        ("--data-parallel-start-rank", args.data_parallel_start_rank is not None),
+        ("--data-parallel-multi-port-external-lb", args.data_parallel_multi_port_external_lb),
+    ) if on]
+    if not modes:
+        return None
+    return (f"{', '.join(modes)}: each API server then reaches only its own data-parallel ranks, and a sync "
+            "through one of them would leave the others on their old adapter. Use --data-parallel-size N "
+            "alone (one API server, vLLM's internal load balancer: every rank gets each adapter), or run "
+            "independent engines, one URL each")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,6 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "live in one API server process; leave it at 1 (vLLM still runs every "
                          "--data-parallel-size engine behind it)")
     args.api_server_count = 1
+    refusal = data_parallel_refusal(args)
+    if refusal is not None:
+        raise SystemExit(refusal)
     if not args.enable_lora:
         raise SystemExit("titan_lora serves adapters: drop --no-enable-lora")
     if MIDDLEWARE not in args.middleware:
@@ -57,8 +84,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _log_titan_lines() -> None:
+    """Print titan_lora's own INFO lines in the API server (vLLM configures only its `vllm` logger, so
+    they would be dropped: e.g. how many trainer mappings were released at shutdown)."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[titan_lora engine %(asctime)s] %(message)s", "%H:%M:%S"))
+    log = logging.getLogger("titan_lora")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
 def main(argv: list[str] | None = None) -> None:
     """Serve until SIGTERM (or Ctrl-C); every worker unmaps the trainer's buffers on the way out."""
+    _log_titan_lines()
     compat.serve(parse_args(argv))
 
 

@@ -1,6 +1,7 @@
 """The `/titan/*` engine protocol, defined once: routes, and the dataclasses both sides agree on.
 
-Every titan_lora engine process (the vLLM engine, the receiver) serves these routes with JSON bodies;
+Every titan_lora engine process (the vLLM engine, the receiver) serves these routes with JSON bodies
+(rollouts go over the engine's own OpenAI API);
 the trainer-side clients post to them. Neither side spells a route as a string literal.
 """
 
@@ -28,16 +29,10 @@ BASE = "base"
 UNLOAD = "unload"
 """Retire one adapter once its requests drained."""
 ADAPTER_FROM_PATH = "adapter_from_path"
-"""Load a PEFT directory (the disk emitter)."""
-GENERATE = "generate"
-"""Sample completions under a named adapter."""
-SCORE = "score"
-"""Per-token log-probs of given sequences under a named adapter."""
+"""Load a PEFT directory with the engine's own loader (the disk emitter, `vllm-disk`)."""
 
 TRANSFER_ROUTES = (INFO, BUCKET, BASE, UNLOAD)
 """What every engine that takes buckets serves."""
-INFERENCE_ROUTES = (ADAPTER_FROM_PATH, GENERATE, SCORE)
-"""What an engine that also serves rollouts adds."""
 
 
 def path(route: str) -> str:
