@@ -87,6 +87,11 @@ class Engine:
     engine on loopback, else this host's address on the route to the engine."""
     tcp_port: int = 0
     """tcp: the port the trainer serves buckets on; 0: any free port."""
+    urls: list[str] = field(default_factory=list)
+    """Attach to several independent engines (replicas) at these addresses; instead of `url`."""
+    replicas: int = 1
+    """Engines titan_lora starts (each its own port: `port` + i, or any free ones); 1: one engine, as `url`
+    empty does. Every version goes to every live replica; rollouts spread over them (docs/design.md)."""
 
 
 @dataclass
@@ -255,6 +260,31 @@ def validate_engine(cfg: Engine) -> None:
                          "this host's address as the engine sees it, or leave it empty to derive it")
     if cfg.disk_dir:
         check_writable_dir(cfg.disk_dir, "[engine] disk_dir")
+    _check_replicas(cfg)
+
+
+def attached_urls(cfg: Engine) -> list[str]:
+    """The running engines `[engine]` attaches to: `urls`, else `url` alone; empty: titan_lora starts them."""
+    return list(cfg.urls) or ([cfg.url] if cfg.url else [])
+
+
+def _check_replicas(cfg: Engine) -> None:
+    if cfg.replicas < 1:
+        raise ValueError(f"[engine] replicas = {cfg.replicas}: start at least 1 engine (1 is one engine, as today)")
+    if cfg.urls and cfg.url:
+        raise ValueError("[engine] url and urls are both set: list every engine in urls and remove url")
+    if cfg.urls and cfg.replicas > 1:
+        raise ValueError(f"[engine] urls attaches to {len(cfg.urls)} running engines and replicas = {cfg.replicas} "
+                         "starts engines: use one of them (remove replicas to attach, or urls to start)")
+    for url in cfg.urls:
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ValueError(f"[engine] urls: {url!r} is not an engine address; use \"http://host:port\"")
+    if len(set(cfg.urls)) != len(cfg.urls):
+        dup = sorted({u for u in cfg.urls if cfg.urls.count(u) > 1})
+        raise ValueError(f"[engine] urls names {dup} more than once: each replica is a separate engine")
+    if cfg.port and cfg.port + cfg.replicas - 1 > 65535:
+        raise ValueError(f"[engine] port = {cfg.port} with replicas = {cfg.replicas}: replica i takes port + i, "
+                         "past 65535; lower port, or set it to 0 to pick free ones")
 
 
 def validate_weight_sync(cfg: WeightSync) -> None:

@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -202,3 +203,24 @@ class EmbeddedEngine:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self._kill()
+
+
+def start_engines(engines: list[EmbeddedEngine]) -> None:
+    """Start `engines` at once (each waits for its own readiness); if any fails, stop them all and raise."""
+    errors: list[BaseException] = []
+
+    def start(engine: EmbeddedEngine) -> None:
+        try:
+            engine.start()
+        except BaseException as err:  # noqa: BLE001 (re-raised below, after the others are stopped)
+            errors.append(err)
+
+    threads = [threading.Thread(target=start, args=(e,), name="titan-engine-start") for e in engines]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()  # each start is bounded by its start_timeout_s
+    if errors:
+        for engine in engines:
+            engine.stop()
+        raise errors[0]
