@@ -52,7 +52,9 @@ class Replica:
     outstanding: int = 0
     """Samples (or scored sequences) in flight on it now."""
     assigned: int = 0
-    """Samples routed to it since the last report."""
+    """Work routed to it in all (samples and scored sequences): breaks ties between idle replicas."""
+    samples: int = 0
+    """Samples generated on it since the last report."""
     quarantines: int = 0
     rejoins: int = 0
     busy: Future | None = None
@@ -113,10 +115,11 @@ class ReplicaSet:
             chosen.assigned += work
             return chosen
 
-    def done(self, replica: Replica, work: int) -> None:
-        """`work` picked on `replica` has ended."""
+    def done(self, replica: Replica, work: int, samples: int = 0) -> None:
+        """`work` picked on `replica` has ended, having generated `samples` (counted in its report)."""
         with self._lock:
             replica.outstanding -= work
+            replica.samples += samples
 
     def forget(self, replica: Replica, version: int) -> None:
         """`replica` unloaded `version`."""
@@ -237,10 +240,10 @@ class ReplicaSet:
             for r in self.replicas:
                 tag = f"replica{r.index}"
                 out |= {f"{tag}/live": float(r.live), f"{tag}/quarantines": float(r.quarantines),
-                        f"{tag}/rejoins": float(r.rejoins), f"{tag}/samples": float(r.assigned),
+                        f"{tag}/rejoins": float(r.rejoins), f"{tag}/samples": float(r.samples),
                         f"{tag}/versions_held": float(len(r.held))}
                 out |= {f"{tag}/{k}": float(v) for k, v in r.phases.items()}
-                r.assigned = 0
+                r.samples = 0
         return out
 
     def each(self, fn: Callable[[Replica], None], replicas: Iterable[Replica] | None = None) -> None:

@@ -32,19 +32,23 @@ class RolloutRouter:
         self.replicas = replicas
         self._pool = ThreadPoolExecutor(max_workers=MAX_CONCURRENT, thread_name_prefix="titan-router")
 
-    def _routed(self, adapter: str | None, work: int, call: Callable[[Replica], T]) -> T:
+    def _routed(self, adapter: str | None, work: int, call: Callable[[Replica], T], sampled: bool) -> T:
         """`call` on the least busy live replica holding `adapter`; on failure it is quarantined and the
         next one is tried."""
         tried: set[int] = set()
         while True:
             replica = self.replicas.pick(adapter, work, exclude=tried)  # raises when none is left
             try:
-                return call(replica)
-            except TransferError as err:
+                out = call(replica)
+            except BaseException as err:
+                self.replicas.done(replica, work)
+                if not isinstance(err, TransferError):
+                    raise
                 tried.add(replica.index)
                 self.replicas.quarantine(replica, f"a request under {adapter or 'the base'} failed: {err}")
-            finally:
-                self.replicas.done(replica, work)
+                continue
+            self.replicas.done(replica, work, samples=work if sampled else 0)
+            return out
 
     def generate(self, prompts: list[list[int]], adapter: str | None, max_tokens: int,
                  temperature: float, seed: int | None, stop_token_ids: list[int]) -> list[Completion]:
@@ -53,11 +57,11 @@ class RolloutRouter:
         def run(start: int, prompt: list[int], n: int) -> list[Completion]:
             run_seed = None if seed is None else seed + start
             return self._routed(adapter, n, lambda r: r.rollouts.generate(
-                [prompt] * n, adapter, max_tokens, temperature, run_seed, stop_token_ids))
+                [prompt] * n, adapter, max_tokens, temperature, run_seed, stop_token_ids), sampled=True)
 
         futures = [self._pool.submit(run, start, prompt, n) for start, prompt, n in prompt_runs(prompts)]
         return [c for f in futures for c in f.result()]
 
     def score(self, sequences: list[list[int]], adapter: str | None) -> list[list[float]]:
         """Per-token log-probs of `sequences` under `adapter`, from one replica that holds it."""
-        return self._routed(adapter, len(sequences), lambda r: r.rollouts.score(sequences, adapter))
+        return self._routed(adapter, len(sequences), lambda r: r.rollouts.score(sequences, adapter), sampled=False)
