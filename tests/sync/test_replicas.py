@@ -11,9 +11,11 @@ import time
 import pytest
 import torch
 from inprocess_rig import BASE, BASE_BYTES, Base, Emitter, Engine, Source, cfg
+from syncer_helpers import shim_on_path
 
 from titan_lora.clients.base import Endpoint
 from titan_lora.clients.fanout import FanoutEmitter
+from titan_lora.clients.launch import EmbeddedEngine, start_engines
 from titan_lora.clients.replica_set import NoLiveReplica, Replica, ReplicaSet
 from titan_lora.clients.rollout import Completion
 from titan_lora.clients.router import RolloutRouter
@@ -185,3 +187,22 @@ def test_the_host_copy_of_the_base_is_what_was_streamed():
     rs = replica_set(1)
     kept, count, nbytes = rs.keep_base(iter(BASE), 0)
     assert (count, nbytes) == (2, BASE_BYTES) and [n for n, _ in kept] == [n for n, _ in BASE]
+
+
+def test_engines_started_from_short_lived_threads_outlive_them(tmp_path):
+    """PR_SET_PDEATHSIG follows the forking *thread*: before the spawner thread, both receivers got SIGTERM
+    as start_engines' threads returned (and a revived replica as its revival thread did)."""
+    shim_on_path()
+    engines = [EmbeddedEngine("receiver_shim", 0, [], str(tmp_path / f"engine{i}.log"), start_timeout_s=60,
+                              health_timeout_s=2.0) for i in range(2)]
+    try:
+        start_engines(engines)
+        revived = threading.Thread(target=engines[1].restart)
+        revived.start()
+        revived.join()
+        time.sleep(1.0)
+        assert [e.healthy() for e in engines] == [True, True]
+        assert engines[1].starts == 2
+    finally:
+        for e in engines:
+            e.stop()
