@@ -29,7 +29,7 @@ def test_two_replicas_serve_each_version_and_share_the_rollouts(smollm2_dir, tmp
                                built.hf_dir, lend=side.lend)
         syncer = compose.build_syncer(ws, side, source, built.model, built.sd_adapter, built.hf_dir, built.tied, CPU)
         replicas = side.replicas.replicas
-        sequences = compose.probe_sequences(AutoTokenizer.from_pretrained(built.hf_dir), n=2)
+        sequences = compose.probe_sequences(AutoTokenizer.from_pretrained(built.hf_dir), n=4)
         base = [r.rollouts.score(sequences, None) for r in replicas]
         for version in (1, 2):
             randomize_adapters(built.model, seed=version, std=0.05)
@@ -42,10 +42,11 @@ def test_two_replicas_serve_each_version_and_share_the_rollouts(smollm2_dir, tmp
                                       base[r.index], f"{transport}, {r}, v{version}, "
                                       f"{metrics[f'replica{r.index}/total_ms']:.1f} ms")
         side.replicas.metrics()  # count from here
-        prompts = [s[:12] for s in sequences for _ in range(4)] * 2  # 4 groups of 4 samples
+        prompts = [s[:-2] for s in sequences for _ in range(4)]  # 4 groups (distinct problems) of 4 samples
         completions = syncer.with_engine(lambda: side.rollouts.generate(prompts, "policy-v2", 4, 1.0, 7, []),
                                          "rollouts")
-        counts = {r.index: side.replicas.metrics()[f"replica{r.index}/samples"] for r in replicas}
+        report = side.replicas.metrics()  # one report: each resets the counts
+        counts = {r.index: report[f"replica{r.index}/samples"] for r in replicas}
         print(f"\nrollouts per replica ({transport}): {counts}")
         assert len(completions) == 16 and sum(counts.values()) == 16
         assert all(n > 0 for n in counts.values()), f"one replica took every group: {counts}"

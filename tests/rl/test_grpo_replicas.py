@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from job_helpers import kill_tree, launch, scalars, short_config, wait_for
 
-STEPS = 24
+STEPS = 40
 SERVER = "titan_lora.engines.vllm_openai"
 
 
