@@ -109,9 +109,10 @@ class _FakeSyncer:
 
     made: list[_FakeSyncer] = []
 
-    def __init__(self, source, base, emitter, cfg, device, *, versions, engine=None, probe=None) -> None:  # noqa: ANN001
+    def __init__(self, source, base, emitter, cfg, device, *, versions, engine=None, probe=None,  # noqa: ANN001
+                 report=None) -> None:  # noqa: ANN001
         self.source, self.base, self.emitter, self.cfg, self.device = source, base, emitter, cfg, device
-        self.engine, self.probe, self.versions = engine, probe, versions
+        self.engine, self.probe, self.versions, self.report = engine, probe, versions, report
         self.checked = False
         _FakeSyncer.made.append(self)
 
@@ -206,6 +207,29 @@ def test_wiring_an_embedded_engine_uses_its_address_and_key(monkeypatch: pytest.
     assert syncer.cfg is job_config.weight_sync and job_config.engine.url == "", \
         "the config is never rewritten: the engine's address travels as an Endpoint"
     assert [n for n, _ in syncer.base()][-1] == "lm_head.weight"
+
+
+def test_wiring_two_embedded_replicas_fans_out_and_routes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from titan_lora.clients.fanout import FanoutEmitter
+    from titan_lora.clients.router import RolloutRouter
+
+    syncer, rollouts, engines, _, _ = _wire(monkeypatch, tmp_path, engine=Engine(replicas=2, port=9100))
+    assert len(engines) == 2 and all(e.started for e in engines) and syncer.engine is None
+    assert [e.made_from[1].port for e in engines] == [9100, 9101], "replica i takes port + i"
+    assert [e.made_from[-1] for e in engines] == ["engine0.log", "engine1.log"]
+    assert isinstance(syncer.emitter, FanoutEmitter) and isinstance(rollouts.client, RolloutRouter)
+    assert [r.engine for r in syncer.emitter.replicas.replicas] == engines
+    assert syncer.report()["sync/live_replicas"] == 2.0
+
+
+def test_wiring_attached_urls_keeps_one_emitter_per_replica(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    urls = ["http://10.0.0.5:8000", "http://10.0.0.6:8000"]
+    syncer, _, engines, _, _ = _wire(monkeypatch, tmp_path, engine=Engine(urls=urls, api_key="k"))
+    replicas = syncer.emitter.replicas.replicas
+    assert engines == [] and [r.emitter.client.base_url for r in replicas] == urls
+    assert all(r.emitter.client.api_key == "k" and r.engine is None for r in replicas)
+    one = _wire(monkeypatch, tmp_path, engine=Engine(urls=urls[:1]))[0]
+    assert one.emitter.client.base_url == urls[0] and one.report is None, "one url is one engine, as url is"
 
 
 def test_wiring_an_embedded_receiver_has_no_rollouts(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -13,9 +13,12 @@ import torch.nn as nn
 
 from titan_lora.clients.base import Emitter, Endpoint
 from titan_lora.clients.kinds import EngineKind, LaunchRequest, engine_kind
-from titan_lora.clients.launch import EmbeddedEngine
+from titan_lora.clients.fanout import FanoutEmitter
+from titan_lora.clients.launch import EmbeddedEngine, start_engines
+from titan_lora.clients.replica_set import Replica, ReplicaSet
 from titan_lora.clients.rollout import RolloutClient
-from titan_lora.config import GRPO, Engine, WeightSync
+from titan_lora.clients.router import RolloutRouter
+from titan_lora.config import GRPO, Engine, WeightSync, attached_urls
 from titan_lora.rl.objective import GRPOObjective
 from titan_lora.rl.rewards import get_reward
 from titan_lora.rl.task import Task, build_task, task_prompt
@@ -51,23 +54,32 @@ def probe_sequences(tokenizer, n: int = 4, task: Task | None = None) -> list[lis
 
 
 def embedded_engine(kind: EngineKind, engine: Engine, ws: WeightSync, hf_dir: str, device: torch.device,
-                    dump_folder: str, lora_rank: int) -> EmbeddedEngine:
+                    dump_folder: str, lora_rank: int, log_name: str = "engine.log") -> EmbeddedEngine:
     """The engine process titan_lora starts itself, as its kind's launcher plans it.
 
     Its API key is `[engine] api_key`, or a random one; it reaches the engine by environment."""
     plan = kind.launch(LaunchRequest(engine, ws.keep_versions, hf_dir, device, lora_rank))
-    return EmbeddedEngine(plan.module, engine.port, plan.args, os.path.join(dump_folder, "engine.log"),
+    return EmbeddedEngine(plan.module, engine.port, plan.args, os.path.join(dump_folder, log_name),
                           start_timeout_s=ws.engine_start_timeout_s, api_key=engine.api_key,
                           health_timeout_s=ws.health_timeout_s)
 
 
 @dataclasses.dataclass
 class EngineSide:
-    """Rank 0's handles on the engine: the process (when embedded), the emitter and the rollout client."""
+    """Rank 0's handles on the engine: the process (when embedded), the emitter and the rollout client.
+    With several replicas: the replica set, the fan-out emitter and the router (no single process)."""
 
     engine: EmbeddedEngine | None = None
     emitter: Emitter | None = None
     rollouts: RolloutClient | None = None
+    replicas: ReplicaSet | None = None
+
+    def stop(self) -> None:
+        """Stop what this job started (after a failed start-up: nothing may be left behind)."""
+        if self.engine is not None:
+            self.engine.stop()
+        if self.replicas is not None:
+            self.replicas.close()
 
     @property
     def lend(self) -> Lend:
@@ -84,10 +96,37 @@ def engine_endpoint(kind: EngineKind, engine: Engine, url: str, api_key: str) ->
                                                   engine.nccl_backend))
 
 
+def connect_replicas(kind: EngineKind, engine: Engine, ws: WeightSync, hf_dir: str, device: torch.device,
+                     dump_folder: str, lora_rank: int) -> EngineSide:
+    """Rank 0: start `[engine] replicas` engines at once (each its own port and log) or attach to `urls`;
+    one emitter and rollout client per replica, under the fan-out emitter and the router."""
+    urls = attached_urls(engine)
+    processes: list[EmbeddedEngine | None] = [None] * len(urls)
+    keys = [engine.api_key] * len(urls)
+    if not urls:
+        processes = [embedded_engine(kind, dataclasses.replace(engine, port=engine.port + i if engine.port else 0),
+                                     ws, hf_dir, device, dump_folder, lora_rank, f"engine{i}.log")
+                     for i in range(engine.replicas)]
+        start_engines(processes)
+        urls, keys = [p.url for p in processes], [p.api_key for p in processes]
+    replicas = []
+    for i, (url, key, process) in enumerate(zip(urls, keys, processes)):
+        endpoint = engine_endpoint(kind, engine, url, key)
+        rollouts = kind.rollouts(endpoint, ws) if kind.rollouts else None
+        replicas.append(Replica(i, endpoint, kind.emitter(ws, engine, endpoint), rollouts, process))
+    replica_set = ReplicaSet(replicas, ws)
+    router = RolloutRouter(replica_set) if kind.rollouts else None
+    return EngineSide(None, FanoutEmitter(replica_set, ws.timeout_s), router, replica_set)
+
+
 def connect_engine(engine: Engine, ws: WeightSync, hf_dir: str, device: torch.device, dump_folder: str,
                    lora_rank: int) -> EngineSide:
-    """Rank 0: start the engine (no `[engine] url`) or attach; the emitter and rollout client."""
+    """Rank 0: start the engine (no `[engine] url`) or attach; the emitter and rollout client. Several
+    replicas (`[engine] replicas` > 1, or more than one of `urls`) go through `connect_replicas`."""
     kind = engine_kind(engine.kind)
+    if engine.replicas > 1 or len(engine.urls) > 1:
+        return connect_replicas(kind, engine, ws, hf_dir, device, dump_folder, lora_rank)
+    engine = dataclasses.replace(engine, url=(attached_urls(engine) or [""])[0], urls=[])
     process = None
     url, api_key = engine.url, engine.api_key
     if not engine.url:
@@ -113,8 +152,9 @@ def build_syncer(ws: WeightSync, side: EngineSide, adapter: AdapterSource, model
         sequences = probe_sequences(AutoTokenizer.from_pretrained(hf_dir), task=probe_task)
         probe = ParityProbe(model, sequences, device, side.rollouts.score if side.rollouts else None, ws.parity_tolerance)
     versions = AdapterVersions(ws.lora_name, ws.keep_versions)
+    report = side.replicas.metrics if side.replicas is not None else None
     syncer = WeightSyncer(adapter, base_weights_source(model, sd_adapter, tied), side.emitter, ws, device,
-                          versions=versions, engine=side.engine, probe=probe)
+                          versions=versions, engine=side.engine, probe=probe, report=report)
     syncer.check_engine()
     return syncer
 

@@ -92,6 +92,11 @@ class Engine:
     nccl_backend: str = "nccl"
     """nccl only: "nccl" (GPU trainer and engine), or "gloo": the same group on CPU, for a trainer
     without CUDA (tests, CPU engines); nccl without CUDA is refused unless gloo is asked for here."""
+    urls: list[str] = field(default_factory=list)
+    """Attach to several independent engines (replicas) at these addresses; instead of `url`."""
+    replicas: int = 1
+    """Engines titan_lora starts (each its own port: `port` + i, or any free ones); 1: one engine, as `url`
+    empty does. Every version goes to every live replica; rollouts spread over them (docs/design.md)."""
 
 
 @dataclass
@@ -263,6 +268,31 @@ def validate_engine(cfg: Engine) -> None:
         raise ValueError(f"[engine] nccl_backend = {cfg.nccl_backend!r}: use {' or '.join(NCCL_BACKENDS)}")
     if cfg.disk_dir:
         check_writable_dir(cfg.disk_dir, "[engine] disk_dir")
+    _check_replicas(cfg)
+
+
+def attached_urls(cfg: Engine) -> list[str]:
+    """The running engines `[engine]` attaches to: `urls`, else `url` alone; empty: titan_lora starts them."""
+    return list(cfg.urls) or ([cfg.url] if cfg.url else [])
+
+
+def _check_replicas(cfg: Engine) -> None:
+    if cfg.replicas < 1:
+        raise ValueError(f"[engine] replicas = {cfg.replicas}: start at least 1 engine (1 is one engine, as today)")
+    if cfg.urls and cfg.url:
+        raise ValueError("[engine] url and urls are both set: list every engine in urls and remove url")
+    if cfg.urls and cfg.replicas > 1:
+        raise ValueError(f"[engine] urls attaches to {len(cfg.urls)} running engines and replicas = {cfg.replicas} "
+                         "starts engines: use one of them (remove replicas to attach, or urls to start)")
+    for url in cfg.urls:
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ValueError(f"[engine] urls: {url!r} is not an engine address; use \"http://host:port\"")
+    if len(set(cfg.urls)) != len(cfg.urls):
+        dup = sorted({u for u in cfg.urls if cfg.urls.count(u) > 1})
+        raise ValueError(f"[engine] urls names {dup} more than once: each replica is a separate engine")
+    if cfg.port and cfg.port + cfg.replicas - 1 > 65535:
+        raise ValueError(f"[engine] port = {cfg.port} with replicas = {cfg.replicas}: replica i takes port + i, "
+                         "past 65535; lower port, or set it to 0 to pick free ones")
 
 
 def validate_weight_sync(cfg: WeightSync) -> None:

@@ -65,8 +65,7 @@ class TrainingRun:
             self.objective = build_objective(job_config, self.built.hf_dir, self.dims, self.device, self.metrics,
                                              self.engine_rollouts, task)
         except BaseException:
-            if side.engine is not None:  # started for this run: a failed start-up must not leave it behind
-                side.engine.stop()
+            side.stop()  # what this run started: a failed start-up must not leave it behind
             raise
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.rollbacks = 0

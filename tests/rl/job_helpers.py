@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,3 +65,12 @@ def scalars(tb: Path) -> dict[str, dict[int, float]]:
             for e in mux.Scalars(run, tag):
                 out.setdefault(tag, {})[e.step] = e.value
     return out
+
+
+def wait_for(predicate, what: str, job, log: Path, timeout_s: float = 600, poll_s: float = 0.05) -> None:  # noqa: ANN001
+    """Poll `predicate` until true; fail with the log's end if the job ends or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert job.poll() is None, f"the job ended while waiting for {what}:\n{log.read_text()[-4000:]}"
+        assert time.monotonic() < deadline, f"no {what} in {timeout_s:.0f} s:\n{log.read_text()[-4000:]}"
+        time.sleep(poll_s)

@@ -8,13 +8,12 @@ import json
 import os
 import re
 import signal
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 from dist_helpers import free_port
-from job_helpers import kill_tree, launch, scalars, short_config
+from job_helpers import kill_tree, launch, scalars, short_config, wait_for
 
 API_KEY = "chaos-test-key"
 
@@ -41,14 +40,6 @@ def in_flight(port: int) -> int:
             return sum(json.loads(resp.read())["in_flight"].values())
     except OSError:
         return 0
-
-
-def wait_for(predicate, what: str, job, log: Path, timeout_s: float = 600, poll_s: float = 0.05) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert job.poll() is None, f"the job ended while waiting for {what}:\n{log.read_text()[-4000:]}"
-        assert time.monotonic() < deadline, f"no {what} in {timeout_s:.0f} s:\n{log.read_text()[-4000:]}"
-        time.sleep(poll_s)
 
 
 def chaos_config(tmp: Path, port: int) -> Path:

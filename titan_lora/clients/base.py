@@ -13,6 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from titan_lora.transfer.errors import TransferError
 from titan_lora.transfer.protocol import Ack, EngineLimits
 from titan_lora.transfer.transport import BucketBuffer, TransportChoice
 
@@ -51,6 +52,15 @@ class AdapterPayload:
         if self.known_nbytes is not None:
             return self.known_nbytes
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def verify_ack(ack: Ack, version: int, tensors: int, nbytes: int, what: str) -> None:
+    """Raise unless the engine acknowledged exactly `version`, `tensors` and `nbytes` of `what`."""
+    if (ack.version, ack.num_tensors, ack.nbytes) != (version, tensors, nbytes):
+        raise TransferError(
+            f"the engine acknowledged {what} as version {ack.version}, {ack.num_tensors} tensors, "
+            f"{ack.nbytes} bytes; sent version {version}, {tensors} tensors, {nbytes} bytes"
+        )
 
 
 @runtime_checkable

@@ -18,7 +18,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from titan_lora.clients.http import JsonClient
@@ -62,6 +64,12 @@ def engine_lora_rank(rank: int) -> int:
                      f"lower [lora] rank to at most {VLLM_LORA_RANKS[-1]}")
 
 
+# PR_SET_PDEATHSIG fires when the *thread* that forked the child ends, not the process: an engine spawned
+# from a short-lived thread (a replica's revival, a parallel start) would get SIGTERM as that thread
+# returns. Every engine is therefore forked from this one thread, which lives as long as the process.
+_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="titan-engine-spawner")
+
+
 def _die_with_parent() -> None:
     # Linux: a trainer killed with SIGKILL (OOM, lost node) must not leave its engine running.
     if sys.platform.startswith("linux"):
@@ -96,8 +104,8 @@ class EmbeddedEngine:
         env = {**os.environ, protocol.API_KEY_ENV: self.api_key, protocol.NONCE_ENV: self.nonce}
         logger.info("starting %s (log: %s)", self.module, self.log_path)
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         preexec_fn=_die_with_parent)
+            self.proc = _SPAWNER.submit(subprocess.Popen, cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                        preexec_fn=_die_with_parent).result()
         self.starts += 1
         try:
             self._wait_ready()
@@ -202,3 +210,24 @@ class EmbeddedEngine:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self._kill()
+
+
+def start_engines(engines: list[EmbeddedEngine]) -> None:
+    """Start `engines` at once (each waits for its own readiness); if any fails, stop them all and raise."""
+    errors: list[BaseException] = []
+
+    def start(engine: EmbeddedEngine) -> None:
+        try:
+            engine.start()
+        except BaseException as err:  # noqa: BLE001 (re-raised below, after the others are stopped)
+            errors.append(err)
+
+    threads = [threading.Thread(target=start, args=(e,), name="titan-engine-start") for e in engines]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()  # each start is bounded by its start_timeout_s
+    if errors:
+        for engine in engines:
+            engine.stop()
+        raise errors[0]

@@ -17,7 +17,7 @@ Fault injection, for the chaos tests (read at every bucket):
 - `TITAN_LORA_FAULT_BUCKET_PAUSE_S=<seconds>`: the engine sleeps inside the handling of each bucket,
   after mapping the trainer's buffer and before copying it out.
 - `TITAN_LORA_FAULT_MARKER=<path>`: the pause becomes one-shot and armed by the file's absence: the
-  engine pauses only while the file does not exist, and creates it when it enters the pause. A test
+  engine pauses only while the file does not exist, and creates it (holding its pid) when it enters the pause. A test
   creates the file to disarm the hook, removes it to arm it, and waits for it to reappear to know that
   a kill lands in the middle of a transfer.
 """
@@ -27,7 +27,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
-import pathlib
 import threading
 import time
 from collections.abc import Callable
@@ -55,10 +54,12 @@ def fault_pause() -> None:
         return
     marker = os.environ.get(MARKER_ENV)
     if marker:
-        try:  # exclusive create: of concurrent buckets, exactly one pauses
-            pathlib.Path(marker).touch(exist_ok=False)
+        try:  # exclusive create: of concurrent buckets (and engines), exactly one pauses
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             return
+        with os.fdopen(fd, "w") as f:  # which process paused: a test with several engines kills its engine
+            f.write(str(os.getpid()))
     time.sleep(pause_s)
 
 

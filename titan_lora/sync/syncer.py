@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from titan_lora.clients.base import AdapterPayload, Emitter
+from titan_lora.clients.base import AdapterPayload, Emitter, verify_ack
 from titan_lora.config import BACKOFF_CAP_S, WeightSync
 from titan_lora.lora.finite import NonFiniteAdapterError
 from titan_lora.sync.adapter_source import AdapterSource
@@ -132,6 +132,7 @@ class WeightSyncer:
         versions: AdapterVersions,
         engine: EmbeddedEngine | None = None,
         probe: ParityProbe | None = None,
+        report: Callable[[], dict[str, float]] | None = None,
     ) -> None:
         self.source = source
         self.base_weights = base_weights  # collective generator; yields on rank 0 only
@@ -140,6 +141,7 @@ class WeightSyncer:
         self.device = device
         self.engine = engine  # rank 0, when titan_lora started the engine itself
         self.probe = probe
+        self.report = report  # rank 0: more scalars per sync (replicas: live count, per-replica figures)
         self.versions = versions  # the root's: objectives read the active version through it
         self.retirer = (Retirer(self.versions, emitter.retire_adapter, cfg.retire_timeout_s)
                         if emitter else None)
@@ -298,7 +300,7 @@ class WeightSyncer:
 
     def _after_base(self, ack: Ack | None, tally: _Tally, version: int, started: float) -> None:
         def verify() -> None:
-            _verify(ack, version, tally.tensors, tally.nbytes, "base weights")
+            verify_ack(ack, version, tally.tensors, tally.nbytes, "base weights")
             self.versions.forget_all()  # a new incarnation holds none of our adapters
             self._base_incarnation = self._incarnation()
 
@@ -326,6 +328,8 @@ class WeightSyncer:
         metrics["total_ms"] = (time.perf_counter() - started) * 1e3
         self.counters["syncs"] += 1
         self.last_metrics = {f"sync/{k}": float(v) for k, v in {**metrics, **self.counters}.items()}
+        if self.report is not None:
+            self.last_metrics |= self.report()
         return self.last_metrics
 
     def _check_finite(self, payload: AdapterPayload | None, version: int) -> None:
@@ -350,7 +354,7 @@ class WeightSyncer:
             # Retirements lag behind: give them a bounded chance, so live versions stay <= keep + 1.
             self.retirer.wait_idle(self.cfg.retire_timeout_s)
         ack = self._retrying(lambda: self.emitter.send_adapter(payload), f"sending adapter {payload.name}")
-        _verify(ack, payload.version, payload.num_tensors, payload.nbytes, f"adapter {payload.name}")
+        verify_ack(ack, payload.version, payload.num_tensors, payload.nbytes, f"adapter {payload.name}")
         return {**ack.phases_ms, "version": payload.version, "bytes": ack.nbytes, "tensors": ack.num_tensors}
 
     def _maybe_probe_and_publish(self, payload: AdapterPayload | None) -> dict[str, float]:
@@ -394,12 +398,3 @@ class WeightSyncer:
             self.engine.stop()
         if self.emitter is not None:
             self.emitter.close()
-
-
-def _verify(ack: Ack, version: int, tensors: int, nbytes: int, what: str) -> None:
-    if (ack.version, ack.num_tensors, ack.nbytes) != (version, tensors, nbytes):
-        raise TransferError(
-            f"the engine acknowledged {what} as version {ack.version}, {ack.num_tensors} tensors, "
-            f"{ack.nbytes} bytes; sent version {version}, {tensors} tensors, {nbytes} bytes"
-        )
-

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from titan_lora.clients.kinds import EngineKind, engine_kind
-from titan_lora.config import Engine
+from titan_lora.config import Engine, attached_urls
 from titan_lora.lora.targets import hf_leaf_names
 from titan_lora.models.family import model_family
 from titan_lora.trainer.checkpoint import check_resume_compatible
@@ -62,8 +62,8 @@ def check_transport(engine: Engine, kind: EngineKind) -> str | None:
     if engine.transport != AUTO and not kind.shm_buckets:
         raise ValueError(f"[engine] transport = {engine.transport!r}: kind {engine.kind!r} does not send "
                          "buckets, so no transport applies; remove the key (it applies to vllm and receiver)")
-    try:
-        transport = transport_kind(engine.transport, engine.url)
+    try:  # every replica's: auto may pick shm for one on this host and tcp for one elsewhere
+        transport = [transport_kind(engine.transport, url) for url in attached_urls(engine) or [""]][0]
     except ValueError as err:
         raise ValueError(f'[engine] transport = {engine.transport!r}: {err}; or "auto"') from None
     if transport == "cuda_ipc" and not torch.cuda.is_available():
@@ -82,9 +82,10 @@ def check_engine(job_config, targets: list[str] | None) -> None:  # noqa: ANN001
     if not ws.enabled:
         return
     kind = engine_kind(engine.kind)
-    if kind.launch is None and not engine.url:
+    if kind.launch is None and not attached_urls(engine):
         raise ValueError(f"[engine] kind = {engine.kind!r} attaches to a running server: set "
-                         'url = "http://host:port" (titan_lora starts only vllm, vllm-disk and receiver engines)')
+                         'url = "http://host:port" (titan_lora starts only vllm, vllm-disk and receiver engines)'
+                         + (', or urls = [...] for several replicas' if engine.replicas > 1 else ""))
     if job_config.grpo.enabled and job_config.grpo.rollouts and kind.rollouts is None:
         raise ValueError(f"[engine] kind = {engine.kind!r} runs no rollouts for titan_lora: set [grpo] "
                          'rollouts = false, or use a kind that does (vllm, sglang)')

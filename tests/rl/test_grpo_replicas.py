@@ -1,0 +1,105 @@
+"""The main job on two embedded vLLM replicas: one is SIGKILLed inside an adapter bucket, later the other
+is frozen (SIGSTOP). Each is quarantined while training goes on, revived in the background (base, then
+the newest version) and rejoins; the job finishes with one published version per step, and one step's
+rollouts are split over both replicas."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from pathlib import Path
+
+import pytest
+from job_helpers import kill_tree, launch, scalars, short_config, wait_for
+
+STEPS = 16  # measured at 40 steps (899 s): both rejoins were done by step 8
+SERVER = "titan_lora.engines.vllm_openai"
+
+
+def replicas_config(tmp: Path) -> Path:
+    path = short_config(tmp, steps=STEPS)
+    text = path.read_text()
+    text = re.sub(r"^eval_every = \d+", "eval_every = 0", text, flags=re.M)
+    text = re.sub(r"^port = .*$", "port = 0\nreplicas = 2\nkv_cache_gib = 1", text, count=1, flags=re.M)
+    # A replica that stops answering costs a sync or a rollout 20 s at most; a health check 3 s.
+    text = re.sub(r"^timeout_s = .*$", "timeout_s = 20\nrollout_timeout_s = 20\nhealth_timeout_s = 3", text,
+                  flags=re.M)
+    path.write_text(text)
+    return path
+
+
+def server_ports(job_pid: int) -> dict[int, int]:
+    """port -> pid of each replica's API server process under the job."""
+    import psutil
+
+    out = {}
+    for proc in psutil.Process(job_pid).children(recursive=True):
+        try:
+            cmd = proc.cmdline()
+            if SERVER in cmd and proc.status() != psutil.STATUS_ZOMBIE:
+                out[int(cmd[cmd.index("--port") + 1])] = proc.pid
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+def server_of(pid: int) -> int:
+    """The replica API server that process `pid` (its engine worker) runs under."""
+    import psutil
+
+    for proc in [psutil.Process(pid), *psutil.Process(pid).parents()]:
+        if SERVER in proc.cmdline():
+            return proc.pid
+    raise AssertionError(f"process {pid} runs under no {SERVER}")
+
+
+def port_of(ports: dict[int, int], pid: int) -> int:
+    return next(port for port, p in ports.items() if p == pid)
+
+
+@pytest.mark.slow
+def test_grpo_job_goes_on_while_one_replica_is_killed_and_another_frozen(tmp_path, smollm2_dir, monkeypatch):
+    marker = tmp_path / "bucket-pause"
+    marker.touch()  # disarmed until the test removes it
+    monkeypatch.setenv("TITAN_LORA_FAULT_BUCKET_PAUSE_S", "30")
+    monkeypatch.setenv("TITAN_LORA_FAULT_MARKER", str(marker))
+    log = tmp_path / "replicas.log"
+    job = launch(replicas_config(tmp_path), log)
+    text = lambda: log.read_text()  # noqa: E731
+    try:
+        wait_for(lambda: re.search(r"^step\s+1/", text(), re.M), "step 1", job, log)
+        # 1. SIGKILL inside an adapter bucket: of the two replicas, the one whose worker paused in it.
+        marker.unlink()
+        wait_for(lambda: marker.exists() and marker.read_text(), "a paused bucket", job, log, timeout_s=300)
+        ports = server_ports(job.pid)
+        killed = server_of(int(marker.read_text()))
+        killed_port = port_of(ports, killed)
+        os.kill(killed, signal.SIGKILL)
+        rejoined = rf"replica \d \(http://127.0.0.1:{{}}\) rejoined with the base and adapter version (\d+)"
+        wait_for(lambda: re.search(rejoined.format(killed_port), text()), "the killed replica's rejoin", job, log)
+        # 2. SIGSTOP the other one: quarantined (a sync or a rollout outlives its 20 s), restarted, rejoins.
+        frozen_port = next(p for p in ports if p != killed_port)
+        os.kill(ports[frozen_port], signal.SIGSTOP)
+        wait_for(lambda: re.search(rejoined.format(frozen_port), text()), "the frozen replica's rejoin", job, log)
+        assert job.wait(timeout=900) == 0, text()[-4000:]
+    finally:
+        if job.poll() is None:
+            kill_tree(job.pid)
+    out = text()
+    kill_line = re.search(rf"replica (\d) \(http://127.0.0.1:{killed_port}\) quarantined: (.*)", out)
+    assert kill_line and "sending adapter policy-v" in kill_line[2], "the kill landed in an adapter transfer"
+    assert re.search(rf"replica \d \(http://127.0.0.1:{frozen_port}\) quarantined", out)
+    assert out.count(f"starting {SERVER}") == 4, "two starts, two restarts"
+    tags = scalars(tmp_path / "run/tb")
+    for step in range(1, STEPS + 1):
+        assert tags["sync/version"][step] == step, f"step {step}: one published adapter version per step"
+        assert tags["sync/parity_max_abs"][step] < 1e-3, f"step {step}: engine and trainer disagree"
+        assert tags["rl/logprob_gap_max"][step] < 1e-3, f"step {step}: rollouts not from the claimed version"
+    assert min(tags["sync/live_replicas"].values()) == 1 and tags["sync/live_replicas"][STEPS] == 2
+    for i in (0, 1):
+        assert tags[f"replica{i}/quarantines"][STEPS] == 1 and tags[f"replica{i}/rejoins"][STEPS] == 1
+    split = {i: tags[f"replica{i}/samples"][1] for i in (0, 1)}
+    print(f"\nstep 1 rollouts per replica: {split}")
+    assert sum(split.values()) == 8 and min(split.values()) > 0, "one step's groups go to both replicas"
+    assert tags["sync/base_sends"][STEPS] == 1, "the syncer sent the base once: revivals use the host copy"

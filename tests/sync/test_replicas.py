@@ -1,0 +1,208 @@
+"""N replicas behind one WeightSyncer (fan-out emitter, replica set, router), on the recording fakes of
+inprocess_rig.py: every version to every live replica, quarantine of a failed or hung one with training
+going on, its revival (base from the host copy, then the newest version) and rejoin, and the router's
+spread and pinning. The oracle is each fake's call log and the figures the fakes were given."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from inprocess_rig import BASE, BASE_BYTES, Base, Emitter, Engine, Source, cfg
+from syncer_helpers import shim_on_path
+
+from titan_lora.clients.base import Endpoint
+from titan_lora.clients.fanout import FanoutEmitter
+from titan_lora.clients.launch import EmbeddedEngine, start_engines
+from titan_lora.clients.replica_set import NoLiveReplica, Replica, ReplicaSet
+from titan_lora.clients.rollout import Completion
+from titan_lora.clients.router import RolloutRouter
+from titan_lora.sync.syncer import WeightSyncer
+from titan_lora.sync.versions import AdapterVersions
+from titan_lora.transfer.errors import EngineDied, EngineUnreachable
+
+
+class Rollouts:
+    """A rollout client that records (prompt count, adapter) and answers token [index of replica]."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.calls: list[tuple[int, str | None, int | None]] = []
+        self.fail: BaseException | None = None
+
+    def generate(self, prompts, adapter, max_tokens, temperature, seed, stop_token_ids):  # noqa: ANN001, ANN201
+        self.calls.append((len(prompts), adapter, seed))
+        if self.fail is not None:
+            raise self.fail
+        time.sleep(0.05)  # in flight long enough for the others to be routed past it
+        return [Completion([self.index], "", [0.0]) for _ in prompts]
+
+    def score(self, sequences, adapter):  # noqa: ANN001, ANN201
+        self.calls.append((len(sequences), adapter, None))
+        return [[-1.0] for _ in sequences]
+
+
+def replica_set(n: int = 2, embedded: bool = False, **overrides) -> ReplicaSet:  # noqa: ANN003
+    replicas = [Replica(i, Endpoint(f"http://127.0.0.1:{8000 + i}"), Emitter(), Rollouts(i),
+                        Engine() if embedded else None) for i in range(n)]
+    return ReplicaSet(replicas, cfg(**{"timeout_s": 5.0, **overrides}))
+
+
+@pytest.fixture
+def syncer_over():  # noqa: ANN201
+    made: list[WeightSyncer] = []
+
+    def make(replicas: ReplicaSet) -> WeightSyncer:
+        versions = AdapterVersions("policy", 2)
+        s = WeightSyncer(Source(), Base(), FanoutEmitter(replicas, replicas.cfg.timeout_s), replicas.cfg,
+                         torch.device("cpu"), versions=versions, report=replicas.metrics)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def wait_until(predicate, what: str, timeout_s: float = 10.0) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
+        time.sleep(0.01)
+
+
+def adapters(replica: Replica) -> list[str]:
+    return [c for c in replica.emitter.calls if c.startswith(("adapter", "base"))]
+
+
+def test_every_version_goes_to_every_replica_and_is_published_once_all_acked(syncer_over):
+    rs = replica_set(2)
+    syncer = syncer_over(rs)
+    syncer.sync(1)
+    metrics = syncer.sync(2)
+    for r in rs.replicas:
+        assert adapters(r) == ["base v1", "adapter policy-v1", "adapter policy-v2"]
+        assert r.held == {1: "policy-v1", 2: "policy-v2"}
+    assert syncer.versions.active.version == 2
+    assert metrics["sync/live_replicas"] == 2.0
+    assert metrics["sync/transfer_ms"] == 2.5  # the slowest replica's figure
+    assert metrics["replica0/transfer_ms"] == metrics["replica1/transfer_ms"] == 2.5
+    assert metrics["sync/base_sends"] == 1.0
+
+
+def test_a_failed_replica_is_quarantined_then_rejoins_with_base_and_newest_version(syncer_over):
+    rs = replica_set(2, embedded=True)
+    syncer = syncer_over(rs)
+    syncer.sync(1)
+    bad = rs.replicas[1]
+    bad.emitter.fail["adapter"] = [EngineDied("connection reset")]
+    bad.engine.alive = False  # killed: its revival restarts it, and the new incarnation lacks our base
+    bad.emitter.incarnation = "inc-2"
+    gate = threading.Event()
+    bad.engine.ensure_running = lambda: (gate.wait(10), bad.engine.events.append("restart"))
+    metrics = syncer.sync(2)
+    assert syncer.versions.active.version == 2, "published with the live replica's ack alone"
+    assert (metrics["sync/live_replicas"], metrics["replica1/live"], metrics["replica1/quarantines"]) == (1, 0, 1)
+    assert rs.live() == [rs.replicas[0]]
+    syncer.sync(3)  # training does not wait for the revival
+    assert "adapter policy-v3" not in bad.emitter.calls
+    gate.set()
+    wait_until(lambda: bad.live, "rejoin")
+    assert "restart" in bad.engine.events
+    # base from rank 0's host copy (still one base send by the syncer), then only the newest version
+    assert adapters(bad) == ["base v1", "adapter policy-v1", "adapter policy-v2", "base v1", "adapter policy-v3"]
+    assert bad.held == {3: "policy-v3"} and bad.rejoins == 1
+    assert syncer.counters["base_sends"] == 1
+    syncer.sync(4)
+    assert bad.held == {3: "policy-v3", 4: "policy-v4"} and rs.replicas[0].held.keys() >= {3, 4}
+
+
+def test_a_hung_replica_costs_only_its_timeout(syncer_over):
+    rs = replica_set(2, timeout_s=0.5)
+    syncer = syncer_over(rs)
+    syncer.sync(1)
+    hung, release = rs.replicas[0], threading.Event()
+    original = hung.emitter.send_adapter
+    hung.emitter.send_adapter = lambda p: (release.wait(10), original(p))[1]
+    started = time.monotonic()
+    syncer.sync(2)
+    assert time.monotonic() - started < 2.0, "the sync waited on the hung replica past its timeout"
+    assert not hung.live and syncer.versions.active.version == 2
+    assert rs.replicas[1].held.keys() == {1, 2}
+    hung.emitter.send_adapter = original
+    release.set()  # it answers again: re-probed (same incarnation: no base), fed version 2, live
+    wait_until(lambda: hung.live, "rejoin")
+    assert adapters(hung)[-1] == "adapter policy-v2" and adapters(hung).count("base v1") == 1
+
+
+def test_with_no_live_replica_the_syncer_recovers_once_one_is_back(syncer_over, sleeps):
+    rs = replica_set(2)
+    syncer = syncer_over(rs)
+    syncer.sync(1)
+    for r in rs.replicas:
+        r.emitter.fail["adapter"] = [EngineUnreachable("down")]
+    syncer.sync(2)  # both fail, are quarantined; the syncer's recovery waits for a revival, then resends
+    assert syncer.versions.active.version == 2
+    assert syncer.counters["engine_recoveries"] == 1
+    wait_until(lambda: len(rs.live()) == 2, "both back")
+    assert all(r.held.get(2) == "policy-v2" for r in rs.replicas)
+
+
+def test_the_router_spreads_groups_by_outstanding_work_and_pins_versions():
+    rs = replica_set(3)
+    for r in rs.replicas[:2]:
+        r.held = {1: "policy-v1"}
+    rs.replicas[2].held = {0: "policy-v0"}  # behind: must get no policy-v1 request
+    router = RolloutRouter(rs)
+    prompts = [[p] for p in range(4) for _ in range(8)]  # 4 groups of 8
+    out = router.generate(prompts, "policy-v1", 4, 1.0, 100, [])
+    assert len(out) == 32
+    counts = [sum(n for n, _, _ in r.rollouts.calls) for r in rs.replicas]
+    assert counts == [16, 16, 0]
+    seeds = sorted(s for r in rs.replicas for _, _, s in r.rollouts.calls)
+    assert seeds == [100, 108, 116, 124], "each group keeps the seed it gets on one engine"
+    metrics = rs.metrics()
+    assert (metrics["replica0/samples"], metrics["replica1/samples"], metrics["replica2/samples"]) == (16, 16, 0)
+    assert rs.metrics()["replica0/samples"] == 0, "counted per report"
+
+
+def test_a_failed_request_quarantines_its_replica_and_goes_to_another():
+    rs = replica_set(2)
+    for r in rs.replicas:
+        r.held = {1: "policy-v1"}
+    rs.replicas[0].rollouts.fail = EngineUnreachable("connection refused")
+    rs.replicas[0].emitter.fail["incarnation"] = [EngineUnreachable("down")] * 1000  # stays down
+    router = RolloutRouter(rs)
+    out = router.generate([[7]] * 4, "policy-v1", 4, 1.0, 0, [])
+    assert [c.token_ids for c in out] == [[1]] * 4
+    assert not rs.replicas[0].live
+    with pytest.raises(NoLiveReplica, match="no live replica serves policy-v9"):
+        router.score([[1, 2]], "policy-v9")
+    rs.close()
+
+
+def test_the_host_copy_of_the_base_is_what_was_streamed():
+    rs = replica_set(1)
+    kept, count, nbytes = rs.keep_base(iter(BASE), 0)
+    assert (count, nbytes) == (2, BASE_BYTES) and [n for n, _ in kept] == [n for n, _ in BASE]
+
+
+def test_engines_started_from_short_lived_threads_outlive_them(tmp_path):
+    """PR_SET_PDEATHSIG follows the forking *thread*: before the spawner thread, both receivers got SIGTERM
+    as start_engines' threads returned (and a revived replica as its revival thread did)."""
+    shim_on_path()
+    engines = [EmbeddedEngine("receiver_shim", 0, [], str(tmp_path / f"engine{i}.log"), start_timeout_s=60,
+                              health_timeout_s=2.0) for i in range(2)]
+    try:
+        start_engines(engines)
+        revived = threading.Thread(target=engines[1].restart)
+        revived.start()
+        revived.join()
+        time.sleep(1.0)
+        assert [e.healthy() for e in engines] == [True, True]
+        assert engines[1].starts == 2
+    finally:
+        for e in engines:
+            e.stop()

@@ -1,0 +1,263 @@
+"""N independent engine replicas as rank 0 sees them: which are live, which adapter versions each holds,
+how much rollout work each has in flight, and the background revival of one that failed.
+
+A replica that fails or times out is quarantined: nothing is sent to it and no rollout goes to it. A
+daemon thread brings it back (an embedded engine is restarted if it is dead or hung; an attached one is
+probed until it answers, bounded by `[weight_sync] engine_start_timeout_s`), re-feeds it (the base from
+rank 0's host copy when its incarnation lacks ours, then the newest adapter version, again until no newer
+one came meanwhile) and only then marks it live. Training never waits on it. After
+`[weight_sync] engine_restarts + 1` failed revivals it stays out, and the job goes on with the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
+
+import torch
+
+from titan_lora.clients.base import AdapterPayload, BaseTensors, Emitter, Endpoint, base_items, verify_ack
+from titan_lora.clients.launch import EmbeddedEngine
+from titan_lora.clients.rollout import RolloutClient
+from titan_lora.config import BACKOFF_CAP_S, WeightSync
+from titan_lora.transfer.errors import EngineDied, EngineUnreachable
+
+logger = logging.getLogger(__name__)
+
+
+class NoLiveReplica(EngineDied):
+    """No replica is live (or none holds the version asked for): the syncer's recovery waits for one."""
+
+
+@dataclasses.dataclass(eq=False)
+class Replica:
+    """One engine of the set, and rank 0's record of it."""
+
+    index: int
+    endpoint: Endpoint
+    emitter: Emitter
+    rollouts: RolloutClient | None = None
+    engine: EmbeddedEngine | None = None
+    """The process, when titan_lora started it (restarted on revival); None: attached."""
+    live: bool = True
+    held: dict[int, str] = dataclasses.field(default_factory=dict)
+    """Adapter versions it acknowledged and still holds: version -> name."""
+    base_incarnation: str | None = None
+    """Its incarnation when it acknowledged our base; another one lacks it."""
+    outstanding: int = 0
+    """Samples (or scored sequences) in flight on it now."""
+    assigned: int = 0
+    """Work routed to it in all (samples and scored sequences): breaks ties between idle replicas."""
+    samples: int = 0
+    """Samples generated on it since the last report."""
+    quarantines: int = 0
+    rejoins: int = 0
+    busy: Future | None = None
+    """The last fan-out call on its emitter, which a revival lets finish before it reuses the emitter."""
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Its figures of the last adapter it acknowledged (ms)."""
+
+    def __str__(self) -> str:
+        return f"replica {self.index} ({self.endpoint.url})"
+
+
+class ReplicaSet:
+    """The replicas of one job, their state under one lock, and their revival threads."""
+
+    def __init__(self, replicas: list[Replica], ws: WeightSync) -> None:
+        if not replicas:
+            raise ValueError("a replica set needs at least one engine")
+        self.replicas = replicas
+        self.cfg = ws
+        self._lock = threading.Lock()
+        self._base: list[tuple[str, torch.Tensor]] | None = None
+        self._base_version = 0
+        self._latest: AdapterPayload | None = None
+        self._revivals: dict[int, threading.Thread] = {}
+        self._closing = threading.Event()
+
+    # ---- state -------------------------------------------------------------------------------------
+    def live(self) -> list[Replica]:
+        """The replicas that take syncs and rollouts now."""
+        with self._lock:
+            return [r for r in self.replicas if r.live]
+
+    def quarantine(self, replica: Replica, reason: str) -> None:
+        """Take `replica` out of syncs and rollouts and start its revival (once: a second call is a no-op)."""
+        with self._lock:
+            if not replica.live or self._closing.is_set():
+                return
+            replica.live = False
+            replica.quarantines += 1
+            thread = threading.Thread(target=self._revive, args=(replica,), daemon=True,
+                                      name=f"titan-replica-{replica.index}-revival")
+            self._revivals[replica.index] = thread
+        logger.warning("%s quarantined: %s; reviving it in the background", replica, reason)
+        thread.start()
+
+    def pick(self, adapter: str | None, work: int, exclude: set[int]) -> Replica:
+        """The live replica holding `adapter` (None: any) with the least work in flight; `work` is added to
+        its count (give it back with `done`)."""
+        with self._lock:
+            ready = [r for r in self.replicas if r.live and r.index not in exclude
+                     and (adapter is None or adapter in r.held.values())]
+            if not ready:
+                states = ", ".join(f"{r}: {'live' if r.live else 'quarantined'}, holds "
+                                   f"{sorted(r.held.values()) or 'no adapter'}" for r in self.replicas)
+                raise NoLiveReplica(f"no live replica serves {adapter or 'the base'} ({states})")
+            chosen = min(ready, key=lambda r: (r.outstanding, r.assigned, r.index))
+            chosen.outstanding += work
+            chosen.assigned += work
+            return chosen
+
+    def done(self, replica: Replica, work: int, samples: int = 0) -> None:
+        """`work` picked on `replica` has ended, having generated `samples` (counted in its report)."""
+        with self._lock:
+            replica.outstanding -= work
+            replica.samples += samples
+
+    def forget(self, replica: Replica, version: int) -> None:
+        """`replica` unloaded `version`."""
+        with self._lock:
+            replica.held.pop(version, None)
+
+    def based(self, replica: Replica, incarnation: str) -> None:
+        """`replica` acknowledged our base in `incarnation`: it holds no adapter of ours yet."""
+        with self._lock:
+            replica.held.clear()
+            replica.base_incarnation = incarnation
+
+    def holds(self, replica: Replica, payload: AdapterPayload) -> None:
+        """`replica` acknowledged `payload`."""
+        with self._lock:
+            replica.held[payload.version] = payload.name
+
+    # ---- what a revival re-feeds -------------------------------------------------------------------
+    def keep_base(self, tensors: BaseTensors, version: int) -> tuple[list[tuple[str, torch.Tensor]], int, int]:
+        """Keep a host copy of the base for later revivals (the stream is collective, a revival is not);
+        returns it with its tensor count and bytes."""
+        kept = [(name, t.detach().cpu()) for name, t in base_items(tensors)]
+        with self._lock:
+            self._base, self._base_version = kept, version
+        return kept, len(kept), sum(t.numel() * t.element_size() for _, t in kept)
+
+    def keep_latest(self, payload: AdapterPayload) -> None:
+        """Keep a private copy of the newest version (the gather rewrites its buffer at the next step): a
+        replica may fail at any moment, and its revival installs this copy."""
+        copy = dataclasses.replace(payload, tensors={k: t.clone() for k, t in payload.tensors.items()}, home=None)
+        with self._lock:
+            if self._latest is None or self._latest.version < copy.version:
+                self._latest = copy
+
+    # ---- revival -----------------------------------------------------------------------------------
+    def _revive(self, replica: Replica) -> None:
+        attempts = self.cfg.engine_restarts + 1
+        for attempt in range(attempts):
+            if self._closing.is_set():
+                return
+            try:
+                self._settle(replica)
+                self._bring_back(replica)
+                self._refeed(replica)
+                return
+            except Exception as err:  # noqa: BLE001 (a revival never reaches the trainer: it retries, then gives up)
+                logger.warning("reviving %s failed (%d of %d): %s", replica, attempt + 1, attempts, err)
+                self._closing.wait(min(2.0**attempt, BACKOFF_CAP_S))
+        logger.error("%s stays out: %d revivals failed ([weight_sync] engine_restarts = %d); the job goes on "
+                     "with the other replicas", replica, attempts, self.cfg.engine_restarts)
+
+    def _settle(self, replica: Replica) -> None:
+        """Let a fan-out call still running on its emitter end (its requests are bounded by timeout_s)."""
+        if replica.busy is not None:
+            futures_wait([replica.busy], timeout=self.cfg.timeout_s * (self.cfg.retries + 1) + BACKOFF_CAP_S)
+
+    def _bring_back(self, replica: Replica) -> None:
+        if replica.engine is not None:
+            replica.engine.ensure_running()  # a dead or hung one is SIGKILLed and started again
+            return
+        deadline = time.monotonic() + self.cfg.engine_start_timeout_s
+        while True:
+            try:
+                replica.emitter.engine_incarnation()
+                return
+            except EngineUnreachable as err:
+                if time.monotonic() > deadline or self._closing.is_set():
+                    raise EngineUnreachable(f"{replica} did not answer within {self.cfg.engine_start_timeout_s:.0f} "
+                                            f"s ([weight_sync] engine_start_timeout_s): {err}") from None
+                self._closing.wait(min(self.cfg.health_timeout_s, 2.0))
+
+    def _refeed(self, replica: Replica) -> None:
+        """The base (if its incarnation lacks ours), then the newest version until no newer one came; live."""
+        if replica.emitter.engine_incarnation() != replica.base_incarnation:
+            with self._lock:
+                replica.held.clear()
+                base, version = self._base, self._base_version
+            if base is not None:
+                ack = replica.emitter.send_base(base, version)
+                verify_ack(ack, version, len(base), sum(t.numel() * t.element_size() for _, t in base),
+                           f"base weights on {replica}")
+                self.based(replica, replica.emitter.engine_incarnation())
+        while True:
+            with self._lock:
+                latest = self._latest
+                if latest is None or max(replica.held, default=-1) >= latest.version:
+                    newest = max(replica.held, default=None)
+                    stale = {v: n for v, n in replica.held.items() if v != newest}
+                    replica.live = True
+                    replica.rejoins += 1
+                    break
+            replica.phases = self._install(replica, latest)
+        for version, name in stale.items():  # versions older than the newest: no rollout is routed to them
+            self._unload(replica, version, name)
+        logger.warning("%s rejoined with the base and %s", replica,
+                       "no adapter yet" if newest is None else f"adapter version {newest}")
+
+    def _install(self, replica: Replica, payload: AdapterPayload) -> dict[str, float]:
+        started = time.perf_counter()
+        ack = replica.emitter.send_adapter(payload)
+        verify_ack(ack, payload.version, payload.num_tensors, payload.nbytes, f"adapter {payload.name} on {replica}")
+        self.holds(replica, payload)
+        return {**ack.phases_ms, "total_ms": (time.perf_counter() - started) * 1e3}
+
+    def _unload(self, replica: Replica, version: int, name: str) -> None:
+        try:
+            if replica.emitter.retire_adapter(name, self.cfg.retire_timeout_s):
+                self.forget(replica, version)
+        except Exception as err:  # noqa: BLE001 (best effort: a slot it keeps is reclaimed by its next restart)
+            logger.warning("unloading %s from %s failed: %s", name, replica, err)
+
+    # ---- reports and shutdown ----------------------------------------------------------------------
+    def metrics(self) -> dict[str, float]:
+        """TensorBoard scalars: live replicas, and per replica its state, counts, samples routed since the
+        last report and the figures of the last adapter it acknowledged."""
+        with self._lock:
+            out = {"sync/live_replicas": float(sum(r.live for r in self.replicas))}
+            for r in self.replicas:
+                tag = f"replica{r.index}"
+                out |= {f"{tag}/live": float(r.live), f"{tag}/quarantines": float(r.quarantines),
+                        f"{tag}/rejoins": float(r.rejoins), f"{tag}/samples": float(r.samples),
+                        f"{tag}/versions_held": float(len(r.held))}
+                out |= {f"{tag}/{k}": float(v) for k, v in r.phases.items()}
+                r.samples = 0
+        return out
+
+    def each(self, fn: Callable[[Replica], None], replicas: Iterable[Replica] | None = None) -> None:
+        """Run `fn` on every replica (or those given), logging failures: for shutdown."""
+        for r in self.replicas if replicas is None else replicas:
+            try:
+                fn(r)
+            except Exception as err:  # noqa: BLE001 (shutdown goes on for the others)
+                logger.warning("%s: %s", r, err)
+
+    def close(self) -> None:
+        """Stop revivals, then the embedded engines (they release their mappings), then the emitters."""
+        self._closing.set()
+        self.each(lambda r: r.engine.stop(), [r for r in self.replicas if r.engine is not None])
+        for thread in list(self._revivals.values()):
+            thread.join(timeout=30)  # a start in progress fails at once: its process was stopped
+        self.each(lambda r: r.emitter.close())
