@@ -176,7 +176,8 @@ def main(argv: list[str] | None = None) -> None:
         level=logging.INFO if rank0 else logging.WARNING, format="[titan_lora %(asctime)s] %(message)s",
         datefmt="%H:%M:%S",
     )
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # the openai client's one line per rollout request
+    for client_log in ("httpx", "httpx2"):  # the openai client's one line per rollout request (httpx2: openai 2.x)
+        logging.getLogger(client_log).setLevel(logging.WARNING)
     try:
         job_config, model = load_job(sys.argv[1:] if argv is None else argv)
         task = check_plugins(job_config)
