@@ -21,6 +21,7 @@ import pytest
 from dist_helpers import free_port
 from model_helpers import randomize_adapters
 from vllm_helpers import CPU, PARITY_TOL, max_abs_diff, smollm2_trainer
+from wait_helpers import waited
 
 from titan_lora.clients.http import JsonClient
 from titan_lora.clients.kinds import LaunchRequest, engine_kind
@@ -78,10 +79,7 @@ class Ctx:
 
 
 def wait_until(check, timeout_s: float = 60) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.2)
+    assert waited(check, timeout_s, poll_s=0.2), "timed out"
 
 
 @pytest.fixture(scope="module")

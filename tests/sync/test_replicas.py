@@ -12,6 +12,7 @@ import pytest
 import torch
 from inprocess_rig import BASE, BASE_BYTES, Base, Emitter, Engine, Source, cfg
 from syncer_helpers import shim_on_path
+from wait_helpers import waited
 
 from titan_lora.clients.base import Endpoint
 from titan_lora.clients.fanout import FanoutEmitter
@@ -67,10 +68,7 @@ def syncer_over():  # noqa: ANN201
 
 
 def wait_until(predicate, what: str, timeout_s: float = 10.0) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
-        time.sleep(0.01)
+    assert waited(predicate, timeout_s, poll_s=0.01), f"no {what} within {timeout_s} s"
 
 
 def adapters(replica: Replica) -> list[str]:

@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 from dist_helpers import free_port
+from wait_helpers import waited
 
 from titan_lora.transfer.buckets import bucket_checksum, bucket_size, copy_out, pack, plan_buckets
 from titan_lora.transfer.placement import choose_transport
@@ -42,14 +43,6 @@ def fetcher():
 def _desc(buf: nccl.NcclBuffer, offset: int = 0) -> dict:
     return json.loads(json.dumps(buf.describe(offset)))
 
-
-def _wait_until(cond, timeout_s: float = 10.0) -> bool:  # noqa: ANN001
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def test_a_bucket_received_over_the_group_has_the_trainers_bytes_and_checksum(buf: nccl.NcclBuffer) -> None:
@@ -84,7 +77,7 @@ def test_one_group_per_incarnation_and_every_bucket_received_anew(buf: nccl.Nccl
     (group,) = buf._server._groups.values()
     assert (group.world, group.members) == (2, {1})
     fetcher.close()  # the engine goes; a new incarnation joins a new group
-    assert _wait_until(lambda: not buf._server._groups), "the trainer dropped the ended incarnation's group"
+    assert waited(lambda: not buf._server._groups), "the trainer dropped the ended incarnation's group"
     assert group.failed
     again = nccl.NcclFetcher()
     try:
@@ -133,7 +126,7 @@ def test_a_receive_that_never_comes_is_bounded_and_the_next_bucket_joins_anew(
     assert not fetcher._links, "the engine left the group it fell out of step with"
     monkeypatch.setattr(nccl._HubHandler, "_send", send)
     buf.tensor[:64] = 3
-    assert _wait_until(lambda: first.failed), "the trainer abandoned the group"
+    assert waited(lambda: first.failed), "the trainer abandoned the group"
     fetcher.fetch(desc, 0, into)
     assert int(into.sum()) == 3 * 64 and first.name not in {g.name for g in buf._server._groups.values()}
 
@@ -157,7 +150,7 @@ def test_a_worker_that_dies_mid_transfer_frees_the_trainer_in_bounded_time(buf: 
     proc = subprocess.run([sys.executable, "-c", DIES_AFTER_ASKING, json.dumps(desc)], timeout=60,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    assert _wait_until(lambda: not buf._server._groups, timeout_s=nccl.SEND_TIMEOUT_S / 2), \
+    assert waited(lambda: not buf._server._groups, timeout_s=nccl.SEND_TIMEOUT_S / 2), \
         "the trainer still holds the dead worker's group"
     fetcher = nccl.NcclFetcher()
     try:

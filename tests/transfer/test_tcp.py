@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from wait_helpers import waited
 
 from titan_lora.transfer.buckets import bucket_checksum, bucket_size, copy_out, pack, plan_buckets
 from titan_lora.transfer.placement import choose_transport, transport_kind
@@ -193,14 +194,6 @@ def test_a_cuda_buffer_is_staged_to_host_and_served() -> None:
         b.close()
 
 
-def _wait_until(condition, timeout_s: float = 5.0) -> bool:  # noqa: ANN001
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
 
 def test_stalled_connections_are_capped_and_dropped(buf: tcp.TcpBuffer, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tcp, "HEADER_TIMEOUT_S", 0.3)
@@ -210,7 +203,7 @@ def test_stalled_connections_are_capped_and_dropped(buf: tcp.TcpBuffer, monkeypa
     try:
         for s in stalled:
             s.sendall(b"TL")  # 2 bytes of a request header, then nothing
-        assert _wait_until(lambda: len(server._handlers) == 4), "at most MAX_CONNECTIONS handler threads"
+        assert waited(lambda: len(server._handlers) == 4), "at most MAX_CONNECTIONS handler threads"
         for s in stalled:
             s.settimeout(15.0)  # a handler that never ends its stalled read fails the recv below
         replies = [s.recv(4096) for s in stalled]
