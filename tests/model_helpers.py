@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from dist_helpers import rank_device
 
-from titan_lora.lora.layer import fill_param, lora_modules
+from titan_lora.lora.layer import fill_param, is_adapter_param, lora_modules
 from titan_lora.trainer.build import BuiltModel, build_from_toml
 from titan_lora.trainer.job_config import job_config_from_toml
 
@@ -57,6 +57,11 @@ def check_tp2_placements(model: torch.nn.Module) -> None:
         assert a.to_local().numel() * (2 if leaf in ROWWISE else 1) == a.numel(), name
         assert b.to_local().numel() * (2 if leaf in COLWISE else 1) == b.numel(), name
     assert seen == COLWISE | ROWWISE
+    # TP styles re-register the params they shard as new nn.Parameters (requires_grad=True): the base must
+    # come out of parallelization frozen again, or LoRA + TP trains the whole model.
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(is_adapter_param(n) for n in trainable), sorted(trainable - {
+        n for n in trainable if is_adapter_param(n)})[:5]
 
 
 def job_config_from(toml: str, *overrides: str):  # noqa: ANN201

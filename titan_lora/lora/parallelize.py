@@ -67,8 +67,15 @@ def lora_parallelize(tensor_parallel: TensorParallel) -> ParallelizeFn:
     def parallelize(model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:  # noqa: ANN001
         if parallel_dims.tp_enabled:
             tp_mesh = parallel_dims.get_mesh("tp")
+            frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
             tensor_parallel(model, tp_mesh, job_config)
             place_adapters_for_tp(model, tp_mesh)
+            # TP styles re-register the params they shard or replicate as new nn.Parameters, which require
+            # grad: without this, LoRA + TP would train the base (and FSDP would refuse a group mixing fp32
+            # base weights with bf16 adapters as trainable).
+            for name, param in model.named_parameters():
+                if name in frozen:
+                    param.requires_grad_(False)
         return _ac_and_fsdp(model, parallel_dims, job_config)
 
     return parallelize
