@@ -49,6 +49,7 @@ import torch.distributed as dist
 from titan_lora.transfer.transports.base import Fetcher, Transport
 from titan_lora.transfer.transports.tcp import (
     _REPLY, _address, _BucketServer, _hex16, _keepalive, _recv_exact, _settimeout, TcpBuffer, TcpRefused,
+    read_reply,
 )
 
 MAGIC = b"TLN1"
@@ -422,15 +423,7 @@ class NcclFetcher(Fetcher):
 def _answer(sock: socket.socket, addr: tuple[str, int], deadline: float, expect: int | None = None) -> bytes:
     """The hub's reply: a join's body, or (`expect`: a fetch's byte count) nothing, the bytes follow over
     the group; TcpRefused with its reason when the hub said no."""
-    head = memoryview(bytearray(_REPLY.size))
-    _recv_exact(sock, head, addr, "reply header", deadline)
-    magic, status, length = _REPLY.unpack(head)
-    if magic != MAGIC:
-        raise ConnectionError(f"{addr[0]}:{addr[1]} is not a titan_lora nccl hub")
-    if status != _OK:
-        why = memoryview(bytearray(min(length, 4096)))
-        _recv_exact(sock, why, addr, "refusal", deadline)
-        raise TcpRefused(f"the trainer's nccl hub refused: {bytes(why).decode(errors='replace')}")
+    length = read_reply(sock, addr, deadline, MAGIC, "nccl hub")
     if expect is not None:
         if length != expect:
             raise ConnectionError(f"{addr[0]}:{addr[1]} announced {length} bytes, {expect} were asked")

@@ -415,16 +415,7 @@ class TcpFetcher(Fetcher):
                                    "in time") from None
             except OSError as err:
                 raise _Stale(f"{addr[0]}:{addr[1]} closed the connection ({err})") from None
-            head = memoryview(bytearray(_REPLY.size))
-            _recv_exact(sock, head, addr, "reply header", deadline, stale_if_empty=True)
-            magic, status, length = _REPLY.unpack(head)
-            if magic != MAGIC:
-                raise ConnectionError(f"{addr[0]}:{addr[1]} is not a titan_lora tcp bucket server")
-            if status != _OK:
-                why = memoryview(bytearray(min(length, 4096)))
-                _recv_exact(sock, why, addr, "refusal", deadline)
-                raise TcpRefused(f"the trainer's tcp bucket server refused: {bytes(why).decode(errors='replace')}",
-                                 whole=length <= len(why))
+            length = read_reply(sock, addr, deadline, MAGIC, "tcp bucket server", stale_if_empty=True)
             if length != len(out):
                 raise ConnectionError(f"{addr[0]}:{addr[1]} announced {length} bytes, {len(out)} were asked")
             _recv_exact(sock, out, addr, "bucket", deadline)
@@ -449,6 +440,23 @@ def _settimeout(sock: socket.socket, deadline: float) -> None:
     if left <= 0:
         raise TimeoutError("the tcp bucket fetch ran out of time")
     sock.settimeout(left)
+
+
+def read_reply(sock: socket.socket, addr: tuple[str, int], deadline: float, magic: bytes, server: str,
+               stale_if_empty: bool = False) -> int:
+    """The length a reply header announces, once it proved to come from `server` and say yes; a refusal
+    raises TcpRefused with the server's reason."""
+    head = memoryview(bytearray(_REPLY.size))
+    _recv_exact(sock, head, addr, "reply header", deadline, stale_if_empty=stale_if_empty)
+    got, status, length = _REPLY.unpack(head)
+    if got != magic:
+        raise ConnectionError(f"{addr[0]}:{addr[1]} is not a titan_lora {server}")
+    if status != _OK:
+        why = memoryview(bytearray(min(length, 4096)))
+        _recv_exact(sock, why, addr, "refusal", deadline)
+        raise TcpRefused(f"the trainer's {server} refused: {bytes(why).decode(errors='replace')}",
+                         whole=length <= len(why))
+    return length
 
 
 def _recv_exact(sock: socket.socket, out: memoryview, addr: tuple[str, int], what: str, deadline: float,
