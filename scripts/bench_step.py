@@ -4,6 +4,7 @@ GPU (one process per GPU; 8B full fine-tuning needs ~16 bytes a param, so one 80
     torchrun --nproc_per_node=1 scripts/bench_step.py --layers 8 [--steps 20] [--profile]
     torchrun --nproc_per_node=2 scripts/bench_step.py            (all 32 layers, FSDP over 2 GPUs)
     torchrun --nproc_per_node=4 scripts/bench_step.py --tp 2     (TP=2 x FSDP=2)
+    add --compile to compile each block ([compile] enable = true) in all three variants
 CPU smoke test:
     python scripts/bench_step.py --device cpu --flavor debugmodel --seq-len 64 --steps 2
 
@@ -86,6 +87,9 @@ mode = "none"
 [parallelism]
 tensor_parallel_degree = {args.tp}
 disable_loss_parallel = {str(args.tp > 1).lower()}
+[compile]
+enable = {str(args.compile).lower()}
+components = ["model", "loss"]
 """
 
 
@@ -210,7 +214,7 @@ def report(args: argparse.Namespace, results: dict[str, Result], device: torch.d
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"\n{args.model} {args.flavor}, {full.layers} layers, {full.params / 1e9:.3f}B params, seq {args.seq_len} "
           f"x batch {args.batch} per rank, {world} rank(s) on {where}; {args.mixed_precision_param} params "
-          f"(FSDP2), AdamW {args.optimizer_impl}; {args.steps} timed steps after {args.warmup} warm-up")
+          f"(FSDP2), AdamW {args.optimizer_impl}{', compiled blocks' if args.compile else ''}; {args.steps} timed steps after {args.warmup} warm-up")
     print(f"{'variant':42s} {'trainable':>12s} {'p50 s':>9s} {'p90 s':>9s} {'peak GiB':>9s} {'x floor':>8s}")
     for r in (floor, lora, full):
         med = statistics.median(r.times)
@@ -238,6 +242,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--optimizer-impl", choices=["fused", "foreach", "for-loop"], default="fused")
     ap.add_argument("--device", choices=["auto", "cpu"], default="auto", help="auto: this rank's GPU if any")
     ap.add_argument("--profile", action="store_true", help="print the top-15 ops of one LoRA step")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each block and the loss, every variant")
     return ap.parse_args(argv)
 
 

@@ -421,14 +421,17 @@ def test_close_collects_cuda_ipc_blocks_only_for_cuda_buffers_and_may_repeat(mon
     assert collected == [1]
 
 
+ZERO_SUM = f"w64:{0:032x}:512"
+
+
 def test_a_wrong_checksum_is_quoted_in_the_error(emitter_for: Make) -> None:
     class WrongSum(RouteEngine):
         def _bucket(self, body: dict) -> dict:
-            return {**super()._bucket(body), "checksum": "s64:0000000000000000:512"}
+            return {**super()._bucket(body), "checksum": ZERO_SUM}
 
     engine = WrongSum(delay_s=0)
     with pytest.raises(TransferError) as err:
         emitter_for(engine, bucket_bytes=1024).send_adapter(_small_payload())
     assert str(err.value).endswith(f"sent {engine.bodies[0]['checksum']}, the engine copied out "
-                                   "s64:0000000000000000:512 (None: the engine does not checksum; run the same "
+                                   f"{ZERO_SUM} (None: the engine does not checksum; run the same "
                                    "titan_lora on both sides)")

@@ -126,9 +126,6 @@ BAD = {
         DEBUG_LORA + "[parallelism]\ncontext_parallel_degree = 2\n",
         ["context_parallel_degree = 2", "set both to 1"],
     ),
-    "torch.compile": (
-        DEBUG_LORA + "[compile]\nenable = true\n", ["[compile] enable = true", "set it to false"],
-    ),
 }
 
 

@@ -167,15 +167,12 @@ def test_bucket_checksum_sees_every_byte_and_its_position():
 def _reference_checksum(data: bytes) -> str:
     """bucket_checksum written again from its definition, in plain Python: sums (mod 2**64) of
     little-endian 64-bit words per 8 KiB chunk, then of the remaining words, then of the remaining bytes;
-    BLAKE2b (8-byte digest) of the sums as signed 64-bit little-endian integers."""
-    import hashlib
-
-    def signed(v: int) -> int:
-        v %= 2**64
-        return v - 2**64 if v >= 2**63 else v
+    the digest is the sum of those sums and their sum weighted by ((position + 1) * 0x9E3779B97F4A7C15) | 1,
+    both mod 2**64."""
+    mask = 2**64 - 1
 
     def words_sum(chunk: bytes) -> int:
-        return signed(sum(int.from_bytes(chunk[i : i + 8], "little") for i in range(0, len(chunk), 8)))
+        return sum(int.from_bytes(chunk[i : i + 8], "little") for i in range(0, len(chunk), 8)) & mask
 
     chunk = 1024 * 8
     full = len(data) // chunk
@@ -184,10 +181,10 @@ def _reference_checksum(data: bytes) -> str:
     if rest:
         whole = len(rest) // 8 * 8
         sums += [words_sum(rest[:whole]), sum(rest[whole:])]
-    if not sums:
-        sums = [0]
-    raw = b"".join(s.to_bytes(8, "little", signed=True) for s in sums)
-    return f"s64:{hashlib.blake2b(raw, digest_size=8).hexdigest()}:{len(data)}"
+    weights = [((k + 1) * 0x9E3779B97F4A7C15 & mask) | 1 for k in range(len(sums))]
+    plain = sum(sums) & mask
+    weighted = sum(s * w for s, w in zip(sums, weights)) & mask
+    return f"w64:{plain:016x}{weighted:016x}:{len(data)}"
 
 
 @pytest.mark.parametrize("n", [0, 5, 8, 8 * 1024, 2 * 8192 + 8 * 9 + 5, 20000])

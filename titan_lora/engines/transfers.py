@@ -5,8 +5,8 @@ are pooled by bucket layout (`SlabPool`): a slab whose adapter was retired is fi
 bucket of the same layout, and its tensor views and byte count were made when it was first allocated,
 so a steady-state sync allocates nothing and runs no Python per tensor (an 8B adapter has 448 of them:
 making their views and summing their sizes cost milliseconds per bucket). The checksum of the copy is
-computed where the copy lies (on GPU: on the device), and reading its chunk sums back is the one host
-synchronisation of a bucket: it also waits for the copy, so the ack never comes before the bytes.
+computed where the copy lies (on GPU: on the device), and reading its two digest words back is the one
+host synchronisation of a bucket: it also waits for the copy, so the ack never comes before the bytes.
 
 Staging holds a transfer's tensors between its buckets and its commit, bounded per kind: a new
 transfer evicts the oldest uncommitted ones of its kind (at most one base and two adapters wait), so

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac
-from torchtitan.models.llama3.infra.parallelize import apply_fsdp
+from torchtitan.models.llama3.infra.parallelize import apply_compile, apply_fsdp
 
 from titan_lora.lora.layer import lora_modules
 
@@ -82,10 +82,14 @@ def lora_parallelize(tensor_parallel: TensorParallel) -> ParallelizeFn:
 
 
 def _ac_and_fsdp(model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:  # noqa: ANN001
-    # Pipeline and context parallelism and torch.compile are refused when the config is read
-    # (`titan_lora.trainer.preflight.check_parallelism`).
+    # Pipeline and context parallelism are refused when the config is read
+    # (`titan_lora.trainer.preflight.check_parallelism`). The order is torchtitan's: AC, compile, FSDP.
     if job_config.activation_checkpoint.mode != "none":
         apply_ac(model, job_config.activation_checkpoint, base_folder=job_config.job.dump_folder)
+    if job_config.compile.enable and "model" in job_config.compile.components:
+        # Each block compiles once (they share code); parameter names gain "_orig_mod.", which every name
+        # titan_lora reads drops (`lora.layer.clean_fqn`).
+        apply_compile(model, job_config.compile)
     if parallel_dims.fsdp_enabled:
         names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
         shard_model(model, parallel_dims.get_mesh(names), job_config)

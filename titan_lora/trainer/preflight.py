@@ -19,7 +19,7 @@ from titan_lora.transfer.transport import SHM_DIR
 
 
 def check_parallelism(job_config) -> None:  # noqa: ANN001
-    """Refuse what titan_lora's LoRA model cannot run: pipeline or context parallelism, torch.compile."""
+    """Refuse what titan_lora's LoRA model cannot run: pipeline or context parallelism."""
     par = job_config.parallelism
     if par.pipeline_parallel_degree > 1 or par.context_parallel_degree > 1:
         raise ValueError(
@@ -27,8 +27,6 @@ def check_parallelism(job_config) -> None:  # noqa: ANN001
             f"context_parallel_degree = {par.context_parallel_degree}: titan_lora supports data (FSDP/HSDP) "
             "and tensor parallelism; set both to 1"
         )
-    if job_config.compile.enable:
-        raise ValueError("[compile] enable = true is not supported with LoRA yet; set it to false")
 
 
 def check_shared_memory(bucket_mb: int, shm_dir: str = SHM_DIR) -> None:

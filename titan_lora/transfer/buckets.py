@@ -7,6 +7,7 @@ JSON-able header of names, shapes, dtypes and offsets. No pickle crosses from on
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
@@ -137,9 +138,10 @@ def copy_out(buffer: torch.Tensor, entries: Sequence[Entry]) -> tuple[torch.Tens
 def bucket_checksum(data: torch.Tensor) -> str:
     """A cheap, position-sensitive digest of a uint8 tensor, identical on CPU and GPU.
 
-    Sums of 64-bit words per 8 KiB chunk (integer addition wraps, so the order of the reduction does
-    not matter and both devices agree), hashed on the host. It runs at memory speed (0.4 ms for
-    18.6 MB on one CPU thread); a CRC is 10x slower on CPU and has no GPU kernel in torch.
+    Sums of 64-bit words per 8 KiB chunk, then two sums over the chunk sums: plain, and weighted by an
+    odd multiplier per chunk position (integer arithmetic wraps mod 2**64, so the order of a reduction
+    does not matter and both devices agree). The digest is two words, so a GPU bucket costs two
+    reductions and a 16-byte host read (hashing every chunk sum on the host cost 8x a device copy).
     """
     data = data.reshape(-1)
     n = data.numel()
@@ -155,8 +157,20 @@ def bucket_checksum(data: torch.Tensor) -> str:
         words = rest.numel() // 8
         parts.append(rest[: words * 8].view(torch.int64).sum().view(1))
         parts.append(rest[words * 8 :].to(torch.int64).sum().view(1))
-    sums = torch.cat(parts).cpu() if parts else torch.zeros(1, dtype=torch.int64)
-    return f"s64:{hashlib.blake2b(sums.numpy().tobytes(), digest_size=8).hexdigest()}:{n}"
+    if not parts:
+        return f"w64:{0:032x}:0"
+    sums = torch.cat(parts) if len(parts) > 1 else parts[0]
+    plain, weighted = torch.stack([sums.sum(), (sums * _chunk_weights(sums.numel(), sums.device)).sum()]).tolist()
+    return f"w64:{plain % 2**64:016x}{weighted % 2**64:016x}:{n}"
+
+
+_GOLDEN = 0x9E3779B97F4A7C15 - 2**64  # 2**64 / golden ratio, as a signed 64-bit int: spreads the weights
+
+
+@functools.lru_cache(maxsize=64)
+def _chunk_weights(count: int, device: torch.device) -> torch.Tensor:
+    """The odd multiplier of each chunk sum: (position + 1) * GOLDEN mod 2**64, lowest bit set."""
+    return (torch.arange(1, count + 1, dtype=torch.int64, device=device) * _GOLDEN) | 1
 
 
 class UnknownLayout(KeyError):
