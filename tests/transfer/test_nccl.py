@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -86,6 +87,25 @@ def test_one_group_per_incarnation_and_every_bucket_received_anew(buf: nccl.Nccl
         assert regroup.name != group.name and int(into.sum()) == 9000
     finally:
         again.close()
+
+
+def test_an_engine_of_two_workers_gets_every_bucket_on_each(buf: nccl.NcclBuffer) -> None:
+    # A group of three (trainer + two workers) moves each bucket by send/recv; a group of two by broadcast.
+    fetchers = [nccl.NcclFetcher() for _ in range(2)]
+    for rank, f in enumerate(fetchers):
+        f.join_as(rank, 2, "one engine of two workers")
+    outs = [torch.zeros(300, dtype=torch.uint8) for _ in fetchers]
+    try:
+        for value in (5, 6):  # the second bucket goes over the same group
+            buf.tensor[100:400] = torch.arange(300, dtype=torch.uint8) + value
+            with ThreadPoolExecutor(2) as pool:
+                list(pool.map(lambda i: fetchers[i].fetch(_desc(buf), 100, outs[i]), range(2)))
+            assert all(torch.equal(out, buf.tensor[100:400]) for out in outs), value
+        (group,) = buf._server._groups.values()
+        assert (group.world, group.members) == (3, {1, 2})
+    finally:
+        for f in fetchers:
+            f.close()
 
 
 def test_refusals_come_back_as_words_and_the_group_stays(buf: nccl.NcclBuffer, fetcher) -> None:  # noqa: ANN001

@@ -11,7 +11,9 @@ The engine still asks for each bucket (buffer id, token, byte range) over its jo
 trainer checks the request as the tcp server does (`TcpRefused` for an unknown buffer, a wrong token, a
 range past the end), replies, and sends the range to that worker's rank over the group. The worker
 receives it into its own slab on its device (`BufferCache.bucket` lends it: never storage the trainer
-reuses), then the copy-out, checksum and ack are those of every transport. Asking keeps the
+reuses), then the copy-out, checksum and ack are those of every transport. An engine of one worker gets
+each bucket by a broadcast in its group of two (NCCL runs a collective over all its channels, a send/recv
+pair over a few); the workers of a larger engine each get theirs by send/recv. Asking keeps the
 `/titan/bucket` route and the worker RPCs unchanged, keeps concurrent buckets in order (one at a time
 per worker) and turns a refusal into words instead of a hung collective.
 
@@ -110,16 +112,28 @@ def abandon(pg: dist.ProcessGroup | None) -> None:
         logger.debug("abort of an abandoned group: %s", err)
 
 
-def _done(work: dist.Work, deadline: float, what: str) -> None:
-    """Wait for `work` on the CPU until `deadline`: an NCCL wait only orders streams, so poll it too."""
+def _done(work: dist.Work, deadline: float, what: str, cuda: bool) -> None:
+    """Wait for `work` on the CPU until `deadline`. An NCCL wait without a bound only orders streams, so
+    the CPU polls the work; with a bound it would poll in sleeps of milliseconds, a sync's whole budget."""
     try:
-        work.wait(_timedelta(max(deadline - time.monotonic(), 1e-3)))
+        if cuda:
+            work.wait()
+        else:
+            work.wait(_timedelta(max(deadline - time.monotonic(), 1e-3)))
         while not work.is_completed():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the {what} did not complete within {SEND_TIMEOUT_S:.0f} s")
             time.sleep(0)
     except RuntimeError as err:  # gloo: the peer hung up or the wait timed out
         raise ConnectionError(f"the {what} failed: {err}") from None
+
+
+def _move(pg: dist.ProcessGroup, world: int, tensor: torch.Tensor, worker: int, sending: bool) -> dist.Work:
+    """Move `tensor` from the trainer (rank 0) to `worker`: a broadcast when the group is the two of them,
+    since NCCL spreads a collective over all its channels and a send/recv pair over a few; else p2p."""
+    if world == 2:  # a collective's bound is given when it is issued (gloo ignores the wait's)
+        return pg.broadcast(tensor, 0, _timedelta(SEND_TIMEOUT_S))
+    return pg.send([tensor], worker, 0) if sending else pg.recv([tensor], 0, 0)
 
 
 @dataclasses.dataclass
@@ -269,8 +283,8 @@ class _HubHandler:
         with group.send_lock:
             if view.is_cuda:  # NCCL issues on the current device; the trainer may hold several
                 torch.cuda.set_device(view.device)
-            _done(group.pg.send([view], member, 0), time.monotonic() + SEND_TIMEOUT_S,
-                  f"send of {view.numel()} bytes to worker rank {member}")
+            _done(_move(group.pg, group.world, view, member, sending=True), time.monotonic() + SEND_TIMEOUT_S,
+                  f"send of {view.numel()} bytes to worker rank {member}", view.is_cuda)
 
 
 _Hub.handler = _HubHandler
@@ -305,6 +319,7 @@ class _Link:
     sock: socket.socket
     pg: dist.ProcessGroup
     device: torch.device
+    world: int
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     def close(self) -> None:
@@ -363,8 +378,8 @@ class NcclFetcher(Fetcher):
                 _settimeout(link.sock, deadline)
                 link.sock.sendall(_REQUEST.pack(MAGIC, _FETCH, buffer_id, token, offset, nbytes, bytes(16)))
                 _answer(link.sock, addr, deadline, expect=nbytes)
-                _done(link.pg.recv([into], 0, 0), time.monotonic() + SEND_TIMEOUT_S,
-                      f"receive of {nbytes} bytes from the trainer at {addr[0]}:{addr[1]}")
+                _done(_move(link.pg, link.world, into, 0, sending=False), time.monotonic() + SEND_TIMEOUT_S,
+                      f"receive of {nbytes} bytes from the trainer at {addr[0]}:{addr[1]}", into.is_cuda)
             except TcpRefused as err:
                 if "join again" in str(err):
                     self._drop(addr, link)
@@ -410,7 +425,7 @@ class NcclFetcher(Fetcher):
             raise
         logger.info("joined nccl group %s as rank %d of %d (%s) with the trainer at %s:%d", joined["group"],
                     joined["rank"], joined["world"], joined["backend"], *addr)
-        return _Link(sock, pg, device)
+        return _Link(sock, pg, device, joined["world"])
 
     def close(self) -> None:
         """Leave every group (the engine shuts down)."""
