@@ -36,6 +36,8 @@ DEBUG_LORA = SMOLLM2_LORA.replace('flavor = "135M"', 'flavor = "debug"').replace
 
 TP2 = ("--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1")
 """Overrides for TP=2 alone (2 ranks)."""
+TP2_FSDP2 = ("--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=2")
+"""Overrides for TP=2 x FSDP=2 (4 ranks)."""
 COLWISE = {"wq", "wk", "wv", "w1", "w3"}
 ROWWISE = {"wo", "w2"}
 
@@ -62,6 +64,41 @@ def check_tp2_placements(model: torch.nn.Module) -> None:
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all(is_adapter_param(n) for n in trainable), sorted(trainable - {
         n for n in trainable if is_adapter_param(n)})[:5]
+
+
+def check_tp2_fsdp2_placements(model: torch.nn.Module) -> None:
+    """Under TP=2 x FSDP=2 every adapter follows its base's TP plan on the tp dim and FSDP shards dim 0 on
+    the fsdp dim, on all seven linears."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    seen = set()
+    for name, module in lora_modules(model):
+        leaf = name.rsplit(".", 1)[-1]
+        seen.add(leaf)
+        a, b, w = module.lora_A, module.lora_B, module.weight
+        for t in (a, b, w):
+            assert isinstance(t, DTensor), name
+            assert t.device_mesh.mesh_dim_names == ("fsdp", "tp"), t.device_mesh.mesh_dim_names
+        tp = a.device_mesh.mesh_dim_names.index("tp")
+        fsdp = a.device_mesh.mesh_dim_names.index("fsdp")
+        if leaf in COLWISE:
+            assert w.placements[tp] == Shard(0), f"{name}: the base plan is not colwise"
+            assert a.placements[tp] == Replicate(), f"{name}.lora_A: {a.placements}"
+            assert b.placements[tp] == Shard(0), f"{name}.lora_B: {b.placements}"
+            a_split, b_split = 2, 4  # A: fsdp only; B: fsdp and tp both on the output dim
+        elif leaf in ROWWISE:
+            assert w.placements[tp] == Shard(1), f"{name}: the base plan is not rowwise"
+            assert a.placements[tp] == Shard(1), f"{name}.lora_A: {a.placements}"
+            assert b.placements[tp] == Replicate(), f"{name}.lora_B: {b.placements}"
+            a_split, b_split = 4, 2  # A: fsdp on rank dim, tp on the input dim; B: fsdp only
+        else:
+            raise AssertionError(f"unexpected LoRA target {name}")
+        for t in (a, b):  # FSDP shards dim 0 (plain or strided, when TP already split dim 0)
+            assert getattr(t.placements[fsdp], "dim", None) == 0, f"{name}: fsdp placement {t.placements}"
+            assert t.requires_grad
+        assert a.to_local().numel() * a_split == a.numel(), f"{name}.lora_A local {a.to_local().shape}"
+        assert b.to_local().numel() * b_split == b.numel(), f"{name}.lora_B local {b.to_local().shape}"
+    assert seen == COLWISE | ROWWISE
 
 
 def job_config_from(toml: str, *overrides: str):  # noqa: ANN201

@@ -6,11 +6,12 @@ Llama (GQA, tied head, sharded with an index) needs the RoPE row permutation of 
 its head in memory too (one parameter), which FSDP must shard in one group.
 A wrong layout for either family moves the log-probs by far more than the bound.
 
-With `pytest -m gpu` the Llama and untied Qwen3 cases also run under TP=2 on 2 GPUs (NCCL): placements
-per the base's plan, then the export against HF + peft (CPU, fp32) in fp32 (<= 1e-4, TF32 off) and under
-bf16 autocast (<= 0.1, at least 5x under the adapter's effect: bf16 keeps 8 bits of mantissa). Qwen3's
-TP forward runs only here (DTensor has no rule for CPU attention), and in bf16 only: in fp32 with GQA only
-SDPA's math kernel applies, which DTensor cannot shard under torchtitan's Qwen3 TP plan.
+With `pytest -m gpu` the Llama and untied Qwen3 cases also run under TP=2 on 2 GPUs and TP=2 x FSDP=2 on
+4 GPUs (NCCL): placements per the base's plan, then the export against HF + peft (CPU, fp32) in fp32
+(<= 1e-4, TF32 off) and under bf16 autocast (<= 0.1, at least 5x under the adapter's effect: bf16 keeps
+8 bits of mantissa). Qwen3's TP forward runs only here (DTensor has no rule for CPU attention), and in
+bf16 only: in fp32 with GQA only SDPA's math kernel applies, which DTensor cannot shard under
+torchtitan's Qwen3 TP plan.
 """
 
 from __future__ import annotations
@@ -20,7 +21,16 @@ from pathlib import Path
 import pytest
 import torch
 from dist_helpers import needs_gpus, run_ranks
-from model_helpers import TP2, build_from, check_tp2_placements, full_copy, job_config_from, randomize_adapters
+from model_helpers import (
+    TP2,
+    TP2_FSDP2,
+    build_from,
+    check_tp2_fsdp2_placements,
+    check_tp2_placements,
+    full_copy,
+    job_config_from,
+    randomize_adapters,
+)
 from tiny_checkpoints import hf_model, hf_toml, tiny_llama, tiny_qwen3
 
 from titan_lora.sync.adapter_source import AdapterSource
@@ -40,6 +50,8 @@ def _export_and_score(rank: int, world: int, toml: str, out_dir: str, fp32: bool
     built = build_from(toml, *overrides)
     if overrides == TP2:
         check_tp2_placements(built.model)
+    elif overrides == TP2_FSDP2:
+        check_tp2_fsdp2_placements(built.model)
     randomize_adapters(built.model, std=0.1)
     AdapterSource(built.model, built.peft_layout, job_config_from(toml).lora).export(out_dir)  # collective
     tokens = TOKENS.to(next(built.model.parameters()).device)
@@ -77,21 +89,35 @@ def test_fsdp2_adapter_matches_hf_peft_for_each_family(tmp_path: Path, case: str
     assert diff <= 1e-4, f"{case}: max |log_softmax titan - hf+peft| = {diff:.2e} (adapter effect {effect:.2f})"
 
 
+TP_CASES = ["llama3-gqa-tied-sharded", "qwen3-qknorm-headdim32-untied"]
+
+
 @needs_gpus(2)
-@pytest.mark.parametrize("case", ["llama3-gqa-tied-sharded", "qwen3-qknorm-headdim32-untied"])
+@pytest.mark.parametrize("case", TP_CASES)
 def test_tp2_adapter_matches_hf_peft_on_two_gpus(tmp_path: Path, case: str) -> None:
+    _tp_parity(tmp_path, case, 2, TP2)
+
+
+@needs_gpus(4)
+@pytest.mark.parametrize("case", TP_CASES)
+def test_tp2_fsdp2_adapter_matches_hf_peft_on_four_gpus(tmp_path: Path, case: str) -> None:
+    _tp_parity(tmp_path, case, 4, TP2_FSDP2)
+
+
+def _tp_parity(tmp_path: Path, case: str, gpus: int, layout: tuple[str, ...]) -> None:
     name, make = CASES[case]
     hf_dir = make(tmp_path / "hf")
     # torchtitan's Qwen3 TP plan hands DTensors to SDPA; in fp32 with GQA only SDPA's math kernel applies,
     # which DTensor cannot shard ("Attempted to flatten multiple dimensions"): its TP runs in bf16 only.
     fp32 = name != "qwen3"
-    run_ranks(2, _export_and_score, hf_toml(name, hf_dir), str(tmp_path / "adapter"), fp32, *TP2, backend="nccl")
+    run_ranks(gpus, _export_and_score, hf_toml(name, hf_dir), str(tmp_path / "adapter"), fp32, *layout,
+              backend="nccl")
     base, theirs = _hf_peft(hf_dir, tmp_path / "adapter")
     ours = torch.load(tmp_path / "titan_log_probs.pt")
     effect = (theirs - base).abs().max().item()
     diffs = {kind: (scores - theirs).abs().max().item() for kind, scores in ours.items()}
-    print(f"{case} TP=2: max |log_softmax titan - hf+peft| {diffs}; adapter effect {effect:.2f}")
+    print(f"{case} {layout}: max |log_softmax titan - hf+peft| {diffs}; adapter effect {effect:.2f}")
     assert effect > 5 * BF16_BOUND, f"the adapter moved the log-probs by only {effect:.3f}: this proves nothing"
     assert set(diffs) == ({"fp32", "bf16"} if fp32 else {"bf16"})
-    assert diffs.get("fp32", 0.0) <= 1e-4, f"{case} TP=2 fp32: {diffs['fp32']:.2e}"
-    assert diffs["bf16"] <= BF16_BOUND, f"{case} TP=2 bf16 autocast: {diffs['bf16']:.2e}"
+    assert diffs.get("fp32", 0.0) <= 1e-4, f"{case} {layout} fp32: {diffs['fp32']:.2e}"
+    assert diffs["bf16"] <= BF16_BOUND, f"{case} {layout} bf16 autocast: {diffs['bf16']:.2e}"

@@ -6,53 +6,25 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from dist_helpers import run_ranks
-from model_helpers import DEBUG_LORA, build_from, full_copy, randomize_adapters
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from model_helpers import (
+    DEBUG_LORA,
+    TP2_FSDP2,
+    build_from,
+    check_tp2_fsdp2_placements,
+    full_copy,
+    randomize_adapters,
+)
 
-from titan_lora.lora.layer import adapter_params, fill_param, lora_modules
+from titan_lora.lora.layer import adapter_params, fill_param
 from titan_lora.sync.gather import ShardGatherer
 
-TP2_FSDP2 = ("--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=2")
-COLWISE = {"wq", "wk", "wv", "w1", "w3"}
-ROWWISE = {"wo", "w2"}
 TOKENS = torch.randint(0, 49152, (2, 16), generator=torch.Generator().manual_seed(0))
-
-
-def _check_placements(model: torch.nn.Module) -> None:
-    seen = set()
-    for name, module in lora_modules(model):
-        leaf = name.rsplit(".", 1)[-1]
-        seen.add(leaf)
-        a, b, w = module.lora_A, module.lora_B, module.weight
-        for t in (a, b, w):
-            assert isinstance(t, DTensor), name
-            assert t.device_mesh.mesh_dim_names == ("fsdp", "tp"), t.device_mesh.mesh_dim_names
-        tp = a.device_mesh.mesh_dim_names.index("tp")
-        fsdp = a.device_mesh.mesh_dim_names.index("fsdp")
-        if leaf in COLWISE:
-            assert w.placements[tp] == Shard(0), f"{name}: the base plan is not colwise"
-            assert a.placements[tp] == Replicate(), f"{name}.lora_A: {a.placements}"
-            assert b.placements[tp] == Shard(0), f"{name}.lora_B: {b.placements}"
-            a_split, b_split = 2, 4  # A: fsdp only; B: fsdp and tp both on the output dim
-        elif leaf in ROWWISE:
-            assert w.placements[tp] == Shard(1), f"{name}: the base plan is not rowwise"
-            assert a.placements[tp] == Shard(1), f"{name}.lora_A: {a.placements}"
-            assert b.placements[tp] == Replicate(), f"{name}.lora_B: {b.placements}"
-            a_split, b_split = 4, 2  # A: fsdp on rank dim, tp on the input dim; B: fsdp only
-        else:
-            raise AssertionError(f"unexpected LoRA target {name}")
-        for t in (a, b):  # FSDP shards dim 0 (plain or strided, when TP already split dim 0)
-            assert getattr(t.placements[fsdp], "dim", None) == 0, f"{name}: fsdp placement {t.placements}"
-            assert t.requires_grad
-        assert a.to_local().numel() * a_split == a.numel(), f"{name}.lora_A local {a.to_local().shape}"
-        assert b.to_local().numel() * b_split == b.numel(), f"{name}.lora_B local {b.to_local().shape}"
-    assert seen == COLWISE | ROWWISE
 
 
 def _tp_ranks(rank: int, world: int, ref_path: str, out_path: str) -> None:
     built = build_from(DEBUG_LORA, *TP2_FSDP2)
     model = built.model
-    _check_placements(model)
+    check_tp2_fsdp2_placements(model)
     ref = torch.load(ref_path)
     named = adapter_params(model)
     init = {n: full_copy(p) for n, p in named}
