@@ -2,14 +2,15 @@
 beside the floor (a device-to-device copy of the same bytes, measured in the same run) and the cuda_ipc
 path (the receiver maps the trainer's memory) as the baseline. Needs torch only (no vLLM, no torchtitan).
 
-    torchrun --nproc_per_node=1 scripts/bench_nccl.py --receivers 1   # or 2; plain `python` works too
+    torchrun --nproc_per_node=1 scripts/bench_nccl.py --receivers 1   # or 2, 3; plain `python` works too
     python scripts/bench_nccl.py --device cpu --receivers 1 --iters 5  # CPU smoke test: gloo, shm baseline
 
 The adapter is the Llama-3-8B shape with LoRA r16 on all 7 linears of 32 layers: 448 bf16 tensors,
 41.9M params, 83.9 MB, written where the gather would write it (the emitter's lent buffer, one bucket).
 A sync is the bucket emitter's `send_adapter`: the checksum of the bytes, the post, the receiver's
 receive (nccl) or mapping (cuda_ipc), its copy-out and checksum on its GPU, and the ack. The
-receivers run on GPU 1 (GPU 0 when there is one GPU); with 2 receivers both get each version at once.
+receivers run on GPUs 1, 2, 3 as the host has them (the last GPU takes the rest; GPU 0 when there is one);
+with several receivers all get each version at once.
 """
 
 from __future__ import annotations
@@ -67,16 +68,18 @@ def adapter(emitter: VLLMBucketEmitter, device: torch.device, version: int) -> A
 def main() -> None:
     """Start the receivers, time both transports alternately, print the table."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--receivers", type=int, choices=[1, 2], default=1)
+    ap.add_argument("--receivers", type=int, choices=[1, 2, 3], default=1)
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--iters", type=int, default=50)
     args = ap.parse_args()
     gpu = args.device == "cuda"
     device = torch.device("cuda", 0) if gpu else torch.device("cpu")
-    far = torch.device("cuda", min(1, torch.cuda.device_count() - 1)) if gpu else device
+    fars = [torch.device("cuda", min(1 + i, torch.cuda.device_count() - 1)) if gpu else device
+            for i in range(args.receivers)]
+    far = fars[0]
     baseline, backend = ("cuda_ipc", "nccl") if gpu else ("shm", "gloo")
     log = os.path.join(tempfile.gettempdir(), "titan_lora_bench_nccl_{}.log")
-    engines = [EmbeddedEngine("titan_lora.engines.receiver", 0, ["--device", str(far)] if gpu else [],
+    engines = [EmbeddedEngine("titan_lora.engines.receiver", 0, ["--device", str(fars[i])] if gpu else [],
                               log.format(i), start_timeout_s=120) for i in range(args.receivers)]
     emitters: dict[str, list[VLLMBucketEmitter]] = {}
     pool = ThreadPoolExecutor(args.receivers)
@@ -108,7 +111,7 @@ def main() -> None:
 
         nbytes = payloads[backend].nbytes
         print(f"adapter: {payloads[backend].num_tensors} tensors, {nbytes / 1e6:.1f} MB bf16; trainer {device}, "
-              f"{args.receivers} receiver(s) on {far}" + (f" ({torch.cuda.get_device_name(device)})" if gpu else ""))
+              f"{args.receivers} receiver(s) on {', '.join(map(str, fars))}" + (f" ({torch.cuda.get_device_name(device)})" if gpu else ""))
         src = torch.empty(nbytes, dtype=torch.uint8, device=device)
         dst = torch.empty(nbytes, dtype=torch.uint8, device=far)
         sync = (lambda: torch.cuda.synchronize(device)) if gpu else (lambda: None)

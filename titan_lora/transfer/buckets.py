@@ -160,7 +160,8 @@ def bucket_checksum(data: torch.Tensor) -> str:
     if not parts:
         return f"w64:{0:032x}:0"
     sums = torch.cat(parts) if len(parts) > 1 else parts[0]
-    plain, weighted = torch.stack([sums.sum(), (sums * _chunk_weights(sums.numel(), sums.device)).sum()]).tolist()
+    weights = _chunk_weights(sums.numel(), sums.device)
+    plain, weighted = torch.stack([sums.sum(), (sums * weights).sum()]).tolist()
     return f"w64:{plain % 2**64:016x}{weighted % 2**64:016x}:{n}"
 
 
