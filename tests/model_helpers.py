@@ -34,9 +34,11 @@ DEBUG_LORA = SMOLLM2_LORA.replace('flavor = "135M"', 'flavor = "debug"').replace
 )
 
 
-TP2 = ("--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1")
+TP2 = ("--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1",
+       "--parallelism.disable_loss_parallel")
 """Overrides for TP=2 alone (2 ranks)."""
-TP2_FSDP2 = ("--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=2")
+TP2_FSDP2 = ("--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=2",
+             "--parallelism.disable_loss_parallel")
 """Overrides for TP=2 x FSDP=2 (4 ranks)."""
 COLWISE = {"wq", "wk", "wv", "w1", "w3"}
 ROWWISE = {"wo", "w2"}

@@ -122,6 +122,10 @@ BAD = {
         DEBUG_LORA + "[parallelism]\npipeline_parallel_degree = 2\n",
         ["[parallelism] pipeline_parallel_degree = 2", "set both to 1"],
     ),
+    "tensor parallelism with loss parallelism": (
+        DEBUG_LORA + "[parallelism]\ntensor_parallel_degree = 2\n",
+        ["tensor_parallel_degree = 2", "disable_loss_parallel = true"],
+    ),
     "context parallelism": (
         DEBUG_LORA + "[parallelism]\ncontext_parallel_degree = 2\n",
         ["context_parallel_degree = 2", "set both to 1"],
@@ -212,7 +216,7 @@ def test_a_grpo_batch_that_dp_ranks_cannot_share_is_refused(monkeypatch) -> None
     with pytest.raises(ValueError, match=r"3 \* 3 = 9 samples do not split over 2 data-parallel ranks"):
         job_config_from(DEBUG_LORA + grpo)
     # With 2-way TP on the 2 ranks the DP size is 1: any batch splits.
-    tp2 = "[parallelism]\ntensor_parallel_degree = 2\n"
+    tp2 = "[parallelism]\ntensor_parallel_degree = 2\ndisable_loss_parallel = true\n"
     assert job_config_from(DEBUG_LORA + grpo + tp2).grpo.group_size == 3
     monkeypatch.setenv("WORLD_SIZE", "4")  # 4 ranks, 2-way TP: DP 2 again
     with pytest.raises(ValueError, match="over 2 data-parallel ranks"):

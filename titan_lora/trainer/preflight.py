@@ -27,6 +27,12 @@ def check_parallelism(job_config) -> None:  # noqa: ANN001
             f"context_parallel_degree = {par.context_parallel_degree}: titan_lora supports data (FSDP/HSDP) "
             "and tensor parallelism; set both to 1"
         )
+    if par.tensor_parallel_degree > 1 and not par.disable_loss_parallel:
+        raise ValueError(
+            f"[parallelism] tensor_parallel_degree = {par.tensor_parallel_degree} with loss parallelism: "
+            "titan_lora's objectives (SFT, GRPO log-probs) read each token's log-prob over the whole "
+            "vocabulary; set [parallelism] disable_loss_parallel = true"
+        )
 
 
 def check_shared_memory(bucket_mb: int, shm_dir: str = SHM_DIR) -> None:
