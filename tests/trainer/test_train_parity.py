@@ -1,4 +1,4 @@
-"""One SFT step on 1 rank and on 2 FSDP ranks, and on 2 TP ranks: same loss, same gradients, same updated
+"""One SFT step on 1 rank and on 2 FSDP ranks, on 2 TP ranks and on TP=2 x FSDP=2: same loss, same gradients, same updated
 adapter; the base gets no gradient and does not move; the optimizer holds only the adapter. On CPU (gloo)
 and, with `pytest -m gpu`, on 2 GPUs (NCCL): the same fp32 bounds hold (TF32 is off, torch's default)."""
 
@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from dist_helpers import needs_gpus, run_ranks
-from model_helpers import DEBUG_LORA, TP2, full_copy, job_config_from, randomize_adapters
+from model_helpers import DEBUG_LORA, TP2, TP2_FSDP2, full_copy, job_config_from, randomize_adapters
 
 from titan_lora.lora.layer import adapter_params, fill_param, is_adapter_param
 
@@ -38,7 +39,7 @@ def _seeded_base(model: torch.nn.Module) -> None:
 def _one_step(rank: int, world: int, dump: str, out: str, *layout: str) -> None:
     from titan_lora.train import TrainingRun
 
-    data_parallel = world // (2 if layout == TP2 else 1)
+    data_parallel = world // (2 if layout in (TP2, TP2_FSDP2) else 1)
     cfg = job_config_from(
         TRAIN, f"--job.dump_folder={dump}", "--training.global_batch_size=8",
         f"--training.local_batch_size={8 // data_parallel}", "--training.steps=1",
@@ -82,19 +83,24 @@ def test_one_step_on_one_rank_and_under_tp2_is_the_same(tmp_path) -> None:
     _one_vs_two_ranks(tmp_path, "gloo", *TP2)
 
 
+@pytest.mark.slow
+def test_one_step_on_one_rank_and_under_tp2_fsdp2_is_the_same(tmp_path) -> None:
+    _one_vs_two_ranks(tmp_path, "gloo", *TP2_FSDP2, ranks=4)
+
+
 @needs_gpus(2)
 def test_one_step_on_one_and_two_gpus_is_the_same(tmp_path) -> None:
     _one_vs_two_ranks(tmp_path, "nccl")
 
 
-def _one_vs_two_ranks(tmp_path, backend: str, *layout: str) -> None:  # noqa: ANN001
+def _one_vs_two_ranks(tmp_path, backend: str, *layout: str, ranks: int = 2) -> None:  # noqa: ANN001
     run_ranks(1, _one_step, str(tmp_path / "d1"), str(tmp_path / "one.pt"), backend=backend)
-    run_ranks(2, _one_step, str(tmp_path / "d2"), str(tmp_path / "two.pt"), *layout, backend=backend)
+    run_ranks(ranks, _one_step, str(tmp_path / "d2"), str(tmp_path / "two.pt"), *layout, backend=backend)
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
 
     assert one["base_unchanged"] and two["base_unchanged"], "a base weight changed during the step"
     assert one["tokens"] == two["tokens"] > 0, "both runs must see the same global batch"
-    print(f"{backend} {layout or 'FSDP'}: loss 1 rank {one['loss']:.8f}, 2 ranks {two['loss']:.8f}; "
+    print(f"{backend} {layout or 'FSDP'}: loss 1 rank {one['loss']:.8f}, {ranks} ranks {two['loss']:.8f}; "
           f"grad norm {one['grad_norm']:.6f} vs {two['grad_norm']:.6f}")
     assert abs(one["loss"] - two["loss"]) <= 1e-5
     assert abs(one["grad_norm"] - two["grad_norm"]) <= 1e-5 * max(1.0, one["grad_norm"])
