@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 ADAPTER_SUFFIXES = ("lora_A", "lora_B")
 
@@ -33,44 +33,10 @@ class LoRALinear(nn.Linear):
         """Base projection plus the scaled low-rank path."""
         base = F.linear(x, self.weight, self.bias)
         dropped = F.dropout(x, self.lora_dropout_p, self.training) if self.lora_dropout_p else x
-        if isinstance(base, DTensor):
-            local = _tp_local_update(dropped, self.lora_A, self.lora_B, base)
-            if local is not None:
-                out = base.to_local().add(local, alpha=self.scale)
-                return DTensor.from_local(out, base.device_mesh, base.placements, run_check=False,
-                                          shape=base.shape, stride=base.stride())
         update = F.linear(F.linear(dropped, self.lora_A), self.lora_B)
         # In place, with the scale as add's alpha: one elementwise kernel and no extra activation
         # (F.linear's backward does not need its output, so autograd allows it).
         return base.add_(update, alpha=self.scale)
-
-
-def _tp_local_update(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                     base: DTensor) -> torch.Tensor | None:
-    """Under TP, the update as `base`'s local shard, computed on local tensors: two plain matmuls per rank
-    instead of three DTensor ops whose dispatch runs on the host for every adapted linear. None when the
-    placements are not one of the two TP plans (colwise, rowwise) the adapters follow."""
-    if not (isinstance(x, DTensor) and isinstance(lora_a, DTensor) and isinstance(lora_b, DTensor)):
-        return None
-    if not x.device_mesh == lora_a.device_mesh == lora_b.device_mesh == base.device_mesh or x.device_mesh.ndim != 1:
-        return None
-    last = Shard(x.ndim - 1)
-    colwise = (x.placements, lora_a.placements, lora_b.placements, base.placements) == (
-        (Replicate(),), (Replicate(),), (Shard(0),), (last,))
-    rowwise = (x.placements, lora_a.placements, lora_b.placements, base.placements) == (
-        (last,), (Shard(1),), (Replicate(),), (Partial(),))
-    partial = [Partial()]
-    if colwise:
-        # x and A are whole on every rank but reach only this rank's rows of B: their gradients are partial.
-        x_local, a_local, b_local = (x.to_local(grad_placements=partial), lora_a.to_local(grad_placements=partial),
-                                     lora_b.to_local())
-    elif rowwise:
-        # x and A are this rank's columns, so the low-rank activation, the update and B's gradient are
-        # partial sums, like the base's output.
-        x_local, a_local, b_local = x.to_local(), lora_a.to_local(), lora_b.to_local(grad_placements=partial)
-    else:
-        return None
-    return F.linear(F.linear(x_local, a_local), b_local)
 
 
 def lora_scale(rank: int, alpha: float, use_rslora: bool) -> float:

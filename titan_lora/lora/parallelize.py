@@ -81,6 +81,24 @@ def lora_parallelize(tensor_parallel: TensorParallel) -> ParallelizeFn:
     return parallelize
 
 
+def grads_take_param_placements(model: nn.Module) -> None:
+    """For TP without FSDP, on the materialised model (hooks go with the tensor `to_empty` replaces).
+
+    A replicated adapter's gradient comes out of the backward as a partial sum, and nothing reduces it
+    (FSDP2's reduce-scatter does, to the param's placements). Gradient clipping then scaled the partial
+    DTensors out of place on NCCL, so the optimizer stepped on unclipped gradients (found by
+    tests/trainer/test_train_parity.py under TP=2 on 2 GPUs). Each one is reduced as it is accumulated."""
+    for param in model.parameters():
+        if param.requires_grad and isinstance(param, DTensor):
+            param.register_post_accumulate_grad_hook(_reduce_to_param_placements)
+
+
+def _reduce_to_param_placements(param: torch.Tensor) -> None:
+    grad = param.grad
+    if isinstance(grad, DTensor) and grad.placements != param.placements:
+        param.grad = grad.redistribute(placements=param.placements)
+
+
 def _ac_and_fsdp(model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:  # noqa: ANN001
     # Pipeline and context parallelism are refused when the config is read
     # (`titan_lora.trainer.preflight.check_parallelism`). The order is torchtitan's: AC, compile, FSDP.
