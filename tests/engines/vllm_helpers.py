@@ -12,12 +12,13 @@ from titan_lora.clients.base import Endpoint
 from titan_lora.clients.kinds import LaunchRequest, engine_kind
 from titan_lora.clients.launch import EmbeddedEngine
 from titan_lora.clients.openai_rollout import OpenAIRolloutClient
-from titan_lora.config import Engine, WeightSync
+from titan_lora.config import Engine, LoRA, WeightSync
 from titan_lora.sync.adapter_source import AdapterSource
 from titan_lora.sync.base_stream import base_weights_source
 from titan_lora.sync.parity import trainer_logprobs
 from titan_lora.sync.syncer import WeightSyncer
 from titan_lora.sync.versions import AdapterVersions
+from titan_lora.trainer.build import BuiltModel
 from titan_lora.transfer.transport import TransportChoice
 
 PARITY_TOL = 1e-3
@@ -63,15 +64,24 @@ def rollouts_of(engine: EmbeddedEngine) -> OpenAIRolloutClient:
     return OpenAIRolloutClient(engine.url, engine.api_key, timeout_s=300)
 
 
+def syncer_into(engine: EmbeddedEngine, cfg: WeightSync, built: BuiltModel, lora: LoRA,
+                transport: TransportChoice = TransportChoice(), prefix: str = "policy",
+                owns_engine: bool = True) -> tuple[AdapterSource, WeightSyncer]:
+    """The adapter source of `built` and a syncer into `engine` whose buckets take `transport`, naming
+    versions `<prefix>-vN` (closing the syncer stops the engine when it `owns_engine`)."""
+    emitter = emitter_to("vllm", Endpoint(engine.url, engine.api_key, transport), cfg)
+    source = AdapterSource(built.model, built.peft_layout, lora, cfg.lora_name, built.hf_dir,
+                           lend=emitter.lend_buffer)  # the gather writes where the emitter posts from
+    syncer = WeightSyncer(source, base_weights_source(built.model, built.sd_adapter, True), emitter, cfg, CPU,
+                          versions=AdapterVersions(prefix, 2), engine=engine if owns_engine else None)
+    return source, syncer
+
+
 def smollm2_trainer(engine: EmbeddedEngine, cfg: WeightSync,  # noqa: ANN201
                     transport: TransportChoice = TransportChoice()):
     """Pretrained SmolLM2 + rank-8 LoRA on 1 trainer rank, its adapter source, and a syncer into
     `engine` whose buckets take `transport` (closing the syncer stops the engine)."""
     built = build_from(SMOLLM2_LORA)
     lora = job_config_from(SMOLLM2_LORA).lora
-    emitter = emitter_to("vllm", Endpoint(engine.url, engine.api_key, transport), cfg)
-    source = AdapterSource(built.model, built.peft_layout, lora, cfg.lora_name, built.hf_dir,
-                           lend=emitter.lend_buffer)  # the gather writes where the emitter posts from
-    syncer = WeightSyncer(source, base_weights_source(built.model, built.sd_adapter, True), emitter, cfg, CPU,
-                          versions=AdapterVersions("policy", 2), engine=engine)
+    source, syncer = syncer_into(engine, cfg, built, lora, transport)
     return built, lora, source, syncer
