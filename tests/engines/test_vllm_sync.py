@@ -13,12 +13,13 @@ import dataclasses
 import threading
 import time
 
+import psutil
 import pytest
 import torch
 from dist_helpers import free_port
 from model_helpers import randomize_adapters
-from vllm_helpers import (CPU, PARITY_TOL, assert_adapter_parity, emitter_to, max_abs_diff, rollouts_of,
-                          smollm2_engine, smollm2_trainer, syncer_into)
+from vllm_helpers import (CPU, PARITY_TOL, alias_logprobs, assert_adapter_parity, emitter_to, max_abs_diff,
+                          rollouts_of, smollm2_engine, smollm2_trainer, syncer_into)
 
 from titan_lora.clients.base import Endpoint
 from titan_lora.clients.http import JsonClient
@@ -282,8 +283,13 @@ def test_after_an_engine_restart_the_base_goes_again_then_the_newest_adapter(ctx
     syncer = ctx.syncer
     old_incarnation = ctx.info()["incarnation"]
     base_sends = syncer.counters["base_sends"]
+    children = psutil.Process(ctx.engine.proc.pid).children(recursive=True)
+    assert any("EngineCore" in c.name() for c in children), [c.name() for c in children]
     ctx.engine.proc.kill()
     ctx.engine.proc.wait(30)
+    # vLLM's engine core goes with its API server (it would keep the model and our buffers otherwise).
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, f"orphaned engine processes: {[c.pid for c in alive]}"
 
     randomize_adapters(ctx.built.model, seed=6, std=0.05)
     started = time.perf_counter()
@@ -295,11 +301,13 @@ def test_after_an_engine_restart_the_base_goes_again_then_the_newest_adapter(ctx
     info = ctx.info()
     # the recovery labels the base with the last version the engine had (4); what matters is that it has one
     assert info["incarnation"] != old_incarnation and info["base_version"] is not None
-    assert set(info["adapters"]) == {"policy-v6"}
+    assert set(info["adapters"]) == {"policy-v6"} and syncer.counters["engine_recoveries"] == 1
     assert syncer.versions.live == [6] and syncer.versions.active.name == "policy-v6"
     diff = max_abs_diff(ctx.trainer_logprobs(), ctx.engine_logprobs("policy-v6"))
     FIGURES["parity_max_abs"].append(diff)
     assert diff <= PARITY_TOL
+    served, theirs = alias_logprobs(ctx.rollouts.client, ctx.sequences, "policy")  # the alias came back too
+    assert served == "policy-v6" and max_abs_diff(theirs, ctx.trainer_logprobs()) <= PARITY_TOL
 
     randomize_adapters(ctx.built.model, seed=7, std=0.05)
     ctx.sync(7)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import openai
 import torch
 from dist_helpers import free_port
 from model_helpers import SMOLLM2_LORA, build_from, job_config_from
@@ -39,6 +40,19 @@ def assert_adapter_parity(model: torch.nn.Module, sequences: list[list[int]], se
     print(f"\n{what}: trainer vs engine log-probs max {diff:.2e}; adapter effect {effect:.3g}")
     assert effect > 0.05, f"the adapter barely moves the log-probs ({effect:.3g}): parity proves nothing"
     assert diff <= PARITY_TOL, f"trainer vs engine log-probs differ by {diff:.2e} ({what})"
+
+
+def alias_logprobs(api: openai.OpenAI, sequences: list[list[int]], model: str) -> tuple[str, list[list[float]]]:
+    """Prompt log-probs of `sequences` through `/v1/completions` with the openai client, and the model
+    (the versioned name behind an alias) that served them."""
+    served, out = set(), []
+    for ids in sequences:
+        reply = api.completions.create(model=model, prompt=ids, max_tokens=1, temperature=0.0,
+                                       extra_body={"prompt_logprobs": 0})
+        served.add(reply.model)
+        out.append([reply.choices[0].prompt_logprobs[j][str(ids[j])]["logprob"] for j in range(1, len(ids))])
+    assert len(served) == 1, f"one alias, several versions: {served}"
+    return served.pop(), out
 
 
 def emitter_to(kind: str, endpoint: Endpoint, cfg: WeightSync, engine: Engine | None = None):  # noqa: ANN201
