@@ -3,7 +3,7 @@
 
 One uninterrupted 10-step run of the shipped GRPO config serves both tests: its held-out accuracy at
 steps 0 and 10, and its per-step rewards as the reference for a job resumed from its step-5 checkpoint,
-SIGKILLed during step 7, and resumed again with the same command.
+SIGKILLed during step 6, and resumed again with the same command.
 """
 
 from __future__ import annotations
@@ -63,14 +63,13 @@ def run_job(config: Path, log: Path, timeout_s: float = 1200) -> None:
     assert rc == 0, log.read_text()[-3000:]
 
 
-def kill_after_step(config: Path, log: Path, step: int) -> None:
-    """Launch the job and SIGKILL its whole tree (torchrun, ranks, engine) once `step` is logged, as an OOM
+def kill_once_logged(config: Path, log: Path, line: str) -> None:
+    """Launch the job and SIGKILL its whole tree (torchrun, ranks, engine) once `line` is logged, as an OOM
     killer or a lost node would; then unlink the shared-memory buffers it could not unlink itself."""
     segments_before = shm_segments()
     job = launch(config, log)
     try:
-        wait_for(lambda: re.search(rf"^step\s+{step}/", log.read_text(), re.M), f"step {step}", job, log,
-                 timeout_s=900, poll_s=0.5)
+        wait_for(lambda: line in log.read_text(), repr(line), job, log, timeout_s=900, poll_s=0.2)
     finally:
         kill_tree(job.pid)  # torchrun's workers and the engine run in their own process groups
         job.wait()
@@ -105,12 +104,13 @@ def test_killed_and_resumed_runs_repeat_the_uninterrupted_rewards_exactly(uninte
     """The README's claim: resumed from a checkpoint with the same command, the adapter reaches the fresh
     engine before the first rollout, held-out accuracy at the resume step reads the same, and the rewards of
     the later steps repeat the first attempt's exactly. The first job starts on a copy of the step-5
-    checkpoint and is SIGKILLed during step 7; the same command then resumes from step 5 again."""
+    checkpoint and is SIGKILLed during step 6; the same command then resumes from step 5 again."""
     ref_dir, ref = uninterrupted
     ckpt = Path("run/checkpoint") / f"step-{RESUME_AT}"
     shutil.copytree(ref_dir / ckpt, tmp_path / ckpt)
     config = shipped_config(tmp_path, "grpo.toml", **KEYS)
-    kill_after_step(config, tmp_path / "killed.log", RESUME_AT + 1)
+    # Once it logged the resume step's held-out accuracy it is in step 6's rollouts.
+    kill_once_logged(config, tmp_path / "killed.log", f"held-out accuracy at step {RESUME_AT}:")
     # The checkpoints on disk, not the log: the kill can land between a write and its log line.
     complete = (tmp_path / "run/checkpoint").glob("step-*/.metadata")
     assert [p.parent.name for p in complete] == [f"step-{RESUME_AT}"], "the killed job wrote no checkpoint"
