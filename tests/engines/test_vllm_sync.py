@@ -339,7 +339,7 @@ def test_a_second_syncer_over_tcp_serves_the_trainers_log_probs(ctx: Ctx) -> Non
     # The engine's worker pulls the base and the adapter from the trainer's bucket server. Its own
     # versions (`tcp-vN`) sit beside the module syncer's, within the engine's adapter slots (v7, v8, tcp-v1).
     transport = choose_transport("tcp", ctx.engine.url)
-    source, syncer = syncer_into(ctx.engine, ctx.cfg, ctx.built, ctx.lora, transport, prefix="tcp",
+    source, syncer = syncer_into(ctx.engine, ctx.cfg, ctx.built, ctx.lora, transport, name="tcp",
                                  owns_engine=False)
     try:
         base_lp = ctx.engine_logprobs(None)

@@ -79,15 +79,17 @@ def rollouts_of(engine: EmbeddedEngine) -> OpenAIRolloutClient:
 
 
 def syncer_into(engine: EmbeddedEngine, cfg: WeightSync, built: BuiltModel, lora: LoRA,
-                transport: TransportChoice = TransportChoice(), prefix: str = "policy",
+                transport: TransportChoice = TransportChoice(), name: str = "",
                 owns_engine: bool = True) -> tuple[AdapterSource, WeightSyncer]:
     """The adapter source of `built` and a syncer into `engine` whose buckets take `transport`, naming
-    versions `<prefix>-vN` (closing the syncer stops the engine when it `owns_engine`)."""
+    versions `<name>-vN` (`[weight_sync] lora_name` when empty); closing the syncer stops the engine when
+    it `owns_engine`."""
+    name = name or cfg.lora_name
     emitter = emitter_to("vllm", Endpoint(engine.url, engine.api_key, transport), cfg)
-    source = AdapterSource(built.model, built.peft_layout, lora, cfg.lora_name, built.hf_dir,
+    source = AdapterSource(built.model, built.peft_layout, lora, name, built.hf_dir,
                            lend=emitter.lend_buffer)  # the gather writes where the emitter posts from
     syncer = WeightSyncer(source, base_weights_source(built.model, built.sd_adapter, True), emitter, cfg, CPU,
-                          versions=AdapterVersions(prefix, 2), engine=engine if owns_engine else None)
+                          versions=AdapterVersions(name, 2), engine=engine if owns_engine else None)
     return source, syncer
 
 
