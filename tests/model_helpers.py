@@ -45,8 +45,9 @@ ROWWISE = {"wo", "w2"}
 
 
 def check_tp2_placements(model: torch.nn.Module) -> None:
-    """Under TP=2 alone every adapter follows its base's plan: colwise (B sharded on its output rows,
-    A replicated) or rowwise (A sharded on its input columns, B replicated), on all seven linears."""
+    """Under TP=2, alone or x FSDP=2, every adapter follows its base's plan on the tp dim: colwise (B sharded
+    on its output rows, A replicated) or rowwise (A sharded on its input columns, B replicated), on all seven
+    linears; with FSDP, dim 0 is also sharded on the fsdp dim. Only adapters train."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     seen = set()
@@ -55,52 +56,25 @@ def check_tp2_placements(model: torch.nn.Module) -> None:
         seen.add(leaf)
         w, a, b = module.weight, module.lora_A, module.lora_B
         assert all(isinstance(t, DTensor) for t in (w, a, b)), name
+        dims = a.device_mesh.mesh_dim_names
+        assert dims in (("tp",), ("fsdp", "tp")) and w.device_mesh.mesh_dim_names == b.device_mesh.mesh_dim_names \
+            == dims, (name, dims)
+        tp, fsdp = dims.index("tp"), 2 if "fsdp" in dims else 1
         want = (Shard(0), Replicate(), Shard(0)) if leaf in COLWISE else (Shard(1), Shard(1), Replicate())
-        assert (w.placements[0], a.placements[0], b.placements[0]) == want, (name, w.placements, a.placements,
-                                                                            b.placements)
-        assert a.to_local().numel() * (2 if leaf in ROWWISE else 1) == a.numel(), name
-        assert b.to_local().numel() * (2 if leaf in COLWISE else 1) == b.numel(), name
+        assert (w.placements[tp], a.placements[tp], b.placements[tp]) == want, (name, w.placements, a.placements,
+                                                                              b.placements)
+        if fsdp > 1:  # FSDP shards dim 0 (plain or strided, when TP already split dim 0)
+            for t in (a, b):
+                assert getattr(t.placements[0], "dim", None) == 0, f"{name}: fsdp placement {t.placements}"
+        assert a.to_local().numel() * (2 if leaf in ROWWISE else 1) * fsdp == a.numel(), name
+        assert b.to_local().numel() * (2 if leaf in COLWISE else 1) * fsdp == b.numel(), name
     assert seen == COLWISE | ROWWISE
     # TP styles re-register the params they shard as new nn.Parameters (requires_grad=True): the base must
     # come out of parallelization frozen again, or LoRA + TP trains the whole model.
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all(is_adapter_param(n) for n in trainable), sorted(trainable - {
         n for n in trainable if is_adapter_param(n)})[:5]
-
-
-def check_tp2_fsdp2_placements(model: torch.nn.Module) -> None:
-    """Under TP=2 x FSDP=2 every adapter follows its base's TP plan on the tp dim and FSDP shards dim 0 on
-    the fsdp dim, on all seven linears."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    seen = set()
-    for name, module in lora_modules(model):
-        leaf = name.rsplit(".", 1)[-1]
-        seen.add(leaf)
-        a, b, w = module.lora_A, module.lora_B, module.weight
-        for t in (a, b, w):
-            assert isinstance(t, DTensor), name
-            assert t.device_mesh.mesh_dim_names == ("fsdp", "tp"), t.device_mesh.mesh_dim_names
-        tp = a.device_mesh.mesh_dim_names.index("tp")
-        fsdp = a.device_mesh.mesh_dim_names.index("fsdp")
-        if leaf in COLWISE:
-            assert w.placements[tp] == Shard(0), f"{name}: the base plan is not colwise"
-            assert a.placements[tp] == Replicate(), f"{name}.lora_A: {a.placements}"
-            assert b.placements[tp] == Shard(0), f"{name}.lora_B: {b.placements}"
-            a_split, b_split = 2, 4  # A: fsdp only; B: fsdp and tp both on the output dim
-        elif leaf in ROWWISE:
-            assert w.placements[tp] == Shard(1), f"{name}: the base plan is not rowwise"
-            assert a.placements[tp] == Shard(1), f"{name}.lora_A: {a.placements}"
-            assert b.placements[tp] == Replicate(), f"{name}.lora_B: {b.placements}"
-            a_split, b_split = 4, 2  # A: fsdp on rank dim, tp on the input dim; B: fsdp only
-        else:
-            raise AssertionError(f"unexpected LoRA target {name}")
-        for t in (a, b):  # FSDP shards dim 0 (plain or strided, when TP already split dim 0)
-            assert getattr(t.placements[fsdp], "dim", None) == 0, f"{name}: fsdp placement {t.placements}"
-            assert t.requires_grad
-        assert a.to_local().numel() * a_split == a.numel(), f"{name}.lora_A local {a.to_local().shape}"
-        assert b.to_local().numel() * b_split == b.numel(), f"{name}.lora_B local {b.to_local().shape}"
-    assert seen == COLWISE | ROWWISE
+    assert all(p.requires_grad for _, m in lora_modules(model) for p in (m.lora_A, m.lora_B))
 
 
 def job_config_from(toml: str, *overrides: str):  # noqa: ANN201

@@ -25,7 +25,6 @@ from model_helpers import (
     TP2,
     TP2_FSDP2,
     build_from,
-    check_tp2_fsdp2_placements,
     check_tp2_placements,
     full_copy,
     job_config_from,
@@ -48,10 +47,8 @@ BF16_BOUND = 0.1
 
 def _export_and_score(rank: int, world: int, toml: str, out_dir: str, fp32: bool, *overrides: str) -> None:
     built = build_from(toml, *overrides)
-    if overrides == TP2:
+    if overrides in (TP2, TP2_FSDP2):
         check_tp2_placements(built.model)
-    elif overrides == TP2_FSDP2:
-        check_tp2_fsdp2_placements(built.model)
     randomize_adapters(built.model, std=0.1)
     AdapterSource(built.model, built.peft_layout, job_config_from(toml).lora).export(out_dir)  # collective
     tokens = TOKENS.to(next(built.model.parameters()).device)

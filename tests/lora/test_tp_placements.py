@@ -10,7 +10,7 @@ from model_helpers import (
     DEBUG_LORA,
     TP2_FSDP2,
     build_from,
-    check_tp2_fsdp2_placements,
+    check_tp2_placements,
     full_copy,
     randomize_adapters,
 )
@@ -24,7 +24,7 @@ TOKENS = torch.randint(0, 49152, (2, 16), generator=torch.Generator().manual_see
 def _tp_ranks(rank: int, world: int, ref_path: str, out_path: str) -> None:
     built = build_from(DEBUG_LORA, *TP2_FSDP2)
     model = built.model
-    check_tp2_fsdp2_placements(model)
+    check_tp2_placements(model)
     ref = torch.load(ref_path)
     named = adapter_params(model)
     init = {n: full_copy(p) for n, p in named}
