@@ -228,12 +228,22 @@ def test_keepalive_is_on_for_both_ends(buf: tcp.TcpBuffer) -> None:
     assert served and all(s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) for s in served)
 
 
-def test_cuda_ranges_go_through_one_fixed_staging_buffer(buf: tcp.TcpBuffer, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def own_server_buf():
+    """A buffer on a server of its own (servers are shared per address, and keep their staging buffer)."""
+    b = tcp.TcpBuffer(1 << 20, CPU, host="127.0.0.7")
+    yield b
+    b.close()
+
+
+def test_cuda_ranges_go_through_one_fixed_staging_buffer(own_server_buf: tcp.TcpBuffer,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The CUDA path's logic on host memory: every range is staged, the staging never grows."""
     allocated: list[int] = []
     monkeypatch.setattr(tcp, "_needs_staging", lambda view: True)
     monkeypatch.setattr(tcp, "_pinned", lambda n: allocated.append(n) or torch.empty(n, dtype=torch.uint8))
     monkeypatch.setattr(tcp, "STAGING_BYTES", 1000)
+    buf = own_server_buf
     buf.tensor.copy_(torch.arange(buf.size).to(torch.uint8))
     desc, results = buf.describe(0), {}
 
