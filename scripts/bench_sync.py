@@ -255,7 +255,7 @@ def gpu_bench(iters: int, shape: str, layers: int | None, rank_: int | None, dev
             ("  scatter alone", scatter, floors["scatter"], "device copy of the adapter bytes"),
             ("checksum (trainer)", [ph["checksum_ms"] for ph in phases], floors["checksum"],
              "device copy of the adapter bytes"),
-            ("post + ack (HTTP, JSON, post thread)",
+            ("post + ack (HTTP, JSON)",
              [ph["transfer_ms"] - ph.get("engine_copy_ms", 0.0) for ph in phases], statistics.median(rtt),
              "keep-alive /titan/info round trip"),
             ("engine copy-out + checksum", [ph.get("engine_copy_ms", 0.0) for ph in phases],
