@@ -35,7 +35,8 @@ def main() -> None:
     """Parse the arguments, sample every (budget, temperature), print the table."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("config", help="a GRPO train config (TOML)")
-    ap.add_argument("--budgets", default="", help="new-token budgets, comma-separated (default: the config's)")
+    ap.add_argument("--budgets", default="",
+                    help="new-token budgets, comma-separated (default: the config's max_new_tokens)")
     ap.add_argument("--temperatures", default="0,1.0", help="comma-separated; 0 is greedy")
     ap.add_argument("--samples", type=int, default=8, help="samples per problem at a temperature above 0")
     ap.add_argument("--problems", type=int, default=0, help="the first N held-out problems (default: all)")
@@ -64,12 +65,13 @@ def main() -> None:
     for budget in budgets:
         for temperature in floats(args.temperatures):
             n = 1 if temperature == 0 else args.samples
-            outs = llm.generate(prompts, SamplingParams(temperature=temperature, max_tokens=budget, n=n, seed=0),
-                                use_tqdm=False)
+            params = SamplingParams(temperature=temperature, max_tokens=budget, n=n, seed=0)
+            outs = llm.generate(prompts, params, use_tqdm=False)
             done = [(reward(c.text, p), len(c.token_ids), c.finish_reason == "length")
                     for p, o in zip(heldout, outs) for c in o.outputs]
-            print(f"{budget:6d} {temperature:5.2f} {n:7d} {statistics.mean(d[0] for d in done):9.3f} "
-                  f"{statistics.mean(d[1] for d in done):9.1f} {statistics.mean(d[2] for d in done):6.2f}", flush=True)
+            accuracy, length, cut = (statistics.mean(d[i] for d in done) for i in range(3))
+            row = f"{budget:6d} {temperature:5.2f} {n:7d} {accuracy:9.3f} {length:9.1f} {cut:6.2f}"
+            print(row, flush=True)
 
 
 if __name__ == "__main__":

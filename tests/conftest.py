@@ -23,7 +23,9 @@ collect_ignore_glob = [] if HAS_VLLM else ["engines/test_vllm_*.py"]
 
 def pytest_report_header(config: pytest.Config) -> str | None:
     """Say which modules were left out, and why."""
-    return None if HAS_VLLM else "vLLM is not installed: tests/engines/test_vllm_*.py (live engines) are left out"
+    if HAS_VLLM:
+        return None
+    return "vLLM is not installed: tests/engines/test_vllm_*.py (live engines) are left out"
 
 
 @pytest.fixture(scope="session")

@@ -97,7 +97,7 @@ class _Streamed:
 
 
 class _Transfer:
-    """The bucket posts of one transfer, in order on the emitter's post thread.
+    """The bucket posts of one transfer, in order on the emitter's post thread (a lone bucket: the caller's).
 
     A packing buffer is handed out again only after the engine acknowledged the bucket it held; after a
     failed post, later posts (and the commit riding on the last one) are not sent.
