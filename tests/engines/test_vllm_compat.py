@@ -20,9 +20,8 @@ from vllm_helpers import CPU, PARITY_TOL, max_abs_diff, rollouts_of, smollm2_eng
 from titan_lora.clients.http import JsonClient
 from titan_lora.compose import probe_sequences
 from titan_lora.config import WeightSync
+from titan_lora.engines import vllm_compat as compat
 from titan_lora.sync.parity import trainer_logprobs
-
-compat = pytest.importorskip("titan_lora.engines.vllm_compat")
 
 UNTESTED = "0.99.0"
 WARNING = f"vLLM {UNTESTED} is not a version titan_lora was tested with (0.32.x)"

@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("vllm")
-from vllm.lora.ops.torch_ops import lora_ops  # noqa: E402
+from vllm.lora.ops.torch_ops import lora_ops
 
-from titan_lora.engines import vllm_cpu_lora  # noqa: E402
+from titan_lora.engines import vllm_cpu_lora
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,10 @@ import uuid
 import pytest
 import torch
 
+from titan_lora.engines import vllm_ext
 from titan_lora.engines.transfers import ChecksumMismatch
 from titan_lora.transfer.buckets import bucket_checksum, bucket_size, layout_id, pack, plan_buckets
 from titan_lora.transfer.transport import BucketBuffer
-
-vllm_ext = pytest.importorskip("titan_lora.engines.vllm_ext")
 
 
 @pytest.fixture

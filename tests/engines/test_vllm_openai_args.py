@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("vllm")
-from titan_lora.engines import vllm_openai  # noqa: E402
+from titan_lora.engines import vllm_openai
 
 
 @pytest.fixture(autouse=True)

@@ -8,9 +8,8 @@ import asyncio
 
 import pytest
 
-pytest.importorskip("vllm")
-from titan_lora.engines import vllm_compat as compat  # noqa: E402
-from titan_lora.engines.openai_service import TitanService, agreed  # noqa: E402
+from titan_lora.engines import vllm_compat as compat
+from titan_lora.engines.openai_service import TitanService, agreed
 
 
 class Cores:
