@@ -41,3 +41,37 @@ def _step_tied(rank: int, world: int, toml: str) -> None:
 @pytest.mark.slow
 def test_tied_head_shards_into_one_group_and_stays_tied_through_a_step(tmp_path: Path) -> None:
     run_ranks(2, _step_tied, hf_toml("qwen3", tiny_qwen3(tmp_path / "hf", tied=True)))
+
+
+BF16_PARAMS = "--training.mixed_precision_param=bfloat16"
+
+
+def _step_in_bf16(rank: int, world: int, toml: str) -> None:
+    import titan_lora.lora.parallelize as parallelize
+
+    results = {}
+    for stored in ("bf16", "fp32"):
+        if stored == "fp32":  # what FSDP did before: fp32 frozen shards, cast at every all-gather
+            parallelize.store_frozen_as = lambda model, dtype: None
+        model = build_from(toml, BF16_PARAMS).model
+        randomize_adapters(model)
+        frozen = {p.dtype for p in model.parameters() if not p.requires_grad}
+        trained = {p.dtype for p in model.parameters() if p.requires_grad}
+        assert frozen == {torch.bfloat16 if stored == "bf16" else torch.float32}, frozen
+        assert trained == {torch.float32}, "the adapters keep [lora] dtype"
+        assert model.output.weight is model.tok_embeddings.weight, "the cast untied the head"
+        logits = model(TOKENS[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), TOKENS[:, 1:].flatten())
+        loss.backward()
+        grads = [full_copy(p.grad) for p in model.parameters() if p.requires_grad]
+        results[stored] = (loss.detach(), grads)
+    (loss16, grads16), (loss32, grads32) = results["bf16"], results["fp32"]
+    assert torch.equal(loss16, loss32), f"loss {loss16.item()} (bf16 frozen shards) vs {loss32.item()} (fp32)"
+    assert all(torch.equal(a, b) for a, b in zip(grads16, grads32, strict=True)), "adapter gradients differ"
+
+
+@pytest.mark.slow
+def test_frozen_base_is_stored_in_the_compute_dtype_with_bit_identical_loss_and_grads(tmp_path: Path) -> None:
+    """With bf16 params under FSDP, the frozen base (tied head included) is kept in bf16, not fp32: the
+    all-gather would cast it anyway, so loss and adapter gradients are bit-identical and its memory halves."""
+    run_ranks(2, _step_in_bf16, hf_toml("qwen3", tiny_qwen3(tmp_path / "hf", tied=True)))

@@ -119,6 +119,7 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, job_config) -> None:  # noqa
     training, policy = job_config.training, job_config.parallelism.fsdp_reshard_after_forward
     param_dtype = TORCH_DTYPE_MAP[training.mixed_precision_param]
     reduce_dtype = TORCH_DTYPE_MAP[training.mixed_precision_reduce]
+    store_frozen_as(model, param_dtype)
     tied = _tied_head(model)
     if tied:
         # FSDP needs a tied pair in one group, and apply_fsdp splits it (embedding | norm + output): shard the
@@ -144,6 +145,25 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, job_config) -> None:  # noqa
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_force_sum_reduction_for_comms(True)
+
+
+def store_frozen_as(model: nn.Module, dtype: torch.dtype) -> None:
+    """Keep each frozen floating-point param wider than `dtype` (FSDP's compute dtype) in `dtype`.
+
+    A frozen weight needs no fp32 master copy, and FSDP's all-gather casts it to `dtype` anyway, so the
+    unsharded weights, the forward and the gradients are bit-identical while the frozen base's shards
+    take half the memory (8 GB a rank for an 8B base on 2 GPUs) and the all-gather copies read half the
+    bytes. Tied params stay one param."""
+    cast: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or param.requires_grad or not param.is_floating_point():
+                continue
+            if param.dtype.itemsize <= dtype.itemsize:
+                continue
+            if id(param) not in cast:
+                cast[id(param)] = nn.Parameter(param.detach().to(dtype), requires_grad=False)
+            module._parameters[name] = cast[id(param)]
 
 
 def _tied_head(model: nn.Module) -> bool:
