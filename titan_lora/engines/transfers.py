@@ -1,6 +1,7 @@
 """Engine side of a transfer, shared by the vLLM worker extension and the receiver process.
 
-A bucket is copied once, out of the trainer's buffer into a slab the engine owns (`receive`). Slabs
+A bucket is copied once, out of the trainer's buffer into a slab the engine owns (`receive`); a
+fetching transport (tcp, nccl) receives it straight into that slab. Slabs
 are pooled by bucket layout (`SlabPool`): a slab whose adapter was retired is filled again by a later
 bucket of the same layout, and its tensor views and byte count were made when it was first allocated,
 so a steady-state sync allocates nothing and runs no Python per tensor (an 8B adapter has 448 of them:
@@ -15,7 +16,7 @@ sent, over the bytes the engine holds after its copy-out; a mismatch discards th
 
 Fault injection, for the chaos tests (read at every bucket):
 - `TITAN_LORA_FAULT_BUCKET_PAUSE_S=<seconds>`: the engine sleeps inside the handling of each bucket,
-  after mapping the trainer's buffer and before copying it out.
+  after mapping the trainer's buffer (or fetching the bucket) and before copying it out (or checking it).
 - `TITAN_LORA_FAULT_MARKER=<path>`: the pause becomes one-shot and armed by the file's absence: the
   engine pauses only while the file does not exist, and creates it (holding its pid) when it enters the pause. A test
   creates the file to disarm the hook, removes it to arm it, and waits for it to reappear to know that
@@ -122,11 +123,15 @@ def receive(buffers: BufferCache, pool: SlabPool, transfers: TransferStore, req:
     slab: Slab | None = None
     try:
         # Refuses anything but a bare segment name, a wrong tcp token, a range past the buffer's end.
-        with buffers.bucket(req["segment"], size) as buffer:
-            staged = transfers.stage(req["transfer_id"], req.get("kind", "adapter"), buffers.prune)
+        device = buffers.device(req["segment"])
+        # Staged before the slab is taken: the older transfers it evicts give their slabs back for this one.
+        staged = transfers.stage(req["transfer_id"], req.get("kind", "adapter"), buffers.prune)
+        slab = pool.take(layout, entries, device)
+        # A fetching transport (tcp, nccl) receives straight into the slab: its copy-out is the receive.
+        with buffers.bucket(req["segment"], size, into=slab.data) as buffer:
             fault_pause()
-            slab = pool.take(layout, entries, buffer.device)
-            copy_flat(slab.data, buffer[:size])
+            if buffer.data_ptr() != slab.data.data_ptr():
+                copy_flat(slab.data, buffer[:size])
     except BaseException:
         if slab is not None:
             pool.give(layout, slab)

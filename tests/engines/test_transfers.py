@@ -1,0 +1,41 @@
+"""The engine side's `receive`: a bucket lands in a pooled slab once, straight from the wire for a
+fetching transport (tcp), by one copy out of the mapping for a mapped one (shm), with the trainer's
+bytes either way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import titan_lora.engines.transfers as transfers
+from titan_lora.transfer.buckets import bucket_checksum, bucket_size, pack, plan_buckets
+from titan_lora.transfer.transport import BufferCache, TransportChoice
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("kind", ["tcp", "shm"])
+def test_a_bucket_is_received_into_a_pooled_slab_with_one_copy_at_most(
+        kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"t{i}": torch.randn(41 * (i + 1), generator=g) for i in range(6)}
+    entries = plan_buckets(tensors, 1 << 20)[0]
+    buf = TransportChoice(kind).buffer(1 << 20, CPU)
+    copies = []
+    copy_flat = transfers.copy_flat
+    monkeypatch.setattr(transfers, "copy_flat", lambda dst, src: copies.append(1) or copy_flat(dst, src))
+    try:
+        pool, store = transfers.SlabPool(), transfers.TransferStore()
+        for version in range(3):  # the second and third reuse the first's slab
+            tensors = {n: t + version for n, t in tensors.items()}
+            pack(buf.tensor[512:], entries, tensors)
+            sent = bucket_checksum(buf.tensor[512 : 512 + bucket_size(entries)])
+            req = {"transfer_id": f"v{version}", "kind": "adapter", "segment": buf.describe(512),
+                   "layout": "L"}
+            staged, slab = transfers.receive(BufferCache(), pool, store, req, entries)
+            assert store.hold(f"v{version}", staged, slab, sent, "L")["checksum"] == sent
+            assert all(torch.equal(slab.views[n], t) for n, t in tensors.items()), version
+            pool.give_all(store.take(f"v{version}"))
+        assert len(copies) == (0 if kind == "tcp" else 3), "tcp receives into the slab; shm copies out once"
+    finally:
+        buf.close()
