@@ -4,7 +4,8 @@ GPU (one process per GPU; 8B full fine-tuning needs ~16 bytes a param, so one 80
     torchrun --nproc_per_node=1 scripts/bench_step.py --layers 8 [--steps 20] [--profile]
     torchrun --nproc_per_node=2 scripts/bench_step.py            (all 32 layers, FSDP over 2 GPUs)
     torchrun --nproc_per_node=4 scripts/bench_step.py --tp 2     (TP=2 x FSDP=2)
-    add --compile to compile each block ([compile] enable = true) in all three variants
+    add --compile to compile each block ([compile] enable = true) in all three variants,
+    --phases to time forward, backward, clip and optimizer of the LoRA and full steps apart
 CPU smoke test:
     python scripts/bench_step.py --device cpu --flavor debugmodel --seq-len 64 --steps 2
 
@@ -62,6 +63,7 @@ class Result:
     params: int
     trainable: int
     layers: int
+    phases: dict[str, float] | None = None  # --phases: p50 ms of each phase
 
 
 def job_toml(args: argparse.Namespace, lora: bool) -> str:
@@ -142,13 +144,43 @@ def step_fn(cfg, built, variant: str, tokens: torch.Tensor, labels: torch.Tensor
     optimizers = spec.build_optimizers_fn([model], cfg.optimizer, dims)
     trainable = [p for p in model.parameters() if p.requires_grad]
 
-    def step() -> None:
+    def step(marks: list[float] | None = None) -> None:
+        """One step; with `marks`, the device is synchronised after each phase and the time appended."""
+        def mark() -> None:
+            if marks is not None:
+                synchronize(tokens.device)
+                marks.append(time.perf_counter())
+
         optimizers.zero_grad()
-        (loss_fn(model(tokens), labels) / n_tokens).backward()
+        mark()
+        loss = loss_fn(model(tokens), labels) / n_tokens
+        mark()
+        loss.backward()
+        mark()
         clip_grad_norm_(trainable, cfg.training.max_norm, foreach=True)
+        mark()
         optimizers.step()
+        mark()
 
     return step
+
+
+PHASES = ("forward", "backward", "clip", "optimizer")
+
+
+def phase_times(step: Callable[..., None], device: torch.device, steps: int) -> dict[str, float]:
+    """p50 ms of each phase of `step`, the device synchronised between them (so they add up to more
+    than a step, whose phases overlap host and device work); the slowest rank's per step."""
+    per_phase: dict[str, list[float]] = {name: [] for name in PHASES}
+    for _ in range(steps):
+        dist.barrier()
+        marks: list[float] = []
+        step(marks)
+        for name, start, end in zip(PHASES, marks, marks[1:]):
+            per_phase[name].append((end - start) * 1e3)
+    return {name: statistics.median(slowest_rank(times, device)) for name, times in per_phase.items()}
+
+
 
 
 def slowest_rank(values: list[float], device: torch.device, op: dist.ReduceOp = dist.ReduceOp.MAX) -> list[float]:
@@ -185,12 +217,13 @@ def run_variant(args: argparse.Namespace, variant: str, device: torch.device, di
     peak = slowest_rank([peak], device)[0] if peak is not None else None
     if variant == "lora" and args.profile:
         profile(step, device)
+    phases = phase_times(step, device, args.steps) if args.phases and variant != "floor" else None
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     layers = len(model.layers)
     del cfg, built, model, step
     free(device)
-    return Result(variant, times, peak, params, trainable, layers)
+    return Result(variant, times, peak, params, trainable, layers, phases)
 
 
 def profile(step: Callable[[], None], device: torch.device) -> None:
@@ -225,6 +258,9 @@ def report(args: argparse.Namespace, results: dict[str, Result], device: torch.d
     floor_ratio = statistics.median(floor.times) / statistics.median(full.times)
     print(f"ratio LoRA/full (p50): {ratio:.3f}  (target <= {TARGET:.2f}; floor/full {floor_ratio:.3f})")
     print(f"baseline: {BASELINE}")
+    if lora.phases and full.phases:
+        print("phases, device synchronised between them (p50 ms): "
+              + "; ".join(f"{name} LoRA {lora.phases[name]:.1f} / full {full.phases[name]:.1f}" for name in PHASES))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -242,6 +278,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--optimizer-impl", choices=["fused", "foreach", "for-loop"], default="fused")
     ap.add_argument("--device", choices=["auto", "cpu"], default="auto", help="auto: this rank's GPU if any")
     ap.add_argument("--profile", action="store_true", help="print the top-15 ops of one LoRA step")
+    ap.add_argument("--phases", action="store_true",
+                    help="also time forward, backward, clip and optimizer apart (device synchronised between)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each block and the loss, every variant")
     return ap.parse_args(argv)
 

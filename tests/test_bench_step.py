@@ -1,4 +1,5 @@
-"""scripts/bench_step.py runs end to end on CPU and prints the floor, LoRA and full rows and their ratio."""
+"""scripts/bench_step.py runs end to end on CPU and prints the floor, LoRA and full rows, their ratio and
+the phases of the LoRA and full steps."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_bench_step_prints_both_steps_and_their_ratio() -> None:
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_step.py"), "--device", "cpu", "--flavor", "debugmodel",
            "--seq-len", "64", "--steps", "2", "--warmup", "1", "--mixed-precision-param", "float32",
-           "--optimizer-impl", "foreach", "--profile"]
+           "--optimizer-impl", "foreach", "--profile", "--phases"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # 1 thread: no oversubscribed spin
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -30,3 +31,7 @@ def test_bench_step_prints_both_steps_and_their_ratio() -> None:
     assert ratio, text
     assert abs(float(ratio.group(1)) - p50["LoRA step"] / p50["full fine-tuning step"]) < 0.01
     assert "6 layers" in text and "top-15 ops of one LoRA step" in text
+    phases = re.search(r"^phases, .*: (.*)$", text, re.M)
+    assert phases, text
+    times = dict(re.findall(r"(\w+) LoRA ([\d.]+) / full [\d.]+", phases.group(1)))
+    assert set(times) == {"forward", "backward", "clip", "optimizer"} and all(float(t) > 0 for t in times.values())
