@@ -224,3 +224,45 @@ def test_two_dp_ranks_give_the_one_rank_loss_and_gradient(tmp_path) -> None:
     assert torch.allclose(two["grad"], model.table.grad, atol=1e-7)
     assert two["metrics"]["loss"] == pytest.approx(metrics["loss"], abs=1e-6)
     assert two["metrics"]["rl/samples"] == metrics["rl/samples"] == 4
+
+
+# ---------------------------------------------------------------- the output head on completion positions only
+
+
+def _head_on_completions(rank: int, world: int, out: str) -> None:
+    from model_helpers import DEBUG_LORA, build_from, randomize_adapters
+
+    from titan_lora.rl.objective import token_logprobs
+
+    model = build_from(DEBUG_LORA).model
+    randomize_adapters(model)
+    g = torch.Generator().manual_seed(rank)
+    inputs, labels = (torch.randint(0, 256, (3, 20), generator=g) for _ in range(2))
+    mask = torch.zeros(3, 20)
+    mask[0, 15:], mask[1, 12:19], mask[2, 19:] = 1, 1, 1  # ragged completions, as GRPO batches are
+    head_rows = []
+    hook = model.output.register_forward_pre_hook(lambda _m, args: head_rows.append(args[0].shape[:-1]))
+    results = {}
+    for name, m in (("cut", mask), ("whole", None)):
+        model.zero_grad()
+        logp = token_logprobs(model, inputs, labels, m)
+        (logp * mask).sum().backward()
+        grads = [p.grad.full_tensor().clone() for p in model.parameters() if p.requires_grad]
+        results[name] = (logp.detach(), grads)
+    hook.remove()
+    if rank == 0:
+        torch.save({"results": results, "rows": head_rows, "mask": mask}, out)
+
+
+def test_the_output_head_runs_on_completion_positions_only_with_the_same_logprobs_and_grads(tmp_path) -> None:
+    """GRPO's log-probs with the head cut to the completion tokens (10 of 60 positions here) equal those of
+    the whole logits there, and are 0 elsewhere; the adapter gradients agree, on 2 FSDP ranks."""
+    run_ranks(2, _head_on_completions, str(tmp_path / "head.pt"))
+    saved = torch.load(tmp_path / "head.pt")
+    (cut, cut_grads), (whole, whole_grads) = saved["results"]["cut"], saved["results"]["whole"]
+    mask = saved["mask"].bool()
+    assert [tuple(r) for r in saved["rows"]] == [(int(mask.sum()),), (3, 20)], "the head ran on every position"
+    torch.testing.assert_close(cut[mask], whole[mask], rtol=0, atol=1e-5)
+    assert torch.count_nonzero(cut[~mask]) == 0
+    for a, b in zip(cut_grads, whole_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from titan_lora.config import GRPO
 from titan_lora.lora.layer import adapters_disabled
@@ -50,9 +51,27 @@ def fresh_samples(samples: list[Sample], current_version: int, max_staleness: in
     return fresh
 
 
-def token_logprobs(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """log p(label) at every position, [N, T]."""
-    logits = model(inputs).float()
+def token_logprobs(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
+                   mask: torch.Tensor | None = None) -> torch.Tensor:
+    """log p(label) at every position, [N, T]; with `mask`, only where it is set (0 elsewhere).
+
+    With a mask, a model with a final `norm` and an `output` head (torchtitan's families) runs the head on
+    the masked positions alone: the norm's output is cut to them, so the head's matmul and the [N, T, vocab]
+    logits skip the prompt, which in GRPO is most of every sequence. Under TP the norm's output is a DTensor
+    sharded over the sequence; it is left whole there and the logits cover every position."""
+    keep = mask.bool() if mask is not None else None
+    norm = getattr(model, "norm", None)
+    cut = keep is not None and isinstance(norm, nn.Module) and getattr(model, "output", None) is not None
+    handle = norm.register_forward_hook(lambda _m, _i, out: out if isinstance(out, DTensor) else out[keep]) \
+        if cut else None
+    try:
+        logits = model(inputs).float()
+    finally:
+        if handle is not None:
+            handle.remove()
+    if logits.dim() == 2:  # [K, vocab]: the masked positions' logits, in row-major order
+        picked = torch.gather(F.log_softmax(logits, dim=-1), -1, labels[keep][:, None]).squeeze(-1)
+        return picked.new_zeros(labels.shape).masked_scatter(keep, picked)
     return torch.gather(F.log_softmax(logits, dim=-1), -1, labels[..., None]).squeeze(-1)
 
 
@@ -149,7 +168,7 @@ class GRPOObjective:
         mine = fresh[self.dp.rank * share_n : (self.dp.rank + 1) * share_n]
         inputs, labels, mask = (t.to(self.device) for t in completion_batch(mine, self.pad_id))
         adv = torch.tensor([s.advantage for s in mine], device=self.device)
-        logp = token_logprobs(model, inputs, labels)
+        logp = token_logprobs(model, inputs, labels, mask)
         engine = self._engine_logprobs(mine, logp)
         on_policy = torch.tensor([[s.version == current] for s in mine], device=self.device)
         # An older version drew a stale sample: its ratio needs that version's log-probs, which the
@@ -159,7 +178,7 @@ class GRPOObjective:
         kl = torch.zeros_like(per_token)
         if self.cfg.kl_coef > 0:
             with torch.no_grad(), adapters_disabled(model):
-                ref = token_logprobs(model, inputs, labels)
+                ref = token_logprobs(model, inputs, labels, mask)
             kl = k3_kl(logp, ref)
             per_token = per_token + self.cfg.kl_coef * kl
         gap = self._engine_gap(logp.detach(), engine, mask * on_policy)
