@@ -60,10 +60,9 @@ def token_logprobs(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
     logits skip the prompt, which in GRPO is most of every sequence. Under TP the norm's output is a DTensor
     sharded over the sequence; it is left whole there and the logits cover every position."""
     keep = mask.bool() if mask is not None else None
-    norm = getattr(model, "norm", None)
-    cut = keep is not None and isinstance(norm, nn.Module) and getattr(model, "output", None) is not None
-    handle = norm.register_forward_hook(lambda _m, _i, out: out if isinstance(out, DTensor) else out[keep]) \
-        if cut else None
+    norm, handle = getattr(model, "norm", None), None
+    if keep is not None and isinstance(norm, nn.Module) and getattr(model, "output", None) is not None:
+        handle = norm.register_forward_hook(lambda _m, _i, out: out if isinstance(out, DTensor) else out[keep])
     try:
         logits = model(inputs).float()
     finally:
