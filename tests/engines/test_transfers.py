@@ -10,6 +10,7 @@ import torch
 import titan_lora.engines.transfers as transfers
 from titan_lora.transfer.buckets import bucket_checksum, bucket_size, pack, plan_buckets
 from titan_lora.transfer.transport import BufferCache, TransportChoice
+from titan_lora.transfer.transports import tcp
 
 CPU = torch.device("cpu")
 
@@ -37,5 +38,21 @@ def test_a_bucket_is_received_into_a_pooled_slab_with_one_copy_at_most(
             assert all(torch.equal(slab.views[n], t) for n, t in tensors.items()), version
             pool.give_all(store.take(f"v{version}"))
         assert len(copies) == (0 if kind == "tcp" else 3), "tcp receives into the slab; shm copies out once"
+    finally:
+        buf.close()
+
+
+def test_a_refused_fetch_stages_nothing_and_gives_its_slab_back() -> None:
+    tensors = {"t": torch.arange(64, dtype=torch.float32)}
+    entries = plan_buckets(tensors, 1 << 20)[0]
+    buf = TransportChoice("tcp").buffer(1 << 16, CPU)
+    try:
+        pool, store = transfers.SlabPool(), transfers.TransferStore()
+        wrong = {**buf.describe(0), "token": "00" * 16}
+        req = {"transfer_id": "v1", "kind": "adapter", "segment": wrong, "layout": "L"}
+        with pytest.raises(tcp.TcpRefused, match="wrong token"):
+            transfers.receive(BufferCache(), pool, store, req, entries)
+        assert store.pending() == {}, "a refused bucket left a staged transfer behind"
+        assert len(pool._free[("L", CPU)]) == 1, "the slab taken for the fetch was not given back"
     finally:
         buf.close()

@@ -122,14 +122,16 @@ def receive(buffers: BufferCache, pool: SlabPool, transfers: TransferStore, req:
     size = pool.size(layout, entries)
     slab: Slab | None = None
     try:
-        # Refuses anything but a bare segment name, a wrong tcp token, a range past the buffer's end.
-        device = buffers.device(req["segment"])
-        # Staged before the slab is taken: the older transfers it evicts give their slabs back for this one.
-        staged = transfers.stage(req["transfer_id"], req.get("kind", "adapter"), buffers.prune)
-        slab = pool.take(layout, entries, device)
         # A fetching transport (tcp, nccl) receives straight into the slab: its copy-out is the receive.
-        with buffers.bucket(req["segment"], size, into=slab.data) as buffer:
+        fetched_on = buffers.fetch_device(req["segment"])
+        slab = pool.take(layout, entries, fetched_on) if fetched_on is not None else None
+        # Refuses anything but a bare segment name, a wrong tcp token, a range past the buffer's end;
+        # nothing is staged for a refused bucket.
+        with buffers.bucket(req["segment"], size, into=slab.data if slab else None) as buffer:
+            staged = transfers.stage(req["transfer_id"], req.get("kind", "adapter"), buffers.prune)
             fault_pause()
+            if slab is None:  # staged first: the older transfers it evicts give their slabs back for this one
+                slab = pool.take(layout, entries, buffer.device)
             if buffer.data_ptr() != slab.data.data_ptr():
                 copy_flat(slab.data, buffer[:size])
     except BaseException:

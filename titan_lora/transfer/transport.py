@@ -161,18 +161,18 @@ class BufferCache:
             mapped = self._open[key][1]
         return mapped[int(desc.get("offset", 0)) :]
 
-    def device(self, desc: dict) -> torch.device:
-        """Where the bytes of the bucket `desc` names will be: its mapping's device, or the one its fetcher
-        receives on (the host, or the engine's GPU for nccl)."""
+    def fetch_device(self, desc: dict) -> torch.device | None:
+        """The device a fetching transport receives the bucket `desc` names on (the host, or the engine's
+        GPU for nccl); None for a mapped one."""
         opener = transport_named(desc.get("kind")).opener
-        return opener.device(desc) if isinstance(opener, Fetcher) else self.get(desc).device
+        return opener.device(desc) if isinstance(opener, Fetcher) else None
 
     @contextlib.contextmanager
     def bucket(self, desc: dict, nbytes: int, into: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
         """The `nbytes` bytes of the bucket `desc` names, valid until the block ends (copy them out in
         it): a view of the cached mapping, or bytes fetched from the trainer now, straight into `into`
-        when it is contiguous uint8 on `device(desc)` (the caller's copy-out is then done), else into a
-        slab lent for the block."""
+        when it is contiguous uint8 on `fetch_device(desc)` (the caller's copy-out is then done), else
+        into a slab lent for the block."""
         opener = transport_named(desc.get("kind")).opener
         if isinstance(opener, Fetcher):
             if into is not None and into.device == opener.device(desc) and into.is_contiguous():
