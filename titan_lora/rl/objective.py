@@ -68,10 +68,10 @@ def token_logprobs(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
     finally:
         if handle is not None:
             handle.remove()
-    if logits.dim() == 2:  # [K, vocab]: the masked positions' logits, in row-major order
-        picked = torch.gather(F.log_softmax(logits, dim=-1), -1, labels[keep][:, None]).squeeze(-1)
-        return picked.new_zeros(labels.shape).masked_scatter(keep, picked)
-    return torch.gather(F.log_softmax(logits, dim=-1), -1, labels[..., None]).squeeze(-1)
+    cut = logits.dim() == 2  # [K, vocab]: the masked positions' logits, in row-major order
+    chosen = labels[keep] if cut else labels
+    logp = torch.gather(F.log_softmax(logits, dim=-1), -1, chosen[..., None]).squeeze(-1)
+    return logp.new_zeros(labels.shape).masked_scatter(keep, logp) if cut else logp
 
 
 class GRPOObjective:
