@@ -25,7 +25,8 @@ class LoRA:
     dtype: str = "float32"
     """Dtype of lora_A / lora_B: float32, bfloat16 or float16."""
     export_dir: str = ""
-    """Where to write a PEFT adapter at the end of training (and on every checkpoint); empty: none."""
+    """Where to write a PEFT adapter at the end of training (and on every checkpoint); a relative path is
+    under `[job] dump_folder`, as `[checkpoint] folder` is; empty: none."""
 
 
 @dataclass

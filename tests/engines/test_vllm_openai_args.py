@@ -27,6 +27,18 @@ def test_vllm_serve_flags_pass_through_and_titan_defaults_are_added(monkeypatch:
     assert vllm_openai.parse_args(["/m", "--enable-chunked-prefill"]).enable_chunked_prefill is True
 
 
+def test_on_cpu_one_worker_runs_in_the_engine_core_unless_the_environment_says() -> None:
+    env: dict[str, str] = {}
+    vllm_openai.keep_cpu_worker_in_engine_core(vllm_openai.parse_args(["/m"]), env)
+    assert env == {vllm_openai.IN_CORE_WORKER_ENV: "0"}
+    env = {vllm_openai.IN_CORE_WORKER_ENV: "1"}  # the user asked for vLLM's own CPU layout
+    vllm_openai.keep_cpu_worker_in_engine_core(vllm_openai.parse_args(["/m"]), env)
+    assert env == {vllm_openai.IN_CORE_WORKER_ENV: "1"}
+    env = {}  # several workers need vLLM's multiprocess executor
+    vllm_openai.keep_cpu_worker_in_engine_core(vllm_openai.parse_args(["/m", "--tensor-parallel-size", "2"]), env)
+    assert env == {}
+
+
 def test_several_api_servers_and_no_lora_are_refused() -> None:
     with pytest.raises(SystemExit, match="adapter table and leases live in one API server process"):
         vllm_openai.parse_args(["/m", "--api-server-count", "2"])

@@ -285,6 +285,8 @@ def test_after_an_engine_restart_the_base_goes_again_then_the_newest_adapter(ctx
     base_sends = syncer.counters["base_sends"]
     children = psutil.Process(ctx.engine.proc.pid).children(recursive=True)
     assert any("EngineCore" in c.name() for c in children), [c.name() for c in children]
+    # On CPU the one worker runs in the engine core (a third process would import vLLM again at each start).
+    assert not [c.name() for c in children if "Worker" in c.name()], [c.name() for c in children]
     ctx.engine.proc.kill()
     ctx.engine.proc.wait(30)
     # vLLM's engine core goes with its API server (it would keep the model and our buffers otherwise).

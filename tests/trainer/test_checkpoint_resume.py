@@ -129,3 +129,15 @@ def test_a_resume_with_another_rank_or_other_targets_is_refused_before_the_build
     newest = _fake_checkpoint(tmp_path, 6, 8, [n for n in ALL_LINEARS if "attention" in n])
     with pytest.raises(ValueError, match=r"saved with other \[lora\] target_modules .*feed_forward"):
         job_config_from(TRAIN, *args)
+
+
+def test_a_resume_with_no_steps_left_is_refused_before_the_build(tmp_path) -> None:
+    args = (f"--job.dump_folder={tmp_path}", "--training.steps=3")
+    _fake_checkpoint(tmp_path, 2, 8, ALL_LINEARS)
+    assert job_config_from(TRAIN, *args).training.steps == 3, "step 2 of 3: one step is left"
+    newest = _fake_checkpoint(tmp_path, 3, 8, ALL_LINEARS)
+    with pytest.raises(ValueError) as err:
+        job_config_from(TRAIN, *args)
+    assert f"nothing to train: {newest} is step 3 and [training] steps = 3" in str(err.value)
+    assert "raise --training.steps above 3" in str(err.value)
+    assert job_config_from(TRAIN, *args[:1], "--training.steps=4").training.steps == 4

@@ -35,6 +35,11 @@ def test_the_reference_config_is_valid(tmp_path) -> None:
     assert cfg.lora.export_dir == f"{tmp_path}/not/yet/there"
 
 
+def test_a_relative_export_dir_is_under_the_dump_folder(tmp_path) -> None:
+    cfg = job_config_from(_lora('export_dir = "adapter"'), f"--job.dump_folder={tmp_path}/run")
+    assert cfg.lora.export_dir == f"{tmp_path}/run/adapter"
+
+
 def test_sglang_serves_rollouts() -> None:
     cfg = job_config_from(_sync("", engine='kind = "sglang"\nurl = "http://sglang:30000"') + GRPO_WITH_ROLLOUTS)
     assert (cfg.engine.kind, cfg.grpo.enabled, cfg.grpo.rollouts) == ("sglang", True, True)

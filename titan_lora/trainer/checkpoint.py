@@ -62,6 +62,17 @@ def check_resume_compatible(folder: Path, rank: int, targets: list[str]) -> None
     )
 
 
+def check_steps_left(folder: Path, steps: int) -> None:
+    """Refuse a run whose newest checkpoint already reaches `[training] steps`: it would train nothing."""
+    saved = complete_steps(folder)
+    if saved and saved[-1] >= steps:
+        raise ValueError(
+            f"nothing to train: {folder / f'step-{saved[-1]}'} is step {saved[-1]} and [training] steps = "
+            f"{steps}; raise --training.steps above {saved[-1]} to go on from it, or start afresh with "
+            "another [job] dump_folder (or [checkpoint] folder)"
+        )
+
+
 class AdapterCheckpointer:
     """Save every `interval` steps to `<folder>/step-N`, keep the newest `keep_latest`, resume from the newest."""
 

@@ -77,6 +77,8 @@ def load_job(argv: list[str]) -> tuple[Any, ResolvedModel]:
             check_toml(tomllib.load(f))
     args = [*argv, f"--job.custom_config_module={CUSTOM_CONFIG_MODULE}"]
     job_config = ConfigManager().parse_args(args)
+    if job_config.lora.export_dir:  # relative: under the run's folder, as [checkpoint] folder is
+        job_config.lora.export_dir = os.path.join(job_config.job.dump_folder, job_config.lora.export_dir)
     ours.validate_lora(job_config.lora)
     model = resolve_model(job_config.model)
     targets = check_targets(job_config, model)

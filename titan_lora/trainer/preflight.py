@@ -11,7 +11,7 @@ from titan_lora.clients.kinds import EngineKind, engine_kind
 from titan_lora.config import Engine, attached_urls
 from titan_lora.lora.targets import hf_leaf_names
 from titan_lora.models.family import model_family
-from titan_lora.trainer.checkpoint import check_resume_compatible
+from titan_lora.trainer.checkpoint import check_resume_compatible, check_steps_left
 from titan_lora.trainer.parallel import data_parallel_size
 from titan_lora.transfer.errors import TransferError
 from titan_lora.transfer.placement import AUTO, transport_kind
@@ -122,6 +122,8 @@ def preflight(job_config, targets: list[str] | None) -> None:  # noqa: ANN001
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         dp = data_parallel_size(job_config.parallelism, world_size)
         check_grpo_split(job_config.grpo.prompts_per_step, job_config.grpo.group_size, dp)
-    if job_config.checkpoint.enable and targets is not None:
+    if job_config.checkpoint.enable:
         folder = Path(job_config.job.dump_folder) / job_config.checkpoint.folder
-        check_resume_compatible(folder, job_config.lora.rank, targets)
+        check_steps_left(folder, job_config.training.steps)
+        if targets is not None:
+            check_resume_compatible(folder, job_config.lora.rank, targets)
