@@ -221,6 +221,7 @@ def gpu_bench(iters: int, shape: str, layers: int | None, rank_: int | None, dev
     recv = list(torch.empty(world * gatherer.max_local if rank == 0 else 0, dtype=gatherer.dtype,
                             device=device).chunk(world)) if rank == 0 else None
     runs = ShardGatherer(params, scatter="runs") if device.type == "cuda" else None
+    eager = ShardGatherer(params, cuda_graphs=False) if gatherer.graphed else None
     rows = [
         ("gather: single collective (titan_lora)", timed(gatherer.gather, iters, sync)),
         ("gather: per-parameter full_tensor()", timed(per_param, max(5, iters // 5), sync)),
@@ -228,6 +229,8 @@ def gpu_bench(iters: int, shape: str, layers: int | None, rank_: int | None, dev
     ]
     if runs is not None:  # the other scatter, for comparison: batched copies of runs + index for short ones
         rows.append(("gather: runs scatter instead of index_copy", timed(runs.gather, iters, sync)))
+    if eager is not None:  # the same gather launched op by op, without its CUDA graphs
+        rows.append(("gather: eager, no CUDA graphs", timed(eager.gather, iters, sync)))
     rows.append(("full-weight gather (per parameter)", timed(full_weights, 2, sync, warmup=1)))
     floors = {
         "gather": statistics.median(timed(lambda: dist.gather(send, recv, dst=0) if world > 1 else None,
@@ -246,7 +249,8 @@ def gpu_bench(iters: int, shape: str, layers: int | None, rank_: int | None, dev
               f"{' (fewer layers than the model: same width)' if args.n_layers < full_layers else ''}; "
               f"LoRA r{lora_rank} on all linears: {len(params)} adapter tensors, "
               f"{sum(p_.numel() for _, p_ in params) / 1e6:.1f}M params, {nbytes / 1e6:.1f} MB; "
-              f"gather scatter: {'index_copy_ of %d-element words' % gatherer.word if gatherer.word > 1 else 'index_copy_'}")
+              f"gather scatter: {'index_copy_ of %d-element words' % gatherer.word if gatherer.word > 1 else 'index_copy_'}"
+              f"{'; pack and scatter replayed from CUDA graphs' if gatherer.graphed else ''}")
         report(rows, floor, "gather: per-parameter full_tensor()")
         print("\nend-to-end phases (p50 ms) beside their floors")
         print_floors([

@@ -18,6 +18,7 @@ import pytest
 import torch
 from dist_helpers import free_port
 from model_helpers import randomize_adapters
+from shm_helpers import mapped_segments
 from vllm_helpers import (CPU, PARITY_TOL, alias_logprobs, assert_adapter_parity, emitter_to, max_abs_diff,
                           rollouts_of, smollm2_engine, smollm2_trainer, syncer_into)
 
@@ -337,10 +338,18 @@ def test_a_base_update_keeps_the_live_adapters_and_the_next_sync_exact(ctx: Ctx)
     assert diff <= PARITY_TOL, f"v8 after a base reload: trainer vs engine log-probs differ by {diff:.2e}"
 
 
+def engine_segments(engine: EmbeddedEngine) -> set[str]:
+    """The /dev/shm segments that the engine's processes (API server, engine core) map."""
+    procs = [psutil.Process(engine.proc.pid), *psutil.Process(engine.proc.pid).children(recursive=True)]
+    return set().union(*(mapped_segments(p.pid) for p in procs))
+
+
 def test_a_second_syncer_over_tcp_serves_the_trainers_log_probs(ctx: Ctx) -> None:
     # The engine's worker pulls the base and the adapter from the trainer's bucket server. Its own
     # versions (`tcp-vN`) sit beside the module syncer's, within the engine's adapter slots (v7, v8, tcp-v1).
     transport = choose_transport("tcp", ctx.engine.url)
+    mapped_before = engine_segments(ctx.engine)
+    assert mapped_before, "the module syncer's shm buckets should show as mapped: the check below sees them"
     source, syncer = syncer_into(ctx.engine, ctx.cfg, ctx.built, ctx.lora, transport, name="tcp",
                                  owns_engine=False)
     try:
@@ -351,6 +360,8 @@ def test_a_second_syncer_over_tcp_serves_the_trainers_log_probs(ctx: Ctx) -> Non
         emitter = syncer.emitter
         assert emitter._buffers and all(isinstance(b, TcpBuffer) for b in emitter._buffers)
         assert isinstance(source.gatherer.home, TcpBuffer), "the gather writes into a tcp buffer"
+        # As an engine on another host must: base and adapter came with no shared-memory segment opened.
+        assert engine_segments(ctx.engine) <= mapped_before, "the engine mapped a segment for a tcp sync"
         assert_adapter_parity(ctx.built.model, ctx.sequences, ctx.engine_logprobs("tcp-v1"), base_lp,
                               f"tcp, sync {metrics['sync/total_ms']:.1f} ms")
     finally:

@@ -1,5 +1,6 @@
 """ShardGatherer: one collective brings every adapter shard to rank 0, exactly as full_tensor() would
-(2 gloo ranks; with `pytest -m gpu` also 2 NCCL ranks on GPUs, where the scatter is one index_copy_)."""
+(2 gloo ranks; with `pytest -m gpu` also 2 NCCL ranks on GPUs, where the pack and the scatter, one
+index_copy_, replay from CUDA graphs captured once)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ def _gather_on_ranks(rank: int, world: int, scatter: str) -> None:
     assert set(local_rows) == {2 if rank == 0 else 1}, "the test needs uneven shards"
 
     gatherer = ShardGatherer(named, scatter=scatter)
+    # On GPU the pack and the index scatter replay from CUDA graphs: the checks below run through them.
+    assert gatherer.graphed == (scatter == "index" and named[0][1].device.type == "cuda")
     assert gatherer.nbytes == sum(p.numel() for _, p in named) * 4
     got = gatherer.gather()
     want = full_adapter(named)  # the per-parameter reference (a collective on every rank, same order)

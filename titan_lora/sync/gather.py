@@ -13,8 +13,10 @@ multiple of 4 bf16 elements: rows of r >= 4 columns, even shards): a quarter of 
 (an 8B adapter's element index alone is 336 MB, four times its bytes). On CPU an element-wise index copy runs at a fraction of memory speed, so the
 index is cut, once, into runs of consecutive elements: one batched `_foreach_copy_` moves the runs
 (rank 0's own shards straight from the params, with no send copy), and only what lies in short runs
-(rows that a layout permutes) goes through `index_copy_`. Every rank must call `gather` in the same
-order: it is a collective.
+(rows that a layout permutes) goes through `index_copy_`. On GPU the pack and the scatter are replayed
+from CUDA graphs captured once (their buffers never move): launching a 448-input `cat` and the scatter
+cost more host time than their kernels (gather p50 0.36 -> 0.26 ms on 2 x H100). The collective stays
+outside the graphs. Every rank must call `gather` in the same order: it is a collective.
 """
 
 from __future__ import annotations
@@ -135,6 +137,20 @@ class _RunPlan:
         self.out.index_copy_(0, self._stage_index, self._stage)
 
 
+def captured(work: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGraph:
+    """`work` (device work on buffers that never move, no host sync) as a CUDA graph, warmed up first on a
+    side stream as capture requires. Other threads may use the device meanwhile (thread-local capture)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        work()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        work()
+    return graph
+
+
 def aligned_offsets(numels: Sequence[int], element_size: int, align: int = ALIGN) -> list[int]:
     """Element offsets of tensors laid out back to back, each starting on an `align`-byte boundary."""
     step = max(align // element_size, 1)
@@ -155,9 +171,11 @@ class ShardGatherer:
         layouts: Sequence[Layout | None] | None = None,
         scatter: str | None = None,
         lend: Lend = plain_buffer,
+        cuda_graphs: bool = True,
     ) -> None:
         """`scatter`: "runs" or "index"; by default runs on CPU and one index_copy_ elsewhere. `lend`
-        gives rank 0 its output buffer (the emitter's, to hand the engine with no copy)."""
+        gives rank 0 its output buffer (the emitter's, to hand the engine with no copy). `cuda_graphs`:
+        on GPU with the index scatter, replay the pack and the scatter from CUDA graphs."""
         if not named_params:
             raise ValueError("no adapter parameters to gather: is the `lora` converter enabled?")
         dtypes = {p.dtype for _, p in named_params}
@@ -184,9 +202,10 @@ class ShardGatherer:
         self.local_numel = local_index.numel()
         self.max_local = self._max_over_ranks(self.local_numel, device)
 
-        self._send = torch.empty(self.max_local, dtype=self.dtype, device=device)
+        # Zeros: the graphs' warm-up runs scatter them before any gather.
+        self._send = torch.zeros(self.max_local, dtype=self.dtype, device=device)
         is_dst = self.rank == dst
-        self._recv = torch.empty(self.world * self.max_local if is_dst else 0, dtype=self.dtype, device=device)
+        self._recv = torch.zeros(self.world * self.max_local if is_dst else 0, dtype=self.dtype, device=device)
         # A word of extra slots at the end soaks up the padding of ranks whose shard is smaller. Zeros:
         # the alignment gaps between tensors are never written and must stay finite.
         self._pad = max(WORD.itemsize // self._locals[0].element_size(), 1)
@@ -208,6 +227,15 @@ class ShardGatherer:
             name: self._full[offsets[i] : offsets[i] + math.prod(shape)].view(shape)
             for i, (name, shape) in enumerate(zip(self.names, self.shapes))
         } if is_dst else {}
+        self._pack_graph = self._scatter_graph = None
+        if cuda_graphs and device.type == "cuda" and self._runs is None:
+            self._pack_graph = captured(self._pack, device)
+            self._scatter_graph = captured(self.scatter, device) if is_dst else None
+
+    @property
+    def graphed(self) -> bool:
+        """True when the pack (and on rank `dst` the scatter) replay from CUDA graphs."""
+        return self._pack_graph is not None
 
     @property
     def nbytes(self) -> int:
@@ -248,14 +276,22 @@ class ShardGatherer:
     def gather(self) -> dict[str, torch.Tensor] | None:
         """Collective. On rank `dst`: {name: full tensor} (views reused by the next call); else None."""
         is_dst = self.rank == self.dst
-        if not is_dst or self._runs is None:  # the run plan reads rank dst's own shards in place
-            torch.cat(self._locals, out=self._send[: self.local_numel])
+        if self._pack_graph is not None:
+            self._pack_graph.replay()
+        elif not is_dst or self._runs is None:  # the run plan reads rank dst's own shards in place
+            self._pack()
         if self.world > 1:
             dist.gather(self._send, self._recv_chunks, dst=self.dst, group=self.group)
         if not is_dst:
             return None
-        self.scatter()
+        if self._scatter_graph is not None:
+            self._scatter_graph.replay()
+        else:
+            self.scatter()
         return self.views
+
+    def _pack(self) -> None:
+        torch.cat(self._locals, out=self._send[: self.local_numel])
 
     def scatter(self) -> None:
         """Rank `dst`, after the collective: place every received element (the benchmark times it alone)."""
