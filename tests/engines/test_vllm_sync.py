@@ -4,7 +4,8 @@ One engine serves the whole module (start-up takes ~25-30 s on 2 cores); the tes
 and build on each other's versions: v1, v2 (parity), v3 (a request pinned to v2 runs through its
 load), v4 (v2 retired), disk-v4, a NaN v5 that is never published, v6 and v7 after an engine restart,
 then v8 after a base reload that kept v6 and v7; last, a second syncer streams its base and tcp-v1 over
-tcp into the same engine (this test had an engine of its own before: one start-up less).
+tcp into the same engine, then a third its base and nccl-v1 over nccl (gloo on CPU), with no shared
+memory mapped by the engine for either.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ from titan_lora.sync.syncer import WeightSyncer
 from titan_lora.sync.versions import AdapterVersions
 from titan_lora.transfer.errors import TransferError
 from titan_lora.transfer.placement import choose_transport
-from titan_lora.transfer.transports.tcp import TcpBuffer
 
 pytestmark = pytest.mark.slow
 
@@ -344,13 +344,15 @@ def engine_segments(engine: EmbeddedEngine) -> set[str]:
     return set().union(*(mapped_segments(p.pid) for p in procs))
 
 
-def test_a_second_syncer_over_tcp_serves_the_trainers_log_probs(ctx: Ctx) -> None:
-    # The engine's worker pulls the base and the adapter from the trainer's bucket server. Its own
-    # versions (`tcp-vN`) sit beside the module syncer's, within the engine's adapter slots (v7, v8, tcp-v1).
-    transport = choose_transport("tcp", ctx.engine.url)
+@pytest.mark.parametrize("transport", ["tcp", "nccl"])
+def test_a_second_syncer_over_a_network_transport_serves_the_trainers_log_probs(ctx: Ctx, transport: str) -> None:
+    # The engine's worker pulls the base and the adapter from the trainer: over tcp from its bucket server,
+    # over nccl by joining the trainer's group (here nccl's gloo fallback: the same worker code, on CPU).
+    # Its versions (`tcp-vN`, `nccl-vN`) sit beside the module syncer's, within the engine's adapter slots.
+    choice = choose_transport(transport, ctx.engine.url, nccl_backend="gloo" if transport == "nccl" else "")
     mapped_before = engine_segments(ctx.engine)
     assert mapped_before, "the module syncer's shm buckets should show as mapped: the check below sees them"
-    source, syncer = syncer_into(ctx.engine, ctx.cfg, ctx.built, ctx.lora, transport, name="tcp",
+    source, syncer = syncer_into(ctx.engine, ctx.cfg, ctx.built, ctx.lora, choice, name=transport,
                                  owns_engine=False)
     try:
         base_lp = ctx.engine_logprobs(None)
@@ -358,11 +360,11 @@ def test_a_second_syncer_over_tcp_serves_the_trainers_log_probs(ctx: Ctx) -> Non
         metrics = syncer.sync(1)
         assert metrics["sync/published"] == 1 and syncer.counters["base_sends"] == 1
         emitter = syncer.emitter
-        assert emitter._buffers and all(isinstance(b, TcpBuffer) for b in emitter._buffers)
-        assert isinstance(source.gatherer.home, TcpBuffer), "the gather writes into a tcp buffer"
+        assert emitter._buffers and {b.kind for b in emitter._buffers} == {transport}
+        assert source.gatherer.home.kind == transport, f"the gather writes into a {transport} buffer"
         # As an engine on another host must: base and adapter came with no shared-memory segment opened.
-        assert engine_segments(ctx.engine) <= mapped_before, "the engine mapped a segment for a tcp sync"
-        assert_adapter_parity(ctx.built.model, ctx.sequences, ctx.engine_logprobs("tcp-v1"), base_lp,
-                              f"tcp, sync {metrics['sync/total_ms']:.1f} ms")
+        assert engine_segments(ctx.engine) <= mapped_before, f"the engine mapped a segment for a {transport} sync"
+        assert_adapter_parity(ctx.built.model, ctx.sequences, ctx.engine_logprobs(f"{transport}-v1"), base_lp,
+                              f"{transport}, sync {metrics['sync/total_ms']:.1f} ms")
     finally:
         syncer.close()  # leaves the module's engine to the module's syncer
