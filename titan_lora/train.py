@@ -19,7 +19,7 @@ from torchtitan.distributed.utils import clip_grad_norm_
 from titan_lora.compose import EngineSide, build_objective, build_sync, check_plugins, engine_side
 from titan_lora.config import process_group_timeout_s
 from titan_lora.lora.finite import NonFiniteAdapterError, first_nonfinite_adapter
-from titan_lora.models.resolve import TITAN_DEFAULT_ASSETS, ResolvedModel
+from titan_lora.models.resolve import ResolvedModel
 from titan_lora.rl.task import Task
 from titan_lora.sync.adapter_source import AdapterSource
 from titan_lora.trainer.build import build_model
@@ -166,17 +166,6 @@ def _exit_on_signal(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-class _TorchtitanNoise(logging.Filter):
-    """Drops two torchtitan warnings that mislead here: its default `hf_assets_path` missing (a titan_lora
-    family finds its own assets, or names the fix when `[model] hf_assets_path` is needed), and a
-    checkpoint without model.safetensors.index.json (a single-file checkpoint, which loads as it is)."""
-
-    NOISE = (f"HF assets path {TITAN_DEFAULT_ASSETS} does not exist", "model.safetensors.index.json not found")
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(self.NOISE)
-
-
 def main(argv: list[str] | None = None) -> None:
     """Parse the config (failing fast on errors), then train."""
     # SIGTERM (torchrun's, a scheduler's, `kill`) unwinds like Ctrl-C: the engine is stopped and the
@@ -187,8 +176,6 @@ def main(argv: list[str] | None = None) -> None:
         level=logging.INFO if rank0 else logging.WARNING, format="[titan_lora %(asctime)s] %(message)s",
         datefmt="%H:%M:%S",
     )
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(_TorchtitanNoise())
     for client_log in ("httpx", "httpx2"):  # the openai client's one line per rollout request (httpx2: openai 2.x)
         logging.getLogger(client_log).setLevel(logging.WARNING)
     try:

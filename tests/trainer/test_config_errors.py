@@ -226,3 +226,16 @@ def test_a_grpo_batch_that_dp_ranks_cannot_share_is_refused(monkeypatch) -> None
     monkeypatch.setenv("WORLD_SIZE", "4")  # 4 ranks, 2-way TP: DP 2 again
     with pytest.raises(ValueError, match="over 2 data-parallel ranks"):
         job_config_from(DEBUG_LORA + grpo + tp2)
+
+
+def test_torchtitans_misleading_asset_warnings_are_dropped_and_others_kept(caplog) -> None:
+    import logging
+
+    from titan_lora.models.resolve import TITAN_DEFAULT_ASSETS
+
+    with caplog.at_level(logging.WARNING):
+        job_config_from(DEBUG_LORA)  # torchtitan warns that its default hf_assets_path does not exist
+        logging.getLogger().warning("HF assets path /elsewhere does not exist!")  # not the default: kept
+    messages = [r.getMessage() for r in caplog.records]
+    assert not [m for m in messages if TITAN_DEFAULT_ASSETS in m], messages
+    assert "HF assets path /elsewhere does not exist!" in messages

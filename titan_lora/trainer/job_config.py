@@ -15,7 +15,7 @@ from torchtitan.protocols.model_converter import _registry_model_converter_cls
 from titan_lora import config as ours
 from titan_lora.lora.targets import resolve_targets
 from titan_lora.models.family import FamilyLoRAConverter  # noqa: F401 (registers the "lora" converter)
-from titan_lora.models.resolve import ResolvedModel, resolve_model
+from titan_lora.models.resolve import ResolvedModel, quiet_torchtitan_asset_warnings, resolve_model
 from titan_lora.trainer.preflight import preflight
 
 CUSTOM_CONFIG_MODULE = "titan_lora.config"
@@ -76,6 +76,7 @@ def load_job(argv: list[str]) -> tuple[Any, ResolvedModel]:
         with open(path, "rb") as f:
             check_toml(tomllib.load(f))
     args = [*argv, f"--job.custom_config_module={CUSTOM_CONFIG_MODULE}"]
+    quiet_torchtitan_asset_warnings()  # torchtitan warns while parsing and building
     job_config = ConfigManager().parse_args(args)
     if job_config.lora.export_dir:  # relative: under the run's folder, as [checkpoint] folder is
         job_config.lora.export_dir = os.path.join(job_config.job.dump_folder, job_config.lora.export_dir)
