@@ -15,7 +15,8 @@ from job_helpers import kill_tree, launch, scalars, short_config, wait_for
 
 # Both rejoins must land inside the run, with room for slower engine restarts. Measured: by step 8 at 40
 # steps (899 s); by step 9 of 16 in a CI run (with a checkpoint every step then); by step 8 of 14 without
-# checkpoints (231 s, 2 shared cores, 2026-11-26); by step 6 of 14 once engines started in 19 s, not 30.
+# checkpoints (231 s, 2 shared cores, 2026-11-26); by step 6 of 14 once engines started in 19 s, not 30,
+# and by step 7 of 11 in a CI run.
 STEPS = 11
 SERVER = "titan_lora.engines.vllm_openai"
 
