@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from dist_helpers import needs_gpus
 
 from titan_lora.transfer.buckets import ALIGN, Entry, bucket_size, copy_out, pack, plan_buckets
 
@@ -247,3 +248,20 @@ def test_a_run_lies_on_the_tensors_device() -> None:
     (entries,) = plan_buckets(tensors, 1 << 20)
     run = one_run(entries, tensors)
     assert run is not None and run.device.type == "meta" and run.numel() == 128
+
+
+@needs_gpus(1)
+def test_on_gpu_the_graphed_checksum_reads_the_buffer_live_and_equals_its_definition() -> None:
+    from titan_lora.transfer.buckets import bucket_checksum
+
+    gen = torch.Generator().manual_seed(5)
+    host = torch.randint(0, 256, (3 * 8192 + 8 * 7 + 3,), dtype=torch.uint8, generator=gen)
+    buf = host.cuda()
+    for view in (buf, buf[:8192], buf[1:]):  # the same storage: each address and size its own graph
+        assert bucket_checksum(view) == _reference_checksum(bytes(view.cpu().tolist()))
+    first = bucket_checksum(buf)
+    for pos in (0, 8192 + 5, buf.numel() - 1):  # new bytes at the captured address: replays see them
+        buf[pos] ^= 1
+        assert bucket_checksum(buf) == _reference_checksum(bytes(buf.cpu().tolist())) != first, pos
+        buf[pos] ^= 1
+    assert bucket_checksum(buf) == first

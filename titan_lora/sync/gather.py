@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titan_lora.transfer.buckets import ALIGN
+from titan_lora.transfer.cuda_graphs import captured
 from titan_lora.transfer.host_copy import balanced_cut, in_two
 from titan_lora.transfer.transport import plain_buffer
 
@@ -135,20 +136,6 @@ class _RunPlan:
         for src, picks, stage in self._picked:
             torch.index_select(src, 0, picks, out=stage)
         self.out.index_copy_(0, self._stage_index, self._stage)
-
-
-def captured(work: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGraph:
-    """`work` (device work on buffers that never move, no host sync) as a CUDA graph, warmed up first on a
-    side stream as capture requires. Other threads may use the device meanwhile (thread-local capture)."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        work()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        work()
-    return graph
 
 
 def aligned_offsets(numels: Sequence[int], element_size: int, align: int = ALIGN) -> list[int]:

@@ -13,6 +13,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 
+from titan_lora.transfer.cuda_graphs import GraphedReads
+
 ALIGN = 64
 CHECKSUM_CHUNK_WORDS = 1024  # 8 KiB chunks: a misplaced or misread chunk changes its own sum
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16)}
@@ -141,14 +143,28 @@ def bucket_checksum(data: torch.Tensor) -> str:
     Sums of 64-bit words per 8 KiB chunk, then two sums over the chunk sums: plain, and weighted by an
     odd multiplier per chunk position (integer arithmetic wraps mod 2**64, so the order of a reduction
     does not matter and both devices agree). The digest is two words, so a GPU bucket costs two
-    reductions and a 16-byte host read (hashing every chunk sum on the host cost 8x a device copy).
+    reductions and a 16-byte host read (hashing every chunk sum on the host cost 8x a device copy). On
+    GPU those kernels replay from a CUDA graph per buffer (address and size): launching them one by one
+    cost more host time than they run.
     """
     data = data.reshape(-1)
     n = data.numel()
+    if not n:
+        return f"w64:{0:032x}:0"
+    if data.is_cuda:
+        plain, weighted = _GRAPHED_DIGESTS.read((data.device, data.data_ptr(), n), data.device,
+                                                lambda: _digest_words(data))
+    else:
+        plain, weighted = _digest_words(data).tolist()
+    return f"w64:{plain % 2**64:016x}{weighted % 2**64:016x}:{n}"
+
+
+def _digest_words(data: torch.Tensor) -> torch.Tensor:
+    """The two digest words of a flat, non-empty uint8 tensor, on its device."""
     if data.storage_offset() % 8:  # a 64-bit view needs 8-byte alignment (buckets are 64-aligned)
         data = data.clone()
     chunk = CHECKSUM_CHUNK_WORDS * 8
-    full = n // chunk
+    full = data.numel() // chunk
     parts = []
     if full:
         parts.append(data[: full * chunk].view(torch.int64).view(full, CHECKSUM_CHUNK_WORDS).sum(1))
@@ -157,12 +173,12 @@ def bucket_checksum(data: torch.Tensor) -> str:
         words = rest.numel() // 8
         parts.append(rest[: words * 8].view(torch.int64).sum().view(1))
         parts.append(rest[words * 8 :].to(torch.int64).sum().view(1))
-    if not parts:
-        return f"w64:{0:032x}:0"
     sums = torch.cat(parts) if len(parts) > 1 else parts[0]
     weights = _chunk_weights(sums.numel(), sums.device)
-    plain, weighted = torch.stack([sums.sum(), (sums * weights).sum()]).tolist()
-    return f"w64:{plain % 2**64:016x}{weighted % 2**64:016x}:{n}"
+    return torch.stack([sums.sum(), (sums * weights).sum()])
+
+
+_GRAPHED_DIGESTS = GraphedReads()
 
 
 _GOLDEN = 0x9E3779B97F4A7C15 - 2**64  # 2**64 / golden ratio, as a signed 64-bit int: spreads the weights
