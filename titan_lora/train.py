@@ -182,7 +182,8 @@ def main(argv: list[str] | None = None) -> None:
         job_config, model = load_job(sys.argv[1:] if argv is None else argv)
         task = check_plugins(job_config)
     except (ValueError, FileNotFoundError) as err:
-        print(f"titan_lora: config error: {err}", file=sys.stderr)
+        if rank0:  # every rank read the same config: one copy of the message is enough
+            print(f"titan_lora: config error: {err}", file=sys.stderr)
         sys.exit(2)
     run = TrainingRun(job_config, task, model)
     try:
