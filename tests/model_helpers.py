@@ -47,7 +47,7 @@ ROWWISE = {"wo", "w2"}
 def check_tp2_placements(model: torch.nn.Module) -> None:
     """Under TP=2, alone or x FSDP=2, every adapter follows its base's plan on the tp dim: colwise (B sharded
     on its output rows, A replicated) or rowwise (A sharded on its input columns, B replicated), on all seven
-    linears; with FSDP, dim 0 is also sharded on the fsdp dim. Only adapters train."""
+    linears; with FSDP-sharded adapters, dim 0 is also sharded on the fsdp dim. Only adapters train."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     seen = set()
@@ -56,13 +56,15 @@ def check_tp2_placements(model: torch.nn.Module) -> None:
         seen.add(leaf)
         w, a, b = module.weight, module.lora_A, module.lora_B
         assert all(isinstance(t, DTensor) for t in (w, a, b)), name
-        dims = a.device_mesh.mesh_dim_names
-        assert dims in (("tp",), ("fsdp", "tp")) and w.device_mesh.mesh_dim_names == b.device_mesh.mesh_dim_names \
-            == dims, (name, dims)
+        dims, base_dims = a.device_mesh.mesh_dim_names, w.device_mesh.mesh_dim_names
+        # Replicated adapters (the default) sit on the TP mesh alone, outside FSDP; sharded ones on the base's
+        assert dims in (("tp",), ("fsdp", "tp")) and b.device_mesh.mesh_dim_names == dims, (name, dims)
+        assert base_dims in (("tp",), ("fsdp", "tp")), (name, base_dims)
+        assert dims in (base_dims, ("tp",)), (name, dims, base_dims)
         tp, fsdp = dims.index("tp"), 2 if "fsdp" in dims else 1
         want = (Shard(0), Replicate(), Shard(0)) if leaf in COLWISE else (Shard(1), Shard(1), Replicate())
-        assert (w.placements[tp], a.placements[tp], b.placements[tp]) == want, (name, w.placements, a.placements,
-                                                                              b.placements)
+        got = (w.placements[base_dims.index("tp")], a.placements[tp], b.placements[tp])
+        assert got == want, (name, w.placements, a.placements, b.placements)
         if fsdp > 1:  # FSDP shards dim 0 (plain or strided, when TP already split dim 0)
             for t in (a, b):
                 assert getattr(t.placements[0], "dim", None) == 0, f"{name}: fsdp placement {t.placements}"

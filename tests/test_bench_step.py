@@ -1,5 +1,5 @@
-"""scripts/bench_step.py runs end to end on CPU and prints the floor, LoRA and full rows, their ratio and
-the phases of the LoRA and full steps."""
+"""scripts/bench_step.py runs end to end on CPU and prints the floor, the two LoRA rows (adapters sharded
+by FSDP, adapters replicated) and the full row, the LoRA/full ratios and the phases of each step."""
 
 from __future__ import annotations
 
@@ -20,18 +20,22 @@ def test_bench_step_prints_both_steps_and_their_ratio() -> None:
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
-    rows = {name: re.search(rf"^{re.escape(name)}\s+([\d,]+)\s+([\d.]+)\s+([\d.]+)", text, re.M)
-            for name in ("floor: frozen base fwd+bwd, no optimizer", "LoRA step", "full fine-tuning step")}
+    names = ("floor: frozen base fwd+bwd, no optimizer", "LoRA step (adapters sharded by FSDP)",
+             "LoRA step (adapters replicated)", "full fine-tuning step")
+    rows = {name: re.search(rf"^{re.escape(name)}\s+([\d,]+)\s+([\d.]+)\s+([\d.]+)", text, re.M) for name in names}
     assert all(rows.values()), text
     trainable = {name: int(m.group(1).replace(",", "")) for name, m in rows.items()}
-    assert trainable["floor: frozen base fwd+bwd, no optimizer"] == 0
-    assert 0 < trainable["LoRA step"] < trainable["full fine-tuning step"]
+    floor, sharded, replicated, full = names
+    assert trainable[floor] == 0
+    assert 0 < trainable[sharded] == trainable[replicated] < trainable[full]
     p50 = {name: float(m.group(2)) for name, m in rows.items()}
-    ratio = re.search(r"ratio LoRA/full \(p50\): ([\d.]+)", text)
-    assert ratio, text
-    assert abs(float(ratio.group(1)) - p50["LoRA step"] / p50["full fine-tuning step"]) < 0.01
+    for lora in (sharded, replicated):
+        ratio = re.search(rf"ratio {re.escape(lora)} / full \(p50\): ([\d.]+)", text)
+        assert ratio, text
+        assert abs(float(ratio.group(1)) - p50[lora] / p50[full]) < 0.01
     assert "6 layers" in text and "top-15 ops of one LoRA step" in text
-    phases = re.search(r"^phases, .*: (.*)$", text, re.M)
-    assert phases, text
-    times = dict(re.findall(r"(\w+) LoRA ([\d.]+) / full [\d.]+", phases.group(1)))
-    assert set(times) == {"forward", "backward", "clip", "optimizer"} and all(float(t) > 0 for t in times.values())
+    for lora in (sharded, replicated):
+        phases = re.search(rf"^phases of {re.escape(lora)}, .*: (.*)$", text, re.M)
+        assert phases, text
+        times = dict(re.findall(r"(\w+) LoRA ([\d.]+) / full [\d.]+", phases.group(1)))
+        assert set(times) == {"forward", "backward", "clip", "optimizer"} and all(float(t) > 0 for t in times.values())

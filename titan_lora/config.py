@@ -24,6 +24,9 @@ class LoRA:
     """Leaf names of the linears to adapt (e.g. ["wq", "wv"] or HF names ["q_proj"]), or "all-linear"."""
     dtype: str = "float32"
     """Dtype of lora_A / lora_B: float32, bfloat16 or float16."""
+    replicate_adapters: bool = True
+    """Keep the adapters whole on every data-parallel rank, outside FSDP, their gradients summed in one
+    all-reduce per step: less host work per step than sharding 2 params more per linear."""
     export_dir: str = ""
     """Where to write a PEFT adapter at the end of training (and on every checkpoint); a relative path is
     under `[job] dump_folder`, as `[checkpoint] folder` is; empty: none."""

@@ -228,19 +228,22 @@ def test_only_adapters_require_and_receive_grad() -> None:
     assert n_adapter == 2 * per_layer
 
 
-def _init_on_ranks(rank: int, world: int, out: str) -> None:
-    built = build_from(DEBUG_LORA)
+def _init_on_ranks(rank: int, world: int, out: str, *adapters: str) -> None:
+    built = build_from(DEBUG_LORA, *adapters)
     full = {n: full_copy(p) for n, p in adapter_params(built.model)}  # collective, same order on every rank
-    assert all(isinstance(p, DTensor) for _, p in adapter_params(built.model)), "FSDP should shard adapters"
-    if rank == 0:
-        torch.save(full, out)
+    sharded = [isinstance(p, DTensor) for _, p in adapter_params(built.model)]
+    assert all(sharded) if adapters else not any(sharded), "sharded by FSDP only if replicate_adapters = false"
+    torch.save(full, f"{out}.{rank}")
 
 
-def test_init_is_identical_for_one_and_two_ranks(tmp_path) -> None:
-    run_ranks(2, _init_on_ranks, str(tmp_path / "two.pt"))
-    two = torch.load(tmp_path / "two.pt")
+@pytest.mark.parametrize("adapters", [(), ("--lora.no_replicate_adapters",)],
+                         ids=["replicated", "fsdp-sharded"])
+def test_init_is_identical_for_one_and_two_ranks(tmp_path, adapters: tuple[str, ...]) -> None:
+    run_ranks(2, _init_on_ranks, str(tmp_path / "two.pt"), *adapters)
     one = {n: full_copy(p) for n, p in adapter_params(build_from(DEBUG_LORA).model)}
-    assert list(one) == list(two)
-    for name in one:
-        assert torch.equal(one[name], two[name]), f"{name} initialised differently on 2 ranks"
+    for rank in (0, 1):  # replicated: each rank's own copy; sharded: the shards put together
+        two = torch.load(tmp_path / f"two.pt.{rank}")
+        assert list(one) == list(two)
+        for name in one:
+            assert torch.equal(one[name], two[name]), f"{name} initialised differently on rank {rank} of 2"
     assert any(torch.count_nonzero(t) for n, t in one.items() if n.endswith("lora_A"))

@@ -1,8 +1,10 @@
-"""TP=2 x FSDP=2 on 4 gloo CPU ranks: adapter placements follow the base's TP plan, and the
-sharded model computes what the 1-rank model computes."""
+"""TP=2 x FSDP=2 on 4 gloo CPU ranks, adapters replicated over the FSDP ranks (the default) or sharded
+with the base: adapter placements follow the base's TP plan, the sharded model computes what the 1-rank
+model computes, and the gather sends one copy of each element."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from dist_helpers import run_ranks
@@ -21,8 +23,8 @@ from titan_lora.sync.gather import ShardGatherer
 TOKENS = torch.randint(0, 49152, (2, 16), generator=torch.Generator().manual_seed(0))
 
 
-def _tp_ranks(rank: int, world: int, ref_path: str, out_path: str) -> None:
-    built = build_from(DEBUG_LORA, *TP2_FSDP2)
+def _tp_ranks(rank: int, world: int, ref_path: str, out_path: str, *adapters: str) -> None:
+    built = build_from(DEBUG_LORA, *TP2_FSDP2, *adapters)
     model = built.model
     check_tp2_placements(model)
     ref = torch.load(ref_path)
@@ -35,7 +37,12 @@ def _tp_ranks(rank: int, world: int, ref_path: str, out_path: str) -> None:
     with torch.no_grad():
         logits = model(TOKENS)
     logits = full_copy(logits)  # vocab-sharded under loss parallel: collective over tp
-    gathered = ShardGatherer(named).gather()
+    gatherer = ShardGatherer(named)
+    gathered = gatherer.gather()
+    sent = torch.tensor([gatherer.local_numel])
+    dist.all_reduce(sent)
+    # Each element is sent once: TP's replicated halves (colwise lora_A, rowwise lora_B) only from tp rank 0.
+    assert int(sent) == sum(p.numel() for _, p in named), f"{int(sent)} elements sent for one copy of each"
     full = {n: full_copy(p) for n, p in named}
     if rank == 0:
         torch.save({"init": init, "logits": logits, "gathered": {k: v.clone() for k, v in gathered.items()},
@@ -45,7 +52,9 @@ def _tp_ranks(rank: int, world: int, ref_path: str, out_path: str) -> None:
     dist.barrier()
 
 
-def test_tp2_fsdp2_placements_and_parity(tmp_path) -> None:
+@pytest.mark.parametrize("adapters", [(), ("--lora.no_replicate_adapters",)],
+                         ids=["replicated", "fsdp-sharded"])
+def test_tp2_fsdp2_placements_and_parity(tmp_path, adapters: tuple[str, ...]) -> None:
     torch.manual_seed(0)
     reference = build_from(DEBUG_LORA).model  # 1 rank, no sharding
     init = {n: p.detach().clone() for n, p in adapter_params(reference)}
@@ -56,7 +65,7 @@ def test_tp2_fsdp2_placements_and_parity(tmp_path) -> None:
     ref_adapters = {n: p.detach().clone() for n, p in adapter_params(reference)}
     torch.save({"state": state}, tmp_path / "ref.pt")
 
-    run_ranks(4, _tp_ranks, str(tmp_path / "ref.pt"), str(tmp_path / "tp.pt"))
+    run_ranks(4, _tp_ranks, str(tmp_path / "ref.pt"), str(tmp_path / "tp.pt"), *adapters)
     tp = torch.load(tmp_path / "tp.pt")
 
     for name, value in init.items():  # kaiming A / zero B do not depend on the sharding

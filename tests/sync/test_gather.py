@@ -19,7 +19,7 @@ RANK3 = DEBUG_LORA.replace("rank = 8", "rank = 3")
 
 
 def _gather_on_ranks(rank: int, world: int, scatter: str) -> None:
-    model = build_from(RANK3).model
+    model = build_from(RANK3, "--lora.no_replicate_adapters").model  # sharded by FSDP with the base
     randomize_adapters(model, seed=3)
     named = adapter_params(model)
     assert all(isinstance(p, DTensor) for _, p in named)
@@ -72,6 +72,35 @@ def _gather_on_ranks(rank: int, world: int, scatter: str) -> None:
 @pytest.mark.parametrize("scatter", ["runs", "index"])  # CPU default, GPU default
 def test_gather_equals_full_tensor_on_two_ranks_with_uneven_shards(scatter: str) -> None:
     run_ranks(2, _gather_on_ranks, scatter)
+
+
+def _gather_replicated(rank: int, world: int, scatter: str) -> None:
+    model = build_from(RANK3).model  # `[lora] replicate_adapters` is the default
+    randomize_adapters(model, seed=3)
+    named = adapter_params(model)
+    assert not any(isinstance(p, DTensor) for _, p in named), "replicated adapters are plain tensors"
+    gatherer = ShardGatherer(named, scatter=scatter)
+    assert not gatherer.collective, "rank 0 holds every adapter whole: no collective"
+    assert gatherer.local_numel == (sum(p.numel() for _, p in named) if rank == 0 else 0)
+    for round_ in range(2):
+        got = gatherer.gather()
+        if rank != 0:
+            assert got is None
+            continue
+        assert list(got) == [n for n, _ in named]
+        for name, param in named:
+            assert torch.equal(got[name], param.detach()), f"{name} gathered wrong (round {round_})"
+        with torch.no_grad():  # an optimizer step in place: the next gather must see it
+            for i, (_, param) in enumerate(named):
+                param.mul_(-2.0).add_(0.01 * i)
+    dist.barrier()
+
+
+@pytest.mark.parametrize("scatter", ["runs", "index"])
+def test_replicated_adapters_are_copied_on_rank_0_with_no_collective(scatter: str) -> None:
+    """`[lora] replicate_adapters` (the default): every rank holds the adapters whole, so rank 0 copies
+    its own into the output layout and the other ranks send nothing."""
+    run_ranks(2, _gather_replicated, scatter)
 
 
 @needs_gpus(2)

@@ -29,7 +29,8 @@ keep_latest_k = 5
 """
 
 
-def _train(rank: int, world: int, dump: str, out: str, same_base_for_any_world: bool = False) -> None:
+def _train(rank: int, world: int, dump: str, out: str, same_base_for_any_world: bool = False,
+           *overrides: str) -> None:
     from test_train_parity import _seeded_base
 
     from titan_lora.train import TrainingRun
@@ -37,6 +38,7 @@ def _train(rank: int, world: int, dump: str, out: str, same_base_for_any_world: 
     cfg = job_config_from(
         TRAIN, f"--job.dump_folder={dump}", "--training.steps=4", "--training.global_batch_size=8",
         "--training.local_batch_size=4", f"--data.path={REPO / 'titan_lora/data/arith_sft.jsonl'}",
+        *overrides,
     )
     run = TrainingRun(cfg)
     if same_base_for_any_world:  # torchtitan's random init of the base depends on the sharding
@@ -96,6 +98,23 @@ def test_a_checkpoint_of_one_rank_resumes_on_two(tmp_path) -> None:
     resumed = torch.load(tmp_path / "two.pt")
     assert resumed["start"] == 2 and sorted(resumed["losses"]) == [3, 4]
     for step in (3, 4):  # 1 vs 2 ranks: the same sums in another order
+        assert abs(resumed["losses"][step] - full["losses"][step]) <= 1e-5 * abs(full["losses"][step])
+        assert resumed["lrs"][step] == full["lrs"][step]
+    for name, value in full["final"].items():
+        torch.testing.assert_close(resumed["final"][name], value, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_checkpoint_of_fsdp_sharded_adapters_resumes_with_replicated_ones(tmp_path) -> None:
+    """A checkpoint saved before `[lora] replicate_adapters` became the default (adapters as FSDP DTensors)
+    resumes into replicated adapters: DCP reshards the adapter and its optimizer state."""
+    sharded, replicated = tmp_path / "sharded", tmp_path / "replicated"
+    run_ranks(2, _train, str(sharded), str(tmp_path / "sharded.pt"), False, "--lora.no_replicate_adapters")
+    full = torch.load(tmp_path / "sharded.pt")
+    shutil.copytree(sharded / "checkpoint" / "step-2", replicated / "checkpoint" / "step-2")
+    run_ranks(2, _train, str(replicated), str(tmp_path / "replicated.pt"))
+    resumed = torch.load(tmp_path / "replicated.pt")
+    assert resumed["start"] == 2 and sorted(resumed["losses"]) == [3, 4]
+    for step in (3, 4):  # the same sums, reduced by an all-reduce instead of a reduce-scatter
         assert abs(resumed["losses"][step] - full["losses"][step]) <= 1e-5 * abs(full["losses"][step])
         assert resumed["lrs"][step] == full["lrs"][step]
     for name, value in full["final"].items():

@@ -1,6 +1,7 @@
-"""One SFT step on 1 rank and on 2 FSDP ranks, on 2 TP ranks and on TP=2 x FSDP=2: same loss, same gradients, same updated
-adapter; the base gets no gradient and does not move; the optimizer holds only the adapter. On CPU (gloo)
-and, with `pytest -m gpu`, on 2 GPUs (NCCL): the same fp32 bounds hold (TF32 is off, torch's default)."""
+"""One SFT step on 1 rank and on 2 FSDP ranks, on 2 TP ranks and on TP=2 x FSDP=2, with the adapters
+replicated (the default) or sharded by FSDP: same loss, same gradients, same updated adapter; the base
+gets no gradient and does not move; the optimizer holds only the adapter. On CPU (gloo) and, with
+`pytest -m gpu`, on 2 GPUs (NCCL): the same fp32 bounds hold (TF32 is off, torch's default)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import pytest
 import torch
 from dist_helpers import needs_gpus, run_ranks
 from model_helpers import DEBUG_LORA, TP2, TP2_FSDP2, full_copy, job_config_from, randomize_adapters
+
+from torch.distributed.tensor import DTensor
 
 from titan_lora.lora.layer import adapter_params, fill_param, is_adapter_param
 
@@ -39,7 +42,7 @@ def _seeded_base(model: torch.nn.Module) -> None:
 def _one_step(rank: int, world: int, dump: str, out: str, *layout: str) -> None:
     from titan_lora.train import TrainingRun
 
-    data_parallel = world // (2 if layout in (TP2, TP2_FSDP2) else 1)
+    data_parallel = world // (2 if "--parallelism.tensor_parallel_degree=2" in layout else 1)
     cfg = job_config_from(
         TRAIN, f"--job.dump_folder={dump}", "--training.global_batch_size=8",
         f"--training.local_batch_size={8 // data_parallel}", "--training.steps=1",
@@ -51,6 +54,12 @@ def _one_step(rank: int, world: int, dump: str, out: str, *layout: str) -> None:
         _seeded_base(model)
         randomize_adapters(model, seed=5)  # B != 0, so lora_A gets a gradient as well
         named = adapter_params(model)
+        if world > 1:  # replicated (the default): outside FSDP, plain or on the TP mesh alone; else FSDP's
+            meshes = {p.device_mesh.mesh_dim_names if isinstance(p, DTensor) else None for _, p in named}
+            tp = "--parallelism.tensor_parallel_degree=2" in layout
+            sharded = {("fsdp", "tp") if tp else ("fsdp",)}
+            want = sharded if SHARDED[0] in layout else {("tp",) if tp else None}
+            assert meshes == want, (meshes, layout)
         before = {n: full_copy(p) for n, p in named}
         base_before = {n: full_copy(p) for n, p in model.named_parameters() if not is_adapter_param(n)}
 
@@ -88,9 +97,27 @@ def test_one_step_on_one_rank_and_under_tp2_fsdp2_is_the_same(tmp_path) -> None:
     _one_vs_two_ranks(tmp_path, "gloo", *TP2_FSDP2, ranks=4)
 
 
+SHARDED = ("--lora.no_replicate_adapters",)
+
+
+def test_one_step_with_fsdp_sharded_adapters_on_one_and_two_ranks_is_the_same(tmp_path) -> None:
+    """`[lora] replicate_adapters = false`: adapters sharded by FSDP with the base, reduce-scattered by it."""
+    _one_vs_two_ranks(tmp_path, "gloo", *SHARDED)
+
+
+@pytest.mark.slow
+def test_one_step_with_fsdp_sharded_adapters_under_tp2_fsdp2_is_the_same(tmp_path) -> None:
+    _one_vs_two_ranks(tmp_path, "gloo", *TP2_FSDP2, *SHARDED, ranks=4)
+
+
 @needs_gpus(2)
 def test_one_step_on_one_and_two_gpus_is_the_same(tmp_path) -> None:
     _one_vs_two_ranks(tmp_path, "nccl")
+
+
+@needs_gpus(2)
+def test_one_step_with_fsdp_sharded_adapters_on_one_and_two_gpus_is_the_same(tmp_path) -> None:
+    _one_vs_two_ranks(tmp_path, "nccl", *SHARDED)
 
 
 @needs_gpus(2)

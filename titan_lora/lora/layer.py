@@ -33,7 +33,8 @@ class LoRALinear(nn.Linear):
         """Base projection plus the scaled low-rank path."""
         base = F.linear(x, self.weight, self.bias)
         dropped = F.dropout(x, self.lora_dropout_p, self.training) if self.lora_dropout_p else x
-        update = F.linear(F.linear(dropped, self.lora_A), self.lora_B)
+        # Adapters kept out of FSDP (`[lora] replicate_adapters`) miss its cast to the compute dtype.
+        update = F.linear(F.linear(dropped, self.lora_A.to(x.dtype)), self.lora_B.to(x.dtype))
         # In place, with the scale as add's alpha: one elementwise kernel and no extra activation
         # (F.linear's backward does not need its output, so autograd allows it).
         return base.add_(update, alpha=self.scale)

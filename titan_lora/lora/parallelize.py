@@ -8,8 +8,7 @@ with DTensors). So a family hands over only its TP step, and the rest is shared.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -19,9 +18,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac
-from torchtitan.models.llama3.infra.parallelize import apply_compile, apply_fsdp
+from torchtitan.models.llama3.infra.parallelize import apply_compile
 
-from titan_lora.lora.layer import lora_modules
+from titan_lora.lora.layer import adapter_params, lora_modules
+from titan_lora.lora.replicated import ReplicatedGradSum
 
 TensorParallel = Callable[[nn.Module, DeviceMesh, object], None]
 """A family's TP plan: `(model, tp_mesh, job_config)`, applied in place to the meta-device model."""
@@ -82,7 +82,7 @@ def lora_parallelize(tensor_parallel: TensorParallel) -> ParallelizeFn:
 
 
 def grads_take_param_placements(model: nn.Module) -> None:
-    """For TP without FSDP, on the materialised model (hooks go with the tensor `to_empty` replaces).
+    """For TP adapters outside FSDP, on the materialised model (hooks go with the tensor `to_empty` replaces).
 
     A replicated adapter's gradient comes out of the backward as a partial sum, and nothing reduces it
     (FSDP2's reduce-scatter does, to the param's placements). Gradient clipping then scaled the partial
@@ -109,42 +109,68 @@ def _ac_and_fsdp(model: nn.Module, parallel_dims: ParallelDims, job_config) -> n
         # titan_lora reads drops (`lora.layer.clean_fqn`).
         apply_compile(model, job_config.compile)
     if parallel_dims.fsdp_enabled:
-        names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
-        shard_model(model, parallel_dims.get_mesh(names), job_config)
+        shard_model(model, data_parallel_mesh(parallel_dims), job_config)
     return model
 
 
 def shard_model(model: nn.Module, mesh: DeviceMesh, job_config) -> None:  # noqa: ANN001
-    """torchtitan's FSDP2 over `mesh` with `[training]`'s mixed precision (gloo-safe reductions on CPU)."""
+    """FSDP2 over `mesh` as torchtitan's `apply_fsdp` applies it, with `[training]`'s mixed precision
+    (gloo-safe reductions on CPU). With `[lora] replicate_adapters` the adapters stay out of FSDP, whole
+    on every rank (`add_grad_hooks` then sums their gradients)."""
     training, policy = job_config.training, job_config.parallelism.fsdp_reshard_after_forward
     param_dtype = TORCH_DTYPE_MAP[training.mixed_precision_param]
     reduce_dtype = TORCH_DTYPE_MAP[training.mixed_precision_reduce]
     store_frozen_as(model, param_dtype)
+    adapters = {p for _, p in adapter_params(model)} if replicate_adapters(job_config) else set()
+    common = dict(
+        mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+        offload_policy=CPUOffloadPolicy() if training.enable_cpu_offload else OffloadPolicy(),
+        ignored_params=adapters or None,
+    )
+    reshard = policy != "never"  # "default" reshards: pipeline parallelism is refused
+    head = [m for m in (model.norm, model.output) if m is not None]
     tied = _tied_head(model)
     if tied:
-        # FSDP needs a tied pair in one group, and apply_fsdp splits it (embedding | norm + output): shard the
-        # pair with norm as apply_fsdp's last group would be sharded, then hide the pair from apply_fsdp.
-        fully_shard(
-            [model.tok_embeddings, model.norm, model.output], mesh=mesh,
-            mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
-            offload_policy=CPUOffloadPolicy() if training.enable_cpu_offload else OffloadPolicy(),
-            reshard_after_forward=policy == "always",  # used first and last in forward: keep it gathered
-        )
-    with _hidden(model, ("tok_embeddings", "output") if tied else ()):
-        apply_fsdp(
-            model,
-            mesh,
-            param_dtype=param_dtype,
-            reduce_dtype=reduce_dtype,
-            pp_enabled=False,
-            cpu_offload=training.enable_cpu_offload,
-            reshard_after_forward_policy=policy,
-        )
-    if mesh.device_type == "cpu":
-        # gloo has no PREMUL_SUM; plain sums with FSDP's own pre/post scaling are equivalent.
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
+        # FSDP needs a tied pair in one group: shard the pair with norm, gathered from first use to last.
+        fully_shard([model.tok_embeddings, *head], **common, reshard_after_forward=policy == "always")
+    elif model.tok_embeddings is not None:
+        fully_shard(model.tok_embeddings, **common, reshard_after_forward=reshard)
+    for block in model.layers.values():
+        fully_shard(block, **common, reshard_after_forward=reshard)
+    if head and not tied:  # used last in forward, first in backward: kept gathered unless "always"
+        fully_shard(head, **common, reshard_after_forward=policy == "always")
+    fully_shard(model, **common)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)  # torchtitan divides the loss by the global token count
+            if mesh.device_type == "cpu":
+                # gloo has no PREMUL_SUM; plain sums with FSDP's own pre/post scaling are equivalent.
                 module.set_force_sum_reduction_for_comms(True)
+
+
+def replicate_adapters(job_config) -> bool:  # noqa: ANN001
+    """True when `[lora] replicate_adapters` keeps the adapters out of FSDP."""
+    lora = getattr(job_config, "lora", None)
+    return bool(lora is not None and lora.replicate_adapters)
+
+
+def data_parallel_mesh(parallel_dims: ParallelDims) -> DeviceMesh:
+    """The mesh FSDP shards over (HSDP: replicate x shard)."""
+    names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
+    return parallel_dims.get_mesh(names)
+
+
+def add_grad_hooks(model: nn.Module, parallel_dims: ParallelDims, job_config) -> None:  # noqa: ANN001
+    """The gradient reductions FSDP does not do, hooked on the materialised params (hooks go with the
+    tensors `to_empty` replaces): TP's partial sums outside FSDP, and the replicated adapters' sum."""
+    replicated = parallel_dims.fsdp_enabled and replicate_adapters(job_config)
+    if parallel_dims.tp_enabled and (replicated or not parallel_dims.fsdp_enabled):
+        grads_take_param_placements(model)
+    if replicated:
+        mesh = data_parallel_mesh(parallel_dims)
+        group = mesh.get_group() if mesh.ndim == 1 else mesh._flatten().get_group()
+        reduce_dtype = TORCH_DTYPE_MAP[job_config.training.mixed_precision_reduce]
+        ReplicatedGradSum([p for _, p in adapter_params(model)], group, reduce_dtype)
 
 
 def store_frozen_as(model: nn.Module, dtype: torch.dtype) -> None:
@@ -169,16 +195,3 @@ def store_frozen_as(model: nn.Module, dtype: torch.dtype) -> None:
 def _tied_head(model: nn.Module) -> bool:
     output, embedding = getattr(model, "output", None), getattr(model, "tok_embeddings", None)
     return output is not None and embedding is not None and output.weight is embedding.weight
-
-
-@contextmanager
-def _hidden(model: nn.Module, names: tuple[str, ...]) -> Iterator[None]:
-    # apply_fsdp skips a submodule that is None; the root group then skips it as already sharded.
-    modules = {name: getattr(model, name) for name in names}
-    for name in names:
-        setattr(model, name, None)
-    try:
-        yield
-    finally:
-        for name, module in modules.items():
-            setattr(model, name, module)

@@ -45,6 +45,20 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if isinstance(param, DTensor) else param
 
 
+def sends_its_part(param: torch.Tensor, dst_global: int) -> bool:
+    """True when this rank sends its local part of `param`, so that one copy of each element reaches
+    rank `dst_global`: a plain tensor (replicated, e.g. `[lora] replicate_adapters`) only from there; a
+    DTensor from the mesh that holds `dst_global` (others, e.g. TP meshes of other data-parallel ranks,
+    hold copies), and there only from coordinate 0 of each dimension it is replicated on."""
+    if not isinstance(param, DTensor):
+        return dist.get_rank() == dst_global if dist.is_initialized() else True
+    mesh = param.device_mesh
+    if dst_global not in mesh.mesh.flatten().tolist():
+        return False
+    coordinate = mesh.get_coordinate() or []
+    return all(c == 0 for c, placement in zip(coordinate, param.placements) if placement.is_replicate())
+
+
 def _global_flat_index(param: torch.Tensor, offset: int, layout: Layout | None) -> torch.Tensor:
     """Positions, in the flat output buffer, of this rank's local elements of `param`."""
     positions = torch.arange(offset, offset + param.numel(), dtype=torch.int64).view(param.shape)
@@ -175,30 +189,40 @@ class ShardGatherer:
         self.dst = dst
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
-        # Flat views of the local shards, made once: FSDP2 keeps each sharded param's storage.
-        self._locals = [_local(p).detach().reshape(-1) for _, p in named_params]
-        device = self._locals[0].device
+        dst_global = dist.get_global_rank(group, dst) if dist.is_initialized() and group is not None else dst
+        sends = [sends_its_part(p, dst_global) for _, p in named_params]
+        # Flat views of the local shards that this rank sends, made once: FSDP2 keeps each param's storage.
+        self._locals = [_local(p).detach().reshape(-1) for (_, p), s in zip(named_params, sends) if s]
+        first = _local(named_params[0][1])
+        device, element_size = first.device, first.element_size()
         layouts = layouts or [None] * len(named_params)
         # Outputs start on bucket-aligned boundaries, so the buffer is already a bucket's layout.
-        offsets = aligned_offsets([p.numel() for _, p in named_params], self._locals[0].element_size())
+        offsets = aligned_offsets([p.numel() for _, p in named_params], element_size)
         self.total_numel = offsets[-1]
         local_indices = [
-            _global_flat_index(p, o, lay) for (_, p), o, lay in zip(named_params, offsets, layouts)
+            _global_flat_index(p, o, lay)
+            for (_, p), o, lay, s in zip(named_params, offsets, layouts, sends) if s
         ]
-        local_index = torch.cat(local_indices)
+        local_index = torch.cat(local_indices) if local_indices else torch.empty(0, dtype=torch.int64)
         self.local_numel = local_index.numel()
-        self.max_local = self._max_over_ranks(self.local_numel, device)
+        # Replicated adapters: rank dst holds everything and the others send nothing, so no collective.
+        self.collective = self.world > 1 and self._max_over_ranks(
+            0 if self.rank == dst else self.local_numel, device) > 0
+        self.max_local = (self._max_over_ranks(self.local_numel, device) if self.collective
+                          else self.local_numel)
 
         # Zeros: the graphs' warm-up runs scatter them before any gather.
         self._send = torch.zeros(self.max_local, dtype=self.dtype, device=device)
         is_dst = self.rank == dst
-        self._recv = torch.zeros(self.world * self.max_local if is_dst else 0, dtype=self.dtype, device=device)
+        receives = is_dst and self.collective
+        self._recv = torch.zeros(self.world * self.max_local if receives else 0, dtype=self.dtype,
+                                 device=device)
         # A word of extra slots at the end soaks up the padding of ranks whose shard is smaller. Zeros:
         # the alignment gaps between tensors are never written and must stay finite.
-        self._pad = max(WORD.itemsize // self._locals[0].element_size(), 1)
+        self._pad = max(WORD.itemsize // element_size, 1)
         self._full, self.home = (lend(self.total_numel + self._pad, self.dtype, device) if is_dst
                                  else (torch.empty(0, dtype=self.dtype), None))
-        self._recv_chunks = list(self._recv.chunk(self.world)) if is_dst else None
+        self._recv_chunks = list(self._recv.chunk(self.world)) if receives else None
         scatter = scatter or ("runs" if device.type == "cpu" else "index")
         if scatter not in ("runs", "index"):
             raise ValueError(f"scatter must be 'runs' or 'index', got {scatter!r}")
@@ -207,7 +231,7 @@ class ShardGatherer:
         if scatter == "index":
             self._index, self._runs = index, None
             if index is not None:
-                self.word, self._index = word_index(index, self._locals[0].element_size())
+                self.word, self._index = word_index(index, element_size)
         else:
             self._index, self._runs = None, self._run_plan(index, local_indices)
         self.views = {
@@ -215,7 +239,7 @@ class ShardGatherer:
             for i, (name, shape) in enumerate(zip(self.names, self.shapes))
         } if is_dst else {}
         self._pack_graph = self._scatter_graph = None
-        if cuda_graphs and device.type == "cuda" and self._runs is None:
+        if cuda_graphs and device.type == "cuda" and self._runs is None and (is_dst or self.collective):
             self._pack_graph = captured(self._pack, device)
             self._scatter_graph = captured(self.scatter, device) if is_dst else None
 
@@ -243,9 +267,11 @@ class ShardGatherer:
         plan = _RunPlan(self._full, self.total_numel)
         for local, own in zip(self._locals, local_indices):
             plan.add(local, own)
-        for r, (chunk, chunk_index) in enumerate(zip(self._recv.chunk(self.world), index.chunk(self.world))):
-            if r != self.dst:
-                plan.add(chunk, chunk_index)
+        if self.collective:
+            chunks = zip(self._recv.chunk(self.world), index.chunk(self.world))
+            for r, (chunk, chunk_index) in enumerate(chunks):
+                if r != self.dst:
+                    plan.add(chunk, chunk_index)
         return plan.finish()
 
     def _gather_index(self, local_index: torch.Tensor, device: torch.device) -> torch.Tensor | None:
@@ -253,8 +279,8 @@ class ShardGatherer:
         spare = torch.arange(self.max_local, dtype=torch.int64, device=device) % self._pad
         padded = self.total_numel + spare
         padded[: local_index.numel()] = local_index
-        if self.world == 1:
-            return padded
+        if not self.collective:
+            return padded if self.rank == self.dst else None
         out = [torch.empty_like(padded) for _ in range(self.world)] if self.rank == self.dst else None
         dist.gather(padded, out, dst=self.dst, group=self.group)
         return torch.cat(out) if out is not None else None
@@ -263,11 +289,13 @@ class ShardGatherer:
     def gather(self) -> dict[str, torch.Tensor] | None:
         """Collective. On rank `dst`: {name: full tensor} (views reused by the next call); else None."""
         is_dst = self.rank == self.dst
+        if not is_dst and not self.collective:
+            return None
         if self._pack_graph is not None:
             self._pack_graph.replay()
         elif not is_dst or self._runs is None:  # the run plan reads rank dst's own shards in place
             self._pack()
-        if self.world > 1:
+        if self.collective:
             dist.gather(self._send, self._recv_chunks, dst=self.dst, group=self.group)
         if not is_dst:
             return None
@@ -278,14 +306,15 @@ class ShardGatherer:
         return self.views
 
     def _pack(self) -> None:
-        torch.cat(self._locals, out=self._send[: self.local_numel])
+        if self._locals:
+            torch.cat(self._locals, out=self._send[: self.local_numel])
 
     def scatter(self) -> None:
         """Rank `dst`, after the collective: place every received element (the benchmark times it alone)."""
         if self._runs is not None:
             self._runs.run()
             return
-        src = self._send if self.world == 1 else self._recv
+        src = self._recv if self.collective else self._send
         if self.word > 1:
             self._full.view(WORD).index_copy_(0, self._index, src.view(WORD))
         else:

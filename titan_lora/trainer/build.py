@@ -14,7 +14,7 @@ from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 from torchtitan.protocols.train_spec import TrainSpec
 
 from titan_lora.export.peft import PeftLayout
-from titan_lora.lora.parallelize import grads_take_param_placements
+from titan_lora.lora.parallelize import add_grad_hooks
 from titan_lora.models.family import FamilyLoRAConverter  # noqa: F401 (registers the "lora" converter)
 from titan_lora.models.load import load_base_weights
 from titan_lora.models.resolve import ResolvedModel, resolve_model
@@ -53,8 +53,7 @@ def build_model(job_config, parallel_dims: ParallelDims, device: torch.device,  
     model.to_empty(device=device)
     with torch.no_grad():
         model.init_weights(buffer_device=None)
-    if parallel_dims.tp_enabled and not parallel_dims.fsdp_enabled:
-        grads_take_param_placements(model)
+    add_grad_hooks(model, parallel_dims, job_config)
     sd_adapter = spec.state_dict_adapter(args, hf_dir)
     if resolved.load_pretrained:
         load_base_weights(model, hf_dir, sd_adapter, resolved.tied)

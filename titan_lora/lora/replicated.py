@@ -1,0 +1,64 @@
+"""Adapters replicated over the data-parallel ranks, outside FSDP, their gradients summed in one all-reduce.
+
+FSDP2's per-parameter work runs on the host for every sharded param, at every unshard, reshard and
+reduce-scatter: a block with LoRA on its 7 linears holds 23 params where the frozen base has 9, so a
+LoRA step spent more host time in FSDP than a full fine-tuning step (docs/benchmarks.md). The adapters
+are a fraction of a percent of the model: kept whole on every rank they cost a few hundred MB, and their
+gradients need one all-reduce of a flat buffer per step instead of FSDP's per-block reduce-scatters.
+The sum (not the mean) matches torchtitan's FSDP, whose gradient division is disabled: the loss is
+already divided by the global token count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class ReplicatedGradSum:
+    """Sums the gradients of `params` over `group` once per backward, when the backward ends.
+
+    The first gradient of a backward queues the sum as an autograd callback (as FSDP2 queues its own
+    post-backward work), so every training loop gets it with no call of its own. One backward per
+    optimizer step is assumed: a second backward before `zero_grad` would sum the first one's
+    already-summed gradients again."""
+
+    def __init__(self, params: Sequence[nn.Parameter], group: dist.ProcessGroup,
+                 reduce_dtype: torch.dtype) -> None:
+        """`reduce_dtype`: the dtype the sum runs in (torchtitan's `mixed_precision_reduce`)."""
+        self.params = list(params)
+        self.group = group
+        locals_ = [_local(p) for p in self.params]
+        self.flat = torch.empty(sum(t.numel() for t in locals_), dtype=reduce_dtype, device=locals_[0].device)
+        self.views, offset = [], 0
+        for t in locals_:
+            self.views.append(self.flat[offset : offset + t.numel()].view(t.shape))
+            offset += t.numel()
+        self._queued = False
+        for param in self.params:
+            param.register_post_accumulate_grad_hook(self._queue)
+
+    def _queue(self, _param: torch.Tensor) -> None:
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.sum_grads)
+
+    @torch.no_grad()
+    def sum_grads(self) -> None:
+        """All-reduce (sum) every param's gradient in one collective; a param with none gets zeros."""
+        self._queued = False
+        for param in self.params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        grads = [_local(p.grad) for p in self.params]
+        torch._foreach_copy_(self.views, grads)
+        dist.all_reduce(self.flat, group=self.group)
+        torch._foreach_copy_(grads, self.views)
