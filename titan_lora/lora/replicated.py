@@ -11,6 +11,7 @@ already divided by the global token count.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -27,9 +28,8 @@ class ReplicatedGradSum:
     """Sums the gradients of `params` over `group` once per backward, when the backward ends.
 
     The first gradient of a backward queues the sum as an autograd callback (as FSDP2 queues its own
-    post-backward work), so every training loop gets it with no call of its own. One backward per
-    optimizer step is assumed: a second backward before `zero_grad` would sum the first one's
-    already-summed gradients again."""
+    post-backward work), so every training loop gets it with no call of its own. A second backward
+    into gradients already summed (no `zero_grad` between) would sum them again: it is refused."""
 
     def __init__(self, params: Sequence[nn.Parameter], group: dist.ProcessGroup,
                  reduce_dtype: torch.dtype) -> None:
@@ -42,19 +42,29 @@ class ReplicatedGradSum:
         for t in locals_:
             self.views.append(self.flat[offset : offset + t.numel()].view(t.shape))
             offset += t.numel()
-        self._queued = False
+        self._queued_for = -1  # the autograd graph task (one backward) whose sum is queued
+        self._summed: dict[int, weakref.ref] = {}  # id(param) -> its gradient as the last sum left it
         for param in self.params:
             param.register_post_accumulate_grad_hook(self._queue)
 
-    def _queue(self, _param: torch.Tensor) -> None:
-        if not self._queued:
-            self._queued = True
+    def _queue(self, param: torch.Tensor) -> None:
+        summed = self._summed.get(id(param))
+        if summed is not None and summed() is param.grad:
+            raise RuntimeError(
+                "a second backward accumulated into adapter gradients that were already summed over the "
+                "data-parallel ranks ([lora] replicate_adapters): call zero_grad() (set_to_none=True, "
+                "torchtitan's default) before each backward, or set [lora] replicate_adapters = false to "
+                "accumulate gradients over several backwards"
+            )
+        # Keyed by the backward, not a flag: a backward that fails drops its queued callback unrun.
+        task = torch._C._current_graph_task_id()
+        if self._queued_for != task:
+            self._queued_for = task
             torch.autograd.Variable._execution_engine.queue_callback(self.sum_grads)
 
     @torch.no_grad()
     def sum_grads(self) -> None:
         """All-reduce (sum) every param's gradient in one collective; a param with none gets zeros."""
-        self._queued = False
         for param in self.params:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
@@ -62,3 +72,4 @@ class ReplicatedGradSum:
         torch._foreach_copy_(self.views, grads)
         dist.all_reduce(self.flat, group=self.group)
         torch._foreach_copy_(grads, self.views)
+        self._summed = {id(p): weakref.ref(p.grad) for p in self.params}
