@@ -8,6 +8,7 @@ with DTensors). So a family hands over only its TP step, and the rest is shared.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -22,6 +23,8 @@ from torchtitan.models.llama3.infra.parallelize import apply_compile
 
 from titan_lora.lora.layer import adapter_params, lora_modules
 from titan_lora.lora.replicated import ReplicatedGradSum
+
+logger = logging.getLogger(__name__)
 
 TensorParallel = Callable[[nn.Module, DeviceMesh, object], None]
 """A family's TP plan: `(model, tp_mesh, job_config)`, applied in place to the meta-device model."""
@@ -170,7 +173,12 @@ def add_grad_hooks(model: nn.Module, parallel_dims: ParallelDims, job_config) ->
         mesh = data_parallel_mesh(parallel_dims)
         group = mesh.get_group() if mesh.ndim == 1 else mesh._flatten().get_group()
         reduce_dtype = TORCH_DTYPE_MAP[job_config.training.mixed_precision_reduce]
-        ReplicatedGradSum([p for _, p in adapter_params(model)], group, reduce_dtype)
+        params = [p for _, p in adapter_params(model)]
+        summer = ReplicatedGradSum(params, group, reduce_dtype)
+        held = summer.flat.numel() * params[0].element_size() * 2 + summer.flat.nbytes  # params and grads
+        logger.info("adapters replicated over %d data-parallel ranks, outside FSDP: %.2f GiB a rank for them, "
+                    "their gradients and the reduce buffer, plus their optimizer state ([lora] "
+                    "replicate_adapters = false shards them with the base)", mesh.size(), held / 2**30)
 
 
 def store_frozen_as(model: nn.Module, dtype: torch.dtype) -> None:
