@@ -98,6 +98,30 @@ def test_one_step_on_one_rank_and_under_tp2_fsdp2_is_the_same(tmp_path) -> None:
 
 
 SHARDED = ("--lora.no_replicate_adapters",)
+REPLICAS2 = ("--parallelism.data_parallel_replicate_degree=2", "--parallelism.data_parallel_shard_degree=1")
+"""Two data-parallel replicas, no FSDP: the whole base on each rank, the adapters summed over both."""
+HSDP = ("--parallelism.data_parallel_replicate_degree=2", "--parallelism.data_parallel_shard_degree=2")
+
+
+def test_one_step_on_one_rank_and_on_two_replicas_without_fsdp_is_the_same(tmp_path) -> None:
+    _one_vs_two_ranks(tmp_path, "gloo", *REPLICAS2)
+
+
+def _build_unsummed(rank: int, world: int) -> None:
+    from model_helpers import build_from
+
+    with pytest.raises(ValueError, match="neither sharded nor summed"):
+        build_from(DEBUG_LORA, *REPLICAS2, *SHARDED)
+
+
+def test_replicas_without_fsdp_and_without_replicated_adapters_are_refused_at_the_build() -> None:
+    """Nothing would reduce the adapters' gradients: each replica would train its own adapter."""
+    run_ranks(2, _build_unsummed)
+
+
+@pytest.mark.slow
+def test_one_step_on_one_rank_and_under_hsdp_2x2_is_the_same(tmp_path) -> None:
+    _one_vs_two_ranks(tmp_path, "gloo", *HSDP, ranks=4)
 
 
 def test_one_step_with_fsdp_sharded_adapters_on_one_and_two_ranks_is_the_same(tmp_path) -> None:

@@ -158,15 +158,23 @@ def replicate_adapters(job_config) -> bool:  # noqa: ANN001
 
 
 def data_parallel_mesh(parallel_dims: ParallelDims) -> DeviceMesh:
-    """The mesh FSDP shards over (HSDP: replicate x shard)."""
-    names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
+    """The data-parallel ranks' mesh: FSDP's (HSDP: replicate x shard), or the replicas alone."""
+    names = [name for name, on in (("dp_replicate", parallel_dims.dp_replicate_enabled),
+                                   ("fsdp", parallel_dims.fsdp_enabled)) if on]
     return parallel_dims.get_mesh(names)
 
 
 def add_grad_hooks(model: nn.Module, parallel_dims: ParallelDims, job_config) -> None:  # noqa: ANN001
     """The gradient reductions FSDP does not do, hooked on the materialised params (hooks go with the
     tensors `to_empty` replaces): TP's partial sums outside FSDP, and the replicated adapters' sum."""
-    replicated = parallel_dims.fsdp_enabled and replicate_adapters(job_config)
+    data_parallel = parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled
+    if data_parallel and not parallel_dims.fsdp_enabled and not replicate_adapters(job_config):
+        raise ValueError(
+            f"[parallelism] data_parallel_replicate_degree = {parallel_dims.dp_replicate} with "
+            "data_parallel_shard_degree = 1 and [lora] replicate_adapters = false: the adapters would be "
+            "neither sharded nor summed over the replicas; set replicate_adapters = true (the default)"
+        )
+    replicated = data_parallel and replicate_adapters(job_config)
     if parallel_dims.tp_enabled and (replicated or not parallel_dims.fsdp_enabled):
         grads_take_param_placements(model)
     if replicated:
