@@ -252,6 +252,8 @@ def gpu_bench(iters: int, shape: str, layers: int | None, rank_: int | None, dev
     phases: list[dict[str, float]] = []
     e2e, rtt = end_to_end(model, built, cfg, device, iters, rank, phases)
     rows.append(("end to end to a colocated receiver (replicated adapters)", e2e))
+    rows.append(("WeightSyncer.sync() into a receiver, as training runs it",
+                 through_the_syncer(built, device, iters, lora_rank)))
     if rank == 0:
         print(f"\n{world} x {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}; shape "
               f"{shape}: dim {args.dim}, {args.n_layers} of {full_layers} layers"
@@ -334,6 +336,42 @@ def end_to_end(model, built, cfg, device: torch.device, iters: int, rank: int,  
         if engine is not None:
             engine.stop()  # the receiver unmaps our buffers before the emitter frees them
             emitter.close()
+
+
+def through_the_syncer(built, device: torch.device, iters: int, lora_rank: int) -> list[float]:  # noqa: ANN001
+    """`WeightSyncer.sync()` per version, as training calls it after each step: the gather, the finite
+    check and every control message between the ranks, the transfer into a receiver process started
+    as `[engine] kind = "receiver"` starts it, the ack, publishing and background retirement. The
+    first sync, which also streams the base, is not timed."""
+    from titan_lora.compose import build_syncer, engine_side
+    from titan_lora.sync.adapter_source import AdapterSource
+
+    with tempfile.TemporaryDirectory() as dump:
+        cfg, _ = job_from_toml(GPU_TOML.replace("rank = 16", f"rank = {lora_rank}") + SYNC_TOML,
+                               f"--job.dump_folder={dump}")
+        side, syncer = engine_side(cfg, built, device), None
+        try:
+            source = AdapterSource(built.model, built.peft_layout, cfg.lora, cfg.weight_sync.lora_name,
+                                   built.hf_dir, lend=side.lend)
+            syncer = build_syncer(cfg.weight_sync, side, source, built.model, built.sd_adapter, built.hf_dir,
+                                  built.tied, device)
+            syncer.sync(0)
+            versions = iter(range(1, 1_000_000))
+            sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+            return timed(lambda: syncer.sync(next(versions)), iters, sync)
+        finally:
+            syncer.close() if syncer is not None else side.stop()  # the retirer first, then the engine
+
+
+SYNC_TOML = """
+[engine]
+kind = "receiver"
+[weight_sync]
+enabled = true
+keep_versions = 2
+bucket_mb = 256
+parity_every = 0
+"""
 
 
 CPU_TOML = """
