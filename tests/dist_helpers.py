@@ -31,7 +31,7 @@ def needs_gpus(n: int) -> Callable[[Callable], Callable]:
 
 def rank_device() -> torch.device:
     """This rank's device: its GPU when the process group runs NCCL, else the CPU."""
-    if dist.is_initialized() and "nccl" in dist.get_backend():
+    if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -47,9 +47,7 @@ def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: 
             device = torch.device("cuda", rank)
             torch.cuda.set_device(device)
             kwargs["device_id"] = device
-        # On GPUs the trainer's own mix (`init_distributed`): NCCL for device tensors, gloo for objects.
-        pg_backend = "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
-        dist.init_process_group(pg_backend, rank=rank, world_size=world, **kwargs)
+        dist.init_process_group(backend, rank=rank, world_size=world, **kwargs)
         fn(rank, world, *args)
         # A rank that tears its gloo pairs down while a peer still drains the last collective makes
         # that peer's gloo thread abort (SIGABRT at exit, seen in CI): leave together.

@@ -23,16 +23,10 @@ def device_for_rank() -> torch.device:
 
 
 def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
-    """Start the default process group (NCCL for GPU tensors, gloo for host ones); single process needs
-    no launcher.
-
-    On GPU the group has both backends: the syncer's control messages (rank 0's decisions and outcomes,
-    `sync.collective.share`) and barriers go over gloo, as torch picks the host backend for object
-    collectives; over NCCL each was a device tensor, a kernel and a device synchronisation, several of
-    them per sync."""
+    """Start the default process group (NCCL on GPU, gloo on CPU); single process needs no launcher."""
     if dist.is_initialized():
         return
-    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     if "MASTER_ADDR" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a launcher's rendezvous
         dist.init_process_group(backend=backend, timeout=timeout)
