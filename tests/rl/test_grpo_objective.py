@@ -230,7 +230,7 @@ def test_two_dp_ranks_give_the_one_rank_loss_and_gradient(tmp_path) -> None:
 
 
 def _head_on_completions(rank: int, world: int, out: str) -> None:
-    from model_helpers import DEBUG_LORA, build_from, randomize_adapters
+    from model_helpers import DEBUG_LORA, build_from, full_copy, randomize_adapters
 
     from titan_lora.rl.objective import token_logprobs
 
@@ -247,7 +247,7 @@ def _head_on_completions(rank: int, world: int, out: str) -> None:
         model.zero_grad()
         logp = token_logprobs(model, inputs, labels, m)
         (logp * mask).sum().backward()
-        grads = [p.grad.full_tensor().clone() for p in model.parameters() if p.requires_grad]
+        grads = [full_copy(p.grad) for p in model.parameters() if p.requires_grad]
         results[name] = (logp.detach(), grads)
     hook.remove()
     if rank == 0:
