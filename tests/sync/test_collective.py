@@ -1,9 +1,11 @@
 """share and on_rank0 in one process (no process group): the value passes through, `then` always runs,
-and a failure of rank 0's work comes back as RankZeroError naming the error, with the error attached."""
+and a failure of rank 0's work comes back as RankZeroError naming the error, with the error attached; on
+2 gloo ranks, `share_value` brings rank 0's value to both in the outcome's one broadcast."""
 
 from __future__ import annotations
 
 import pytest
+from dist_helpers import run_ranks
 
 from titan_lora.sync.collective import RankZeroError, on_rank0, share
 from titan_lora.transfer.errors import TransferError
@@ -68,3 +70,23 @@ def test_share_broadcasts_rank_0s_value_only_in_a_group_of_several(monkeypatch: 
     got = share("mine")
     assert got == ("rank 0's value" if broadcasts else "mine")
     assert calls == [(["mine"], 0)] * broadcasts
+
+
+def _shared_value(rank: int, world: int) -> None:
+    calls = []
+    got = on_rank0((lambda: calls.append(rank) or {"needs_base": True}) if rank == 0 else None, share_value=True)
+    assert got == {"needs_base": True}, f"rank {rank} got {got}"
+    assert calls == ([0] if rank == 0 else []), "only rank 0 runs fn"
+    plain = on_rank0((lambda: 7) if rank == 0 else None)
+    assert plain == (7 if rank == 0 else None), "without share_value the value stays on rank 0"
+
+    def fail() -> None:
+        raise ValueError("the engine said no")
+
+    with pytest.raises(RankZeroError, match="ValueError: the engine said no"):
+        on_rank0(fail if rank == 0 else None, share_value=True)
+
+
+def test_share_value_brings_rank_0s_value_to_every_rank_with_its_outcome() -> None:
+    """One broadcast carries both: the syncer's base check costs one control message a sync, not two."""
+    run_ranks(2, _shared_value)

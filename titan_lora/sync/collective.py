@@ -33,9 +33,11 @@ def share(value: Any) -> Any:
     return box[0]
 
 
-def on_rank0(fn: Callable[[], T] | None, then: Callable[[], None] | None = None) -> T | None:
+def on_rank0(fn: Callable[[], T] | None, then: Callable[[], None] | None = None,
+             share_value: bool = False) -> T | None:
     """Collective: rank 0 runs `fn` (None elsewhere), every rank runs `then`, and a failure of `fn`
-    raises RankZeroError on every rank. Returns fn's value on rank 0, None elsewhere."""
+    raises RankZeroError on every rank. Returns fn's value on rank 0, None elsewhere; with `share_value`,
+    on every rank, in the same one broadcast as the outcome (the value must pickle)."""
     value, failure = None, None
     if fn is not None:
         try:
@@ -44,7 +46,11 @@ def on_rank0(fn: Callable[[], T] | None, then: Callable[[], None] | None = None)
             failure = err
     if then is not None:
         then()
-    message = share(None if failure is None else f"{type(failure).__name__}: {failure}")
+    message = None if failure is None else f"{type(failure).__name__}: {failure}"
+    if share_value:
+        message, value = share((message, value if failure is None else None))
+    else:
+        message = share(message)
     if message is None:
         return value
     raise RankZeroError(message, cause=failure)

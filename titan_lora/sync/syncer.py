@@ -186,11 +186,12 @@ class WeightSyncer:
             self.engine.check(self.cfg.health_timeout_s)  # a hung engine fails here, in bounded time
         return self._retrying(self.emitter.engine_incarnation, "reaching the engine")
 
-    def _rank0(self, fn: Callable[[], T], what: str, then: Callable[[], None] | None = None) -> T | None:
+    def _rank0(self, fn: Callable[[], T], what: str, then: Callable[[], None] | None = None,
+               share_value: bool = False) -> T | None:
         """Collective: rank 0 runs `fn`; an engine fault raises _EngineDown on every rank, any other
         error raises on every rank too. `then` runs on every rank before the outcome is shared."""
         try:
-            return on_rank0(fn if self.emitter is not None else None, then)
+            return on_rank0(fn if self.emitter is not None else None, then, share_value)
         except RankZeroError as err:
             # Rank 0 decides whether the engine is at fault (a bounded health check), every rank learns.
             lost = share(None if err.cause is None else self._is_engine_fault(err.cause))
@@ -274,8 +275,9 @@ class WeightSyncer:
 
     def _ensure_base(self, version: int) -> None:
         """Collective: send the base when this engine incarnation has not got ours."""
-        needed = share(self._rank0(lambda: self._incarnation() != self._base_incarnation,
-                                   "reaching the engine"))
+        # The answer rides on the outcome's broadcast: one control message, not two, every sync.
+        needed = self._rank0(lambda: self._incarnation() != self._base_incarnation, "reaching the engine",
+                             share_value=True)
         if needed:
             self._send_base(version)
 
