@@ -338,7 +338,8 @@ def end_to_end(model, built, cfg, device: torch.device, iters: int, rank: int,  
             emitter.close()
 
 
-def through_the_syncer(built, device: torch.device, iters: int, lora_rank: int) -> list[float]:  # noqa: ANN001
+def through_the_syncer(built, device: torch.device, iters: int,  # noqa: ANN001
+                       lora_rank: int) -> list[float]:
     """`WeightSyncer.sync()` per version, as training calls it after each step: the gather, the finite
     check and every control message between the ranks, the transfer into a receiver process started
     as `[engine] kind = "receiver"` starts it, the ack, publishing and background retirement. The

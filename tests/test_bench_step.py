@@ -22,7 +22,8 @@ def test_bench_step_prints_both_steps_and_their_ratio() -> None:
     text = out.stdout
     names = ("floor: frozen base fwd+bwd, no optimizer", "LoRA step (adapters sharded by FSDP)",
              "LoRA step (adapters replicated)", "full fine-tuning step")
-    rows = {name: re.search(rf"^{re.escape(name)}\s+([\d,]+)\s+([\d.]+)\s+([\d.]+)", text, re.M) for name in names}
+    rows = {name: re.search(rf"^{re.escape(name)}\s+([\d,]+)\s+([\d.]+)\s+([\d.]+)", text, re.M)
+            for name in names}
     assert all(rows.values()), text
     trainable = {name: int(m.group(1).replace(",", "")) for name, m in rows.items()}
     floor, sharded, replicated, full = names
@@ -38,4 +39,5 @@ def test_bench_step_prints_both_steps_and_their_ratio() -> None:
         phases = re.search(rf"^phases of {re.escape(lora)}, .*: (.*)$", text, re.M)
         assert phases, text
         times = dict(re.findall(r"(\w+) LoRA ([\d.]+) / full [\d.]+", phases.group(1)))
-        assert set(times) == {"forward", "backward", "clip", "optimizer"} and all(float(t) > 0 for t in times.values())
+        assert set(times) == {"forward", "backward", "clip", "optimizer"}
+        assert all(float(t) > 0 for t in times.values())

@@ -232,7 +232,7 @@ def _init_on_ranks(rank: int, world: int, out: str, *adapters: str) -> None:
     built = build_from(DEBUG_LORA, *adapters)
     full = {n: full_copy(p) for n, p in adapter_params(built.model)}  # collective, same order on every rank
     sharded = [isinstance(p, DTensor) for _, p in adapter_params(built.model)]
-    assert all(sharded) if adapters else not any(sharded), "sharded by FSDP only if replicate_adapters = false"
+    assert all(sharded) if adapters else not any(sharded), "FSDP shards them iff replicate_adapters = false"
     torch.save(full, f"{out}.{rank}")
 
 

@@ -74,7 +74,8 @@ def test_share_broadcasts_rank_0s_value_only_in_a_group_of_several(monkeypatch: 
 
 def _shared_value(rank: int, world: int) -> None:
     calls = []
-    got = on_rank0((lambda: calls.append(rank) or {"needs_base": True}) if rank == 0 else None, share_value=True)
+    work = (lambda: calls.append(rank) or {"needs_base": True}) if rank == 0 else None
+    got = on_rank0(work, share_value=True)
     assert got == {"needs_base": True}, f"rank {rank} got {got}"
     assert calls == ([0] if rank == 0 else []), "only rank 0 runs fn"
     plain = on_rank0((lambda: 7) if rank == 0 else None)

@@ -184,8 +184,8 @@ def add_grad_hooks(model: nn.Module, parallel_dims: ParallelDims, job_config) ->
         params = [p for _, p in adapter_params(model)]
         summer = ReplicatedGradSum(params, group, reduce_dtype)
         held = summer.flat.numel() * params[0].element_size() * 2 + summer.flat.nbytes  # params and grads
-        logger.info("adapters replicated over %d data-parallel ranks, outside FSDP: %.2f GiB a rank for them, "
-                    "their gradients and the reduce buffer, plus their optimizer state ([lora] "
+        logger.info("adapters replicated over %d data-parallel ranks, outside FSDP: %.2f GiB a rank for "
+                    "them, their gradients and the reduce buffer, plus their optimizer state ([lora] "
                     "replicate_adapters = false shards them with the base)", mesh.size(), held / 2**30)
 
 
