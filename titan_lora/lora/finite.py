@@ -5,17 +5,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
-from titan_lora.lora.layer import adapter_params
+from titan_lora.lora.layer import adapter_params, local_part
 
 
 class NonFiniteAdapterError(RuntimeError):
     """The adapter holds NaN or Inf values; raised on every rank."""
-
-
-def _local(param: torch.Tensor) -> torch.Tensor:
-    return (param.to_local() if isinstance(param, DTensor) else param).detach()
 
 
 def _first_local_nonfinite(tensors: list[torch.Tensor]) -> int:
@@ -36,7 +31,7 @@ def first_nonfinite_adapter(model: nn.Module) -> str | None:
     the same branch afterwards.
     """
     params = adapter_params(model)
-    local = _first_local_nonfinite([_local(p) for _, p in params])
+    local = _first_local_nonfinite([local_part(p).detach() for _, p in params])
     device = params[0][1].device if params else torch.device("cpu")
     index = torch.tensor([local], dtype=torch.int64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -59,6 +59,11 @@ def convert_linear(
     return lora  # type: ignore[return-value]
 
 
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `tensor`: a DTensor's local shard, a plain tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def clean_fqn(name: str) -> str:
     """A parameter or module name without wrapper segments (activation checkpointing, compile)."""
     return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")

@@ -21,7 +21,7 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.models.llama3.infra.parallelize import apply_compile
 
-from titan_lora.lora.layer import adapter_params, lora_modules
+from titan_lora.lora.layer import adapter_params, local_part, lora_modules
 from titan_lora.lora.replicated import ReplicatedGradSum
 
 logger = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ def adapter_tp_placements(weight_placement: Shard) -> tuple[Replicate | Shard, R
 def _replace_with_placement(module: nn.Module, name: str, mesh: DeviceMesh, placement) -> None:  # noqa: ANN001
     # Runs on the meta-device model, before init_weights fills the adapters: only shapes matter.
     param = getattr(module, name)
-    device = (param.to_local() if isinstance(param, DTensor) else param).device
+    device = local_part(param).device
     empty = torch.empty(param.shape, dtype=param.dtype, device=device)
     dist = distribute_tensor(empty, mesh, [placement], src_data_rank=None)
     module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
@@ -124,7 +124,7 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, job_config) -> None:  # noqa
     param_dtype = TORCH_DTYPE_MAP[training.mixed_precision_param]
     reduce_dtype = TORCH_DTYPE_MAP[training.mixed_precision_reduce]
     store_frozen_as(model, param_dtype)
-    adapters = {p for _, p in adapter_params(model)} if replicate_adapters(job_config) else set()
+    adapters = {p for _, p in adapter_params(model)} if job_config.lora.replicate_adapters else set()
     common = dict(
         mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         offload_policy=CPUOffloadPolicy() if training.enable_cpu_offload else OffloadPolicy(),
@@ -151,12 +151,6 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, job_config) -> None:  # noqa
                 module.set_force_sum_reduction_for_comms(True)
 
 
-def replicate_adapters(job_config) -> bool:  # noqa: ANN001
-    """True when `[lora] replicate_adapters` keeps the adapters out of FSDP."""
-    lora = getattr(job_config, "lora", None)
-    return bool(lora is not None and lora.replicate_adapters)
-
-
 def data_parallel_mesh(parallel_dims: ParallelDims) -> DeviceMesh:
     """The data-parallel ranks' mesh: FSDP's (HSDP: replicate x shard), or the replicas alone."""
     names = [name for name, on in (("dp_replicate", parallel_dims.dp_replicate_enabled),
@@ -168,13 +162,13 @@ def add_grad_hooks(model: nn.Module, parallel_dims: ParallelDims, job_config) ->
     """The gradient reductions FSDP does not do, hooked on the materialised params (hooks go with the
     tensors `to_empty` replaces): TP's partial sums outside FSDP, and the replicated adapters' sum."""
     data_parallel = parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled
-    if data_parallel and not parallel_dims.fsdp_enabled and not replicate_adapters(job_config):
+    if data_parallel and not parallel_dims.fsdp_enabled and not job_config.lora.replicate_adapters:
         raise ValueError(
             f"[parallelism] data_parallel_replicate_degree = {parallel_dims.dp_replicate} with "
             "data_parallel_shard_degree = 1 and [lora] replicate_adapters = false: the adapters would be "
             "neither sharded nor summed over the replicas; set replicate_adapters = true (the default)"
         )
-    replicated = data_parallel and replicate_adapters(job_config)
+    replicated = data_parallel and job_config.lora.replicate_adapters
     if parallel_dims.tp_enabled and (replicated or not parallel_dims.fsdp_enabled):
         grads_take_param_placements(model)
     if replicated:

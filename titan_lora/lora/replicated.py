@@ -17,11 +17,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+from titan_lora.lora.layer import local_part
 
 
 class ReplicatedGradSum:
@@ -36,7 +33,7 @@ class ReplicatedGradSum:
         """`reduce_dtype`: the dtype the sum runs in (torchtitan's `mixed_precision_reduce`)."""
         self.params = list(params)
         self.group = group
-        locals_ = [_local(p) for p in self.params]
+        locals_ = [local_part(p) for p in self.params]
         self.flat = torch.empty(sum(t.numel() for t in locals_), dtype=reduce_dtype, device=locals_[0].device)
         self.views, offset = [], 0
         for t in locals_:
@@ -68,7 +65,7 @@ class ReplicatedGradSum:
         for param in self.params:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-        grads = [_local(p.grad) for p in self.params]
+        grads = [local_part(p.grad) for p in self.params]
         torch._foreach_copy_(self.views, grads)
         dist.all_reduce(self.flat, group=self.group)
         torch._foreach_copy_(grads, self.views)

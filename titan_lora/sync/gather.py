@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from titan_lora.lora.layer import local_part
 from titan_lora.transfer.buckets import ALIGN
 from titan_lora.transfer.cuda_graphs import captured
 from titan_lora.transfer.host_copy import balanced_cut, in_two
@@ -39,10 +40,6 @@ Layout = Callable[[torch.Tensor], torch.Tensor]
 # (numel, dtype, device) -> a zeroed tensor to gather into, and the buffer it lies in (or None). The
 # emitter lends it, so that a transport's buffer receives the gather and goes out with no packing copy.
 Lend = Callable[[int, torch.dtype, torch.device], tuple[torch.Tensor, object | None]]
-
-
-def _local(param: torch.Tensor) -> torch.Tensor:
-    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def sends_its_part(param: torch.Tensor, dst_global: int) -> bool:
@@ -192,8 +189,8 @@ class ShardGatherer:
         dst_global = dist.get_global_rank(group, dst) if dist.is_initialized() and group is not None else dst
         sends = [sends_its_part(p, dst_global) for _, p in named_params]
         # Flat views of the local shards that this rank sends, made once: FSDP2 keeps each param's storage.
-        self._locals = [_local(p).detach().reshape(-1) for (_, p), s in zip(named_params, sends) if s]
-        first = _local(named_params[0][1])
+        self._locals = [local_part(p).detach().reshape(-1) for (_, p), s in zip(named_params, sends) if s]
+        first = local_part(named_params[0][1])
         device, element_size = first.device, first.element_size()
         layouts = layouts or [None] * len(named_params)
         # Outputs start on bucket-aligned boundaries, so the buffer is already a bucket's layout.
