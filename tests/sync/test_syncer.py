@@ -140,7 +140,9 @@ def _attached_engine_restarts(rank: int, world: int, tmp: str) -> None:
         syncer.sync(2)
         adapter = expected_adapter(built)
         if rank == 0:
-            assert syncer.counters["base_sends"] == 2 and syncer.counters["engine_recoveries"] == 0
+            # No question before the sync: the install's ack named the new incarnation, version 2 was
+            # held back (not published), and the recovery sent the base, then version 2 again.
+            assert syncer.counters["base_sends"] == 2 and syncer.counters["engine_recoveries"] == 1
             assert engine_adapters(syncer) == ["policy-v2"] and syncer.versions.live == [2]
             assert engine_digest(syncer, "policy-v2") == digests(adapter)
             engine.restart()  # again, now under a rollout, which finds its adapter gone
@@ -163,6 +165,43 @@ def _attached_engine_restarts(rank: int, world: int, tmp: str) -> None:
 
 def test_an_attached_engine_that_restarts_gets_the_base_then_the_newest_adapter(tmp_path: Path) -> None:
     run_ranks(2, _attached_engine_restarts, str(tmp_path))
+
+
+def _steady_state(rank: int, world: int, tmp: str, attached: bool) -> None:
+    engine = _receiver(rank, tmp)
+    url, key = (engine.url, engine.api_key) if engine and attached else ("", "")
+    built, syncer = build_syncer(rank, sync_cfg(), None if attached else engine, url, key)
+    broadcasts, posts = [], []
+    real_broadcast = torch.distributed.broadcast_object_list
+    torch.distributed.broadcast_object_list = lambda *a, **k: broadcasts.append(1) or real_broadcast(*a, **k)
+    try:
+        syncer.sync(1)  # the first sync asks for the incarnation and sends the base
+        if rank == 0:
+            real_post = syncer.emitter.client.post
+            syncer.emitter.client.post = lambda path, body=None, timeout_s=None: posts.append(path) or \
+                real_post(path, body, timeout_s)
+            engine.check = lambda *a: pytest.fail("the health check runs only after a failure")
+        broadcasts.clear()
+        for version in (2, 3, 4):
+            metrics = syncer.sync(version)
+            assert metrics["sync/version"] == version, "every rank learns the outcome"
+            assert metrics.get("sync/published") == (1 if rank == 0 else None)  # rank 0 publishes
+        assert len(broadcasts) == 3, "one control message per sync: rank 0's outcome"
+        if rank == 0:
+            on_path = [p for p in posts if p != "/titan/unload"]  # retirements run off the sync's path
+            assert on_path == ["/titan/bucket"] * 3, posts  # the adapter's one bucket and its commit
+            assert syncer.counters["base_sends"] == 1 and syncer.versions.active.name == "policy-v4"
+            assert engine_digest(syncer, "policy-v4") == digests(expected_adapter(built))
+    finally:
+        torch.distributed.broadcast_object_list = real_broadcast
+        syncer.close()
+        if engine is not None:
+            engine.stop()
+
+
+@pytest.mark.parametrize("attached", [False, True], ids=["embedded", "attached"])
+def test_a_steady_state_sync_is_one_post_and_one_control_message(tmp_path: Path, attached: bool) -> None:
+    run_ranks(2, _steady_state, str(tmp_path), attached)
 
 
 def _live_versions_bounded(rank: int, world: int, tmp: str) -> None:

@@ -261,8 +261,8 @@ def test_an_engine_that_cannot_be_reached_names_what_failed(rig, sleeps) -> None
     r.emitter.fail["incarnation"] = [TransferError("HTTP 500")] * 2
     with pytest.raises(TransferError) as err:
         r.syncer.sync(1)
-    assert str(err.value) == ("reaching the engine: TransferError: reaching the engine failed after 2 attempts: "
-                              "HTTP 500")
+    assert str(err.value) == ("sending adapter version 1: TransferError: reaching the engine failed after 2 "
+                              "attempts: HTTP 500")
 
 
 def test_limits_that_cannot_be_read_name_what_failed(rig, sleeps) -> None:  # noqa: ANN001

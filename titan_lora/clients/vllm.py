@@ -193,8 +193,7 @@ class VLLMBucketEmitter:
 
     def engine_incarnation(self) -> str:
         """The engine's id, suffixed while it holds no base from us."""
-        info = self._info()
-        return info["incarnation"] + ("" if info["base_version"] is not None else ":no-base")
+        return protocol.incarnation_of(self._info())
 
     def lend_buffer(self, numel: int, dtype: torch.dtype, device: torch.device,
                     ) -> tuple[torch.Tensor, BucketBuffer | None]:
@@ -359,7 +358,9 @@ class VLLMBucketEmitter:
         apply_ms = float(ack["apply_ms"])  # the engine's own time: the commit shares the last round trip
         transfer_ms = streamed.phases["transfer_ms"] - apply_ms
         phases = {**streamed.phases, "transfer_ms": transfer_ms, "apply_ms": apply_ms}
-        return Ack(ack["version"], ack["tensors"], ack["bytes"], phases)
+        # An engine that names its incarnation in the ack spares the syncer a round trip before each sync.
+        incarnation = protocol.incarnation_of(ack) if "incarnation" in ack else None
+        return Ack(ack["version"], ack["tensors"], ack["bytes"], phases, incarnation)
 
     def retire_adapter(self, name: str, timeout_s: float) -> bool:
         """Ask the engine to unload `name` once its requests drained; False if it did not in time."""

@@ -94,7 +94,8 @@ class TitanService:
         ack = await install(lora_id, name, commit["peft_config"])
         self.table.add(name, version, lora_id)
         compat.serve_adapter(self.models, name, lora_id)
-        return {**ack, "commit": {**ack["commit"], "name": name, "version": version}}
+        return {**ack, "commit": {**ack["commit"], "name": name, "version": version,
+                                  "incarnation": self.incarnation, "base_version": self.base_version}}
 
     async def adapter_from_path(self, req: dict) -> dict:
         """Load the PEFT directory `path` with vLLM's own loader as adapter `name` (the baseline), then

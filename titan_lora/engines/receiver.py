@@ -98,6 +98,7 @@ class ReceiverService:
         if replaced is not None:
             self._give_back(replaced)
         return {**staged.size(), "name": req["name"], "version": req["version"],
+                "incarnation": self.incarnation, "base_version": self.base_version,
                 "apply_ms": (time.perf_counter() - started) * 1e3}
 
     def base(self, req: dict) -> dict:

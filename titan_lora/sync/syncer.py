@@ -13,6 +13,7 @@ the base re-send, then the newest adapter goes again and the failed operation is
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -45,6 +46,13 @@ class EngineFailed(TransferError):
 
 class _EngineDown(Exception):
     """Raised on every rank when rank 0 found the engine dead, hung, restarted or without its base."""
+
+
+class _Held(str, enum.Enum):
+    """Why rank 0 did not install an adapter version; shared with every rank in place of the phases."""
+
+    NONFINITE = "nonfinite"
+    NEEDS_BASE = "needs-base"
 
 
 def _engine_fault(err: BaseException) -> bool:
@@ -146,6 +154,7 @@ class WeightSyncer:
         self.retirer = (Retirer(self.versions, emitter.retire_adapter, cfg.retire_timeout_s)
                         if emitter else None)
         self._base_incarnation: str | None = None
+        self._acks_name_incarnation = False  # rank 0: the last install's ack named the engine's incarnation
         self._current: int | None = None  # the version the engine got last: the params as they are now
         self._current_published = False  # rank 0: False when the parity gate held it back
         self._base_ms: float | None = None  # the base send of the sync in progress, if any
@@ -319,7 +328,6 @@ class WeightSyncer:
         t0 = time.perf_counter()
         payload = self.source.snapshot(version)  # collective
         metrics: dict[str, float] = {"gather_ms": (time.perf_counter() - t0) * 1e3}
-        self._check_finite(payload, version)
         self._base_ms = None
         metrics |= self._recovering(lambda: self._transfer(payload, version),
                                     f"syncing adapter version {version}", republish=False)
@@ -334,29 +342,48 @@ class WeightSyncer:
             self.last_metrics |= self.report()
         return self.last_metrics
 
-    def _check_finite(self, payload: AdapterPayload | None, version: int) -> None:
-        finite = share(payload.finite if self.emitter is not None else None)
-        if not finite:
+    def _transfer(self, payload: AdapterPayload | None, version: int) -> dict[str, float]:
+        """Collective: the whole adapter transfer, after the base when this engine incarnation lacks it.
+        In the steady state this is one control message between the ranks (`_deliver`'s outcome)."""
+        what = f"sending adapter version {version}"
+        outcome = self._rank0(lambda: self._deliver(payload), what, share_value=True)
+        if outcome == _Held.NONFINITE:
             active = self.versions.active
             raise NonFiniteAdapterError(
                 f"adapter version {version} holds NaN/Inf values: it was not sent (the engine keeps "
                 f"{active.name if active else 'the base'}). [training] on_nonfinite decides what the "
                 "run does: \"stop\" ends it here, \"rollback\" reloads the last finite checkpoint"
             )
+        if outcome == _Held.NEEDS_BASE:
+            self._send_base(version)
+            outcome = self._rank0(lambda: self._install(payload), what)
+        return outcome or {}
 
-    def _transfer(self, payload: AdapterPayload | None, version: int) -> dict[str, float]:
-        """Collective: the base if this engine incarnation needs it, then the whole adapter transfer."""
-        self._ensure_base(version)
-        phases = self._rank0(lambda: self._install(payload), f"sending adapter version {version}")
-        return phases or {}
+    def _deliver(self, payload: AdapterPayload) -> dict[str, float] | _Held:
+        """Rank 0: install the adapter unless it is not finite or the engine lacks our base (then say
+        which). The engine is asked for its incarnation first only when the last ack did not name it."""
+        if not payload.finite:
+            return _Held.NONFINITE
+        if (self._base_incarnation is None or not self._acks_name_incarnation) \
+                and self._incarnation() != self._base_incarnation:
+            return _Held.NEEDS_BASE
+        return self._install(payload)
 
     def _install(self, payload: AdapterPayload) -> dict[str, float]:
-        """Rank 0: load the adapter into the engine (not yet published); check the ack."""
+        """Rank 0: load the adapter into the engine (not yet published); check the ack, and that the
+        engine which installed it still holds our base."""
         if len(self.versions.live) > self.versions.keep_versions:
             # Retirements lag behind: give them a bounded chance, so live versions stay <= keep + 1.
             self.retirer.wait_idle(self.cfg.retire_timeout_s)
         ack = self._retrying(lambda: self.emitter.send_adapter(payload), f"sending adapter {payload.name}")
         verify_ack(ack, payload.version, payload.num_tensors, payload.nbytes, f"adapter {payload.name}")
+        self._acks_name_incarnation = ack.incarnation is not None
+        if ack.incarnation is not None and ack.incarnation != self._base_incarnation:
+            # Restarted (or lost its weights) since our base went in: recovery re-sends the base and the
+            # adapter; this version was not published, so no rollout saw it on the wrong base.
+            raise EngineWeightsLost(
+                f"adapter {payload.name} was installed by engine incarnation {ack.incarnation}, which does "
+                f"not hold our base (sent to {self._base_incarnation})")
         return {**ack.phases_ms, "version": payload.version, "bytes": ack.nbytes, "tensors": ack.num_tensors}
 
     def _maybe_probe_and_publish(self, payload: AdapterPayload | None) -> dict[str, float]:

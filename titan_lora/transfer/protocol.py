@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import Any
 
 API_KEY_ENV = "TITAN_LORA_API_KEY"
 """The engine's API key reaches it through this environment variable, never its command line."""
@@ -40,6 +41,12 @@ def path(route: str) -> str:
     return PREFIX + route
 
 
+def incarnation_of(reply: Mapping[str, Any]) -> str:
+    """The engine incarnation an INFO reply or a commit's ack names: the engine's id, suffixed while it holds
+    no base from us (a restarted engine, or one that lost its weights, names another)."""
+    return reply["incarnation"] + ("" if reply["base_version"] is not None else ":no-base")
+
+
 def route_of(url_path: str) -> str | None:
     """The route a request path names, or None when it is not a `/titan/` path."""
     return url_path[len(PREFIX):] if url_path.startswith(PREFIX) else None
@@ -62,3 +69,5 @@ class Ack:
     num_tensors: int
     nbytes: int
     phases_ms: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    incarnation: str | None = None
+    """The engine incarnation that installed it (`incarnation_of`); None when the emitter cannot tell."""
