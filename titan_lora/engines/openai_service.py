@@ -33,7 +33,7 @@ class TitanService:
         self.engine_client = engine_client
         self.models = models  # vLLM's OpenAIServingModels: what /v1/* requests may name
         self.model = model
-        self.limits = limits  # fixed at start; INFO (asked before every sync) makes no engine call
+        self.limits = limits  # fixed at start: INFO (health checks, replica probes) makes no engine call
         self.incarnation = uuid.uuid4().hex
         self.nonce = os.environ.get(protocol.NONCE_ENV, "")
         self.base_version: int | None = None
