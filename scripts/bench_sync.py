@@ -342,8 +342,9 @@ def through_the_syncer(built, device: torch.device, iters: int,  # noqa: ANN001
                        lora_rank: int) -> list[float]:
     """`WeightSyncer.sync()` per version, as training calls it after each step: the gather, the finite
     check and every control message between the ranks, the transfer into a receiver process started
-    as `[engine] kind = "receiver"` starts it, the ack, publishing and background retirement. The
-    first sync, which also streams the base, is not timed."""
+    as `[engine] kind = "receiver"` starts it, the ack, publishing and background retirement (let finish
+    between timings, as a training step lets it). The first sync, which also streams the base, is not
+    timed."""
     from titan_lora.compose import build_syncer, engine_side
     from titan_lora.sync.adapter_source import AdapterSource
 
@@ -359,7 +360,10 @@ def through_the_syncer(built, device: torch.device, iters: int,  # noqa: ANN001
             syncer.sync(0)
             versions = iter(range(1, 1_000_000))
             sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-            return timed(lambda: syncer.sync(next(versions)), iters, sync)
+            # The training step between two syncs gives the background retirement time to finish; back to
+            # back, the next sync would wait for it (its unload request), which no training sync does.
+            settle = (lambda: syncer.retirer.wait_idle(30.0)) if syncer.retirer is not None else (lambda: None)
+            return timed(lambda: syncer.sync(next(versions)), iters, sync, between=settle)
         finally:
             syncer.close() if syncer is not None else side.stop()  # the retirer first, then the engine
 

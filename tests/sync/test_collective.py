@@ -4,6 +4,8 @@ and a failure of rank 0's work comes back as RankZeroError naming the error, wit
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 from dist_helpers import run_ranks
 
@@ -53,23 +55,42 @@ def test_an_interrupt_is_not_turned_into_an_error() -> None:
         on_rank0(interrupted)
 
 
-@pytest.mark.parametrize("world, broadcasts", [(1, 0), (2, 1), (3, 1)])
-def test_share_broadcasts_rank_0s_value_only_in_a_group_of_several(monkeypatch: pytest.MonkeyPatch, world: int,
-                                                                    broadcasts: int) -> None:
+def test_share_without_a_group_of_several_sends_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     from titan_lora.sync import collective
 
-    calls: list[tuple] = []
-
-    def broadcast_object_list(box: list, src: int) -> None:
-        calls.append((list(box), src))
-        box[0] = "rank 0's value"
-
     monkeypatch.setattr(collective.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(collective.dist, "get_world_size", lambda: world)
-    monkeypatch.setattr(collective.dist, "broadcast_object_list", broadcast_object_list)
-    got = share("mine")
-    assert got == ("rank 0's value" if broadcasts else "mine")
-    assert calls == [(["mine"], 0)] * broadcasts
+    monkeypatch.setattr(collective.dist, "get_world_size", lambda: 1)
+    monkeypatch.setattr(collective.dist, "broadcast", lambda *a, **k: pytest.fail("a group of one broadcast"))
+    assert share("mine") == "mine"
+
+
+def _shares(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    from titan_lora.sync import collective
+
+    broadcasts, object_lists = [], []
+    real_broadcast, real_object_list = dist.broadcast, dist.broadcast_object_list
+    dist.broadcast = lambda *a, **k: broadcasts.append(1) or real_broadcast(*a, **k)
+    dist.broadcast_object_list = lambda *a, **k: object_lists.append(1) or real_object_list(*a, **k)
+    try:
+        small = {"tensors": 448, "version": rank + 7, "phases": {"transfer_ms": 0.5}}
+        assert share(small) == {"tensors": 448, "version": 7, "phases": {"transfer_ms": 0.5}}
+        assert (broadcasts, object_lists) == ([1], []), "a control message is one broadcast"
+        room = collective.SHARE_BOX_BYTES - 8  # the box less its length field
+        edge = "x" * next(n for n in range(room, 0, -1) if len(pickle.dumps("x" * n)) == room)  # fills it
+        assert share(edge if rank == 0 else None) == edge
+        big = list(range(rank, rank + 5000))  # over the box: follows by broadcast_object_list
+        assert share(big) == list(range(5000))
+        assert (len(broadcasts), len(object_lists)) == (3, 1)
+        assert share(None) is None and share(rank) == 0
+    finally:
+        dist.broadcast, dist.broadcast_object_list = real_broadcast, real_object_list
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_share_brings_rank_0s_value_in_one_broadcast_and_a_large_one_after(world: int) -> None:
+    run_ranks(world, _shares)
 
 
 def _shared_value(rank: int, world: int) -> None:

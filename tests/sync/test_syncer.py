@@ -171,9 +171,12 @@ def _steady_state(rank: int, world: int, tmp: str, attached: bool) -> None:
     engine = _receiver(rank, tmp)
     url, key = (engine.url, engine.api_key) if engine and attached else ("", "")
     built, syncer = build_syncer(rank, sync_cfg(), None if attached else engine, url, key)
-    broadcasts, posts = [], []
-    real_broadcast = torch.distributed.broadcast_object_list
-    torch.distributed.broadcast_object_list = lambda *a, **k: broadcasts.append(1) or real_broadcast(*a, **k)
+    from titan_lora.sync import collective
+
+    messages, broadcasts, posts = [], [], []
+    real_share, real_broadcast = collective.share, torch.distributed.broadcast
+    collective.share = lambda value: messages.append(1) or real_share(value)
+    torch.distributed.broadcast = lambda *a, **k: broadcasts.append(1) or real_broadcast(*a, **k)
     try:
         syncer.sync(1)  # the first sync asks for the incarnation and sends the base
         if rank == 0:
@@ -181,19 +184,20 @@ def _steady_state(rank: int, world: int, tmp: str, attached: bool) -> None:
             syncer.emitter.client.post = lambda path, body=None, timeout_s=None: posts.append(path) or \
                 real_post(path, body, timeout_s)
             engine.check = lambda *a: pytest.fail("the health check runs only after a failure")
-        broadcasts.clear()
+        messages.clear(), broadcasts.clear()
         for version in (2, 3, 4):
             metrics = syncer.sync(version)
             assert metrics["sync/version"] == version, "every rank learns the outcome"
             assert metrics.get("sync/published") == (1 if rank == 0 else None)  # rank 0 publishes
-        assert len(broadcasts) == 3, "one control message per sync: rank 0's outcome"
+        assert len(messages) == 3, "one control message per sync: rank 0's outcome"
+        assert len(broadcasts) == 3, "each in one broadcast"
         if rank == 0:
             on_path = [p for p in posts if p != "/titan/unload"]  # retirements run off the sync's path
             assert on_path == ["/titan/bucket"] * 3, posts  # the adapter's one bucket and its commit
             assert syncer.counters["base_sends"] == 1 and syncer.versions.active.name == "policy-v4"
             assert engine_digest(syncer, "policy-v4") == digests(expected_adapter(built))
     finally:
-        torch.distributed.broadcast_object_list = real_broadcast
+        collective.share, torch.distributed.broadcast = real_share, real_broadcast
         syncer.close()
         if engine is not None:
             engine.stop()

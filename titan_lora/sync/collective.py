@@ -7,9 +7,11 @@ So every outcome of rank 0's work is broadcast, and every rank acts on it the sa
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from titan_lora.transfer.errors import TransferError
@@ -25,12 +27,47 @@ class RankZeroError(TransferError):
         self.cause = cause
 
 
+SHARE_BOX_BYTES = 4096
+"""A control message up to this size, pickled, goes in one broadcast of a fixed-size buffer."""
+_LENGTH_BYTES = 8
+
+
+def _box_device() -> torch.device:
+    """Where the default group's broadcast takes its tensors: the host for gloo, this rank's GPU for NCCL."""
+    if "gloo" in dist.get_backend():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def share(value: Any) -> Any:
-    """Collective: rank 0's `value` on every rank (picklable)."""
-    box = [value]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0)
-    return box[0]
+    """Collective: rank 0's `value` on every rank (picklable).
+
+    One broadcast of a fixed-size buffer, where `broadcast_object_list` makes two (sizes, then bytes)
+    with a host copy around each: the syncer sends one such message every sync. A value that does not
+    fit the buffer follows by `broadcast_object_list`.
+    """
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    box = torch.empty(SHARE_BOX_BYTES, dtype=torch.uint8, device=_box_device())  # read up to its length
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        data = pickle.dumps(value)
+        fits = len(data) <= SHARE_BOX_BYTES - _LENGTH_BYTES
+        head = len(data).to_bytes(_LENGTH_BYTES, "little") + (data if fits else b"")
+        box[: len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+    dist.broadcast(box, src=0)
+    if rank0:
+        received = value
+    else:
+        raw = box.cpu().numpy().tobytes()
+        length = int.from_bytes(raw[:_LENGTH_BYTES], "little")
+        fits = length <= SHARE_BOX_BYTES - _LENGTH_BYTES
+        received = pickle.loads(raw[_LENGTH_BYTES : _LENGTH_BYTES + length]) if fits else None
+    if not fits:
+        out = [received]
+        dist.broadcast_object_list(out, src=0)
+        received = out[0]
+    return received
 
 
 def on_rank0(fn: Callable[[], T] | None, then: Callable[[], None] | None = None,
