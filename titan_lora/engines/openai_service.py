@@ -53,8 +53,8 @@ class TitanService:
 
     async def info(self, _: dict) -> dict:
         """Identity, base state, live adapters, the alias of each, requests in flight and LoRA limits."""
-        return {"incarnation": self.incarnation, "nonce": self.nonce, "model": self.model,
-                "base_version": self.base_version, "adapters": self.table.names(),
+        return {**protocol.incarnation_fields(self.incarnation, self.base_version), "nonce": self.nonce,
+                "model": self.model, "adapters": self.table.names(),
                 "aliases": self.table.aliases(), "in_flight": self.table.in_flight(), **self.limits}
 
     async def bucket(self, req: dict) -> dict:
@@ -95,7 +95,7 @@ class TitanService:
         self.table.add(name, version, lora_id)
         compat.serve_adapter(self.models, name, lora_id)
         return {**ack, "commit": {**ack["commit"], "name": name, "version": version,
-                                  "incarnation": self.incarnation, "base_version": self.base_version}}
+                                  **protocol.incarnation_fields(self.incarnation, self.base_version)}}
 
     async def adapter_from_path(self, req: dict) -> dict:
         """Load the PEFT directory `path` with vLLM's own loader as adapter `name` (the baseline), then

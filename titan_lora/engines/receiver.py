@@ -58,7 +58,7 @@ class ReceiverService:
 
     def info(self, _: dict) -> dict:
         """Identity and limits (no target-module restriction: nothing is applied to a model)."""
-        return {"incarnation": self.incarnation, "nonce": self.nonce, "base_version": self.base_version,
+        return {**protocol.incarnation_fields(self.incarnation, self.base_version), "nonce": self.nonce,
                 "max_lora_rank": self.max_lora_rank,
                 "max_loras": self.max_loras, "target_modules": None, "adapters": sorted(self.adapters)}
 
@@ -98,7 +98,7 @@ class ReceiverService:
         if replaced is not None:
             self._give_back(replaced)
         return {**staged.size(), "name": req["name"], "version": req["version"],
-                "incarnation": self.incarnation, "base_version": self.base_version,
+                **protocol.incarnation_fields(self.incarnation, self.base_version),
                 "apply_ms": (time.perf_counter() - started) * 1e3}
 
     def base(self, req: dict) -> dict:

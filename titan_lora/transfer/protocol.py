@@ -41,6 +41,11 @@ def path(route: str) -> str:
     return PREFIX + route
 
 
+def incarnation_fields(incarnation: str, base_version: int | None) -> dict[str, Any]:
+    """The fields INFO and every commit's ack carry for `incarnation_of` to read."""
+    return {"incarnation": incarnation, "base_version": base_version}
+
+
 def incarnation_of(reply: Mapping[str, Any]) -> str:
     """The engine incarnation an INFO reply or a commit's ack names: the engine's id, suffixed while it holds
     no base from us (a restarted engine, or one that lost its weights, names another)."""
