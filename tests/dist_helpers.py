@@ -7,8 +7,10 @@ import atexit
 import os
 import socket
 import sys
+import time
 import traceback
 from collections.abc import Callable
+from multiprocessing import connection as mp_connection
 from typing import Any
 
 import pytest
@@ -89,9 +91,27 @@ def run_ranks(world: int, fn: Callable, *args: Any, backend: str = "gloo") -> No
     procs = [ctx.Process(target=_worker, args=(r, world, port, backend, fn, args, errors)) for r in range(world)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(timeout=900)
+    finished = _wait(procs, errors, timeout_s=900)
     if not errors.empty():
         raise AssertionError(errors.get())
+    assert finished, "ranks still running after 900 s: stopped"
     codes = [p.exitcode for p in procs]
     assert codes == [0] * world, f"ranks exited with {codes}"
+
+
+def _wait(procs: list, errors: Any, timeout_s: float, grace_s: float = 10.0) -> bool:
+    """Wait for every rank; stop them all once one failed (its peers would wait for it in their next
+    collective until the timeout) or the time is up. True when all finished by themselves."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = [p.sentinel for p in procs if p.is_alive()]
+        if not alive:
+            return True
+        if not errors.empty():
+            deadline = min(deadline, time.monotonic() + grace_s)  # the others may fail on their own
+        mp_connection.wait(alive, timeout=min(0.5, max(0.0, deadline - time.monotonic())))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join()
+    return False

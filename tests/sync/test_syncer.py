@@ -138,13 +138,14 @@ def _attached_engine_restarts(rank: int, world: int, tmp: str) -> None:
         if rank == 0:
             engine.restart()  # out of band: a new incarnation with no base and no adapters
         syncer.sync(2)
-        adapter = expected_adapter(built)
+        adapter, base = expected_adapter(built), expected_base(built)  # collective: every rank
         if rank == 0:
             # No question before the sync: the install's ack named the new incarnation, version 2 was
             # held back (not published), and the recovery sent the base, then version 2 again.
             assert syncer.counters["base_sends"] == 2 and syncer.counters["engine_recoveries"] == 1
             assert engine_adapters(syncer) == ["policy-v2"] and syncer.versions.live == [2]
             assert engine_digest(syncer, "policy-v2") == digests(adapter)
+            assert engine_digest(syncer, "base") == digests(base), "the restarted engine got the base again"
             engine.restart()  # again, now under a rollout, which finds its adapter gone
 
         def rollout() -> list[str]:
@@ -157,6 +158,7 @@ def _attached_engine_restarts(rank: int, world: int, tmp: str) -> None:
         if rank == 0:
             assert served == ["policy-v2"] and syncer.counters["base_sends"] == 3
             assert engine_digest(syncer, "policy-v2") == digests(adapter)
+            assert engine_digest(syncer, "base") == digests(base)
     finally:
         syncer.close()
         if engine is not None:
