@@ -317,11 +317,17 @@ def end_to_end(model, built, cfg, device: torch.device, iters: int, rank: int,  
     sent: list[int] = []
 
     def one() -> None:
+        started = time.perf_counter()
         payload = source.snapshot(next(version))
+        snapshot_ms = (time.perf_counter() - started) * 1e3
         if emitter is not None:
-            phases.append(dict(emitter.send_adapter(payload).phases_ms))
+            # snapshot: the gather, the PEFT naming and the finite check; rest: the barrier and bookkeeping
+            phases.append({"snapshot_ms": snapshot_ms, **emitter.send_adapter(payload).phases_ms})
             sent.append(payload.version)
         dist.barrier()
+        if emitter is not None:
+            phases[-1]["rest_ms"] = (time.perf_counter() - started) * 1e3 - snapshot_ms - sum(
+                v for k, v in phases[-1].items() if k in ("pack_ms", "checksum_ms", "transfer_ms"))
 
     def retire() -> None:  # off the timed path, as the syncer's background retirement
         while emitter is not None and len(sent) > 2:
