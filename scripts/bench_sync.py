@@ -261,7 +261,7 @@ def gpu_bench(iters: int, shape: str, layers: int | None, rank_: int | None, dev
               f"LoRA r{lora_rank} on all linears: {len(params)} adapter tensors, "
               f"{sum(p_.numel() for _, p_ in params) / 1e6:.1f}M params, {nbytes / 1e6:.1f} MB; "
               f"gather scatter: {'index_copy_ of %d-element words' % gatherer.word if gatherer.word > 1 else 'index_copy_'}"
-              f"{'; pack and scatter replayed from CUDA graphs' if gatherer.graphed else ''}")
+              f"{'; gathers replayed from CUDA graphs' if gatherer.graphed else ''}")
         report(rows, floor, "gather: per-parameter full_tensor()")
         print("\nend-to-end phases (p50 ms) beside their floors")
         print_floors([
@@ -295,9 +295,11 @@ def print_floors(rows: list[tuple[str, list[float], float, str]]) -> None:
 def end_to_end(model, built, cfg, device: torch.device, iters: int, rank: int,  # noqa: ANN001
                phases: list[dict[str, float]]) -> tuple[list[float], list[float]]:
     """Gather + PEFT naming + checksum + buffer hand-off (CUDA IPC; shm on CPU) + receiver copy-out + ack,
-    per version; the emitter's phase times are appended to `phases`. Versions older than the newest
-    two are retired between timings, as training retires them off its path, so the receiver reuses
-    their slabs. Returns (end-to-end times, keep-alive /titan/info round trips)."""
+    per version: rank 0's path from the gather to the ack. The emitter's phase times are appended to
+    `phases`. Between timings, untimed, the ranks meet at a barrier (the message that tells every rank
+    the outcome is timed with the whole sync, in `through_the_syncer`), and versions older than the
+    newest two are retired, as training retires them off its path, so the receiver reuses their slabs.
+    Returns (end-to-end times, keep-alive /titan/info round trips)."""
     from titan_lora.clients.http import JsonClient
     from titan_lora.clients.launch import EmbeddedEngine
     from titan_lora.clients.vllm import VLLMBucketEmitter
@@ -320,22 +322,18 @@ def end_to_end(model, built, cfg, device: torch.device, iters: int, rank: int,  
         started = time.perf_counter()
         payload = source.snapshot(next(version))
         snapshot_ms = (time.perf_counter() - started) * 1e3
-        if emitter is not None:
-            # snapshot: the gather, the PEFT naming and the finite check; rest: the barrier and bookkeeping
+        if emitter is not None:  # snapshot: the gather, the PEFT naming and the finite check
             phases.append({"snapshot_ms": snapshot_ms, **emitter.send_adapter(payload).phases_ms})
             sent.append(payload.version)
-        dist.barrier()
-        if emitter is not None:
-            phases[-1]["rest_ms"] = (time.perf_counter() - started) * 1e3 - snapshot_ms - sum(
-                v for k, v in phases[-1].items() if k in ("pack_ms", "checksum_ms", "transfer_ms"))
 
-    def retire() -> None:  # off the timed path, as the syncer's background retirement
+    def between() -> None:  # untimed: keep the ranks in step, and retire as the syncer does in the background
+        dist.barrier()
         while emitter is not None and len(sent) > 2:
             emitter.retire_adapter(versioned_name("policy", sent.pop(0)), timeout_s=30)
 
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     try:
-        times = timed(one, iters, sync, between=retire)
+        times = timed(one, iters, sync, between=between)
         rtt = timed(emitter._info, iters) if emitter is not None else [0.0]
         return times, rtt
     finally:
