@@ -23,8 +23,8 @@ def test_a_bucket_is_received_into_a_pooled_slab_with_one_copy_at_most(
     entries = plan_buckets(tensors, 1 << 20)[0]
     buf = TransportChoice(kind).buffer(1 << 20, CPU)
     copies = []
-    copy = transfers.copy_with_checksum
-    monkeypatch.setattr(transfers, "copy_with_checksum", lambda dst, src: copies.append(1) or copy(dst, src))
+    copy_flat = transfers.copy_flat
+    monkeypatch.setattr(transfers, "copy_flat", lambda dst, src: copies.append(1) or copy_flat(dst, src))
     try:
         pool, store = transfers.SlabPool(), transfers.TransferStore()
         for version in range(3):  # the second and third reuse the first's slab
@@ -33,8 +33,8 @@ def test_a_bucket_is_received_into_a_pooled_slab_with_one_copy_at_most(
             sent = bucket_checksum(buf.tensor[512 : 512 + bucket_size(entries)])
             req = {"transfer_id": f"v{version}", "kind": "adapter", "segment": buf.describe(512),
                    "layout": "L"}
-            staged, slab, held = transfers.receive(BufferCache(), pool, store, req, entries)
-            assert store.hold(f"v{version}", staged, slab, sent, "L", held)["checksum"] == sent
+            staged, slab = transfers.receive(BufferCache(), pool, store, req, entries)
+            assert store.hold(f"v{version}", staged, slab, sent, "L")["checksum"] == sent
             assert all(torch.equal(slab.views[n], t) for n, t in tensors.items()), version
             pool.give_all(store.take(f"v{version}"))
         assert len(copies) == (0 if kind == "tcp" else 3), "tcp receives into the slab; shm copies out once"

@@ -27,8 +27,8 @@ def _gather_on_ranks(rank: int, world: int, scatter: str) -> None:
     assert set(local_rows) == {2 if rank == 0 else 1}, "the test needs uneven shards"
 
     gatherer = ShardGatherer(named, scatter=scatter)
-    # On GPU the pack and the scatter replay from CUDA graphs: the checks below run through them.
-    assert gatherer.graphed == (named[0][1].device.type == "cuda")
+    # On GPU the pack and the index scatter replay from CUDA graphs: the checks below run through them.
+    assert gatherer.graphed == (scatter == "index" and named[0][1].device.type == "cuda")
     assert gatherer.nbytes == sum(p.numel() for _, p in named) * 4
     got = gatherer.gather()
     want = full_adapter(named)  # the per-parameter reference (a collective on every rank, same order)
@@ -150,21 +150,3 @@ def test_the_index_scatter_moves_8_byte_words_where_every_run_is_whole_words() -
     odd = [("k.lora_B", torch.randn(6, 3, generator=g).bfloat16())]  # rows of 3 elements: 6 bytes
     gatherer = ShardGatherer(odd, layouts=[rows], scatter="index")
     assert gatherer.word == 1 and torch.equal(gatherer.gather()["k.lora_B"], odd[0][1].flip(0))
-
-
-@needs_gpus(1)
-def test_on_gpu_a_gather_with_no_collective_replays_its_runs_and_sees_every_step() -> None:
-    g = torch.Generator().manual_seed(1)
-    rows = lambda t: t.flip(0)  # noqa: E731 (a permuted layout: short runs, staged and index-copied)
-    named = [("q.lora_A", torch.randn(16, 96, generator=g).bfloat16().cuda()),
-             ("q.lora_B", torch.randn(96, 16, generator=g).bfloat16().cuda()),
-             ("k.lora_B", torch.randn(6, 3, generator=g).bfloat16().cuda())]
-    gatherer = ShardGatherer(named, layouts=[None, None, rows])
-    assert gatherer.graphed and gatherer._runs is not None, "the default on one GPU: runs, from a graph"
-    for step in range(3):  # an optimizer step writes the params in place: each replay reads them anew
-        got = gatherer.gather()
-        assert torch.equal(got["q.lora_A"], named[0][1]) and torch.equal(got["q.lora_B"], named[1][1]), step
-        assert torch.equal(got["k.lora_B"], named[2][1].flip(0)), step
-        assert gatherer.all_finite()
-        for _, p in named:
-            p.mul_(-1.5).add_(0.25)

@@ -6,9 +6,8 @@ are pooled by bucket layout (`SlabPool`): a slab whose adapter was retired is fi
 bucket of the same layout, and its tensor views and byte count were made when it was first allocated,
 so a steady-state sync allocates nothing and runs no Python per tensor (an 8B adapter has 448 of them:
 making their views and summing their sizes cost milliseconds per bucket). The checksum of the copy is
-computed where the copy lies (on GPU: on the device, replayed with the copy as one CUDA graph), and
-reading its two digest words back is the one host synchronisation of a bucket: it also waits for the
-copy, so the ack never comes before the bytes.
+computed where the copy lies (on GPU: on the device), and reading its two digest words back is the one
+host synchronisation of a bucket: it also waits for the copy, so the ack never comes before the bytes.
 
 Staging holds a transfer's tensors between its buckets and its commit, bounded per kind: a new
 transfer evicts the oldest uncommitted ones of its kind (at most one base and two adapters wait), so
@@ -35,7 +34,8 @@ from collections.abc import Callable
 
 import torch
 
-from titan_lora.transfer.buckets import Entry, bucket_checksum, bucket_size, copy_with_checksum, tensor_views
+from titan_lora.transfer.buckets import Entry, bucket_checksum, bucket_size, tensor_views
+from titan_lora.transfer.host_copy import copy_flat
 from titan_lora.transfer.transport import BufferCache
 
 PAUSE_ENV = "TITAN_LORA_FAULT_BUCKET_PAUSE_S"
@@ -115,10 +115,9 @@ class SlabPool:
 
 
 def receive(buffers: BufferCache, pool: SlabPool, transfers: TransferStore, req: dict,
-            entries: list[Entry]) -> tuple[Staged, Slab, str]:
+            entries: list[Entry]) -> tuple[Staged, Slab]:
     """Copy the bucket `req` names ("transfer_id", "kind", "segment", "layout") out of the trainer's
-    buffer into a slab of `pool`, once; returns its staging, the slab and the checksum of the slab's bytes
-    after the copy (check it with `hold`)."""
+    buffer into a slab of `pool`, once; returns its staging and the slab (check it with `hold`)."""
     layout = req["layout"]
     size = pool.size(layout, entries)
     slab: Slab | None = None
@@ -133,16 +132,13 @@ def receive(buffers: BufferCache, pool: SlabPool, transfers: TransferStore, req:
             fault_pause()
             if slab is None:  # staged first: the older transfers it evicts give their slabs back for this one
                 slab = pool.take(layout, entries, buffer.device)
-            # Its host read waits for the copy on a device, so the ack never comes before the bytes.
             if buffer.data_ptr() != slab.data.data_ptr():
-                checksum = copy_with_checksum(slab.data, buffer[:size])
-            else:
-                checksum = bucket_checksum(slab.data)
+                copy_flat(slab.data, buffer[:size])
     except BaseException:
         if slab is not None:
             pool.give(layout, slab)
         raise
-    return staged, slab, checksum
+    return staged, slab
 
 
 @dataclasses.dataclass
@@ -190,14 +186,14 @@ class TransferStore:
         on_begin()
         return staged
 
-    def hold(self, transfer_id: str, staged: Staged, slab: Slab, expected: str | None, layout: str,
-             checksum: str) -> dict:
-        """Add one copied-out bucket (`slab`, of `layout`, whose bytes have `checksum`) to `staged` after
-        checking it against the trainer's checksum; the return value is the bucket's ack."""
+    def hold(self, transfer_id: str, staged: Staged, slab: Slab, expected: str | None, layout: str) -> dict:
+        """Add one copied-out bucket (`slab`, of `layout`) to `staged` after checking its bytes against
+        the trainer's checksum; the return value is the bucket's ack."""
         staged.held.append((layout, slab))  # given back by on_drop even when the check below fails
         if expected is None:
             self.discard(transfer_id)
             raise ValueError("a bucket came without the checksum of its bytes: upgrade the trainer's titan_lora")
+        checksum = bucket_checksum(slab.data)  # its host read waits for the copy on a device
         if checksum != expected:
             self.discard(transfer_id)
             raise ChecksumMismatch(f"checksum mismatch in transfer {transfer_id}: the engine holds "

@@ -10,12 +10,10 @@ The scatter index is built once, from each param's own DTensor placements (a sha
 holds for any mix of FSDP and TP placements, uneven shards included. On GPU the scatter is one
 `index_copy_` kernel, over 8-byte words wherever the index moves whole aligned words (every run a
 multiple of 4 bf16 elements: rows of r >= 4 columns, even shards): a quarter of the index to read
-(an 8B adapter's element index alone is 336 MB, four times its bytes). On CPU an element-wise index
-copy runs at a fraction of memory speed, so the index is cut, once, into runs of consecutive elements:
-one batched `_foreach_copy_` moves the runs (rank 0's own shards straight from the params, with no send
-copy), and only what lies in short runs (rows that a layout permutes) goes through `index_copy_`. The
-runs serve a GPU too when no collective runs (replicated adapters: rank 0 holds everything), where they
-move each byte once and the pack-then-scatter twice. On GPU the pack and the scatter are replayed
+(an 8B adapter's element index alone is 336 MB, four times its bytes). On CPU an element-wise index copy runs at a fraction of memory speed, so the
+index is cut, once, into runs of consecutive elements: one batched `_foreach_copy_` moves the runs
+(rank 0's own shards straight from the params, with no send copy), and only what lies in short runs
+(rows that a layout permutes) goes through `index_copy_`. On GPU the pack and the scatter are replayed
 from CUDA graphs captured once (their buffers never move): launching a 448-input `cat` and the scatter
 cost more host time than their kernels (gather p50 0.36 -> 0.26 ms on 2 x H100). The collective stays
 outside the graphs. Every rank must call `gather` in the same order: it is a collective.
@@ -173,9 +171,9 @@ class ShardGatherer:
         lend: Lend = plain_buffer,
         cuda_graphs: bool = True,
     ) -> None:
-        """`scatter`: "runs" or "index"; by default runs on CPU or with no collective, else one
-        index_copy_. `lend` gives rank 0 its output buffer (the emitter's, to hand the engine with no
-        copy). `cuda_graphs`: on GPU, replay the pack and the scatter from CUDA graphs."""
+        """`scatter`: "runs" or "index"; by default runs on CPU and one index_copy_ elsewhere. `lend`
+        gives rank 0 its output buffer (the emitter's, to hand the engine with no copy). `cuda_graphs`:
+        on GPU with the index scatter, replay the pack and the scatter from CUDA graphs."""
         if not named_params:
             raise ValueError("no adapter parameters to gather: is the `lora` converter enabled?")
         dtypes = {p.dtype for _, p in named_params}
@@ -222,9 +220,7 @@ class ShardGatherer:
         self._full, self.home = (lend(self.total_numel + self._pad, self.dtype, device) if is_dst
                                  else (torch.empty(0, dtype=self.dtype), None))
         self._recv_chunks = list(self._recv.chunk(self.world)) if receives else None
-        # Runs where rank dst holds everything (replicated adapters): one copy from its params in place,
-        # where the index scatter packs them first and so moves every byte twice.
-        scatter = scatter or ("runs" if device.type == "cpu" or not self.collective else "index")
+        scatter = scatter or ("runs" if device.type == "cpu" else "index")
         if scatter not in ("runs", "index"):
             raise ValueError(f"scatter must be 'runs' or 'index', got {scatter!r}")
         index = self._gather_index(local_index.to(device), device)
@@ -239,16 +235,15 @@ class ShardGatherer:
             name: self._full[offsets[i] : offsets[i] + math.prod(shape)].view(shape)
             for i, (name, shape) in enumerate(zip(self.names, self.shapes))
         } if is_dst else {}
-        self._packs = not is_dst or self._runs is None  # the run plan reads rank dst's own shards in place
         self._pack_graph = self._scatter_graph = None
-        if cuda_graphs and device.type == "cuda" and (is_dst or self.collective):
-            self._pack_graph = captured(self._pack, device) if self._packs else None
+        if cuda_graphs and device.type == "cuda" and self._runs is None and (is_dst or self.collective):
+            self._pack_graph = captured(self._pack, device)
             self._scatter_graph = captured(self.scatter, device) if is_dst else None
 
     @property
     def graphed(self) -> bool:
-        """True when this rank's pack and scatter replay from CUDA graphs."""
-        return self._pack_graph is not None or self._scatter_graph is not None
+        """True when the pack (and on rank `dst` the scatter) replay from CUDA graphs."""
+        return self._pack_graph is not None
 
     @property
     def nbytes(self) -> int:
@@ -295,7 +290,7 @@ class ShardGatherer:
             return None
         if self._pack_graph is not None:
             self._pack_graph.replay()
-        elif self._packs:
+        elif not is_dst or self._runs is None:  # the run plan reads rank dst's own shards in place
             self._pack()
         if self.collective:
             dist.gather(self._send, self._recv_chunks, dst=self.dst, group=self.group)

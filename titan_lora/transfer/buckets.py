@@ -14,7 +14,6 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 import torch
 
 from titan_lora.transfer.cuda_graphs import GraphedReads
-from titan_lora.transfer.host_copy import copy_flat
 
 ALIGN = 64
 CHECKSUM_CHUNK_WORDS = 1024  # 8 KiB chunks: a misplaced or misread chunk changes its own sum
@@ -151,35 +150,13 @@ def bucket_checksum(data: torch.Tensor) -> str:
     data = data.reshape(-1)
     n = data.numel()
     if not n:
-        return _digest(0, 0, 0)
+        return f"w64:{0:032x}:0"
     if data.is_cuda:
         plain, weighted = _GRAPHED_DIGESTS.read((data.device, data.data_ptr(), n), data.device,
                                                 lambda: _digest_words(data))
     else:
         plain, weighted = _digest_words(data).tolist()
-    return _digest(plain, weighted, n)
-
-
-def copy_with_checksum(dst: torch.Tensor, src: torch.Tensor) -> str:
-    """Copy flat uint8 `src` into `dst` (same size) and return `bucket_checksum(dst)`. On one GPU the copy
-    and the checksum replay as one CUDA graph with one host read: the copy's own launch cost about as
-    much host time as the checksum's kernels run."""
-    n = dst.numel()
-    if not (dst.is_cuda and src.device == dst.device and n):
-        copy_flat(dst, src)
-        return bucket_checksum(dst)
-
-    def copy_then_digest() -> torch.Tensor:
-        dst.copy_(src)
-        return _digest_words(dst)
-
-    plain, weighted = _GRAPHED_DIGESTS.read((dst.device, dst.data_ptr(), src.data_ptr(), n), dst.device,
-                                            copy_then_digest)
-    return _digest(plain, weighted, n)
-
-
-def _digest(plain: int, weighted: int, nbytes: int) -> str:
-    return f"w64:{plain % 2**64:016x}{weighted % 2**64:016x}:{nbytes}"
+    return f"w64:{plain % 2**64:016x}{weighted % 2**64:016x}:{n}"
 
 
 def _digest_words(data: torch.Tensor) -> torch.Tensor:
