@@ -311,7 +311,8 @@ def end_to_end(model, built, cfg, device: torch.device, iters: int, rank: int,  
     if rank == 0:
         engine = EmbeddedEngine("titan_lora.engines.receiver", 0,
                                 ["--device", str(device)] if device.type == "cuda" else [],
-                                "bench-receiver.log", start_timeout_s=60.0)
+                                os.path.join(tempfile.gettempdir(), "titan_lora_bench_receiver.log"),
+                                start_timeout_s=60.0)
         engine.start()
         emitter = VLLMBucketEmitter(JsonClient(engine.url, engine.api_key), bucket_mb=256)
     source = AdapterSource(model, built.peft_layout, cfg.lora, lend=emitter.lend_buffer if emitter else plain_buffer)
