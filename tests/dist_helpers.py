@@ -7,16 +7,15 @@ import atexit
 import os
 import socket
 import sys
-import time
 import traceback
 from collections.abc import Callable
-from multiprocessing import connection as mp_connection
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from wait_helpers import waited
 
 
 def free_port() -> int:
@@ -100,18 +99,15 @@ def run_ranks(world: int, fn: Callable, *args: Any, backend: str = "gloo") -> No
 
 
 def _wait(procs: list, errors: Any, timeout_s: float, grace_s: float = 10.0) -> bool:
-    """Wait for every rank; stop them all once one failed (its peers would wait for it in their next
-    collective until the timeout) or the time is up. True when all finished by themselves."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        alive = [p.sentinel for p in procs if p.is_alive()]
-        if not alive:
-            return True
-        if not errors.empty():
-            deadline = min(deadline, time.monotonic() + grace_s)  # the others may fail on their own
-        mp_connection.wait(alive, timeout=min(0.5, max(0.0, deadline - time.monotonic())))
+    """Wait for every rank, then stop any left. Once one failed, the others get `grace_s` to end on their
+    own: they would wait for it in their next collective until the timeout. True when all ended."""
+    def ended() -> bool:
+        return not any(p.is_alive() for p in procs)
+
+    waited(lambda: ended() or not errors.empty(), timeout_s, poll_s=0.05)
+    finished = waited(ended, grace_s if not errors.empty() else 0.0, poll_s=0.05)
     for p in procs:
         if p.is_alive():
             p.kill()
         p.join()
-    return False
+    return finished

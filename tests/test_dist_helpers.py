@@ -5,8 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
-
-from tests.dist_helpers import run_ranks
+from dist_helpers import run_ranks
 
 
 def _rank0_fails_while_rank1_waits(rank: int, world: int) -> None:
