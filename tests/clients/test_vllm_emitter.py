@@ -167,6 +167,29 @@ def test_tensors_already_in_shared_memory_go_in_place_with_their_checksum(emitte
     assert all(torch.equal(engine.adapters["policy-v6"][n], t) for n, t in tensors.items())
 
 
+def test_a_bucket_of_exactly_the_bytes_the_gather_checksummed_goes_with_that_checksum(emitter_for: Make) -> None:
+    from titan_lora.transfer.buckets import bucket_checksum
+
+    flat, buf = lend_buffer(4 * 64 * 1024, torch.float32, torch.device("cpu"))
+    flat.copy_(torch.randn(flat.numel(), generator=torch.Generator().manual_seed(2)))
+    tensors = {f"t{i}": flat[i * 65536 : (i + 1) * 65536] for i in range(4)}
+    size = 4 * TENSOR_BYTES
+    whole = bucket_checksum(buf.tensor[:size])
+    engine = ReadingEngine(delay_s=0)
+    emitter = emitter_for(engine, bucket_bytes=size)  # one bucket of every tensor
+    ack = emitter.send_adapter(AdapterPayload("policy-v1", 1, tensors, {}, home=buf, home_checksum=(0, size, whole)))
+    assert [b["checksum"] for b in engine.bodies] == [whole] and ack.phases_ms["checksum_ms"] == 0
+    # A checksum of other bytes than the bucket's is not used: the bucket gets a pass of its own.
+    engine.bodies.clear()
+    emitter.send_adapter(AdapterPayload("policy-v2", 2, tensors, {}, home=buf,
+                                        home_checksum=(0, TENSOR_BYTES, "w64:unused")))
+    assert [b["checksum"] for b in engine.bodies] == [whole]
+    # A wrong checksum of exactly the bucket's bytes is sent as it is, and the engine's copy refutes it.
+    wrong = f"w64:{0:032x}:{size}"
+    with pytest.raises(TransferError, match="checksum mismatch"):
+        emitter.send_adapter(AdapterPayload("policy-v3", 3, tensors, {}, home=buf, home_checksum=(0, size, wrong)))
+
+
 def test_a_read_only_mapping_sent_again_reuses_its_plan_and_a_plain_dict_is_looked_at_again(
         emitter_for: Make) -> None:
     import types

@@ -9,6 +9,7 @@ from model_helpers import DEBUG_LORA, build_from, job_config_from, randomize_ada
 from titan_lora.export.peft import to_peft_names
 from titan_lora.lora.layer import adapter_params
 from titan_lora.sync.adapter_source import AdapterSource
+from titan_lora.transfer.buckets import bucket_checksum, bucket_size, plan_buckets
 from titan_lora.transfer.transport import lend_buffer, offset_in
 
 
@@ -28,6 +29,11 @@ def _compare(rank: int, world: int) -> None:
         assert payload.nbytes == sum(t.numel() * t.element_size() for t in expected.values())
         assert payload.finite and payload.home is not None
         assert all(offset_in(payload.home, t) is not None for t in payload.tensors.values()), "in the lent buffer"
+        # The checksum read with the finite check is the one bucket the emitter plans of these tensors.
+        offset, size, checksum = payload.home_checksum
+        [entries] = plan_buckets(payload.tensors, 1 << 40)
+        assert (offset, size) == (offset_in(payload.home, payload.tensors[entries[0].name]), bucket_size(entries))
+        assert checksum == bucket_checksum(payload.home.tensor[offset : offset + size])
     else:
         assert payload is None
     with torch.no_grad():  # every rank poisons its own shard of the first adapter tensor
@@ -41,7 +47,7 @@ def _compare(rank: int, world: int) -> None:
 def test_without_a_lender_the_gather_writes_plain_memory() -> None:
     built = build_from(DEBUG_LORA)
     payload = AdapterSource(built.model, built.peft_layout, job_config_from(DEBUG_LORA).lora).snapshot(version=1)
-    assert payload.home is None and payload.finite
+    assert payload.home is None and payload.finite and payload.home_checksum is None
 
 
 def test_snapshot_equals_peft_export_on_two_fsdp_ranks():

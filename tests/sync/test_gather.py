@@ -13,6 +13,18 @@ from torch.distributed.tensor import DTensor
 
 from titan_lora.lora.layer import adapter_params
 from titan_lora.sync.gather import ShardGatherer
+from titan_lora.transfer.buckets import bucket_checksum, one_run, plan_buckets
+
+def _finite(gatherer: ShardGatherer) -> bool:
+    """`finite_and_checksum`'s flag, once its checksum matched a pass of its own over the one bucket an
+    emitter plans of the output (which then goes with no checksum pass)."""
+    finite, checksum = gatherer.finite_and_checksum()
+    [entries] = plan_buckets(gatherer.views, 1 << 40)
+    run = one_run(entries, gatherer.views)
+    assert run is not None and run.numel() == gatherer.region_bytes, "the output is not one bucket"
+    assert checksum == bucket_checksum(run), "the fused checksum differs from the bucket's own"
+    return finite
+
 
 # rank 3 does not split evenly over 2 FSDP ranks: every lora_A (3 x in) is sharded 2 + 1 rows.
 RANK3 = DEBUG_LORA.replace("rank = 8", "rank = 3")
@@ -39,7 +51,7 @@ def _gather_on_ranks(rank: int, world: int, scatter: str) -> None:
         for name, tensor in want.items():
             assert got[name].shape == tensor.shape, name
             assert torch.equal(got[name].cpu(), tensor), f"{name} gathered wrong"
-        assert gatherer.all_finite()
+        assert _finite(gatherer)
 
     # An optimizer step updates the shards in place; the next gather must see the new values.
     with torch.no_grad():
@@ -49,7 +61,7 @@ def _gather_on_ranks(rank: int, world: int, scatter: str) -> None:
     want = full_adapter(named)
     if rank == 0:
         assert all(torch.equal(got[n].cpu(), want[n]) for n in want), "a second gather returned stale values"
-        assert gatherer.all_finite()
+        assert _finite(gatherer)
 
     # A NaN (then an Inf) in a shard that lives only on rank 1 is seen on rank 0.
     name, param = named[2]  # wk.lora_A: its last row lives on rank 1
@@ -60,12 +72,12 @@ def _gather_on_ranks(rank: int, world: int, scatter: str) -> None:
                 param.to_local()[-1, -1] = bad
         gatherer.gather()
         if rank == 0:
-            assert not gatherer.all_finite(), f"{bad} on rank 1 went unnoticed"
+            assert not _finite(gatherer), f"{bad} on rank 1 went unnoticed"
         with torch.no_grad():
             param.to_local().copy_(saved)
         gatherer.gather()
         if rank == 0:
-            assert gatherer.all_finite()
+            assert _finite(gatherer)
     dist.barrier()
 
 
@@ -115,10 +127,10 @@ def test_single_process_gather_is_the_params_themselves() -> None:
     got = gatherer.gather()
     assert list(got) == ["a.lora_A", "a.lora_B"]
     assert all(torch.equal(got[n], p) for n, p in named)
-    assert gatherer.all_finite()
+    assert _finite(gatherer)
     named[1][1][0, 0] = float("-inf")
     gatherer.gather()
-    assert not gatherer.all_finite()
+    assert not _finite(gatherer)
 
 
 def test_mixed_dtypes_and_empty_lists_are_refused() -> None:
@@ -132,10 +144,10 @@ def test_a_sum_that_overflows_is_still_finite_element_by_element() -> None:
     big = torch.full((2, 2), 3e38)  # finite float32 values whose sum is inf
     gatherer = ShardGatherer([("a.lora_A", big)])
     gatherer.gather()
-    assert gatherer.all_finite()
+    assert _finite(gatherer)
     big[0, 1] = float("nan")
     gatherer.gather()
-    assert not gatherer.all_finite()
+    assert not _finite(gatherer)
 
 
 def test_the_index_scatter_moves_8_byte_words_where_every_run_is_whole_words() -> None:

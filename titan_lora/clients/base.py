@@ -40,6 +40,9 @@ class AdapterPayload:
     """False when a tensor holds NaN or Inf: it must not be sent."""
     known_nbytes: int | None = None
     """The tensors' bytes when the producer knows them (the gatherer does): no sum over 448 tensors per sync."""
+    home_checksum: tuple[int, int, str] | None = None
+    """(offset, size, `bucket_checksum`) of the bytes in `home` that hold every tensor, read with the
+    finite check: a bucket of exactly those bytes is sent with no checksum pass of its own."""
 
     @property
     def num_tensors(self) -> int:

@@ -128,13 +128,16 @@ class _Transfer:
                 post.result()
 
     def post(self, entries: list[Entry], buf: BucketBuffer, offset: int, *, layout: str | None = None,
-             slot: int | None = None, commit: dict | None = None, inline: bool = False) -> None:
+             slot: int | None = None, commit: dict | None = None, inline: bool = False,
+             checksum: str | None = None) -> None:
         """Queue one bucket whose bytes start `offset` bytes into `buf` (`slot`: its packing buffer);
-        `inline`: post it from this thread (a lone bucket has nothing to overlap with)."""
-        buf.synchronize()
-        t0 = time.perf_counter()
-        checksum = bucket_checksum(buf.tensor[offset : offset + bucket_size(entries)])
-        self.checksum_s += time.perf_counter() - t0
+        `inline`: post it from this thread (a lone bucket has nothing to overlap with); `checksum`: of
+        those bytes, when the caller already read it (that read waited for the bytes)."""
+        if checksum is None:
+            buf.synchronize()
+            t0 = time.perf_counter()
+            checksum = bucket_checksum(buf.tensor[offset : offset + bucket_size(entries)])
+            self.checksum_s += time.perf_counter() - t0
         bucket = _Posted(len(self.posts), entries, layout or layout_id(entries), buf, offset, checksum)
         if inline:  # two thread hand-offs less: each wake of a sleeping thread costs ~0.1 ms on a sync's path
             self.posts.append(_completed(self.emitter._post_bucket, self, bucket, commit))
@@ -249,9 +252,10 @@ class VLLMBucketEmitter:
 
     def _post_planned(
         self, transfer: _Transfer, tensors: Mapping[str, torch.Tensor], shared: BucketBuffer | None,
-        commit: dict | None,
+        commit: dict | None, shared_checksum: tuple[int, int, str] | None = None,
     ) -> None:
-        """Post `tensors` in planned buckets; `commit` rides on the last one."""
+        """Post `tensors` in planned buckets; `commit` rides on the last one. `shared_checksum`: (offset,
+        size, checksum) of bytes in `shared` already checksummed; a bucket of exactly them reuses it."""
         buckets = self._plan_for(tensors, shared)
         to_pack = [b for b in buckets if b.home is None]
         if to_pack:
@@ -260,7 +264,10 @@ class VLLMBucketEmitter:
         for k, bucket in enumerate(buckets):
             last = commit if k == len(buckets) - 1 else None
             if bucket.home is not None:  # already in shared memory (the gatherer's output): no copy
-                transfer.post(bucket.entries, *bucket.home, layout=bucket.layout, commit=last, inline=inline)
+                known = shared_checksum[2] if shared_checksum and shared_checksum[:2] == (
+                    bucket.home[1], bucket.size) else None
+                transfer.post(bucket.entries, *bucket.home, layout=bucket.layout, commit=last, inline=inline,
+                              checksum=known)
                 continue
             t0 = time.perf_counter()
             slot = transfer.take_slot()
@@ -349,8 +356,8 @@ class VLLMBucketEmitter:
     def send_adapter(self, payload: AdapterPayload) -> Ack:
         """Stream the adapter; the last bucket asks the engine to register it under `payload.name`."""
         commit = {"name": payload.name, "version": payload.version, "peft_config": dict(payload.peft_config)}
-        _, streamed = self._transfer("adapter", lambda tr: self._post_planned(tr, payload.tensors, payload.home,
-                                                                             commit))
+        _, streamed = self._transfer("adapter", lambda tr: self._post_planned(
+            tr, payload.tensors, payload.home, commit, payload.home_checksum))
         self._check(f"adapter {payload.name}", payload.num_tensors, payload.nbytes, streamed)
         ack = streamed.commit
         if ack is None:

@@ -18,7 +18,7 @@ from titan_lora.lora.layer import adapter_params, lora_modules
 from titan_lora.lora.targets import hf_leaf_names, leaf_names_of
 from titan_lora.sync.gather import Lend, ShardGatherer
 from titan_lora.sync.versions import versioned_name
-from titan_lora.transfer.transport import plain_buffer
+from titan_lora.transfer.transport import offset_in, plain_buffer
 
 
 class AdapterSource:
@@ -41,6 +41,8 @@ class AdapterSource:
         # serves every snapshot, so the emitter recognises it and reuses its bucket plan.
         views = self.gatherer.views
         self._tensors = types.MappingProxyType(dict(zip(self.peft_names, views.values()))) if views else None
+        home = self.gatherer.home
+        self._home_offset = offset_in(home, next(iter(views.values()))) if home is not None else None
         self.lora_name = lora_name
         adapted = [n for n, _ in lora_modules(model)]
         self.target_modules = hf_leaf_names(adapted, leaf_names_of(layout.hf_modules))
@@ -52,14 +54,17 @@ class AdapterSource:
         gathered = self.gatherer.gather()
         if gathered is None:
             return None
+        finite, checksum = self.gatherer.finite_and_checksum()  # one host read for both
+        home = self.gatherer.home
         return AdapterPayload(
             name=versioned_name(self.lora_name, version),
             version=version,
             tensors=self._tensors,
             peft_config=self.config,
-            home=self.gatherer.home,
-            finite=self.gatherer.all_finite(),  # one kernel, one host sync
+            home=home,
+            finite=finite,
             known_nbytes=self.gatherer.nbytes,
+            home_checksum=None if home is None else (self._home_offset, self.gatherer.region_bytes, checksum),
         )
 
     def export(self, path: str | Path) -> Path | None:

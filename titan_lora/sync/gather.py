@@ -29,8 +29,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titan_lora.lora.layer import local_part
-from titan_lora.transfer.buckets import ALIGN
-from titan_lora.transfer.cuda_graphs import captured
+from titan_lora.transfer.buckets import ALIGN, checksum_words, format_checksum
+from titan_lora.transfer.cuda_graphs import GraphedReads, captured
 from titan_lora.transfer.host_copy import balanced_cut, in_two
 from titan_lora.transfer.transport import plain_buffer
 
@@ -196,6 +196,8 @@ class ShardGatherer:
         # Outputs start on bucket-aligned boundaries, so the buffer is already a bucket's layout.
         offsets = aligned_offsets([p.numel() for _, p in named_params], element_size)
         self.total_numel = offsets[-1]
+        # From the first tensor's start to the last one's end: the bucket `plan_buckets` makes of them all.
+        self.region_bytes = (offsets[-2] + math.prod(self.shapes[-1])) * element_size
         local_indices = [
             _global_flat_index(p, o, lay)
             for (_, p), o, lay, s in zip(named_params, offsets, layouts, sends) if s
@@ -236,6 +238,7 @@ class ShardGatherer:
             for i, (name, shape) in enumerate(zip(self.names, self.shapes))
         } if is_dst else {}
         self._pack_graph = self._scatter_graph = None
+        self._reads = GraphedReads(size=1)
         if cuda_graphs and device.type == "cuda" and self._runs is None and (is_dst or self.collective):
             self._pack_graph = captured(self._pack, device)
             self._scatter_graph = captured(self.scatter, device) if is_dst else None
@@ -317,11 +320,24 @@ class ShardGatherer:
         else:
             self._full.index_copy_(0, self._index, src)
 
-    def all_finite(self) -> bool:
-        """Rank `dst`: True when the last gathered tensors hold no NaN or Inf.
+    def finite_and_checksum(self) -> tuple[bool, str]:
+        """Rank `dst`: whether the last gathered tensors hold no NaN or Inf, and the `bucket_checksum` of
+        the output's `region_bytes` (the one bucket that holds them all), with one host read for both:
+        each read after the gather waits on the GPU, and an emitter that sends that bucket needs no
+        checksum pass of its own.
 
         NaN and Inf propagate through a sum, so a finite sum proves every element finite (one pass,
         no mask); only a non-finite sum, which an overflow could also give, is checked per element.
         """
         full = self._full[: self.total_numel]
-        return bool(torch.isfinite(full.sum())) or bool(torch.isfinite(full).all())
+        region = self._full.view(torch.uint8)[: self.region_bytes]
+
+        def reads() -> torch.Tensor:
+            return torch.cat([checksum_words(region), torch.isfinite(full.sum()).to(torch.int64).view(1)])
+
+        if full.is_cuda and self.graphed:  # its buffers never move: replayed from a graph, as the gather
+            plain, weighted, finite = self._reads.read("finite_and_checksum", full.device, reads)
+        else:
+            plain, weighted, finite = reads().tolist()
+        finite = bool(finite) or bool(torch.isfinite(full).all())
+        return finite, format_checksum(plain, weighted, region.numel())

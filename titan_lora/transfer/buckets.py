@@ -153,14 +153,20 @@ def bucket_checksum(data: torch.Tensor) -> str:
         return f"w64:{0:032x}:0"
     if data.is_cuda:
         plain, weighted = _GRAPHED_DIGESTS.read((data.device, data.data_ptr(), n), data.device,
-                                                lambda: _digest_words(data))
+                                                lambda: checksum_words(data))
     else:
-        plain, weighted = _digest_words(data).tolist()
-    return f"w64:{plain % 2**64:016x}{weighted % 2**64:016x}:{n}"
+        plain, weighted = checksum_words(data).tolist()
+    return format_checksum(plain, weighted, n)
 
 
-def _digest_words(data: torch.Tensor) -> torch.Tensor:
-    """The two digest words of a flat, non-empty uint8 tensor, on its device."""
+def format_checksum(plain: int, weighted: int, nbytes: int) -> str:
+    """`bucket_checksum`'s text from the two words `checksum_words` gave for `nbytes` bytes."""
+    return f"w64:{plain % 2**64:016x}{weighted % 2**64:016x}:{nbytes}"
+
+
+def checksum_words(data: torch.Tensor) -> torch.Tensor:
+    """The two digest words of a flat, non-empty uint8 tensor, on its device: for device work that reads
+    them back together with other values, in one host read (`format_checksum` makes the text)."""
     if data.storage_offset() % 8:  # a 64-bit view needs 8-byte alignment (buckets are 64-aligned)
         data = data.clone()
     chunk = CHECKSUM_CHUNK_WORDS * 8
