@@ -24,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -249,11 +250,20 @@ def gpu_bench(iters: int, shape: str, layers: int | None, rank_: int | None, dev
     scatter = timed(gatherer.scatter if rank == 0 else (lambda: None), iters, sync)
     checksum = timed(lambda: bucket_checksum(src), iters, sync)
     rows.append(("bucket_checksum of the adapter bytes", checksum))
+    # Training syncs right after an optimizer step, on a busy GPU; a GPU that idled runs the same kernels
+    # up to 2.5x slower (docs/benchmarks.md). Each figure is taken both ways: after idling, and right
+    # after a step-like load.
+    load = step_like_load(device)
+    idle_phases: list[dict[str, float]] = []
     phases: list[dict[str, float]] = []
-    e2e, rtt = end_to_end(model, built, cfg, device, iters, rank, phases)
-    rows.append(("end to end to a colocated receiver (replicated adapters)", e2e))
-    rows.append(("WeightSyncer.sync() into a receiver, as training runs it",
+    e2e_idle, rtt = end_to_end(model, built, cfg, device, iters, rank, idle_phases)
+    e2e, _ = end_to_end(model, built, cfg, device, iters, rank, phases, before=load)
+    rows.append(("end to end to a colocated receiver, GPU idle before", e2e_idle))
+    rows.append(("end to end to a colocated receiver, after a step's load", e2e))
+    rows.append(("WeightSyncer.sync() into a receiver, GPU idle before",
                  through_the_syncer(built, device, iters, lora_rank)))
+    rows.append(("WeightSyncer.sync() into a receiver, after a step's load",
+                 through_the_syncer(built, device, iters, lora_rank, before=load)))
     if rank == 0:
         print(f"\n{world} x {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}; shape "
               f"{shape}: dim {args.dim}, {args.n_layers} of {full_layers} layers"
@@ -263,24 +273,26 @@ def gpu_bench(iters: int, shape: str, layers: int | None, rank_: int | None, dev
               f"gather scatter: {'index_copy_ of %d-element words' % gatherer.word if gatherer.word > 1 else 'index_copy_'}"
               f"{'; gathers replayed from CUDA graphs' if gatherer.graphed else ''}")
         report(rows, floor, "gather: per-parameter full_tensor()")
-        print("\nend-to-end phases (p50 ms) beside their floors")
+        print("\nend-to-end phases (p50 ms) beside their floors, the sync right after a step's load")
         print_floors([
             ("gather (replicated: rank 0 copy)", rows[0][1], floor, "device copy of the adapter bytes"),
             ("gather (sharded: collective + scatter)", rows[1][1], floors["gather"] + floor,
              "dist.gather of the bytes + a device copy"),
             ("  scatter alone", scatter, floors["scatter"], "device copy of the adapter bytes"),
-            ("checksum (trainer)", [ph["checksum_ms"] for ph in phases], floors["checksum"],
-             "device copy of the adapter bytes"),
-            ("post + ack (HTTP, JSON)",
+            ("snapshot: gather, finite check, checksum", [ph["snapshot_ms"] for ph in phases],
+             floor + statistics.median(checksum), "device copy + checksum"),
+            ("  checksum apart (0: read with the snapshot)", [ph["checksum_ms"] for ph in phases],
+             floors["checksum"], "device copy of the adapter bytes"),
+            ("post + ack (frames: JSON on a kept TCP connection)",
              [ph["transfer_ms"] - ph.get("engine_copy_ms", 0.0) for ph in phases], statistics.median(rtt),
-             "keep-alive /titan/info round trip"),
+             "a no-op request's round trip, same channel"),
             ("engine copy-out + checksum", [ph.get("engine_copy_ms", 0.0) for ph in phases],
              floors["copy-out"] + statistics.median(checksum), "device copy + checksum"),
             ("end to end (replicated adapters)", e2e, floor + statistics.median(rtt) + floor
              + 2 * statistics.median(checksum), "sum of the floors of its phases"),
         ])
         print("\nend-to-end emitter phase medians, ms")
-        print_phases({"VLLMBucketEmitter": phases})
+        print_phases({"after a step's load": phases, "GPU idle before": idle_phases})
     dist.destroy_process_group()
 
 
@@ -292,14 +304,35 @@ def print_floors(rows: list[tuple[str, list[float], float, str]]) -> None:
         print(f"{name:40s} {med:9.3f} {floor_ms:9.3f} {med / max(floor_ms, 1e-9):8.1f}  {what}")
 
 
+def step_like_load(device: torch.device, ms: float = 20.0) -> Callable[[], None]:
+    """About `ms` of bf16 matmuls, waited for: the GPU as an optimizer step leaves it (none on CPU)."""
+    if device.type != "cuda":
+        return lambda: None
+    a = torch.randn(4096, 4096, dtype=torch.bfloat16, device=device)
+    torch.mm(a, a)
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        torch.mm(a, a)
+    torch.cuda.synchronize(device)
+    count = max(1, round(ms / ((time.perf_counter() - t0) * 1e3 / 20)))
+
+    def load() -> None:
+        for _ in range(count):
+            torch.mm(a, a)
+        torch.cuda.synchronize(device)
+    return load
+
+
 def end_to_end(model, built, cfg, device: torch.device, iters: int, rank: int,  # noqa: ANN001
-               phases: list[dict[str, float]]) -> tuple[list[float], list[float]]:
+               phases: list[dict[str, float]], before: Callable[[], None] = lambda: None,
+               ) -> tuple[list[float], list[float]]:
     """Gather + PEFT naming + checksum + buffer hand-off (CUDA IPC; shm on CPU) + receiver copy-out + ack,
     per version: rank 0's path from the gather to the ack. The emitter's phase times are appended to
     `phases`. Between timings, untimed, the ranks meet at a barrier (the message that tells every rank
-    the outcome is timed with the whole sync, in `through_the_syncer`), and versions older than the
-    newest two are retired, as training retires them off its path, so the receiver reuses their slabs.
-    Returns (end-to-end times, keep-alive /titan/info round trips)."""
+    the outcome is timed with the whole sync, in `through_the_syncer`), versions older than the newest
+    two are retired, as training retires them off its path, so the receiver reuses their slabs, and
+    `before` runs last. Returns (end-to-end times, round trips of a no-op request on the same channel)."""
     from titan_lora.clients.http import JsonClient
     from titan_lora.clients.launch import EmbeddedEngine
     from titan_lora.clients.vllm import VLLMBucketEmitter
@@ -315,6 +348,7 @@ def end_to_end(model, built, cfg, device: torch.device, iters: int, rank: int,  
                                 start_timeout_s=60.0)
         engine.start()
         emitter = VLLMBucketEmitter(JsonClient(engine.url, engine.api_key), bucket_mb=256)
+        emitter.engine_incarnation()  # the syncer's first question: its INFO reply also offers frames
     source = AdapterSource(model, built.peft_layout, cfg.lora, lend=emitter.lend_buffer if emitter else plain_buffer)
     version = iter(range(1, 10_000))
     sent: list[int] = []
@@ -323,7 +357,7 @@ def end_to_end(model, built, cfg, device: torch.device, iters: int, rank: int,  
         started = time.perf_counter()
         payload = source.snapshot(next(version))
         snapshot_ms = (time.perf_counter() - started) * 1e3
-        if emitter is not None:  # snapshot: the gather, the PEFT naming and the finite check
+        if emitter is not None:  # snapshot: the gather, the PEFT naming, the finite check and the checksum
             phases.append({"snapshot_ms": snapshot_ms, **emitter.send_adapter(payload).phases_ms})
             sent.append(payload.version)
 
@@ -331,11 +365,13 @@ def end_to_end(model, built, cfg, device: torch.device, iters: int, rank: int,  
         dist.barrier()
         while emitter is not None and len(sent) > 2:
             emitter.retire_adapter(versioned_name("policy", sent.pop(0)), timeout_s=30)
+        before()
 
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     try:
         times = timed(one, iters, sync, between=between)
-        rtt = timed(emitter._info, iters) if emitter is not None else [0.0]
+        # The same channel's round trip with no work behind it: an unload of a name the engine never held.
+        rtt = timed(lambda: emitter.retire_adapter("never-loaded", timeout_s=1), iters) if emitter else [0.0]
         return times, rtt
     finally:
         if engine is not None:
@@ -343,13 +379,13 @@ def end_to_end(model, built, cfg, device: torch.device, iters: int, rank: int,  
             emitter.close()
 
 
-def through_the_syncer(built, device: torch.device, iters: int,  # noqa: ANN001
-                       lora_rank: int) -> list[float]:
+def through_the_syncer(built, device: torch.device, iters: int, lora_rank: int,  # noqa: ANN001
+                       before: Callable[[], None] = lambda: None) -> list[float]:
     """`WeightSyncer.sync()` per version, as training calls it after each step: the gather, the finite
     check and every control message between the ranks, the transfer into a receiver process started
     as `[engine] kind = "receiver"` starts it, the ack, publishing and background retirement (let finish
-    between timings, as a training step lets it). The first sync, which also streams the base, is not
-    timed."""
+    between timings, as a training step lets it, then `before` runs). The first sync, which also streams
+    the base, is not timed."""
     from titan_lora.compose import build_syncer, engine_side
     from titan_lora.sync.adapter_source import AdapterSource
 
@@ -367,7 +403,12 @@ def through_the_syncer(built, device: torch.device, iters: int,  # noqa: ANN001
             sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
             # The training step between two syncs gives the background retirement time to finish; back to
             # back, the next sync would wait for it (its unload request), which no training sync does.
-            settle = (lambda: syncer.retirer.wait_idle(30.0)) if syncer.retirer is not None else (lambda: None)
+            retirer = syncer.retirer
+
+            def settle() -> None:
+                if retirer is not None:
+                    retirer.wait_idle(30.0)
+                before()
             return timed(lambda: syncer.sync(next(versions)), iters, sync, between=settle)
         finally:
             syncer.close() if syncer is not None else side.stop()  # the retirer first, then the engine

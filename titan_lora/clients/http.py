@@ -2,19 +2,28 @@
 
 It uses `http.client` directly: one persistent connection per thread (a sync costs two requests, and
 a new TCP connection plus a server thread per request costs milliseconds), no proxy and no redirects,
-so a request and its API key go only to the address in the config.
+so a request and its API key go only to the address in the config. Where the engine's INFO reply
+offers frames (`transfer.frames`), the routes of `protocol.FRAMED_ROUTES` go as frames to the same
+host (`clients.frames`), with the same replies and errors; a frames port that cannot be reached is
+not tried again, and the request goes over HTTP.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import logging
 import socket
 import threading
 import urllib.parse
 from typing import Any
 
+from titan_lora.clients.frames import FrameChannel, FrameRefused
+from titan_lora.transfer import protocol
 from titan_lora.transfer.errors import EngineUnreachable, LayoutUnknownToEngine, TransferError
+from titan_lora.transfer.frames import FRAMES_PORT
+
+logger = logging.getLogger(__name__)
 
 
 class JsonClient:
@@ -30,6 +39,8 @@ class JsonClient:
         self.api_key = api_key
         self.timeout_s = timeout_s
         self._local = threading.local()
+        self._frames: FrameChannel | None = None  # the channel the last INFO reply offered
+        self._refused_ports: set[int] = set()  # frames ports that could not be reached: HTTP instead
 
     def _connection(self, timeout_s: float) -> http.client.HTTPConnection:
         conn = getattr(self._local, "conn", None)
@@ -56,6 +67,36 @@ class JsonClient:
 
     def post(self, path: str, body: dict[str, Any] | None = None, timeout_s: float | None = None) -> Any:
         """Send one request; raise EngineUnreachable, or TransferError with the engine's message."""
+        frames, route = self._frames, protocol.route_of(path)
+        if frames is not None and route in protocol.FRAMED_ROUTES:
+            try:
+                status, reply = frames.post(route, body or {}, timeout_s or self.timeout_s)
+            except FrameRefused as err:
+                logger.warning("%s; sending over HTTP instead", err)
+                self._refused_ports.add(frames.port)
+                self._frames = None
+            except EngineUnreachable:
+                self._frames = None  # the next INFO says whether the engine (restarted) still offers them
+                raise
+            else:
+                if status < 300:
+                    return reply
+                return _reply_or_raise(self.base_url, f"{self.base_url}{path} (frames)", status, None,
+                                       json.dumps({"error": reply}))
+        reply = self._http_post(path, body, timeout_s)
+        if route == protocol.INFO and isinstance(reply, dict):
+            self._follow_offer(reply.get(FRAMES_PORT))
+        return reply
+
+    def _follow_offer(self, port: object) -> None:
+        """Use the frames port an INFO reply names (None: HTTP only), unless it could not be reached."""
+        if not isinstance(port, int) or port in self._refused_ports:
+            self._frames = None
+        elif self._frames is None or self._frames.port != port:
+            self._frames = FrameChannel(self._host, port, self.api_key,
+                                        f"{self.base_url} (frames port {port})")
+
+    def _http_post(self, path: str, body: dict[str, Any] | None, timeout_s: float | None) -> Any:
         data = json.dumps(body or {}).encode()
         headers = {"Content-Type": "application/json"}
         if self.api_key:
@@ -74,14 +115,18 @@ class JsonClient:
             except (OSError, http.client.HTTPException) as err:
                 self._drop_connection()
                 raise EngineUnreachable(f"{self.base_url}{path}: {err}") from None
-        if resp.status == 401:
-            raise TransferError(
-                f"{self.base_url} refused the API key (HTTP 401): set [engine] api_key to the "
-                "key the engine was started with"
-            )
-        if resp.status == 409:
-            raise LayoutUnknownToEngine(raw.decode(errors="replace"))
-        if resp.status >= 300:
-            raise TransferError(f"{self.base_url}{path} failed with HTTP {resp.status}: "
-                               f"{raw.decode(errors='replace')[:2000]}")
-        return json.loads(raw or b"null")
+        text = raw.decode(errors="replace")
+        return _reply_or_raise(self.base_url, f"{self.base_url}{path}", resp.status,
+                               json.loads(raw or b"null") if resp.status < 300 else None, text)
+
+
+def _reply_or_raise(base_url: str, where: str, status: int, reply: Any, text: str) -> Any:
+    """`reply` for a success `status`, else the error that says what to do (`text`: the engine's answer)."""
+    if status == 401:
+        raise TransferError(f"{base_url} refused the API key (HTTP 401): set [engine] api_key to the key "
+                            "the engine was started with")
+    if status == 409:
+        raise LayoutUnknownToEngine(text)
+    if status >= 300:
+        raise TransferError(f"{where} failed with HTTP {status}: {text[:2000]}")
+    return reply

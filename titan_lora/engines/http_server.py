@@ -1,4 +1,5 @@
 """The JSON-over-HTTP front of the receiver process (`engines/receiver.py`): POST /titan/<op> -> service op.
+`answer` maps a route's outcome to a status for it and for the frame server (`engines/frame_server.py`).
 
 A request is authenticated, and its Content-Length checked against a cap, before its body is read:
 a caller without the key cannot make the engine read (or buffer) anything. Bodies must be JSON objects.
@@ -81,19 +82,24 @@ def make_handler(routes: dict[str, Callable[[dict], dict]], api_key: str,
             return body
 
         def _handle(self, body: dict) -> None:
-            op = protocol.route_of(self.path)
-            if op not in routes:
-                return self._reply(404, {"error": f"unknown route {self.path}"})
-            try:
-                self._reply(200, routes[op](body))
-            except UnknownLayout as err:
-                self._reply(409, {"error": f"UnknownLayout: {err}"})
-            except TimeoutError as err:
-                self._reply(504, {"error": f"TimeoutError: {err}"})
-            except (KeyError, ValueError) as err:
-                self._reply(400, {"error": f"{type(err).__name__}: {err}"})
-            except Exception as err:  # noqa: BLE001 (reported to the client; the server keeps serving)
-                logger.exception("%s failed", op)
-                self._reply(500, {"error": f"{type(err).__name__}: {err}"})
+            self._reply(*answer(routes, protocol.route_of(self.path), body, self.path))
 
     return Handler
+
+
+def answer(routes: dict[str, Callable[[dict], dict]], op: str | None, body: dict, where: str) -> tuple[int, dict]:
+    """(HTTP status, reply) of route `op` on `body`: what the HTTP front and the frame server both answer
+    (`where`: the request's path, for a 404)."""
+    if op not in routes:
+        return 404, {"error": f"unknown route {where}"}
+    try:
+        return 200, routes[op](body)
+    except UnknownLayout as err:
+        return 409, {"error": f"UnknownLayout: {err}"}
+    except TimeoutError as err:
+        return 504, {"error": f"TimeoutError: {err}"}
+    except (KeyError, ValueError) as err:
+        return 400, {"error": f"{type(err).__name__}: {err}"}
+    except Exception as err:  # noqa: BLE001 (reported to the client; the server keeps serving)
+        logger.exception("%s failed", op)
+        return 500, {"error": f"{type(err).__name__}: {err}"}

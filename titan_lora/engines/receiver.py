@@ -1,9 +1,10 @@
 """A receiver process: the engine side of a transfer without an inference engine behind it.
 
-    python -m titan_lora.engines.receiver --port 8012 [--device cuda:0]
+    python -m titan_lora.engines.receiver --port 8012 [--device cuda:0] [--frames-port N]
 
 It speaks the same `/titan/*` routes as the vLLM engine process for transfers (info, bucket,
-adapter, base, unload): it copies every bucket out of the trainer's buffer (shared memory, CUDA
+adapter, base, unload), and serves bucket, base and unload as frames too (`transfer.frames`; INFO
+offers the port): it copies every bucket out of the trainer's buffer (shared memory, CUDA
 IPC, or fetched over tcp) into its own storage and acknowledges what it holds, with the checksum of the bytes it holds.
 The sync benchmark measures end-to-end latency against it, and GPU hosts with no inference engine
 time the train + sync step with it. Like the vLLM engine process it reads TITAN_LORA_API_KEY and
@@ -27,11 +28,13 @@ from http.server import ThreadingHTTPServer
 
 import torch
 
+from titan_lora.engines.frame_server import FrameServer
 from titan_lora.engines.http_server import DEFAULT_MAX_BODY_MB, make_handler
 from titan_lora.engines.transfers import SlabPool, Staged, TransferStore, receive
 from titan_lora.transfer import protocol
 from titan_lora.transfer.buckets import LayoutCache
 from titan_lora.transfer.errors import check_name
+from titan_lora.transfer.frames import FRAMES_PORT
 from titan_lora.transfer.transport import BufferCache
 
 logger = logging.getLogger("titan_lora.receiver")
@@ -54,13 +57,16 @@ class ReceiverService:
         self.adapters: dict[str, Staged] = {}
         self._base: Staged | None = None
         self.base_version: int | None = None
+        self.frames_port: int | None = None  # set once the frame server listens
         self._lock = threading.Lock()
 
     def info(self, _: dict) -> dict:
-        """Identity and limits (no target-module restriction: nothing is applied to a model)."""
+        """Identity and limits (no target-module restriction: nothing is applied to a model), and the
+        frames port where one is served."""
+        frames = {} if self.frames_port is None else {FRAMES_PORT: self.frames_port}
         return {**protocol.incarnation_fields(self.incarnation, self.base_version), "nonce": self.nonce,
-                "max_lora_rank": self.max_lora_rank,
-                "max_loras": self.max_loras, "target_modules": None, "adapters": sorted(self.adapters)}
+                "max_lora_rank": self.max_lora_rank, "max_loras": self.max_loras, "target_modules": None,
+                "adapters": sorted(self.adapters), **frames}
 
     def _pool(self, kind: str) -> SlabPool:
         return self.base_slabs if kind == "base" else self.slabs
@@ -116,8 +122,9 @@ class ReceiverService:
         return {"unloaded": True}
 
 
-def build_server(argv: list[str] | None = None) -> tuple[ThreadingHTTPServer, ReceiverService]:
-    """The receiver's HTTP server (bound, not yet serving) and its service, from command-line options."""
+def build_server(argv: list[str] | None = None, frames: bool = False) -> tuple[ThreadingHTTPServer, ReceiverService]:
+    """The receiver's HTTP server (bound, not yet serving) and its service, from command-line options;
+    `frames`: also serve the framed routes, from now on, where `--frames-port` allows."""
     p = argparse.ArgumentParser(description="titan_lora receiver process (no inference engine)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8012)
@@ -128,14 +135,22 @@ def build_server(argv: list[str] | None = None) -> tuple[ThreadingHTTPServer, Re
                    help="for manual use; a launcher passes TITAN_LORA_API_KEY in the environment")
     p.add_argument("--max-body-mb", type=int, default=DEFAULT_MAX_BODY_MB,
                    help="largest request body accepted")
+    p.add_argument("--frames-port", type=int, default=0,
+                   help="port of the framed transfer routes, on --host (0: any free one; -1: HTTP only)")
     args = p.parse_args(argv)
     device = torch.device(args.device) if args.device else None
     if device is not None:
         torch.cuda.set_device(device)
+        device = torch.device("cuda", torch.cuda.current_device())  # "cuda" alone: the index it stands for
     service = ReceiverService(args.max_lora_rank, args.max_loras, device)
     routes = {op: _on_device(getattr(service, op), device) for op in protocol.TRANSFER_ROUTES}
     handler = make_handler(routes, args.api_key, args.max_body_mb * 2**20)
-    return ThreadingHTTPServer((args.host, args.port), handler), service
+    server = ThreadingHTTPServer((args.host, args.port), handler)
+    if frames and args.frames_port >= 0:
+        framed = FrameServer((args.host, args.frames_port), routes, args.api_key, args.max_body_mb * 2**20)
+        framed.start()
+        service.frames_port = framed.port
+    return server, service
 
 
 def _on_device(route: Callable[[dict], dict], device: torch.device | None) -> Callable[[dict], dict]:
@@ -147,17 +162,21 @@ def _on_device(route: Callable[[dict], dict], device: torch.device | None) -> Ca
 
 
 def _call_on(device: torch.device, route: Callable[[dict], dict], body: dict) -> dict:
-    with torch.cuda.device(device):
-        return route(body)
+    # Set once per thread, not entered and left per request: nothing else runs on the server's threads,
+    # and a device context costs a sync's hot path tens of microseconds.
+    if torch.cuda.current_device() != device.index:
+        torch.cuda.set_device(device)
+    return route(body)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Serve until killed."""
     logging.basicConfig(level=logging.INFO, format="[titan_lora receiver %(asctime)s] %(message)s",
                         datefmt="%H:%M:%S")
-    server, service = build_server(argv)
+    server, service = build_server(argv, frames=True)
     host, port = server.server_address[:2]
-    logger.info("receiver %s ready on http://%s:%d", service.incarnation[:8], host, port)
+    logger.info("receiver %s ready on http://%s:%d (frames port %s)", service.incarnation[:8], host, port,
+                service.frames_port)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # unwind, so the finally below runs
     try:
         server.serve_forever()

@@ -34,6 +34,9 @@ ADAPTER_FROM_PATH = "adapter_from_path"
 
 TRANSFER_ROUTES = (INFO, BUCKET, BASE, UNLOAD)
 """What every engine that takes buckets serves."""
+FRAMED_ROUTES = (BUCKET, BASE, UNLOAD)
+"""What a trainer sends as frames (`transfer.frames`) to an engine that offers them; INFO, whose reply
+makes the offer and carries the nonce, always goes over HTTP."""
 
 
 def path(route: str) -> str:

@@ -1,0 +1,155 @@
+"""JsonClient over frames against a real receiver in this process: frames only once INFO offered them,
+the same acks and errors as over HTTP, a port that cannot be reached left for HTTP, and a connection
+lost mid-request reported as unreachable, never sent again."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import torch
+from dist_helpers import free_port
+
+from titan_lora.clients.http import JsonClient
+from titan_lora.engines.frame_server import FrameServer
+from titan_lora.engines.receiver import ReceiverService, build_server
+from titan_lora.transfer import protocol
+from titan_lora.transfer.buckets import bucket_checksum, bucket_size, layout_id, pack, plan_buckets
+from titan_lora.transfer.errors import EngineUnreachable, LayoutUnknownToEngine, TransferError
+from titan_lora.transfer.frames import HELLO_MAX_BYTES, recv_frame, send_frame
+from titan_lora.transfer.transport import BucketBuffer
+
+KEY = "frames-key"
+
+
+@pytest.fixture
+def engine(monkeypatch) -> Iterator[tuple[str, ReceiverService, FrameServer]]:
+    monkeypatch.setenv("TITAN_LORA_API_KEY", KEY)
+    http, service = build_server(["--port", str(free_port())])
+    frames = FrameServer(("127.0.0.1", 0), {op: getattr(service, op) for op in protocol.TRANSFER_ROUTES}, KEY,
+                         1 << 20)
+    service.frames_port = frames.port
+    threads = [threading.Thread(target=http.serve_forever, daemon=True), frames.start()]
+    threads[0].start()
+    yield f"http://127.0.0.1:{http.server_address[1]}", service, frames
+    for srv in (http, frames):
+        srv.shutdown()
+        srv.server_close()
+
+
+@pytest.fixture
+def buffer() -> Iterator[BucketBuffer]:
+    buf = BucketBuffer(1 << 16, torch.device("cpu"))
+    yield buf
+    buf.close()
+
+
+def _bucket(buf: BucketBuffer, seed: int, commit: str | None = None, header: bool = True) -> tuple[dict, str]:
+    g = torch.Generator().manual_seed(seed)
+    tensors = {f"base_model.model.layers.{i}.q_proj.lora_A.weight": torch.randn(8, 16, generator=g) for i in range(2)}
+    (entries,) = plan_buckets(tensors, 1 << 20)
+    pack(buf.tensor, entries, tensors)
+    checksum = bucket_checksum(buf.tensor[: bucket_size(entries)])
+    body = {"transfer_id": uuid.uuid4().hex, "kind": "adapter", "segment": buf.describe(),
+            "layout": layout_id(entries), "checksum": checksum}
+    if header:
+        body["header"] = [e.to_json() for e in entries]
+    if commit:
+        body["commit"] = {"name": commit, "version": int(commit.rsplit("v", 1)[1]), "peft_config": {}}
+    return body, checksum
+
+
+def test_buckets_go_as_frames_once_info_offered_them_with_the_same_acks(engine, buffer) -> None:
+    url, service, frames = engine
+    client = JsonClient(url, KEY)
+    over, real = [], client._http_post
+    client._http_post = lambda path, body, timeout_s: over.append(path) or real(path, body, timeout_s)
+    body, checksum = _bucket(buffer, 1, "policy-v1")
+    over_http = client.post("/titan/bucket", body)  # nothing offered yet: HTTP
+    assert client.post("/titan/info")["frames_port"] == frames.port
+    body, checksum = _bucket(buffer, 1, "policy-v2")
+    over_frames = client.post("/titan/bucket", body)
+    assert over_frames["checksum"] == over_http["checksum"] == checksum
+    assert over_frames["commit"]["name"] == "policy-v2" and sorted(service.adapters) == ["policy-v1", "policy-v2"]
+    assert {k for k in over_frames if k != "copy_ms"} == {k for k in over_http if k != "copy_ms"}
+    # Errors read as over HTTP: a checksum that does not match, an unknown layout.
+    body, _ = _bucket(buffer, 2, "policy-v3")
+    body["checksum"] = f"w64:{0:032x}:{body['checksum'].rsplit(':', 1)[1]}"
+    with pytest.raises(TransferError, match=r"/titan/bucket \(frames\) failed with HTTP 400.*checksum mismatch"):
+        client.post("/titan/bucket", body)
+    with pytest.raises(LayoutUnknownToEngine):
+        client.post("/titan/bucket", {**_bucket(buffer, 3, header=False)[0], "layout": "never-sent"})
+    assert sorted(service.adapters) == ["policy-v1", "policy-v2"]
+    client.post("/titan/unload", {"name": "policy-v1"})
+    assert sorted(service.adapters) == ["policy-v2"]
+    assert over == ["/titan/bucket", "/titan/info"], "after the offer, every framed route went as frames"
+
+
+def test_a_frames_port_that_cannot_be_reached_is_left_for_http(engine, buffer, caplog) -> None:
+    url, service, _ = engine
+    service.frames_port = closed = free_port()  # an offer nobody listens on (a firewall, another host)
+    client = JsonClient(url, KEY)
+    client.post("/titan/info")
+    body, checksum = _bucket(buffer, 4, "policy-v4")
+    with caplog.at_level(logging.WARNING):
+        assert client.post("/titan/bucket", body)["checksum"] == checksum  # over HTTP, once refused
+    assert f"frames port {closed}" in caplog.text and "sending over HTTP instead" in caplog.text
+    client.post("/titan/info")
+    assert client._frames is None, "a refused port is not tried again"
+    caplog.clear()
+    client.post("/titan/bucket", _bucket(buffer, 5, "policy-v5")[0])
+    assert "frames" not in caplog.text and sorted(service.adapters) == ["policy-v4", "policy-v5"]
+
+
+def _half_engine(hang_up: threading.Event) -> tuple[socket.socket, list[dict]]:
+    """A frames port that greets, reads one request and never answers it; it hangs up once `hang_up` is
+    set: an engine killed, or hung, mid-request."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    seen: list[dict] = []
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        reader = conn.makefile("rb")
+        recv_frame(reader, HELLO_MAX_BYTES)
+        send_frame(conn, {"status": 200})
+        seen.append(recv_frame(reader, 1 << 20))
+        hang_up.wait(30)
+        conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener, seen
+
+
+def test_a_connection_lost_mid_request_is_unreachable_and_never_sent_again(engine, buffer) -> None:
+    url, service, _ = engine
+    hang_up = threading.Event()
+    hang_up.set()
+    listener, seen = _half_engine(hang_up)
+    service.frames_port = listener.getsockname()[1]
+    client = JsonClient(url, KEY)
+    client.post("/titan/info")
+    body, _ = _bucket(buffer, 6, "policy-v6")
+    with pytest.raises(EngineUnreachable, match=r"\(frames port \d+\): the engine closed the connection"):
+        client.post("/titan/bucket", body)
+    assert [s["body"]["transfer_id"] for s in seen] == [body["transfer_id"]]
+    assert service.adapters == {}, "the request was not sent again over HTTP"
+    assert client._frames is None, "HTTP until the next INFO says what the engine offers"
+    listener.close()
+
+
+def test_a_request_with_no_reply_times_out_as_unreachable(engine) -> None:
+    url, service, _ = engine
+    hang_up = threading.Event()
+    listener, seen = _half_engine(hang_up)
+    service.frames_port = listener.getsockname()[1]
+    client = JsonClient(url, KEY)
+    client.post("/titan/info")
+    with pytest.raises(EngineUnreachable, match=r"\(frames port \d+\): timed out"):
+        client.post("/titan/unload", {"name": "policy-v1"}, timeout_s=0.3)
+    assert seen == [{"route": "unload", "body": {"name": "policy-v1"}}]
+    hang_up.set()
+    listener.close()
