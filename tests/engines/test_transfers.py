@@ -33,8 +33,8 @@ def test_a_bucket_is_received_into_a_pooled_slab_with_one_copy_at_most(
             sent = bucket_checksum(buf.tensor[512 : 512 + bucket_size(entries)])
             req = {"transfer_id": f"v{version}", "kind": "adapter", "segment": buf.describe(512),
                    "layout": "L"}
-            staged, slab = transfers.receive(BufferCache(), pool, store, req, entries)
-            assert store.hold(f"v{version}", staged, slab, sent, "L")["checksum"] == sent
+            staged, slab, copied = transfers.receive(BufferCache(), pool, store, req, entries)
+            assert store.hold(f"v{version}", staged, slab, sent, "L", copied)["checksum"] == sent
             assert all(torch.equal(slab.views[n], t) for n, t in tensors.items()), version
             pool.give_all(store.take(f"v{version}"))
         assert len(copies) == (0 if kind == "tcp" else 3), "tcp receives into the slab; shm copies out once"

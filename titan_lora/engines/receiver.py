@@ -87,8 +87,9 @@ class ReceiverService:
         """Copy one bucket out, check its checksum, then acknowledge it (`copy_ms`: this process's time)."""
         started = time.perf_counter()
         entries = self.layouts.resolve(req["layout"], req.get("header"))
-        staged, slab = receive(self.buffers, self._pool(req.get("kind", "adapter")), self.transfers, req, entries)
-        ack = self.transfers.hold(req["transfer_id"], staged, slab, req.get("checksum"), req["layout"])
+        staged, slab, copied = receive(self.buffers, self._pool(req.get("kind", "adapter")), self.transfers, req,
+                                       entries)
+        ack = self.transfers.hold(req["transfer_id"], staged, slab, req.get("checksum"), req["layout"], copied)
         ack["copy_ms"] = (time.perf_counter() - started) * 1e3
         if "commit" in req:  # an adapter's last bucket carries its commit
             ack["commit"] = self.adapter({**req["commit"], "transfer_id": req["transfer_id"]})

@@ -35,6 +35,7 @@ from collections.abc import Callable
 import torch
 
 from titan_lora.transfer.buckets import Entry, bucket_checksum, bucket_size, tensor_views
+from titan_lora.transfer.copy_checksum import copy_with_checksum
 from titan_lora.transfer.host_copy import copy_flat
 from titan_lora.transfer.transport import BufferCache
 
@@ -115,12 +116,14 @@ class SlabPool:
 
 
 def receive(buffers: BufferCache, pool: SlabPool, transfers: TransferStore, req: dict,
-            entries: list[Entry]) -> tuple[Staged, Slab]:
+            entries: list[Entry]) -> tuple[Staged, Slab, str | None]:
     """Copy the bucket `req` names ("transfer_id", "kind", "segment", "layout") out of the trainer's
-    buffer into a slab of `pool`, once; returns its staging and the slab (check it with `hold`)."""
+    buffer into a slab of `pool`, once; returns its staging, the slab and, where the copy took it in the
+    same pass (a GPU bucket), the checksum of the bytes it wrote (pass all three to `hold`)."""
     layout = req["layout"]
     size = pool.size(layout, entries)
     slab: Slab | None = None
+    copied: str | None = None
     try:
         # A fetching transport (tcp, nccl) receives straight into the slab: its copy-out is the receive.
         fetched_on = buffers.fetch_device(req["segment"])
@@ -133,12 +136,14 @@ def receive(buffers: BufferCache, pool: SlabPool, transfers: TransferStore, req:
             if slab is None:  # staged first: the older transfers it evicts give their slabs back for this one
                 slab = pool.take(layout, entries, buffer.device)
             if buffer.data_ptr() != slab.data.data_ptr():
-                copy_flat(slab.data, buffer[:size])
+                copied = copy_with_checksum(slab.data[:size], buffer[:size])
+                if copied is None:
+                    copy_flat(slab.data, buffer[:size])
     except BaseException:
         if slab is not None:
             pool.give(layout, slab)
         raise
-    return staged, slab
+    return staged, slab, copied
 
 
 @dataclasses.dataclass
@@ -186,14 +191,17 @@ class TransferStore:
         on_begin()
         return staged
 
-    def hold(self, transfer_id: str, staged: Staged, slab: Slab, expected: str | None, layout: str) -> dict:
+    def hold(self, transfer_id: str, staged: Staged, slab: Slab, expected: str | None, layout: str,
+             copied: str | None = None) -> dict:
         """Add one copied-out bucket (`slab`, of `layout`) to `staged` after checking its bytes against
-        the trainer's checksum; the return value is the bucket's ack."""
+        the trainer's checksum (`copied`: theirs as the copy took it, else it is taken now); the return
+        value is the bucket's ack."""
         staged.held.append((layout, slab))  # given back by on_drop even when the check below fails
         if expected is None:
             self.discard(transfer_id)
             raise ValueError("a bucket came without the checksum of its bytes: upgrade the trainer's titan_lora")
-        checksum = bucket_checksum(slab.data)  # its host read waits for the copy on a device
+        # Either read waits for the copy on a device, so the ack never comes before the bytes.
+        checksum = copied if copied is not None else bucket_checksum(slab.data)
         if checksum != expected:
             self.discard(transfer_id)
             raise ChecksumMismatch(f"checksum mismatch in transfer {transfer_id}: the engine holds "

@@ -129,8 +129,8 @@ class TitanLoRAWorkerExtension:
         state = self._titan_state()
         entries = state.layouts.resolve(layout, header)
         req = {"transfer_id": transfer_id, "kind": kind, "segment": segment, "layout": layout}
-        staged, slab = receive(state.buffers, state.pool(kind), state.transfers, req, entries)
-        return state.transfers.hold(transfer_id, staged, slab, checksum, layout)
+        staged, slab, copied = receive(state.buffers, state.pool(kind), state.transfers, req, entries)
+        return state.transfers.hold(transfer_id, staged, slab, checksum, layout, copied)
 
     def titan_commit_adapter(self, transfer_id: str, lora_int_id: int, lora_name: str, peft_config: dict) -> dict:
         """Install the staged tensors as adapter `lora_int_id`; returns what was installed."""

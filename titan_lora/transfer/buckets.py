@@ -164,16 +164,18 @@ def format_checksum(plain: int, weighted: int, nbytes: int) -> str:
     return f"w64:{plain % 2**64:016x}{weighted % 2**64:016x}:{nbytes}"
 
 
-def checksum_words(data: torch.Tensor) -> torch.Tensor:
+def checksum_words(data: torch.Tensor, chunk_sums: torch.Tensor | None = None) -> torch.Tensor:
     """The two digest words of a flat, non-empty uint8 tensor, on its device: for device work that reads
-    them back together with other values, in one host read (`format_checksum` makes the text)."""
+    them back together with other values, in one host read (`format_checksum` makes the text).
+    `chunk_sums`: the word sums of its whole chunks, when the caller already took them (a fused copy)."""
     if data.storage_offset() % 8:  # a 64-bit view needs 8-byte alignment (buckets are 64-aligned)
         data = data.clone()
     chunk = CHECKSUM_CHUNK_WORDS * 8
     full = data.numel() // chunk
     parts = []
     if full:
-        parts.append(data[: full * chunk].view(torch.int64).view(full, CHECKSUM_CHUNK_WORDS).sum(1))
+        parts.append(data[: full * chunk].view(torch.int64).view(full, CHECKSUM_CHUNK_WORDS).sum(1)
+                     if chunk_sums is None else chunk_sums)
     rest = data[full * chunk :]
     if rest.numel():
         words = rest.numel() // 8

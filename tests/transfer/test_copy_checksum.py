@@ -1,0 +1,58 @@
+"""The engine's fused copy-out and checksum: on a GPU, the bytes copied and `bucket_checksum`'s digest
+of them from one pass, at every size a bucket can have (whole 8 KiB chunks, a tail of words, a tail
+of bytes), replayed correctly with new contents; elsewhere it declines and copies nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_helpers import needs_gpus
+
+from titan_lora.transfer.buckets import CHECKSUM_CHUNK_WORDS, bucket_checksum, checksum_words
+from titan_lora.transfer.copy_checksum import copy_with_checksum
+
+CHUNK = CHECKSUM_CHUNK_WORDS * 8
+SIZES = [8, 5 * 8 + 3, CHUNK, 3 * CHUNK + 5 * 8 + 3, 100 * CHUNK + 17]
+
+
+def _bytes(n: int, seed: int, device: str = "cpu") -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).to(device)
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_chunk_sums_taken_elsewhere_give_the_same_digest(n: int) -> None:
+    data = _bytes(n, n)
+    full = n // CHUNK
+    sums = data[: full * CHUNK].view(torch.int64).view(full, CHECKSUM_CHUNK_WORDS).sum(1) if full else None
+    assert torch.equal(checksum_words(data, sums), checksum_words(data))
+    if full:  # and they are used: other sums give another digest
+        assert not torch.equal(checksum_words(data, sums + 1), checksum_words(data))
+
+
+def test_off_a_gpu_it_declines_and_copies_nothing() -> None:
+    src, dst = _bytes(CHUNK, 1), torch.zeros(CHUNK, dtype=torch.uint8)
+    assert copy_with_checksum(dst, src) is None and not dst.any()
+
+
+@needs_gpus(1)
+@pytest.mark.parametrize("n", SIZES)
+def test_on_a_gpu_the_copy_and_its_checksum_come_from_one_pass(n: int) -> None:
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.zeros(n, dtype=torch.uint8, device="cuda")
+    digests = []
+    for seed in (1, 2):  # the same buffers again: the second call replays the captured graph
+        src.copy_(_bytes(n, seed))
+        digests.append(copy_with_checksum(dst, src))
+        assert torch.equal(dst, src), f"{n} bytes copied wrong (call {seed})"
+        assert digests[-1] == bucket_checksum(src), f"{n} bytes: digest differs (call {seed})"
+    assert digests[0] != digests[1]
+
+
+@needs_gpus(1)
+def test_on_a_gpu_a_misaligned_or_mismatched_buffer_is_declined() -> None:
+    src = _bytes(CHUNK + 8, 3, "cuda")
+    dst = torch.zeros(CHUNK + 8, dtype=torch.uint8, device="cuda")
+    assert copy_with_checksum(dst[:CHUNK], src[1 : CHUNK + 1]) is None
+    assert copy_with_checksum(dst, src[:CHUNK]) is None
+    assert not dst.any()
