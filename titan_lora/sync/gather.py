@@ -32,6 +32,7 @@ from titan_lora.lora.layer import local_part
 from titan_lora.transfer.buckets import ALIGN, checksum_words, format_checksum
 from titan_lora.transfer.cuda_graphs import GraphedReads, captured
 from titan_lora.transfer.host_copy import balanced_cut, in_two
+from titan_lora.transfer.kernels import finite_and_checksum
 from titan_lora.transfer.transport import plain_buffer
 
 # Maps a tensor of output positions, laid out as the output wants the param, into the trainer's
@@ -324,12 +325,15 @@ class ShardGatherer:
         """Rank `dst`: whether the last gathered tensors hold no NaN or Inf, and the `bucket_checksum` of
         the output's `region_bytes` (the one bucket that holds them all), with one host read for both:
         each read after the gather waits on the GPU, and an emitter that sends that bucket needs no
-        checksum pass of its own.
+        checksum pass of its own. On a GPU, one Triton kernel reads the bytes once for both (`kernels`).
 
         NaN and Inf propagate through a sum, so a finite sum proves every element finite (one pass,
         no mask); only a non-finite sum, which an overflow could also give, is checked per element.
         """
         full = self._full[: self.total_numel]
+        fused = finite_and_checksum(self._full[: self.region_bytes // full.element_size()])  # one read
+        if fused is not None:
+            return fused
         region = self._full.view(torch.uint8)[: self.region_bytes]
 
         def reads() -> torch.Tensor:

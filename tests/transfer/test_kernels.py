@@ -1,6 +1,7 @@
-"""The engine's fused copy-out and checksum: on a GPU, the bytes copied and `bucket_checksum`'s digest
-of them from one pass, at every size a bucket can have (whole 8 KiB chunks, a tail of words, a tail
-of bytes), replayed correctly with new contents; elsewhere it declines and copies nothing."""
+"""The one-pass kernels: on a GPU, the engine's copy-out gives the bytes and `bucket_checksum`'s digest
+of them, and the trainer's finite check gives the exact NaN/Inf verdict and the same digest, at every
+size a bucket can have (whole 8 KiB chunks, a tail of words, a tail of bytes), replayed correctly
+with new contents; elsewhere each declines and does nothing."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from dist_helpers import needs_gpus
 
 from titan_lora.transfer.buckets import CHECKSUM_CHUNK_WORDS, bucket_checksum, checksum_words
-from titan_lora.transfer.copy_checksum import copy_with_checksum
+from titan_lora.transfer.kernels import copy_with_checksum, finite_and_checksum
 
 CHUNK = CHECKSUM_CHUNK_WORDS * 8
 SIZES = [8, 5 * 8 + 3, CHUNK, 3 * CHUNK + 5 * 8 + 3, 100 * CHUNK + 17]
@@ -30,9 +31,10 @@ def test_chunk_sums_taken_elsewhere_give_the_same_digest(n: int) -> None:
         assert not torch.equal(checksum_words(data, sums + 1), checksum_words(data))
 
 
-def test_off_a_gpu_it_declines_and_copies_nothing() -> None:
+def test_off_a_gpu_they_decline_and_do_nothing() -> None:
     src, dst = _bytes(CHUNK, 1), torch.zeros(CHUNK, dtype=torch.uint8)
     assert copy_with_checksum(dst, src) is None and not dst.any()
+    assert finite_and_checksum(torch.zeros(CHUNK)) is None
 
 
 @needs_gpus(1)
@@ -56,3 +58,27 @@ def test_on_a_gpu_a_misaligned_or_mismatched_buffer_is_declined() -> None:
     assert copy_with_checksum(dst[:CHUNK], src[1 : CHUNK + 1]) is None
     assert copy_with_checksum(dst, src[:CHUNK]) is None
     assert not dst.any()
+
+
+@needs_gpus(1)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n", [4, 4 * 1024 + 4, 3 * 4096 + 6, 50 * 4096])  # elements: tails, whole chunks
+def test_on_a_gpu_the_finite_check_and_the_checksum_come_from_one_read(n: int, dtype: torch.dtype) -> None:
+    values = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype).cuda()
+    bytes_of = values.view(torch.uint8)
+    assert finite_and_checksum(values) == (True, bucket_checksum(bytes_of))
+    for where in (0, n // 2, n - 1):  # the first chunk, the middle, the tail
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            saved = values[where].item()
+            values[where] = bad  # the same buffer: the captured graph replays over it
+            finite, checksum = finite_and_checksum(values)
+            assert not finite, f"{bad} at {where} of {n} went unnoticed"
+            assert checksum == bucket_checksum(bytes_of)
+            values[where] = saved
+    assert finite_and_checksum(values) == (True, bucket_checksum(bytes_of))
+
+
+@needs_gpus(1)
+def test_on_a_gpu_values_whose_sum_overflows_are_still_finite() -> None:
+    values = torch.full((3 * 2048,), 3e38, device="cuda")  # float32: any sum of two is inf
+    assert finite_and_checksum(values)[0]
