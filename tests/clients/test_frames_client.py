@@ -17,7 +17,6 @@ from dist_helpers import free_port
 from titan_lora.clients.http import JsonClient
 from titan_lora.engines.frame_server import FrameServer
 from titan_lora.engines.receiver import ReceiverService, build_server
-from titan_lora.transfer import protocol
 from titan_lora.transfer.buckets import bucket_checksum, bucket_size, layout_id, pack, plan_buckets
 from titan_lora.transfer.errors import EngineUnreachable, LayoutUnknownToEngine, TransferError
 from titan_lora.transfer.frames import HELLO_MAX_BYTES, recv_frame, send_frame
@@ -29,12 +28,8 @@ KEY = "frames-key"
 @pytest.fixture
 def engine(monkeypatch) -> Iterator[tuple[str, ReceiverService, FrameServer]]:
     monkeypatch.setenv("TITAN_LORA_API_KEY", KEY)
-    http, service = build_server(["--port", str(free_port())])
-    frames = FrameServer(("127.0.0.1", 0), {op: getattr(service, op) for op in protocol.TRANSFER_ROUTES}, KEY,
-                         1 << 20)
-    service.frames_port = frames.port
-    threads = [threading.Thread(target=http.serve_forever, daemon=True), frames.start()]
-    threads[0].start()
+    http, service, frames = build_server(["--port", str(free_port())], frames=True)
+    threading.Thread(target=http.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{http.server_address[1]}", service, frames
     for srv in (http, frames):
         srv.shutdown()
@@ -105,9 +100,9 @@ def test_a_frames_port_that_cannot_be_reached_is_left_for_http(engine, buffer, c
     assert "frames" not in caplog.text and sorted(service.adapters) == ["policy-v4", "policy-v5"]
 
 
-def _half_engine(hang_up: threading.Event) -> tuple[socket.socket, list[dict]]:
-    """A frames port that greets, reads one request and never answers it; it hangs up once `hang_up` is
-    set: an engine killed, or hung, mid-request."""
+def _half_engine(hang_up: threading.Event, incarnation: str) -> tuple[socket.socket, list[dict]]:
+    """A frames port that greets as engine `incarnation`, reads one request and never answers it; it
+    hangs up once `hang_up` is set: an engine killed, or hung, mid-request."""
     listener = socket.create_server(("127.0.0.1", 0))
     seen: list[dict] = []
 
@@ -115,7 +110,7 @@ def _half_engine(hang_up: threading.Event) -> tuple[socket.socket, list[dict]]:
         conn, _ = listener.accept()
         reader = conn.makefile("rb")
         recv_frame(reader, HELLO_MAX_BYTES)
-        send_frame(conn, {"status": 200})
+        send_frame(conn, {"status": 200, "incarnation": incarnation})
         seen.append(recv_frame(reader, 1 << 20))
         hang_up.wait(30)
         conn.close()
@@ -128,7 +123,7 @@ def test_a_connection_lost_mid_request_is_unreachable_and_never_sent_again(engin
     url, service, _ = engine
     hang_up = threading.Event()
     hang_up.set()
-    listener, seen = _half_engine(hang_up)
+    listener, seen = _half_engine(hang_up, service.incarnation)
     service.frames_port = listener.getsockname()[1]
     client = JsonClient(url, KEY)
     client.post("/titan/info")
@@ -137,19 +132,53 @@ def test_a_connection_lost_mid_request_is_unreachable_and_never_sent_again(engin
         client.post("/titan/bucket", body)
     assert [s["body"]["transfer_id"] for s in seen] == [body["transfer_id"]]
     assert service.adapters == {}, "the request was not sent again over HTTP"
-    assert client._frames is None, "HTTP until the next INFO says what the engine offers"
+    assert client._frames is not None, "the offer stands: the next request connects anew"
     listener.close()
 
 
 def test_a_request_with_no_reply_times_out_as_unreachable(engine) -> None:
     url, service, _ = engine
     hang_up = threading.Event()
-    listener, seen = _half_engine(hang_up)
+    listener, seen = _half_engine(hang_up, service.incarnation)
     service.frames_port = listener.getsockname()[1]
     client = JsonClient(url, KEY)
     client.post("/titan/info")
     with pytest.raises(EngineUnreachable, match=r"\(frames port \d+\): timed out"):
         client.post("/titan/unload", {"name": "policy-v1"}, timeout_s=0.3)
     assert seen == [{"route": "unload", "body": {"name": "policy-v1"}}]
+    assert client._frames is not None, "one slow unload (the retirer's) does not turn frames off"
     hang_up.set()
     listener.close()
+
+
+def test_a_port_that_greets_as_another_engine_is_left_for_http(engine, buffer, caplog) -> None:
+    url, service, _ = engine
+    hang_up = threading.Event()
+    hang_up.set()
+    listener, seen = _half_engine(hang_up, "an-engine-that-restarted")  # the port outlived its engine
+    service.frames_port = listener.getsockname()[1]
+    client = JsonClient(url, KEY)
+    client.post("/titan/info")
+    body, checksum = _bucket(buffer, 7, "policy-v7")
+    with caplog.at_level(logging.WARNING):
+        assert client.post("/titan/bucket", body)["checksum"] == checksum
+    assert seen == [] and "not engine" in caplog.text and sorted(service.adapters) == ["policy-v7"]
+    listener.close()
+
+
+def test_after_a_reply_that_ends_the_connection_the_next_request_connects_anew(engine, buffer) -> None:
+    url, service, frames = engine
+    frames.max_frame_bytes = 256  # this bucket's request (with its header) is larger
+    client = JsonClient(url, KEY)
+    client.post("/titan/info")
+    body, _ = _bucket(buffer, 8, "policy-v8")
+    with pytest.raises(TransferError, match=r"\(frames\) failed with HTTP 413.*over the limit of 256 bytes"):
+        client.post("/titan/bucket", body)
+    frames.max_frame_bytes = 1 << 20
+    assert client.post("/titan/bucket", body)["commit"]["name"] == "policy-v8"
+
+
+def test_an_https_address_never_takes_the_plain_tcp_offer() -> None:
+    client = JsonClient("https://engine.example:8443", KEY)
+    client._follow_offer({"frames_port": 9000, "incarnation": "x"})
+    assert client._frames is None

@@ -33,7 +33,7 @@ calls: list[dict] = []
 def server() -> Iterator[FrameServer]:
     calls.clear()
     routes = {"bucket": _bucket, "info": lambda body: {"incarnation": "x"}}
-    srv = FrameServer(("127.0.0.1", 0), routes, KEY, max_frame_bytes=4096)
+    srv = FrameServer(("127.0.0.1", 0), routes, KEY, max_frame_bytes=4096, incarnation="engine-1")
     thread = srv.start()
     yield srv
     srv.shutdown()
@@ -50,7 +50,7 @@ def _session(srv: FrameServer, key: str = KEY) -> tuple[socket.socket, object, d
 
 def test_a_wrong_key_is_refused_and_the_connection_closed_before_any_request(server: FrameServer) -> None:
     sock, reader, hello = _session(server, "wrong")
-    assert hello == {"status": 401, "error": "missing or wrong API key"}
+    assert hello == {"status": 401, "error": "missing or wrong API key", "close": True}
     try:
         send_frame(sock, {"route": "bucket", "body": {}})
     except OSError:
@@ -60,7 +60,7 @@ def test_a_wrong_key_is_refused_and_the_connection_closed_before_any_request(ser
 
 def test_routes_answer_as_over_http_and_the_connection_serves_on_after_an_error(server: FrameServer) -> None:
     sock, reader, hello = _session(server)
-    assert hello == {"status": 200}
+    assert hello == {"status": 200, "incarnation": "engine-1"}
 
     def ask(route: str, body: object) -> dict:
         send_frame(sock, {"route": route, "body": body})
@@ -74,6 +74,7 @@ def test_routes_answer_as_over_http_and_the_connection_serves_on_after_an_error(
     # INFO makes the offer and carries the nonce: it is served over HTTP only.
     assert ask("info", {}) == {"status": 404, "error": "unknown route /titan/info"}
     assert ask("bucket", [1]) == {"status": 400, "error": "a request's body must be a JSON object, got list"}
+    assert ask(["bucket"], {}) == {"status": 400, "error": "a request's route must be a string, got list"}
     assert ask("bucket", {"n": 2})["status"] == 200, "the same connection still serves"
     assert [c.get("n") for c in calls] == [1, None, None, None, None, 2]
     sock.close()
@@ -83,6 +84,18 @@ def test_a_frame_over_the_cap_is_answered_413_and_the_connection_closed_unread(s
     sock, reader, _ = _session(server)
     sock.sendall(struct.pack(">I", 1 << 20))  # announced, never sent: a server reading it would hang
     reply = recv_frame(reader, 4096)
-    assert reply["status"] == 413 and "over the limit of 4096 bytes" in reply["error"]
+    assert reply["status"] == 413 and reply["close"] and "over the limit of 4096 bytes" in reply["error"]
+    assert "--max-body-mb" in reply["error"], "the engine's reply names the flag that sets the cap"
     assert recv_frame(reader, 4096) is None and calls == []
+    sock.close()
+
+
+def test_a_peer_that_never_greets_is_dropped(server: FrameServer, monkeypatch) -> None:
+    from titan_lora.engines import frame_server
+
+    monkeypatch.setattr(frame_server, "HELLO_TIMEOUT_S", 0.2)
+    sock = connect("127.0.0.1", server.port, timeout_s=10)
+    reader = sock.makefile("rb")
+    assert recv_frame(reader, 4096) is None, "the server closed the silent connection"
+    assert calls == []
     sock.close()

@@ -30,7 +30,7 @@ KEY = "test-key"
 def receiver(monkeypatch):
     monkeypatch.setenv("TITAN_LORA_API_KEY", KEY)
     monkeypatch.setenv("TITAN_LORA_ENGINE_NONCE", "nonce-123")
-    server, service = build_server(["--port", str(free_port()), "--max-body-mb", "1"])
+    server, service, _ = build_server(["--port", str(free_port()), "--max-body-mb", "1"])
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield server, service

@@ -265,3 +265,17 @@ def test_on_gpu_the_graphed_checksum_reads_the_buffer_live_and_equals_its_defini
         assert bucket_checksum(buf) == _reference_checksum(bytes(buf.cpu().tolist())) != first, pos
         buf[pos] ^= 1
     assert bucket_checksum(buf) == first
+
+
+def test_every_checksum_weights_table_stays_alive_for_the_graphs_that_read_it() -> None:
+    """A captured checksum graph reads its weights by address: a table replaced by a larger one (a larger
+    bucket came) must not be freed and its memory reused under the graph."""
+    from titan_lora.transfer import buckets
+
+    small = buckets._chunk_weights(3, torch.device("cpu"))
+    address = small.untyped_storage().data_ptr()
+    larger = buckets._chunk_weights(1 << 12, torch.device("cpu"))
+    assert larger.untyped_storage().data_ptr() != address
+    assert any(t.untyped_storage().data_ptr() == address for t in buckets._KEPT), "the first table was let go"
+    golden = buckets._GOLDEN
+    assert torch.equal(larger[:3], (torch.arange(1, 4, dtype=torch.int64) * golden) | 1)

@@ -5,11 +5,14 @@ with new contents; elsewhere each declines and does nothing."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from dist_helpers import needs_gpus
 
 from titan_lora.transfer.buckets import CHECKSUM_CHUNK_WORDS, bucket_checksum, checksum_words
+from titan_lora.transfer import kernels
 from titan_lora.transfer.kernels import copy_with_checksum, finite_and_checksum
 
 CHUNK = CHECKSUM_CHUNK_WORDS * 8
@@ -35,6 +38,18 @@ def test_off_a_gpu_they_decline_and_do_nothing() -> None:
     src, dst = _bytes(CHUNK, 1), torch.zeros(CHUNK, dtype=torch.uint8)
     assert copy_with_checksum(dst, src) is None and not dst.any()
     assert finite_and_checksum(torch.zeros(CHUNK)) is None
+
+
+def test_a_kernel_that_cannot_build_or_run_turns_the_fused_path_off_with_a_warning(monkeypatch, caplog) -> None:
+    def fail(*args: object) -> None:
+        raise RuntimeError("no C compiler for Triton's launcher")
+
+    monkeypatch.setattr(kernels, "_broken", False)
+    monkeypatch.setattr(kernels._GRAPHS, "read", fail)
+    with caplog.at_level(logging.WARNING):
+        assert kernels._read(("copy",), torch.device("cpu"), lambda: torch.zeros(2)) is None
+    assert "RuntimeError: no C compiler" in caplog.text and "two passes" in caplog.text
+    assert kernels._broken and not kernels._fusable(torch.zeros(8))
 
 
 @needs_gpus(1)

@@ -1,9 +1,11 @@
 """The trainer's end of an engine's frame server (`transfer.frames`): one kept connection per thread.
 
 `JsonClient` sends the routes of `protocol.FRAMED_ROUTES` through a `FrameChannel` once the engine's
-INFO offered one. A request is never sent twice: a connection that breaks after its request went out
-raises EngineUnreachable, since the engine may have acted on it (the syncer then checks the engine and
-sends again as a whole).
+INFO offered one. A connection counts only if its greeting names the incarnation that INFO named: a
+port can outlive its engine. A request is never sent twice: once it went out (or was being sent), a
+broken connection raises EngineUnreachable, since the engine may have acted on it (the syncer then
+checks the engine and sends again as a whole). Only a connection that could not be made or greeted
+raises FrameRefused, with nothing sent, so that the caller may go over HTTP instead.
 """
 
 from __future__ import annotations
@@ -12,41 +14,47 @@ import socket
 import threading
 from typing import IO, Any
 
-from titan_lora.transfer.errors import EngineUnreachable, TransferError
+from titan_lora.transfer.errors import EngineUnreachable
 from titan_lora.transfer.frames import HELLO_MAX_BYTES, FrameError, connect, recv_frame, send_frame
 
 MAX_REPLY_BYTES = 64 * 2**20
+CONNECT_TIMEOUT_S = 5.0
+"""For the connection and its greeting: a frames port behind a firewall that drops packets costs this
+once, not a whole request timeout, before the request goes over HTTP."""
 
 
 class FrameRefused(EngineUnreachable):
-    """No frame connection could be made (nothing was sent): HTTP may still reach the engine."""
+    """No frame connection could be made or greeted (nothing was sent): HTTP may still reach the engine."""
 
 
 class FrameChannel:
-    """Requests as frames to `host:port`, authenticated with `api_key`; `where` names it in errors."""
+    """Requests as frames to `host:port` of the engine `incarnation`, authenticated with `api_key`;
+    `where` names it in errors."""
 
-    def __init__(self, host: str, port: int, api_key: str, where: str) -> None:
+    def __init__(self, host: str, port: int, api_key: str, incarnation: str, where: str) -> None:
         self.host, self.port = host, port
         self.api_key = api_key
+        self.incarnation = incarnation
         self.where = where
         self._local = threading.local()
 
     def _connection(self, timeout_s: float) -> tuple[socket.socket, IO[bytes]]:
         held = getattr(self._local, "conn", None)
         if held is None:
+            sock = None
             try:
-                sock = connect(self.host, self.port, timeout_s)
+                sock = connect(self.host, self.port, min(timeout_s, CONNECT_TIMEOUT_S))
                 reader = sock.makefile("rb")
                 send_frame(sock, {"api_key": self.api_key})
                 hello = recv_frame(reader, HELLO_MAX_BYTES)
             except (OSError, FrameError) as err:
+                if sock is not None:
+                    sock.close()
                 raise FrameRefused(f"{self.where}: {err}") from None
-            if hello is None or hello.get("status") != 200:
+            if hello is None or hello.get("status") != 200 or hello.get("incarnation") != self.incarnation:
                 sock.close()
-                if hello is not None and hello.get("status") == 401:
-                    raise TransferError(f"{self.where} refused the API key (HTTP 401): set [engine] api_key "
-                                        "to the key the engine was started with")
-                raise FrameRefused(f"{self.where}: the engine closed the connection before greeting it")
+                # A wrong key goes over HTTP too, whose refusal says what to set.
+                raise FrameRefused(f"{self.where}: the greeting was {hello}, not engine {self.incarnation}'s")
             held = self._local.conn = (sock, reader)
         held[0].settimeout(timeout_s)
         return held
@@ -71,6 +79,7 @@ class FrameChannel:
             self.close()
             raise EngineUnreachable(f"{self.where}: {'timed out' if isinstance(err, TimeoutError) else err}") \
                 from None
+        if reply.get("close"):  # the engine's last reply on this connection: the next request reconnects
+            self.close()
         status = int(reply.get("status", 500))
         return status, reply.get("body") if status == 200 else reply.get("error", "")
-

@@ -3,9 +3,10 @@
 It uses `http.client` directly: one persistent connection per thread (a sync costs two requests, and
 a new TCP connection plus a server thread per request costs milliseconds), no proxy and no redirects,
 so a request and its API key go only to the address in the config. Where the engine's INFO reply
-offers frames (`transfer.frames`), the routes of `protocol.FRAMED_ROUTES` go as frames to the same
-host (`clients.frames`), with the same replies and errors; a frames port that cannot be reached is
-not tried again, and the request goes over HTTP.
+offers frames (`transfer.frames`) on a plain `http://` address, the routes of `protocol.FRAMED_ROUTES`
+go as frames to the same host (`clients.frames`), with the same replies and errors; a frames port that
+cannot be reached or greeted is not tried again for that engine incarnation, and the request goes
+over HTTP.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class JsonClient:
         self.timeout_s = timeout_s
         self._local = threading.local()
         self._frames: FrameChannel | None = None  # the channel the last INFO reply offered
-        self._refused_ports: set[int] = set()  # frames ports that could not be reached: HTTP instead
+        self._refused: set[tuple[str, int]] = set()  # (incarnation, frames port) not reached: HTTP instead
 
     def _connection(self, timeout_s: float) -> http.client.HTTPConnection:
         conn = getattr(self._local, "conn", None)
@@ -69,15 +70,13 @@ class JsonClient:
         """Send one request; raise EngineUnreachable, or TransferError with the engine's message."""
         frames, route = self._frames, protocol.route_of(path)
         if frames is not None and route in protocol.FRAMED_ROUTES:
-            try:
+            try:  # EngineUnreachable passes: the request may have been acted on, so it is not resent
                 status, reply = frames.post(route, body or {}, timeout_s or self.timeout_s)
-            except FrameRefused as err:
+            except FrameRefused as err:  # nothing was sent
                 logger.warning("%s; sending over HTTP instead", err)
-                self._refused_ports.add(frames.port)
-                self._frames = None
-            except EngineUnreachable:
-                self._frames = None  # the next INFO says whether the engine (restarted) still offers them
-                raise
+                self._refused.add((frames.incarnation, frames.port))
+                if self._frames is frames:  # not one that another thread's INFO installed meanwhile
+                    self._frames = None
             else:
                 if status < 300:
                     return reply
@@ -85,15 +84,18 @@ class JsonClient:
                                        json.dumps({"error": reply}))
         reply = self._http_post(path, body, timeout_s)
         if route == protocol.INFO and isinstance(reply, dict):
-            self._follow_offer(reply.get(FRAMES_PORT))
+            self._follow_offer(reply)
         return reply
 
-    def _follow_offer(self, port: object) -> None:
-        """Use the frames port an INFO reply names (None: HTTP only), unless it could not be reached."""
-        if not isinstance(port, int) or port in self._refused_ports:
+    def _follow_offer(self, info: dict) -> None:
+        """Use the frames port an INFO reply names, of the incarnation it names; HTTP where it names none,
+        where that port could not be reached, and for an https address (frames are plain TCP)."""
+        port, incarnation = info.get(FRAMES_PORT), info.get("incarnation")
+        if self._scheme != "http" or not isinstance(port, int) or not isinstance(incarnation, str) \
+                or (incarnation, port) in self._refused:
             self._frames = None
-        elif self._frames is None or self._frames.port != port:
-            self._frames = FrameChannel(self._host, port, self.api_key,
+        elif self._frames is None or (self._frames.port, self._frames.incarnation) != (port, incarnation):
+            self._frames = FrameChannel(self._host, port, self.api_key, incarnation,
                                         f"{self.base_url} (frames port {port})")
 
     def _http_post(self, path: str, body: dict[str, Any] | None, timeout_s: float | None) -> Any:

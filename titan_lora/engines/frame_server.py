@@ -1,9 +1,10 @@
 """The receiver's frame server: the routes of `protocol.FRAMED_ROUTES` as framed JSON (`transfer.frames`).
 
 One thread per connection, as the HTTP front has; a connection is authenticated by its first frame
-before any request is read, and a frame over the size cap is refused before its body is read. The
-same `answer` as the HTTP front maps each route's outcome to a status, so a request gets the same
-reply over either.
+(within `HELLO_TIMEOUT_S`) before any request is read, and a frame over the size cap is refused
+before its body is read. The greeting names the engine's incarnation. The same `answer` as the HTTP
+front maps each route's outcome to a status, so a request gets the same reply over either. A reply
+after which the server closes the connection (a bad frame, a wrong key) says so (`"close": true`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from titan_lora.transfer import protocol
 from titan_lora.transfer.frames import HELLO_MAX_BYTES, FrameError, recv_frame, send_frame
 
 logger = logging.getLogger("titan_lora.engine")
+HELLO_TIMEOUT_S = 10.0
 
 
 class FrameServer(socketserver.ThreadingTCPServer):
@@ -29,10 +31,13 @@ class FrameServer(socketserver.ThreadingTCPServer):
     allow_reuse_address = True
 
     def __init__(self, address: tuple[str, int], routes: dict[str, Callable[[dict], dict]], api_key: str,
-                 max_frame_bytes: int) -> None:
+                 max_frame_bytes: int, incarnation: str) -> None:
+        """`incarnation`: the engine's, as its INFO names it; the greeting echoes it, so that a client
+        knows the port still belongs to the engine that offered it."""
         self.routes = {op: route for op, route in routes.items() if op in protocol.FRAMED_ROUTES}
         self.api_key = api_key
         self.max_frame_bytes = max_frame_bytes
+        self.incarnation = incarnation
         super().__init__(address, _Connection)
 
     @property
@@ -53,13 +58,16 @@ class _Connection(socketserver.StreamRequestHandler):
     def handle(self) -> None:
         self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
+            self.request.settimeout(HELLO_TIMEOUT_S)  # a peer that never greets does not hold a thread
             if not self._hello():
                 return
+            self.request.settimeout(None)  # a trainer's next request may come a training step later
             while (request := recv_frame(self.rfile, self.server.max_frame_bytes)) is not None:
                 send_frame(self.request, self._reply(request))
         except FrameError as err:  # the stream cannot be trusted past a bad frame: answer, then close
-            send_frame(self.request, {"status": err.status, "error": str(err)})
-        except OSError as err:  # the trainer went away; its next connection starts afresh
+            send_frame(self.request, {"status": err.status, "error": f"{err} (engine flag --max-body-mb)"
+                                      if err.status == 413 else str(err), "close": True})
+        except OSError as err:  # the trainer went away, or never greeted; a next connection starts afresh
             logger.debug("frame connection closed: %s", err)
 
     def _hello(self) -> bool:
@@ -68,13 +76,15 @@ class _Connection(socketserver.StreamRequestHandler):
             return False
         key = self.server.api_key
         if key and not hmac.compare_digest(str(hello.get("api_key", "")).encode(), key.encode()):
-            send_frame(self.request, {"status": 401, "error": "missing or wrong API key"})
+            send_frame(self.request, {"status": 401, "error": "missing or wrong API key", "close": True})
             return False
-        send_frame(self.request, {"status": 200})
+        send_frame(self.request, {"status": 200, "incarnation": self.server.incarnation})
         return True
 
     def _reply(self, request: dict) -> dict:
         route, body = request.get("route"), request.get("body")
+        if not isinstance(route, str):
+            return {"status": 400, "error": f"a request's route must be a string, got {type(route).__name__}"}
         if not isinstance(body, dict):
             return {"status": 400, "error": f"a request's body must be a JSON object, got {type(body).__name__}"}
         status, reply = answer(self.server.routes, route, body, f"{protocol.PREFIX}{route}")

@@ -5,7 +5,8 @@
 It speaks the same `/titan/*` routes as the vLLM engine process for transfers (info, bucket,
 adapter, base, unload), and serves bucket, base and unload as frames too (`transfer.frames`; INFO
 offers the port): it copies every bucket out of the trainer's buffer (shared memory, CUDA
-IPC, or fetched over tcp) into its own storage and acknowledges what it holds, with the checksum of the bytes it holds.
+IPC, or fetched over tcp) into its own storage and acknowledges what it holds, with the checksum of
+the bytes it stored.
 The sync benchmark measures end-to-end latency against it, and GPU hosts with no inference engine
 time the train + sync step with it. Like the vLLM engine process it reads TITAN_LORA_API_KEY and
 TITAN_LORA_ENGINE_NONCE from the environment, and honours the fault-injection variables
@@ -123,9 +124,10 @@ class ReceiverService:
         return {"unloaded": True}
 
 
-def build_server(argv: list[str] | None = None, frames: bool = False) -> tuple[ThreadingHTTPServer, ReceiverService]:
-    """The receiver's HTTP server (bound, not yet serving) and its service, from command-line options;
-    `frames`: also serve the framed routes, from now on, where `--frames-port` allows."""
+def build_server(argv: list[str] | None = None, frames: bool = False,
+                 ) -> tuple[ThreadingHTTPServer, ReceiverService, FrameServer | None]:
+    """The receiver's HTTP server (bound, not yet serving), its service and, with `frames` where
+    `--frames-port` allows, its frame server (serving from now on), from command-line options."""
     p = argparse.ArgumentParser(description="titan_lora receiver process (no inference engine)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8012)
@@ -147,11 +149,13 @@ def build_server(argv: list[str] | None = None, frames: bool = False) -> tuple[T
     routes = {op: _on_device(getattr(service, op), device) for op in protocol.TRANSFER_ROUTES}
     handler = make_handler(routes, args.api_key, args.max_body_mb * 2**20)
     server = ThreadingHTTPServer((args.host, args.port), handler)
+    framed = None
     if frames and args.frames_port >= 0:
-        framed = FrameServer((args.host, args.frames_port), routes, args.api_key, args.max_body_mb * 2**20)
+        framed = FrameServer((args.host, args.frames_port), routes, args.api_key, args.max_body_mb * 2**20,
+                             service.incarnation)
         framed.start()
         service.frames_port = framed.port
-    return server, service
+    return server, service, framed
 
 
 def _on_device(route: Callable[[dict], dict], device: torch.device | None) -> Callable[[dict], dict]:
@@ -174,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     """Serve until killed."""
     logging.basicConfig(level=logging.INFO, format="[titan_lora receiver %(asctime)s] %(message)s",
                         datefmt="%H:%M:%S")
-    server, service = build_server(argv, frames=True)
+    server, service, framed = build_server(argv, frames=True)
     host, port = server.server_address[:2]
     logger.info("receiver %s ready on http://%s:%d (frames port %s)", service.incarnation[:8], host, port,
                 service.frames_port)
@@ -182,6 +186,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         server.serve_forever()
     finally:
+        if framed is not None:  # no new frame request maps a buffer after the clear below
+            framed.shutdown()
+            framed.server_close()
         service.buffers.clear()  # the trainer's CUDA IPC ref counters drop only when we unmap
         logger.info("receiver %s stopped; mappings released", service.incarnation[:8])
 

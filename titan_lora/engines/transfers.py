@@ -12,7 +12,9 @@ host synchronisation of a bucket: it also waits for the copy, so the ack never c
 Staging holds a transfer's tensors between its buckets and its commit, bounded per kind: a new
 transfer evicts the oldest uncommitted ones of its kind (at most one base and two adapters wait), so
 transfers that never commit cannot pile up. Every bucket is checked against the checksum the trainer
-sent, over the bytes the engine holds after its copy-out; a mismatch discards the whole transfer.
+sent, over the bytes the engine holds after its copy-out (on a GPU, taken by the one-pass copy from
+the very words it stores, `transfer/kernels.py`; else by reading the copy); a mismatch discards the
+whole transfer.
 
 Fault injection, for the chaos tests (read at every bucket):
 - `TITAN_LORA_FAULT_BUCKET_PAUSE_S=<seconds>`: the engine sleeps inside the handling of each bucket,

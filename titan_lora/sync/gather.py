@@ -327,8 +327,9 @@ class ShardGatherer:
         each read after the gather waits on the GPU, and an emitter that sends that bucket needs no
         checksum pass of its own. On a GPU, one Triton kernel reads the bytes once for both (`kernels`).
 
-        NaN and Inf propagate through a sum, so a finite sum proves every element finite (one pass,
-        no mask); only a non-finite sum, which an overflow could also give, is checked per element.
+        The kernel counts NaN and Inf exactly. Without it (CPU, no Triton) the check is a sum: NaN and
+        Inf propagate through it, so a finite sum proves every element finite (one pass, no mask); only
+        a non-finite sum, which an overflow could also give, is checked per element.
         """
         full = self._full[: self.total_numel]
         fused = finite_and_checksum(self._full[: self.region_bytes // full.element_size()])  # one read

@@ -7,8 +7,8 @@ JSON-able header of names, shapes, dtypes and offsets. No pickle crosses from on
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
+import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
@@ -192,10 +192,23 @@ _GRAPHED_DIGESTS = GraphedReads()
 _GOLDEN = 0x9E3779B97F4A7C15 - 2**64  # 2**64 / golden ratio, as a signed 64-bit int: spreads the weights
 
 
-@functools.lru_cache(maxsize=64)
+# Per device, the weights table; every table ever made stays alive, because a captured graph reads its
+# weights by address (a freed and reused table would change every digest it replays). Tables double in
+# size, so all of them together hold at most four times the largest bucket's weights.
+_WEIGHTS: dict[torch.device, torch.Tensor] = {}
+_KEPT: list[torch.Tensor] = []
+_WEIGHTS_LOCK = threading.Lock()
+
+
 def _chunk_weights(count: int, device: torch.device) -> torch.Tensor:
     """The odd multiplier of each chunk sum: (position + 1) * GOLDEN mod 2**64, lowest bit set."""
-    return (torch.arange(1, count + 1, dtype=torch.int64, device=device) * _GOLDEN) | 1
+    with _WEIGHTS_LOCK:
+        table = _WEIGHTS.get(device)
+        if table is None or table.numel() < count:
+            size = 1 << max(count - 1, 1).bit_length()
+            table = _WEIGHTS[device] = (torch.arange(1, size + 1, dtype=torch.int64, device=device) * _GOLDEN) | 1
+            _KEPT.append(table)
+    return table[:count]
 
 
 class UnknownLayout(KeyError):

@@ -7,10 +7,12 @@ serves frames names their port in INFO (`FRAMES_PORT`); the trainer then sends t
 `protocol.FRAMED_ROUTES` as frames, and everything else (INFO and its nonce check, rollouts) over HTTP.
 
 Wire: every message is a 4-byte big-endian length, then that many bytes of UTF-8 JSON (an object).
-The client's first frame is `{"api_key": KEY}`; the server answers `{"status": 200}`, or 401 and
-closes. Then each request is `{"route": ROUTE, "body": {...}}`, and each reply `{"status": 200,
-"body": {...}}` or `{"status": CODE, "error": MESSAGE}`, CODE being the HTTP status the HTTP front
-answers the same request with. Both sides import this module: it holds no trainer or engine code.
+The client's first frame is `{"api_key": KEY}`; the server answers `{"status": 200, "incarnation":
+ID}` (the engine's, as INFO names it), or 401 and closes. Then each request is `{"route": ROUTE,
+"body": {...}}`, and each reply `{"status": 200, "body": {...}}` or `{"status": CODE, "error":
+MESSAGE}`, CODE being the HTTP status the HTTP front answers the same request with; a reply with
+`"close": true` is the connection's last. Both sides import this module: it holds no trainer or
+engine code.
 """
 
 from __future__ import annotations
@@ -50,8 +52,7 @@ def recv_frame(reader: IO[bytes], max_bytes: int) -> dict[str, Any] | None:
         raise FrameError("the connection closed inside a frame's length")
     (length,) = _LENGTH.unpack(head)
     if length > max_bytes:
-        raise FrameError(f"a frame of {length} bytes is over the limit of {max_bytes} bytes "
-                         "(engine flag --max-body-mb)", status=413)
+        raise FrameError(f"a frame of {length} bytes is over the limit of {max_bytes} bytes", status=413)
     data = reader.read(length)
     if len(data) < length:
         raise FrameError(f"the connection closed {len(data)} bytes into a frame of {length}")

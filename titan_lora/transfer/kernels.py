@@ -9,20 +9,24 @@ the checksum both sides take of them.
 
 `checksum_words` finishes `bucket_checksum`'s digest from the chunk sums, so both digests are
 `bucket_checksum`'s. Like the checksum alone, each replays from a CUDA graph per buffer (addresses and
-size). Where Triton is missing, off a GPU, or for a buffer not 8-byte aligned, each function declines
-(returns None, having done nothing) and the caller runs the two passes.
+size). Where Triton is missing or cannot build its kernels, off a GPU, or for a buffer not 8-byte
+aligned, each function declines (returns None; a failed copy may have written part of the
+destination, which the caller's copy then overwrites) and the caller runs the two passes.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import types
+from collections.abc import Callable
 
 import torch
 
 from titan_lora.transfer.buckets import CHECKSUM_CHUNK_WORDS, checksum_words, format_checksum
 from titan_lora.transfer.cuda_graphs import GraphedReads
 
+logger = logging.getLogger(__name__)
 CHUNK_BYTES = CHECKSUM_CHUNK_WORDS * 8
 _GRAPHS = GraphedReads()
 
@@ -58,18 +62,34 @@ def _kernels() -> types.SimpleNamespace | None:
 
 def _fusable(*tensors: torch.Tensor) -> bool:
     return all(t.is_cuda and t.numel() and t.data_ptr() % 8 == 0 for t in tensors) \
-        and len({t.device for t in tensors}) == 1 and _kernels() is not None
+        and len({t.device for t in tensors}) == 1 and _kernels() is not None and not _broken
+
+
+_broken = False  # set once a kernel failed to build or run: every later call declines
+
+
+def _read(key: tuple, device: torch.device, work: Callable[[], torch.Tensor]) -> list | None:
+    """`work`'s values from its graph, or None (and no fused kernel again) when it cannot run: Triton
+    compiles at the first launch, where a missing compiler or an unwritable cache raises."""
+    global _broken
+    try:
+        return _GRAPHS.read(key, device, work)
+    except Exception as err:  # noqa: BLE001 (the two-pass path serves; a real device fault shows there)
+        _broken = True
+        logger.warning("the one-pass GPU kernels cannot run here (%s: %s): buckets are copied, then "
+                       "checksummed, in two passes", type(err).__name__, err)
+        return None
 
 
 def copy_with_checksum(dst: torch.Tensor, src: torch.Tensor) -> str | None:
     """Copy flat uint8 `src` into `dst` (as long, on one GPU) and return `bucket_checksum(dst)`, in one
-    pass; None, with nothing copied, where the fused kernel cannot run."""
+    pass; None where the fused kernel cannot run (then copy and checksum in two passes)."""
     n = src.numel()
     if dst.numel() != n or not _fusable(dst, src):
         return None
-    plain, weighted = _GRAPHS.read(("copy", dst.device, dst.data_ptr(), src.data_ptr(), n), dst.device,
-                                   lambda: _copy_and_words(dst, src))
-    return format_checksum(plain, weighted, n)
+    words = _read(("copy", dst.device, dst.data_ptr(), src.data_ptr(), n), dst.device,
+                  lambda: _copy_and_words(dst, src))
+    return None if words is None else format_checksum(words[0], words[1], n)
 
 
 def _copy_and_words(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
@@ -90,9 +110,9 @@ def finite_and_checksum(values: torch.Tensor) -> tuple[bool, str] | None:
     if not values.is_floating_point() or not _fusable(values):
         return None
     data = values.view(torch.uint8)
-    plain, weighted, nonfinite = _GRAPHS.read(("finite", values.device, values.data_ptr(), data.numel()),
-                                              values.device, lambda: _finite_and_words(values, data))
-    return nonfinite == 0, format_checksum(plain, weighted, data.numel())
+    words = _read(("finite", values.device, values.dtype, values.data_ptr(), data.numel()), values.device,
+                  lambda: _finite_and_words(values, data))
+    return None if words is None else (words[2] == 0, format_checksum(words[0], words[1], data.numel()))
 
 
 def _finite_and_words(values: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
