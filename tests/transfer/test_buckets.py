@@ -267,11 +267,13 @@ def test_on_gpu_the_graphed_checksum_reads_the_buffer_live_and_equals_its_defini
     assert bucket_checksum(buf) == first
 
 
-def test_every_checksum_weights_table_stays_alive_for_the_graphs_that_read_it() -> None:
+def test_every_checksum_weights_table_stays_alive_for_the_graphs_that_read_it(monkeypatch) -> None:
     """A captured checksum graph reads its weights by address: a table replaced by a larger one (a larger
     bucket came) must not be freed and its memory reused under the graph."""
     from titan_lora.transfer import buckets
 
+    monkeypatch.setattr(buckets, "_WEIGHTS", {})  # as in a fresh process: earlier tests made tables
+    monkeypatch.setattr(buckets, "_KEPT", [])
     small = buckets._chunk_weights(3, torch.device("cpu"))
     address = small.untyped_storage().data_ptr()
     larger = buckets._chunk_weights(1 << 12, torch.device("cpu"))
