@@ -17,6 +17,7 @@ import logging
 import socket
 import threading
 import urllib.parse
+from collections.abc import Callable
 from typing import Any
 
 from titan_lora.clients.frames import FrameChannel, FrameRefused
@@ -78,10 +79,9 @@ class JsonClient:
                 if self._frames is frames:  # not one that another thread's INFO installed meanwhile
                     self._frames = None
             else:
-                if status < 300:
-                    return reply
-                return _reply_or_raise(self.base_url, f"{self.base_url}{path} (frames)", status, None,
-                                       json.dumps({"error": reply}))
+                _raise_for_status(self.base_url, f"{self.base_url}{path} (frames)", status,
+                                  lambda: json.dumps({"error": reply}))
+                return reply
         reply = self._http_post(path, body, timeout_s)
         if route == protocol.INFO and isinstance(reply, dict):
             self._follow_offer(reply)
@@ -117,18 +117,20 @@ class JsonClient:
             except (OSError, http.client.HTTPException) as err:
                 self._drop_connection()
                 raise EngineUnreachable(f"{self.base_url}{path}: {err}") from None
-        text = raw.decode(errors="replace")
-        return _reply_or_raise(self.base_url, f"{self.base_url}{path}", resp.status,
-                               json.loads(raw or b"null") if resp.status < 300 else None, text)
+        _raise_for_status(self.base_url, f"{self.base_url}{path}", resp.status,
+                          lambda: raw.decode(errors="replace"))
+        return json.loads(raw or b"null")
 
 
-def _reply_or_raise(base_url: str, where: str, status: int, reply: Any, text: str) -> Any:
-    """`reply` for a success `status`, else the error that says what to do (`text`: the engine's answer)."""
+def _raise_for_status(base_url: str, where: str, status: int, answer: Callable[[], str]) -> None:
+    """Nothing for a success `status`; else the error that says what to do (`answer`: the engine's text,
+    made only for an error)."""
+    if status < 300:
+        return
+    text = answer()
     if status == 401:
         raise TransferError(f"{base_url} refused the API key (HTTP 401): set [engine] api_key to the key "
                             "the engine was started with")
     if status == 409:
         raise LayoutUnknownToEngine(text)
-    if status >= 300:
-        raise TransferError(f"{where} failed with HTTP {status}: {text[:2000]}")
-    return reply
+    raise TransferError(f"{where} failed with HTTP {status}: {text[:2000]}")

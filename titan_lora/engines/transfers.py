@@ -37,8 +37,8 @@ from collections.abc import Callable
 import torch
 
 from titan_lora.transfer.buckets import Entry, bucket_checksum, bucket_size, tensor_views
-from titan_lora.transfer.kernels import copy_with_checksum
 from titan_lora.transfer.host_copy import copy_flat
+from titan_lora.transfer.kernels import copy_with_checksum
 from titan_lora.transfer.transport import BufferCache
 
 PAUSE_ENV = "TITAN_LORA_FAULT_BUCKET_PAUSE_S"
