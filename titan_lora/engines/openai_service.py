@@ -11,6 +11,7 @@ request holds the version, then drops it from the OpenAI layer before the worker
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import uuid
@@ -24,6 +25,7 @@ from titan_lora.transfer.buckets import UnknownLayout
 from titan_lora.transfer.errors import check_name
 
 REPLACE_TIMEOUT_S = 30.0
+DEFAULT_LIVE_TIMEOUT_S = 10.0
 
 
 class TitanService:
@@ -56,6 +58,17 @@ class TitanService:
         return {**protocol.incarnation_fields(self.incarnation, self.base_version), "nonce": self.nonce,
                 "model": self.model, "adapters": self.table.names(),
                 "aliases": self.table.aliases(), "in_flight": self.table.in_flight(), **self.limits}
+
+    async def live(self, req: dict) -> dict:
+        """A no-op `collective_rpc` to every worker of every engine core, within `timeout_s` (504 past it):
+        INFO is answered by this API server alone and cannot tell a wedged engine core or worker."""
+        timeout_s = float(req.get("timeout_s", DEFAULT_LIVE_TIMEOUT_S))
+        try:
+            await asyncio.wait_for(self.rpc("titan_ping", timeout_s=timeout_s), timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"the engine core or a worker did not answer a no-op collective_rpc within "
+                               f"{timeout_s:g} s: it is wedged (the API server is up)") from None
+        return {"live": True, "incarnation": self.incarnation}
 
     async def bucket(self, req: dict) -> dict:
         """Copy one bucket out of the trainer's buffer (the ack frees it); an adapter's last bucket

@@ -39,6 +39,17 @@ from titan_lora.transfer.frames import FRAMES_PORT
 from titan_lora.transfer.transport import BufferCache
 
 logger = logging.getLogger("titan_lora.receiver")
+DEFAULT_LIVE_TIMEOUT_S = 10.0
+
+
+def _on_core(route: Callable[[ReceiverService, dict], dict]) -> Callable[[ReceiverService, dict], dict]:
+    """`route` run under the service's core lock (see `ReceiverService.live`)."""
+    @functools.wraps(route)
+    def held(self: ReceiverService, req: dict) -> dict:
+        with self._core:
+            return route(self, req)
+
+    return held
 
 
 class ReceiverService:
@@ -60,6 +71,10 @@ class ReceiverService:
         self.base_version: int | None = None
         self.frames_port: int | None = None  # set once the frame server listens
         self._lock = threading.Lock()
+        # The receiver's "engine core": every transfer route runs under it, one at a time (the trainer
+        # posts one bucket at a time anyway), and LIVE takes it too, so a wedged transfer fails LIVE while
+        # INFO, answered from memory, still answers.
+        self._core = threading.Lock()
 
     def info(self, _: dict) -> dict:
         """Identity and limits (no target-module restriction: nothing is applied to a model), and the
@@ -68,6 +83,15 @@ class ReceiverService:
         return {**protocol.incarnation_fields(self.incarnation, self.base_version), "nonce": self.nonce,
                 "max_lora_rank": self.max_lora_rank, "max_loras": self.max_loras, "target_modules": None,
                 "adapters": sorted(self.adapters), **frames}
+
+    def live(self, req: dict) -> dict:
+        """A no-op on the transfer path: answers once no transfer holds it, or 504 after `timeout_s`."""
+        timeout_s = float(req.get("timeout_s", DEFAULT_LIVE_TIMEOUT_S))
+        if not self._core.acquire(timeout=max(timeout_s, 0.0)):
+            raise TimeoutError(f"the receiver's transfer path has been busy for over {timeout_s:g} s: a "
+                               "transfer is stuck in it")
+        self._core.release()
+        return {"live": True, "incarnation": self.incarnation}
 
     def _pool(self, kind: str) -> SlabPool:
         return self.base_slabs if kind == "base" else self.slabs
@@ -84,6 +108,7 @@ class ReceiverService:
         """Adapter `name`'s tensors as this process holds them (views of its slabs)."""
         return self.adapters[name].tensors
 
+    @_on_core
     def bucket(self, req: dict) -> dict:
         """Copy one bucket out, check its checksum, then acknowledge it (`copy_ms`: this process's time)."""
         started = time.perf_counter()
@@ -93,11 +118,15 @@ class ReceiverService:
         ack = self.transfers.hold(req["transfer_id"], staged, slab, req.get("checksum"), req["layout"], copied)
         ack["copy_ms"] = (time.perf_counter() - started) * 1e3
         if "commit" in req:  # an adapter's last bucket carries its commit
-            ack["commit"] = self.adapter({**req["commit"], "transfer_id": req["transfer_id"]})
+            ack["commit"] = self._keep_adapter({**req["commit"], "transfer_id": req["transfer_id"]})
         return ack
 
+    @_on_core
     def adapter(self, req: dict) -> dict:
         """Keep the staged transfer as adapter `name`."""
+        return self._keep_adapter(req)
+
+    def _keep_adapter(self, req: dict) -> dict:
         started = time.perf_counter()
         name = check_name(req["name"])
         staged = self.transfers.take(req["transfer_id"])
@@ -109,12 +138,14 @@ class ReceiverService:
                 **protocol.incarnation_fields(self.incarnation, self.base_version),
                 "apply_ms": (time.perf_counter() - started) * 1e3}
 
+    @_on_core
     def base(self, req: dict) -> dict:
         """Keep the staged transfer as the base."""
         staged = self.transfers.take(req["transfer_id"])
         self._base, self.base_version = staged, req["version"]
         return {**staged.size(), "version": req["version"]}
 
+    @_on_core
     def unload(self, req: dict) -> dict:
         """Drop adapter `name`."""
         with self._lock:

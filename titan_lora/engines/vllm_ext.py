@@ -177,6 +177,10 @@ class TitanLoRAWorkerExtension:
             state.slabs.give(layout, slab)  # vLLM holds no view of it any more
         return removed
 
+    def titan_ping(self) -> bool:
+        """A no-op that reaches this worker through its engine core: LIVE's proof that neither is wedged."""
+        return True
+
     def titan_lora_info(self) -> dict:
         """The engine's LoRA limits, the leaf module names it can adapt (packed names expanded), and
         the vLLM version with the fast parts it runs."""

@@ -22,7 +22,12 @@ then only catches an engine that went silent."""
 
 PREFIX = "/titan/"
 INFO = "info"
-"""Incarnation, nonce, base version, live adapters, limits; GET or POST."""
+"""Incarnation, nonce, base version, live adapters, limits; GET or POST. Answered from the front's memory:
+it cannot tell a wedged engine core (see LIVE)."""
+LIVE = "live"
+"""A no-op through the part of the engine that does the work, answered within the body's `timeout_s` or
+refused with 504: on vLLM a `collective_rpc` to every worker of every engine core, on the receiver the
+lock its transfers hold. A wedged core (a stuck kernel or collective) fails it while INFO still answers."""
 BUCKET = "bucket"
 """One bucket of a transfer (base or adapter), acked with count, bytes and checksum."""
 BASE = "base"
@@ -32,7 +37,7 @@ UNLOAD = "unload"
 ADAPTER_FROM_PATH = "adapter_from_path"
 """Load a PEFT directory with the engine's own loader (the disk emitter, `vllm-disk`)."""
 
-TRANSFER_ROUTES = (INFO, BUCKET, BASE, UNLOAD)
+TRANSFER_ROUTES = (INFO, LIVE, BUCKET, BASE, UNLOAD)
 """What every engine that takes buckets serves."""
 FRAMED_ROUTES = (BUCKET, BASE, UNLOAD)
 """What a trainer sends as frames (`transfer.frames`) to an engine that offers them; INFO, whose reply
