@@ -29,6 +29,7 @@ from titan_lora.sync.gather import Lend
 from titan_lora.sync.parity import ParityProbe
 from titan_lora.sync.syncer import WeightSyncer
 from titan_lora.sync.versions import AdapterVersions
+from titan_lora.sync.watchdog import Watchdog
 from titan_lora.trainer.build import BuiltModel
 from titan_lora.trainer.metrics import MetricsLogger
 from titan_lora.trainer.objective import Objective
@@ -74,6 +75,23 @@ class EngineSide:
     rollouts: RolloutClient | None = None
     replicas: ReplicaSet | None = None
 
+    def on_wedge(self, reason: str) -> None:
+        """End every request in flight on a wedged engine now: an embedded one is killed (the syncer's
+        recovery restarts it), an attached one's requests are interrupted (the recovery waits for it)."""
+        if self.engine is not None:
+            self.engine.kill()
+            return
+        self.emitter.interrupt(reason)
+        if self.rollouts is not None:
+            self.rollouts.interrupt(reason)
+
+    def watchdog(self, ws: WeightSync) -> Watchdog | None:
+        """Rank 0's watch over one engine while operations wait on it (None for replicas, which the replica
+        set watches one by one, and on the other ranks)."""
+        if self.emitter is None or self.replicas is not None:
+            return None
+        return Watchdog(self.emitter.check_live, self.on_wedge, ws.health_timeout_s)
+
     def stop(self) -> None:
         """Stop what this job started (after a failed start-up: nothing may be left behind)."""
         if self.engine is not None:
@@ -116,7 +134,7 @@ def connect_replicas(kind: EngineKind, engine: Engine, ws: WeightSync, hf_dir: s
         replicas.append(Replica(i, endpoint, kind.emitter(ws, engine, endpoint), rollouts, process))
     replica_set = ReplicaSet(replicas, ws)
     router = RolloutRouter(replica_set) if kind.rollouts else None
-    return EngineSide(None, FanoutEmitter(replica_set, ws.timeout_s), router, replica_set)
+    return EngineSide(None, FanoutEmitter(replica_set), router, replica_set)
 
 
 def connect_engine(engine: Engine, ws: WeightSync, hf_dir: str, device: torch.device, dump_folder: str,
@@ -154,7 +172,8 @@ def build_syncer(ws: WeightSync, side: EngineSide, adapter: AdapterSource, model
     versions = AdapterVersions(ws.lora_name, ws.keep_versions)
     report = side.replicas.metrics if side.replicas is not None else None
     syncer = WeightSyncer(adapter, base_weights_source(model, sd_adapter, tied), side.emitter, ws, device,
-                          versions=versions, engine=side.engine, probe=probe, report=report)
+                          versions=versions, engine=side.engine, probe=probe, report=report,
+                          watchdog=side.watchdog(ws))
     syncer.check_engine()
     return syncer
 

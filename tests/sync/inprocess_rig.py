@@ -8,6 +8,7 @@ bytes, versions), derived by hand; the `sleeps` and `rig` fixtures that build on
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import torch
 
@@ -15,7 +16,7 @@ from titan_lora.clients.base import AdapterPayload
 from titan_lora.config import WeightSync
 from titan_lora.sync.syncer import WeightSyncer
 from titan_lora.sync.versions import versioned_name
-from titan_lora.transfer.errors import EngineDied
+from titan_lora.transfer.errors import EngineDied, EngineHung
 from titan_lora.transfer.protocol import Ack, EngineLimits
 
 # Two base tensors: 3*2*4 + 5*4 = 44 bytes. Two adapter tensors: 2*4*4 + 4*2*4 = 64 bytes.
@@ -73,6 +74,26 @@ class Emitter:
         self.base_ack = None  # (version, tensors, bytes) -> Ack, to lie
         self.unload_answer = True
         self.unloaded: list[tuple[str, float]] = []
+        self.wedged = False  # its core does not answer: check_live raises EngineHung
+        self.live_checks = 0
+        self.interrupts: list[str] = []
+        self._interrupted = threading.Event()
+
+    def check_live(self, timeout_s: float) -> None:
+        self.live_checks += 1
+        if self.wedged:
+            raise EngineHung(f"no answer within {timeout_s} s (wedged)")
+
+    def interrupt(self, reason: str) -> None:
+        self.interrupts.append(reason)
+        self._interrupted.set()
+
+    def hang_until_interrupted(self, limit_s: float = 30.0) -> None:
+        """What a request to a wedged engine does: wait until `interrupt` (then EngineHung), at most limit_s."""
+        if not self._interrupted.wait(limit_s):
+            raise AssertionError(f"nobody interrupted a request to the wedged engine within {limit_s} s")
+        self._interrupted.clear()
+        raise EngineHung("abandoned: interrupted")
 
     def _maybe_fail(self, what: str) -> None:
         errors = self.fail.get(what)
@@ -135,6 +156,14 @@ class Engine:
         self.events.append("restart")
         self.alive = True
         return True
+
+    def kill(self) -> None:
+        self.events.append("kill")
+        self.alive = False
+
+    def restart(self) -> None:
+        self.events.append("restart")
+        self.alive = True
 
     def stop(self) -> None:
         self.events.append("stop")

@@ -32,6 +32,7 @@ class Rollouts:
         self.index = index
         self.calls: list[tuple[int, str | None, int | None]] = []
         self.fail: BaseException | None = None
+        self.interrupts: list[str] = []
 
     def generate(self, prompts, adapter, max_tokens, temperature, seed, stop_token_ids):  # noqa: ANN001, ANN201
         self.calls.append((len(prompts), adapter, seed))
@@ -43,6 +44,9 @@ class Rollouts:
     def score(self, sequences, adapter):  # noqa: ANN001, ANN201
         self.calls.append((len(sequences), adapter, None))
         return [[-1.0] for _ in sequences]
+
+    def interrupt(self, reason: str) -> None:
+        self.interrupts.append(reason)
 
 
 def replica_set(n: int = 2, embedded: bool = False, **overrides) -> ReplicaSet:  # noqa: ANN003
@@ -57,7 +61,7 @@ def syncer_over():  # noqa: ANN201
 
     def make(replicas: ReplicaSet) -> WeightSyncer:
         versions = AdapterVersions("policy", 2)
-        s = WeightSyncer(Source(), Base(), FanoutEmitter(replicas, replicas.cfg.timeout_s), replicas.cfg,
+        s = WeightSyncer(Source(), Base(), FanoutEmitter(replicas), replicas.cfg,
                          torch.device("cpu"), versions=versions, report=replicas.metrics)
         made.append(s)
         return s
@@ -117,20 +121,24 @@ def test_a_failed_replica_is_quarantined_then_rejoins_with_base_and_newest_versi
     assert bad.held == {3: "policy-v3", 4: "policy-v4"} and rs.replicas[0].held.keys() >= {3, 4}
 
 
-def test_a_hung_replica_costs_only_its_timeout(syncer_over):
-    rs = replica_set(2, timeout_s=0.5)
+def test_a_wedged_replica_is_quarantined_within_its_health_timeout_and_its_request_ended(syncer_over):
+    # timeout_s is long (a request would wait it out); only the liveness watch can end the wait in time.
+    rs = replica_set(2, timeout_s=600.0, health_timeout_s=0.5)
     syncer = syncer_over(rs)
     syncer.sync(1)
-    hung, release = rs.replicas[0], threading.Event()
+    hung = rs.replicas[0]
     original = hung.emitter.send_adapter
-    hung.emitter.send_adapter = lambda p: (release.wait(10), original(p))[1]
+    hung.emitter.wedged = True
+    hung.emitter.send_adapter = lambda p: hung.emitter.hang_until_interrupted()
     started = time.monotonic()
     syncer.sync(2)
-    assert time.monotonic() - started < 2.0, "the sync waited on the hung replica past its timeout"
+    took = time.monotonic() - started
+    assert took < 2 * 0.5 + 0.5, f"the sync waited {took:.2f} s on the wedged replica"
     assert not hung.live and syncer.versions.active.version == 2
+    assert hung.emitter.interrupts and "failed its liveness check" in hung.emitter.interrupts[0]
     assert rs.replicas[1].held.keys() == {1, 2}
     hung.emitter.send_adapter = original
-    release.set()  # it answers again: re-probed (same incarnation: no base), fed version 2, live
+    hung.emitter.wedged = False  # it answers again: re-probed (same incarnation: no base), fed version 2, live
     wait_until(lambda: hung.live, "rejoin")
     assert adapters(hung)[-1] == "adapter policy-v2" and adapters(hung).count("base v1") == 1
 

@@ -78,6 +78,16 @@ class Emitter(Protocol):
         """An id that changes whenever the engine restarts or loses its weights."""
         ...
 
+    def check_live(self, timeout_s: float) -> None:
+        """Raise EngineHung unless the part of the engine that does the work (not only its API front)
+        answers a no-op within `timeout_s`; EngineUnreachable when nothing answers."""
+        ...
+
+    def interrupt(self, reason: str) -> None:
+        """End every request in flight on this emitter at once (from another thread: the engine was found
+        wedged); each raises EngineHung naming `reason`."""
+        ...
+
     def lend_buffer(self, numel: int, dtype: torch.dtype, device: torch.device,
                     ) -> tuple[torch.Tensor, BucketBuffer | None]:
         """A zeroed tensor for the gather to write the adapter into, and the transport buffer it lies in

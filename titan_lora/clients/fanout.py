@@ -2,7 +2,8 @@
 
 To the syncer it is one engine. A call returns when every live replica acknowledged (version, tensor
 count, bytes, and each bucket's checksum inside the replica's own emitter) or failed; a replica that
-fails, acks other figures or does not answer within `[weight_sync] timeout_s` is quarantined
+fails, acks other figures, lets one request go past `[weight_sync] timeout_s` or fails its liveness check
+meanwhile (`ReplicaSet`: its requests then end at once) is quarantined
 (`ReplicaSet`), and the call returns with the others' acks: the syncer then publishes the version, so
 it is published when every live replica holds it. Only when no replica is left does it raise
 (`NoLiveReplica`, an engine fault: the syncer's bounded recovery waits for a revival).
@@ -49,9 +50,8 @@ def slowest(acks: list[Ack]) -> dict[str, float]:
 class FanoutEmitter:
     """An `Emitter` that sends to every live replica of `replicas` concurrently (rank 0)."""
 
-    def __init__(self, replicas: ReplicaSet, timeout_s: float) -> None:
+    def __init__(self, replicas: ReplicaSet) -> None:
         self.replicas = replicas
-        self.timeout_s = timeout_s
         n = len(replicas.replicas)
         # Twice the replicas: a call stuck on a hung replica holds a worker until its own timeout.
         self._pool = ThreadPoolExecutor(max_workers=2 * n, thread_name_prefix="titan-fanout")
@@ -69,6 +69,14 @@ class FanoutEmitter:
                                 "run in the background")
         return self._incarnation
 
+    def check_live(self, timeout_s: float) -> None:
+        """Pass while any replica is live: each one's liveness is the replica set's watch."""
+        self.engine_incarnation()
+
+    def interrupt(self, reason: str) -> None:
+        """End the requests in flight on every replica."""
+        self.replicas.each(lambda r: r.interrupt(reason))
+
     def lend_buffer(self, numel: int, dtype: torch.dtype, device: torch.device,
                     ) -> tuple[torch.Tensor, BucketBuffer | None]:
         """Replica 0's transport buffer: every replica on the same transport reads the adapter from it."""
@@ -82,8 +90,10 @@ class FanoutEmitter:
 
     def _fan(self, targets: list[Replica], call: Callable[[Replica], Ack], check: Callable[[Ack], None],
              what: str) -> list[tuple[Replica, Ack]]:
-        """`call` on every target at once; the ones that fail, fail `check` or outlive timeout_s are
-        quarantined. Raises NoLiveReplica when targets were given and none acknowledged."""
+        """`call` on every target at once; the ones that fail or fail `check` are quarantined. No bound on
+        the whole call: each request has its own (`timeout_s`), and a replica that hangs meanwhile is
+        quarantined by the replica set's watch, which ends its requests. Raises NoLiveReplica when
+        targets were given and none acknowledged."""
         def timed(replica: Replica) -> tuple[Ack, float]:
             started = time.perf_counter()
             return call(replica), (time.perf_counter() - started) * 1e3
@@ -91,12 +101,10 @@ class FanoutEmitter:
         futures = {}
         for replica in targets:
             replica.busy = futures[replica] = self._pool.submit(timed, replica)
-        done, _ = futures_wait(list(futures.values()), timeout=self.timeout_s)
+        futures_wait(list(futures.values()))
         acked, failures = [], []
         for replica, future in futures.items():
             try:
-                if future not in done:
-                    raise TransferError(f"no acknowledgement within {self.timeout_s:g} s ([weight_sync] timeout_s)")
                 ack, total_ms = future.result()
                 check(ack)
             except Exception as err:  # noqa: BLE001 (a failed replica is quarantined; the others go on)

@@ -14,7 +14,8 @@ import socket
 import threading
 from typing import IO, Any
 
-from titan_lora.transfer.errors import EngineUnreachable
+from titan_lora.clients.sockets import OpenSockets
+from titan_lora.transfer.errors import EngineHung, EngineUnreachable
 from titan_lora.transfer.frames import HELLO_MAX_BYTES, FrameError, connect, recv_frame, send_frame
 
 MAX_REPLY_BYTES = 64 * 2**20
@@ -37,6 +38,7 @@ class FrameChannel:
         self.incarnation = incarnation
         self.where = where
         self._local = threading.local()
+        self.open = OpenSockets()  # every thread's connection, for `interrupt`
 
     def _connection(self, timeout_s: float) -> tuple[socket.socket, IO[bytes]]:
         held = getattr(self._local, "conn", None)
@@ -56,6 +58,7 @@ class FrameChannel:
                 # A wrong key goes over HTTP too, whose refusal says what to set.
                 raise FrameRefused(f"{self.where}: the greeting was {hello}, not engine {self.incarnation}'s")
             held = self._local.conn = (sock, reader)
+            self.open.add(sock)
         held[0].settimeout(timeout_s)
         return held
 
@@ -64,6 +67,7 @@ class FrameChannel:
         held = getattr(self._local, "conn", None)
         self._local.conn = None
         if held is not None:
+            self.open.discard(held[0])
             held[1].close()
             held[0].close()
 
@@ -77,8 +81,9 @@ class FrameChannel:
                 raise ConnectionResetError("the engine closed the connection")
         except (OSError, FrameError) as err:
             self.close()
-            raise EngineUnreachable(f"{self.where}: {'timed out' if isinstance(err, TimeoutError) else err}") \
-                from None
+            if isinstance(err, TimeoutError):
+                raise EngineHung(f"{self.where}: no answer within {timeout_s:g} s") from None
+            raise EngineUnreachable(f"{self.where}: {err}") from None
         if reply.get("close"):  # the engine's last reply on this connection: the next request reconnects
             self.close()
         status = int(reply.get("status", 500))

@@ -21,11 +21,23 @@ from collections.abc import Callable
 from typing import Any
 
 from titan_lora.clients.frames import FrameChannel, FrameRefused
+from titan_lora.clients.sockets import OpenSockets
 from titan_lora.transfer import protocol
-from titan_lora.transfer.errors import EngineUnreachable, LayoutUnknownToEngine, TransferError
+from titan_lora.transfer.errors import EngineHung, EngineUnreachable, LayoutUnknownToEngine, TransferError
 from titan_lora.transfer.frames import FRAMES_PORT
 
 logger = logging.getLogger(__name__)
+LIVE_MARGIN_S = 2.0
+"""Over LIVE's own deadline (which the engine answers with 504), for the socket: a front that is itself
+frozen (a SIGSTOPped server) is caught by this."""
+
+
+class HTTPStatusError(TransferError):
+    """The engine answered with an error status (`status`)."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class JsonClient:
@@ -43,6 +55,8 @@ class JsonClient:
         self._local = threading.local()
         self._frames: FrameChannel | None = None  # the channel the last INFO reply offered
         self._refused: set[tuple[str, int]] = set()  # (incarnation, frames port) not reached: HTTP instead
+        self._open = OpenSockets()  # every thread's connection: `interrupt` ends their requests
+        self._interrupt_reason = ""
 
     def _connection(self, timeout_s: float) -> http.client.HTTPConnection:
         conn = getattr(self._local, "conn", None)
@@ -56,6 +70,7 @@ class JsonClient:
             # Headers and body go in separate writes: without NODELAY, Nagle + delayed ACK add ~40 ms.
             conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._local.conn = conn
+            self._open.add(conn.sock)
         conn.timeout = timeout_s
         if conn.sock is not None:
             conn.sock.settimeout(timeout_s)
@@ -64,11 +79,51 @@ class JsonClient:
     def _drop_connection(self) -> None:
         conn = getattr(self._local, "conn", None)
         if conn is not None:
+            self._open.discard(conn.sock)
             conn.close()
         self._local.conn = None
 
+    def interrupt(self, reason: str) -> None:
+        """End every request in flight on this client, from any thread, at once: each raises EngineHung
+        with `reason` instead of waiting out its timeout (the engine was found wedged). Later requests
+        connect afresh."""
+        self._interrupt_reason = reason
+        frames = self._frames
+        if frames is not None:
+            frames.open.wake_all()
+        self._open.wake_all()
+
+    def check_live(self, timeout_s: float) -> None:
+        """Raise EngineHung unless the engine's LIVE route (a no-op through its engine core and workers)
+        answers within `timeout_s`; EngineUnreachable when nothing listens."""
+        try:
+            self.post(protocol.path(protocol.LIVE), {"timeout_s": timeout_s}, timeout_s=timeout_s + LIVE_MARGIN_S)
+        except HTTPStatusError as err:
+            if err.status == 401:
+                raise
+            if err.status == 404:  # an engine from before LIVE: INFO answering is all it can show
+                logger.warning("%s serves no %s route: a wedged engine core cannot be told from a live one "
+                               "(update titan_lora on the engine)", self.base_url, protocol.path(protocol.LIVE))
+                self.post(protocol.path(protocol.INFO), timeout_s=timeout_s + LIVE_MARGIN_S)
+                return
+            raise EngineHung(f"{self.base_url}: its API server answers, but the engine behind it does not: {err}") \
+                from None
+
+    def _interrupted_since(self, seen: int) -> bool:
+        return self._open.wakes != seen
+
     def post(self, path: str, body: dict[str, Any] | None = None, timeout_s: float | None = None) -> Any:
-        """Send one request; raise EngineUnreachable, or TransferError with the engine's message."""
+        """Send one request; raise EngineUnreachable (EngineHung: no answer in time, or interrupted), or
+        TransferError with the engine's message."""
+        seen = self._open.wakes
+        try:
+            return self._post(path, body, timeout_s)
+        except EngineUnreachable as err:
+            if self._interrupted_since(seen):
+                raise EngineHung(f"{self.base_url}{path}: abandoned: {self._interrupt_reason}") from None
+            raise err from None
+
+    def _post(self, path: str, body: dict[str, Any] | None, timeout_s: float | None) -> Any:
         frames, route = self._frames, protocol.route_of(path)
         if frames is not None and route in protocol.FRAMED_ROUTES:
             try:  # EngineUnreachable passes: the request may have been acted on, so it is not resent
@@ -103,6 +158,7 @@ class JsonClient:
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
+        seen = self._open.wakes
         for attempt in (0, 1):  # a kept-alive connection the server closed fails once: reconnect
             conn = self._connection(timeout_s or self.timeout_s)
             try:
@@ -110,9 +166,13 @@ class JsonClient:
                 resp = conn.getresponse()
                 raw = resp.read()
                 break
+            except TimeoutError:
+                self._drop_connection()
+                raise EngineHung(f"{self.base_url}{path}: no answer within {timeout_s or self.timeout_s:g} s") \
+                    from None
             except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as err:
                 self._drop_connection()
-                if attempt == 1:
+                if attempt == 1 or self._interrupted_since(seen):  # never resend an interrupted request
                     raise EngineUnreachable(f"{self.base_url}{path}: {err}") from None
             except (OSError, http.client.HTTPException) as err:
                 self._drop_connection()
@@ -129,8 +189,8 @@ def _raise_for_status(base_url: str, where: str, status: int, answer: Callable[[
         return
     text = answer()
     if status == 401:
-        raise TransferError(f"{base_url} refused the API key (HTTP 401): set [engine] api_key to the key "
-                            "the engine was started with")
+        raise HTTPStatusError(f"{base_url} refused the API key (HTTP 401): set [engine] api_key to the key "
+                              "the engine was started with", status)
     if status == 409:
         raise LayoutUnknownToEngine(text)
-    raise TransferError(f"{where} failed with HTTP {status}: {text[:2000]}")
+    raise HTTPStatusError(f"{where} failed with HTTP {status}: {text[:2000]}", status)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from titan_lora.clients.http import JsonClient
 from titan_lora.transfer import protocol
-from titan_lora.transfer.errors import EngineDied, EngineUnreachable, TransferError
+from titan_lora.transfer.errors import EngineDied, EngineHung, EngineUnreachable, TransferError
 
 logger = logging.getLogger(__name__)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -104,13 +104,15 @@ class EmbeddedEngine:
         env = {**os.environ, protocol.API_KEY_ENV: self.api_key, protocol.NONCE_ENV: self.nonce}
         logger.info("starting %s (log: %s)", self.module, self.log_path)
         with open(self.log_path, "ab") as log:
+            # Its own process group: a kill reaches vLLM's engine core and workers too, which a SIGTERM from
+            # their dying parent does not while they are stopped (SIGSTOP) or wedged.
             self.proc = _SPAWNER.submit(subprocess.Popen, cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                        preexec_fn=_die_with_parent).result()
+                                        preexec_fn=_die_with_parent, start_new_session=True).result()
         self.starts += 1
         try:
             self._wait_ready()
         except BaseException:
-            self._kill()  # our own child only: a foreign engine on the port is never touched
+            self.kill()  # our own child only: a foreign engine on the port is never touched
             raise
         finally:
             self._reservation.close()
@@ -132,7 +134,8 @@ class EmbeddedEngine:
         started = time.monotonic()
         deadline = started + self.start_timeout_s
         while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
+            if not self.alive():
+                self.kill()  # what it started goes too; reaps it, which gives its exit code
                 raise TransferError(f"{self.module} exited with code {self.proc.returncode} during start-up; "
                                    f"last lines of {self.log_path}:\n{self.log_tail()}")
             try:
@@ -156,21 +159,36 @@ class EmbeddedEngine:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def alive(self) -> bool:
-        """True while the engine process exists (it may still be hung)."""
-        return self.proc is not None and self.proc.poll() is None
+        """True while the engine process exists (it may still be hung). It is not reaped here: until `kill`
+        reaps it, its pid (the id of its process group) cannot be reused by another process."""
+        if self.proc is None or self.proc.returncode is not None:
+            return False
+        try:
+            return os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+        except ChildProcessError:
+            return False
 
     def check(self, timeout_s: float | None = None) -> None:
-        """Raise EngineDied unless the process runs and answers /titan/info with our nonce in time."""
+        """Raise EngineDied unless the process runs, answers /titan/info with our nonce and /titan/live (a
+        no-op through its engine core and workers) in time; EngineHung when only its front answers."""
         timeout_s = timeout_s or self.health_timeout_s
         if not self.alive():
             code = None if self.proc is None else self.proc.returncode
             raise EngineDied(f"{self.module} is not running (exit code {code}); see {self.log_path}")
+        client = self._client(timeout_s)
         try:
-            info = self._client(timeout_s).post(protocol.path(protocol.INFO))
+            info = client.post(protocol.path(protocol.INFO))
         except TransferError as err:
             raise EngineDied(f"{self.module} did not answer its health check within {timeout_s:.1f} s "
                              f"([weight_sync] health_timeout_s): {err}") from None
         self._check_identity(info)
+        try:
+            client.check_live(timeout_s)
+        except EngineHung as err:
+            raise EngineHung(f"{self.module} is wedged ([weight_sync] health_timeout_s = {timeout_s:g}): {err}") \
+                from None
+        except TransferError as err:
+            raise EngineDied(f"{self.module} failed its health check: {err}") from None
 
     def healthy(self, timeout_s: float | None = None) -> bool:
         """True when the engine runs and answers within `timeout_s` (default: the health timeout)."""
@@ -190,26 +208,32 @@ class EmbeddedEngine:
     def restart(self) -> None:
         """Kill the engine (a hung one too: SIGKILL works on a stopped process) and start it again."""
         logger.warning("%s is dead or hung; restarting it (log: %s)", self.module, self.log_path)
-        self._kill()
+        self.kill()
         self.start()
 
-    def _kill(self) -> None:
-        if self.alive():
-            self.proc.kill()
-        if self.proc is not None:
-            self.proc.wait(timeout=30)  # reaped at once after SIGKILL; bounded all the same
+    def kill(self) -> None:
+        """SIGKILL the engine and every process it started (vLLM's engine core and workers), wedged or
+        stopped ones too: every request in flight on it fails at once."""
+        if self.proc is None or self.proc.returncode is not None:  # reaped by an earlier kill
+            return
+        try:  # its own group (start_new_session): the unreaped leader keeps the group id ours
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=30)  # reaped at once after SIGKILL; bounded all the same
 
     def stop(self) -> None:
-        """Terminate the engine process (SIGKILL if it does not exit within 30 s)."""
+        """Terminate the engine process (SIGKILL if it does not exit within 30 s), then SIGKILL whatever
+        of its process group is left."""
         if self._reservation is not None:
             self._reservation.close()
             self._reservation = None
         if self.alive():
             self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self._kill()
+            deadline = time.monotonic() + 30
+            while self.alive() and time.monotonic() < deadline:  # not reaped: see `alive`
+                time.sleep(0.05)
+        self.kill()  # what the graceful exit left: a stopped engine core ignores its parent's SIGTERM
 
 
 def start_engines(engines: list[EmbeddedEngine]) -> None:

@@ -10,20 +10,22 @@ score: vLLM's `prompt_logprobs` with `max_tokens=1`, one sequence per request an
 time (vLLM 0.32's CPU LoRA kernels fail on prompt log-probs of several LoRA sequences in one batch).
 
 Every request ends within `timeout_s`; a request the client gave up on is aborted by vLLM when the
-connection drops.
+connection drops. Requests run on the client's threads while the caller waits, so that `interrupt` (the
+engine was found wedged) ends the wait at once instead of after `timeout_s`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from titan_lora.clients.base import Endpoint
 from titan_lora.clients.rollout import Completion
 from titan_lora.config import WeightSync
-from titan_lora.transfer.errors import EngineUnreachable, TransferError
+from titan_lora.transfer.errors import EngineHung, EngineUnreachable, TransferError
 
 MAX_CONCURRENT = 16
 
@@ -59,18 +61,57 @@ class OpenAIRolloutClient:
                               "pip install openai") from err
 
         self._openai = openai
-        # No retries: a retried sample would be a second, different sample under the same seed slot.
-        self.client = openai.OpenAI(base_url=base_url.rstrip("/") + "/v1", api_key=api_key or "none",
-                                    timeout=timeout_s, max_retries=0)
+        self._url, self._api_key = base_url.rstrip("/") + "/v1", api_key or "none"
         self.timeout_s = timeout_s
-        self._pool = ThreadPoolExecutor(max_workers=MAX_CONCURRENT, thread_name_prefix="titan-rollout")
+        self._waits: set[Future] = set()  # one per caller waiting now: `interrupt` fails them
+        self._lock = threading.Lock()
+        self._fresh()
         self._base: str | None = None
+
+    def _fresh(self) -> None:
+        # No retries: a retried sample would be a second, different sample under the same seed slot.
+        self.client = self._openai.OpenAI(base_url=self._url, api_key=self._api_key, timeout=self.timeout_s,
+                                          max_retries=0)
+        self._pool = ThreadPoolExecutor(max_workers=MAX_CONCURRENT, thread_name_prefix="titan-rollout")
+
+    def interrupt(self, reason: str) -> None:
+        """Fail every call waiting now with EngineHung (`reason`: the engine was found wedged). Their
+        requests are left to a fresh connection pool and threads, so later calls do not queue behind them."""
+        with self._lock:
+            waits, self._waits = self._waits, set()
+            pool = self._pool
+            self._fresh()
+        for waiting in waits:
+            waiting.set_exception(EngineHung(f"{self.client.base_url}: abandoned: {reason}"))
+        pool.shutdown(wait=False, cancel_futures=True)
+
+    def _await(self, futures: list[Future]) -> list[Any]:
+        """The results of `futures` in order; the first error raised at once, as is `interrupt`'s."""
+        interrupted: Future = Future()
+        with self._lock:
+            self._waits.add(interrupted)
+        try:
+            pending = set(futures)
+            while pending:
+                done, pending = wait(pending | {interrupted}, return_when=FIRST_COMPLETED)
+                pending.discard(interrupted)
+                for future in done:
+                    if future.exception() is not None:
+                        raise future.exception()
+            return [f.result() for f in futures]
+        finally:
+            with self._lock:
+                self._waits.discard(interrupted)
+
+    def _submit(self, fn: Any, *args: Any, **kwargs: Any) -> Future:
+        with self._lock:
+            return self._pool.submit(fn, *args, **kwargs)
 
     def _model(self, adapter: str | None) -> str:
         if adapter is not None:
             return adapter
         if self._base is None:  # the served base: the card that is no adapter of another
-            cards = self._call(self.client.models.list).data
+            cards = self._await([self._submit(self._call, self.client.models.list)])[0].data
             self._base = next(c.id for c in cards if getattr(c, "parent", None) is None)
         return self._base
 
@@ -79,8 +120,8 @@ class OpenAIRolloutClient:
         try:
             return fn(**kwargs)
         except self._openai.APITimeoutError:
-            raise TransferError(f"{self.client.base_url}: no answer within {self.timeout_s:g} s ([weight_sync] "
-                                "rollout_timeout_s); the engine aborts the request") from None
+            raise EngineHung(f"{self.client.base_url}: no answer within {self.timeout_s:g} s ([weight_sync] "
+                             "rollout_timeout_s); the engine aborts the request") from None
         except self._openai.APIConnectionError as err:
             raise EngineUnreachable(f"{self.client.base_url}: {err}") from None
         except self._openai.AuthenticationError:
@@ -110,21 +151,25 @@ class OpenAIRolloutClient:
         # request per run, its answer repeated.
         greedy = temperature == 0
         runs = prompt_runs(prompts)
-        futures = [self._pool.submit(self._sample, model, prompt, 1 if greedy else n,
-                                     None if seed is None else seed + start, max_tokens, temperature, stop_token_ids)
+        futures = [self._submit(self._sample, model, prompt, 1 if greedy else n,
+                                None if seed is None else seed + start, max_tokens, temperature, stop_token_ids)
                    for start, prompt, n in runs]
-        return [c for f, (_, _, n) in zip(futures, runs) for c in (f.result() * n if greedy else f.result())]
+        results = self._await(futures)
+        return [c for r, (_, _, n) in zip(results, runs) for c in (r * n if greedy else r)]
 
     def chat(self, model: str, messages: list[dict], max_tokens: int, temperature: float,
              seed: int | None = None) -> ChatReply:
         """One `/v1/chat/completions` turn under `model` (the engine applies the chat template)."""
-        reply = self._call(self.client.chat.completions.create, model=model, messages=messages,
-                           max_tokens=max_tokens, temperature=temperature, seed=seed)
+        reply = self._await([self._submit(self._call, self.client.chat.completions.create, model=model,
+                                          messages=messages, max_tokens=max_tokens, temperature=temperature,
+                                          seed=seed)])[0]
         return ChatReply(reply.model, reply.choices[0].message.content or "")
 
     def score(self, sequences: list[list[int]], adapter: str | None) -> list[list[float]]:
         """log p(token t | tokens < t) for every token after the first of each sequence."""
-        model = self._model(adapter)
+        return self._await([self._submit(self._score, sequences, self._model(adapter))])[0]
+
+    def _score(self, sequences: list[list[int]], model: str) -> list[list[float]]:
         out = []
         for ids in sequences:
             reply = self._call(self.client.completions.create, model=model, prompt=ids, max_tokens=1,

@@ -1,7 +1,11 @@
 """N independent engine replicas as rank 0 sees them: which are live, which adapter versions each holds,
 how much rollout work each has in flight, and the background revival of one that failed.
 
-A replica that fails or times out is quarantined: nothing is sent to it and no rollout goes to it. A
+A replica that fails or times out is quarantined: nothing is sent to it and no rollout goes to it, and
+the requests still in flight on it are ended at once (they go to the others). While a replica has work
+in flight (rollouts, or a fan-out call), a watch thread asks its LIVE route (a no-op through its engine
+core) every `health_timeout_s / 2`; a replica that does not answer within `health_timeout_s` is
+quarantined, so a frozen replica costs the step at most 1.5 x `health_timeout_s`. A
 daemon thread brings it back (an embedded engine is restarted if it is dead or hung; an attached one is
 probed until it answers, bounded by `[weight_sync] engine_start_timeout_s`), re-feeds it (the base from
 rank 0's host copy when its incarnation lacks ours, then the newest adapter version, again until no newer
@@ -16,7 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 
 import torch
@@ -25,7 +29,7 @@ from titan_lora.clients.base import AdapterPayload, BaseTensors, Emitter, Endpoi
 from titan_lora.clients.launch import EmbeddedEngine
 from titan_lora.clients.rollout import RolloutClient
 from titan_lora.config import BACKOFF_CAP_S, WeightSync
-from titan_lora.transfer.errors import EngineDied, EngineUnreachable
+from titan_lora.transfer.errors import EngineDied, EngineUnreachable, TransferError
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +69,16 @@ class Replica:
     def __str__(self) -> str:
         return f"replica {self.index} ({self.endpoint.url})"
 
+    def working(self) -> bool:
+        """Whether rollouts or a fan-out call wait on it now."""
+        return self.outstanding > 0 or (self.busy is not None and not self.busy.done())
+
+    def interrupt(self, reason: str) -> None:
+        """End every request in flight on it (they raise EngineHung): its work goes to the others."""
+        self.emitter.interrupt(reason)
+        if self.rollouts is not None:
+            self.rollouts.interrupt(reason)
+
 
 class ReplicaSet:
     """The replicas of one job, their state under one lock, and their revival threads."""
@@ -80,6 +94,9 @@ class ReplicaSet:
         self._latest: AdapterPayload | None = None
         self._revivals: dict[int, threading.Thread] = {}
         self._closing = threading.Event()
+        self._checks = ThreadPoolExecutor(max_workers=len(replicas), thread_name_prefix="titan-replica-check")
+        self._watch = threading.Thread(target=self._watch_live, name="titan-replica-watch", daemon=True)
+        self._watch.start()
 
     # ---- state -------------------------------------------------------------------------------------
     def live(self) -> list[Replica]:
@@ -98,7 +115,23 @@ class ReplicaSet:
                                       name=f"titan-replica-{replica.index}-revival")
             self._revivals[replica.index] = thread
         logger.warning("%s quarantined: %s; reviving it in the background", replica, reason)
+        replica.interrupt(f"{replica} quarantined: {reason}")
         thread.start()
+
+    def _watch_live(self) -> None:
+        """Quarantine a working replica whose engine core does not answer LIVE within health_timeout_s."""
+        timeout_s = self.cfg.health_timeout_s
+        while not self._closing.wait(timeout_s / 2):
+            with self._lock:
+                working = [r for r in self.replicas if r.live and r.working()]
+            checks = {r: self._checks.submit(r.emitter.check_live, timeout_s) for r in working}
+            for replica, check in checks.items():
+                try:
+                    check.result()
+                except EngineUnreachable as err:  # wedged, dead or gone: its work goes to the others
+                    self.quarantine(replica, f"it failed its liveness check with work in flight: {err}")
+                except TransferError as err:  # e.g. a refused key: says nothing of a wedge
+                    logger.debug("%s: liveness check not made: %s", replica, err)
 
     def pick(self, adapter: str | None, work: int, exclude: set[int]) -> Replica:
         """The live replica holding `adapter` (None: any) with the least work in flight; `work` is added to
@@ -140,8 +173,12 @@ class ReplicaSet:
     # ---- what a revival re-feeds -------------------------------------------------------------------
     def keep_base(self, tensors: BaseTensors, version: int) -> tuple[list[tuple[str, torch.Tensor]], int, int]:
         """Keep a host copy of the base for later revivals (the stream is collective, a revival is not);
-        returns it with its tensor count and bytes."""
-        kept = [(name, t.detach().cpu()) for name, t in base_items(tensors)]
+        returns it with its tensor count and bytes. The base is frozen under LoRA: the copy is made once
+        per run, and a later send (a retry, a recovery) reuses it, leaving `tensors` to the caller's drain."""
+        with self._lock:
+            kept = self._base
+        if kept is None:
+            kept = [(name, t.detach().cpu()) for name, t in base_items(tensors)]
         with self._lock:
             self._base, self._base_version = kept, version
         return kept, len(kept), sum(t.numel() * t.element_size() for _, t in kept)
@@ -257,6 +294,8 @@ class ReplicaSet:
     def close(self) -> None:
         """Stop revivals, then the embedded engines (they release their mappings), then the emitters."""
         self._closing.set()
+        self._watch.join(timeout=self.cfg.health_timeout_s + 5)
+        self._checks.shutdown(wait=False, cancel_futures=True)
         self.each(lambda r: r.engine.stop(), [r for r in self.replicas if r.engine is not None])
         for thread in list(self._revivals.values()):
             thread.join(timeout=30)  # a start in progress fails at once: its process was stopped

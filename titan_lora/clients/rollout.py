@@ -27,3 +27,6 @@ class RolloutClient(Protocol):
         """log p(token t | tokens < t) for every token after the first of each sequence."""
         ...
 
+    def interrupt(self, reason: str) -> None:
+        """Fail every call waiting now with EngineHung (from another thread: the engine was found wedged)."""
+        ...

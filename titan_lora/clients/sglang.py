@@ -367,6 +367,14 @@ class SGLangEmitter:
         self.client.resume_kv_cache()
         self._kv_released = False
 
+    def check_live(self, timeout_s: float) -> None:
+        """Raise EngineHung unless SGLang's scheduler answers `/health_generate` within `timeout_s`."""
+        self.client.check_live(timeout_s)
+
+    def interrupt(self, reason: str) -> None:
+        """End the requests in flight now (the server was found wedged): each raises EngineHung."""
+        self.client.interrupt(reason)
+
     def close(self) -> None:
         """Nothing to release: the client opens one connection per request."""
 

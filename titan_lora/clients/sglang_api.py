@@ -21,7 +21,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from titan_lora.clients.sglang_generate import GenerateOutput, GenerateReqInput, generate_output
-from titan_lora.transfer.errors import TransferError
+from titan_lora.clients.sockets import OpenSockets
+from titan_lora.transfer.errors import EngineHung, TransferError
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +51,8 @@ class SGLangAuthError(SGLangError):
     """SGLang rejected the API key (401) or the endpoint needs its admin key (403)."""
 
 
-class SGLangTimeout(SGLangError):
-    """A request got no complete answer within its deadline."""
+class SGLangTimeout(SGLangError, EngineHung):
+    """A request got no complete answer within its deadline: an engine fault, as a wedged server's."""
 
 
 # ---- request bodies (io_struct.py, 0.5.23) -------------------------------------------------------
@@ -235,6 +236,21 @@ class SGLangClient:
         self.retired: set[str] = set()  # names unloaded through this client: never generate on them
         self.timeout_s = timeout_s
         self.retries = retries
+        self.open = OpenSockets()  # the connections of requests in flight: `interrupt` ends them
+        self._interrupt_reason = ""
+
+    def interrupt(self, reason: str) -> None:
+        """End every request in flight at once (the server was found wedged): each raises EngineHung."""
+        self._interrupt_reason = reason
+        self.open.wake_all()
+
+    def check_live(self, timeout_s: float) -> None:
+        """Raise EngineHung unless `/health_generate` (SGLang runs a one-token generation through its
+        scheduler unless it is already busy) answers 200 within `timeout_s`."""
+        status, payload = self._call("GET", "/health_generate", timeout_s=timeout_s, retry=False)
+        if status != 200:
+            raise EngineHung(f"SGLang at {self.url} failed /health_generate ({status}): its scheduler is wedged "
+                             f"or dead: {_error_text(payload)}")
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -258,6 +274,7 @@ class SGLangClient:
     def _once(self, method: str, path: str, body: bytes | None, timeout_s: float) -> tuple[int, bytes]:
         deadline = time.monotonic() + timeout_s
         conn = self._connect(timeout_s)
+        self.open.add(conn.sock)
         headers = {"Content-Type": "application/json"}
         if key := self._key(path):
             headers["Authorization"] = f"Bearer {key}"
@@ -274,6 +291,7 @@ class SGLangClient:
                 "raise [weight_sync] timeout_s if the server is just slow"
             ) from err
         finally:
+            self.open.discard(conn.sock)
             conn.close()
 
     def _call(self, method: str, path: str, body: Any = None, *, timeout_s: float | None = None,
@@ -282,6 +300,7 @@ class SGLangClient:
         data = None if body is None else json.dumps(body).encode()
         timeout = self.timeout_s if timeout_s is None else timeout_s
         retries = self.retries if retry else 0
+        wakes = self.open.wakes
         for attempt in range(retries + 1):
             try:
                 status, raw = self._once(method, path, data, timeout)
@@ -293,6 +312,8 @@ class SGLangClient:
                         "attempt(s): start the server or fix [engine] url"
                     ) from err
             except (ConnectionError, http.client.HTTPException) as err:
+                if self.open.wakes != wakes:  # `interrupt` ended it: never resent
+                    raise EngineHung(f"SGLang at {self.url}: {path} abandoned: {self._interrupt_reason}") from None
                 if not idempotent or attempt == retries:
                     raise SGLangError(f"the connection to SGLang at {self.url} broke during {path} ({err}); "
                                       "the server may have crashed or restarted") from err

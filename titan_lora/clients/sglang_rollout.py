@@ -45,6 +45,10 @@ class SGLangRolloutClient:
         self.timeout_s = timeout_s
         self._seed_checked = False
 
+    def interrupt(self, reason: str) -> None:
+        """End the requests in flight now (the server was found wedged): each raises EngineHung."""
+        self.client.interrupt(reason)
+
     def generate(self, prompts: list[list[int]], adapter: str | None, max_tokens: int,
                  temperature: float, seed: int | None, stop_token_ids: list[int]) -> list[Completion]:
         """Sample one completion per prompt; prompt i is seeded with `seed + i` (as the vLLM engine does)."""

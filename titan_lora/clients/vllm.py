@@ -184,6 +184,9 @@ class VLLMBucketEmitter:
         self._plan_key: tuple = ()
         self._plan_of: tuple[Mapping[str, torch.Tensor], BucketBuffer | None] | None = None
         self._plan: list[_PlannedBucket] = []
+        # One transfer at a time: two would pack into the same two buffers (a replica's revival can start
+        # a base send while a fan-out call is still running on this emitter).
+        self._sending = threading.Lock()
 
     def _info(self) -> dict:
         return self.client.post(protocol.path(protocol.INFO))
@@ -197,6 +200,14 @@ class VLLMBucketEmitter:
     def engine_incarnation(self) -> str:
         """The engine's id, suffixed while it holds no base from us."""
         return protocol.incarnation_of(self._info())
+
+    def check_live(self, timeout_s: float) -> None:
+        """Raise EngineHung unless the engine's core and workers answer a no-op within `timeout_s`."""
+        self.client.check_live(timeout_s)
+
+    def interrupt(self, reason: str) -> None:
+        """End the requests in flight now (the engine was found wedged): each raises EngineHung."""
+        self.client.interrupt(reason)
 
     def lend_buffer(self, numel: int, dtype: torch.dtype, device: torch.device,
                     ) -> tuple[torch.Tensor, BucketBuffer | None]:
@@ -241,14 +252,16 @@ class VLLMBucketEmitter:
         return self._plan
 
     def _transfer(self, kind: str, fill: Callable[[_Transfer], T]) -> tuple[T, _Streamed]:
-        """Run `fill` to post a transfer's buckets, then collect the acks; on any failure, abandon it."""
-        transfer = _Transfer(self, kind)
-        try:
-            filled = fill(transfer)
-            return filled, transfer.finish()
-        except BaseException:
-            transfer.abandon()
-            raise
+        """Run `fill` to post a transfer's buckets, then collect the acks; on any failure, abandon it. A
+        transfer waits for the one running on this emitter to end."""
+        with self._sending:
+            transfer = _Transfer(self, kind)
+            try:
+                filled = fill(transfer)
+                return filled, transfer.finish()
+            except BaseException:
+                transfer.abandon()
+                raise
 
     def _post_planned(
         self, transfer: _Transfer, tensors: Mapping[str, torch.Tensor], shared: BucketBuffer | None,

@@ -29,7 +29,8 @@ from titan_lora.sync.base_stream import BaseStream
 from titan_lora.sync.collective import RankZeroError, on_rank0, share
 from titan_lora.sync.retire import Retirer
 from titan_lora.sync.versions import AdapterVersions, Lease
-from titan_lora.transfer.errors import EngineDied, EngineUnreachable, EngineWeightsLost, TransferError
+from titan_lora.sync.watchdog import Watchdog
+from titan_lora.transfer.errors import EngineDied, EngineHung, EngineUnreachable, EngineWeightsLost, TransferError
 from titan_lora.transfer.protocol import Ack, EngineLimits
 
 if TYPE_CHECKING:
@@ -96,8 +97,9 @@ def with_retries(fn: Callable[[], T], retries: int, what: str, alive: Callable[[
         except TransferError as err:
             if alive is not None and not alive():
                 raise EngineDied(f"{what}: the engine is dead or hung ({err})") from err
-            if attempt == retries:
-                raise TransferError(f"{what} failed after {retries + 1} attempts: {err}") from err
+            if attempt == retries:  # an engine fault stays one: the syncer recovers from those
+                kind = type(err) if isinstance(err, EngineUnreachable) else TransferError
+                raise kind(f"{what} failed after {retries + 1} attempts: {err}") from err
             logger.warning("%s failed (%s); retrying", what, err)
             backoff(attempt)
     raise AssertionError("unreachable")
@@ -141,6 +143,7 @@ class WeightSyncer:
         engine: EmbeddedEngine | None = None,
         probe: ParityProbe | None = None,
         report: Callable[[], dict[str, float]] | None = None,
+        watchdog: Watchdog | None = None,
     ) -> None:
         self.source = source
         self.base_weights = base_weights  # collective generator; yields on rank 0 only
@@ -150,6 +153,9 @@ class WeightSyncer:
         self.engine = engine  # rank 0, when titan_lora started the engine itself
         self.probe = probe
         self.report = report  # rank 0: more scalars per sync (replicas: live count, per-replica figures)
+        self.watchdog = watchdog  # rank 0: ends an operation's wait on a wedged engine (None: replicas watch
+        # themselves)
+        self._fault: BaseException | None = None  # rank 0: the last engine fault, for the revival
         self.versions = versions  # the root's: objectives read the active version through it
         self.retirer = (Retirer(self.versions, emitter.retire_adapter, cfg.retire_timeout_s)
                         if emitter else None)
@@ -164,15 +170,34 @@ class WeightSyncer:
 
     # ---- rank 0's view of the engine -------------------------------------------------------------
     def _alive(self) -> bool:
-        # After a failed request: retrying a dead or hung embedded engine only burns the timeout.
-        return self.engine is None or self.engine.healthy(self.cfg.health_timeout_s)
+        """Rank 0: the engine runs and its core answers a no-op in time (an embedded engine's process and
+        nonce checked first). INFO alone would not do: vLLM's API server answers it for a wedged core."""
+        try:
+            if self.engine is not None:
+                self.engine.check(self.cfg.health_timeout_s)
+            else:
+                self.emitter.check_live(self.cfg.health_timeout_s)
+        except TransferError:  # dead, wedged, or another engine answering on our port
+            return False
+        return True
+
+    def _watched(self, fn: Callable[[], T], what: str) -> Callable[[], T]:
+        """`fn`, run under the watchdog: a wedged engine ends its wait within 1.5 x health_timeout_s."""
+        if self.watchdog is None:
+            return fn
+
+        def watched() -> T:
+            with self.watchdog.watching(what):
+                return fn()
+
+        return watched
 
     def _retrying(self, fn: Callable[[], T], what: str) -> T:
         return with_retries(fn, self.cfg.retries, what, alive=self._alive)
 
     def _engine_lost(self) -> bool:
         """Rank 0, after an unexpected error: is the engine dead, hung, or a new incarnation?"""
-        if self.engine is not None and not self.engine.healthy(self.cfg.health_timeout_s):
+        if not self._alive():
             return True
         if self._base_incarnation is None:  # nothing of ours to lose yet
             return False
@@ -185,6 +210,7 @@ class WeightSyncer:
         """Rank 0: True when `err` means the engine must be brought back. Never raises: every other
         rank is waiting for this answer."""
         try:
+            self._fault = err
             return _engine_fault(err) or self._engine_lost()
         except Exception:  # noqa: BLE001
             logger.exception("checking the engine's health failed; treating it as lost")
@@ -212,7 +238,7 @@ class WeightSyncer:
     def with_engine(self, fn: Callable[[], T], what: str) -> T | None:
         """Collective: rank 0 runs `fn` (rollouts, eval, probe); engine faults are recovered (restart,
         base, newest adapter) and `fn` retried. Returns fn's value on rank 0, None elsewhere."""
-        return self._recovering(lambda: self._rank0(fn, what), what, republish=True)
+        return self._recovering(lambda: self._rank0(self._watched(fn, what), what), what, republish=True)
 
     def _recovering(self, step: Callable[[], T], what: str, republish: bool) -> T:
         last: Exception | None = None
@@ -251,13 +277,18 @@ class WeightSyncer:
                 self.versions.publish(payload.version)
 
     def _revive(self) -> None:
-        """Rank 0: restart a dead or hung embedded engine; wait (bounded) for an attached one."""
+        """Rank 0: restart a dead or hung embedded engine (one whose requests timed out too: it is wedged
+        somewhere LIVE may not reach); wait (bounded) for an attached one to answer, its core included."""
         if self.engine is not None:
-            self.engine.ensure_running()
+            if isinstance(self._fault, EngineHung):
+                self.engine.restart()  # SIGKILLs the whole process tree first, a stopped core included
+            else:
+                self.engine.ensure_running()
             return
         deadline = time.monotonic() + self.cfg.engine_start_timeout_s
         while True:
             try:
+                self.emitter.check_live(self.cfg.health_timeout_s)
                 self.emitter.engine_incarnation()
                 return
             except EngineUnreachable as err:
@@ -296,8 +327,8 @@ class WeightSyncer:
             started = time.perf_counter()
             tally = _Tally(self.base_weights())
             try:
-                ack = self._rank0(lambda: self.emitter.send_base(tally, version), "sending the base",
-                                  then=tally.drain)
+                ack = self._rank0(self._watched(lambda: self.emitter.send_base(tally, version), "sending the base"),
+                                  "sending the base", then=tally.drain)
             except TransferError as err:  # raised on every rank alike
                 if attempt == self.cfg.retries:
                     raise TransferError(f"sending the base failed after {attempt + 1} attempts: {err}") \
@@ -375,7 +406,8 @@ class WeightSyncer:
         if len(self.versions.live) > self.versions.keep_versions:
             # Retirements lag behind: give them a bounded chance, so live versions stay <= keep + 1.
             self.retirer.wait_idle(self.cfg.retire_timeout_s)
-        ack = self._retrying(lambda: self.emitter.send_adapter(payload), f"sending adapter {payload.name}")
+        ack = self._retrying(self._watched(lambda: self.emitter.send_adapter(payload), f"sending adapter {payload.name}"),
+                             f"sending adapter {payload.name}")
         verify_ack(ack, payload.version, payload.num_tensors, payload.nbytes, f"adapter {payload.name}")
         self._acks_name_incarnation = ack.incarnation is not None
         if ack.incarnation is not None and ack.incarnation != self._base_incarnation:
@@ -421,6 +453,8 @@ class WeightSyncer:
 
     def close(self) -> None:
         """Stop the retirer, the embedded engine (it releases its mappings of our buffers), then the emitter."""
+        if self.watchdog is not None:
+            self.watchdog.close()
         if self.retirer is not None:
             self.retirer.close()
         if self.engine is not None:

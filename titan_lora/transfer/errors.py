@@ -25,6 +25,13 @@ class EngineDied(EngineUnreachable):
     """The embedded engine's process exited, or stopped answering its health check (hung)."""
 
 
+class EngineHung(EngineDied):
+    """The engine took a request and did not answer within its deadline, or its front answers while the
+    part that does the work (vLLM's engine core, a worker, the receiver's transfer path) does not: a
+    retry would wait as long again. An embedded engine is killed and restarted; an attached one is
+    waited for."""
+
+
 class LayoutUnknownToEngine(TransferError):
     """The engine does not know a bucket layout id (it restarted): resend the header."""
 
