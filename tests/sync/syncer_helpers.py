@@ -11,6 +11,7 @@ import torch.distributed as dist
 from model_helpers import DEBUG_LORA, build_from, full_adapter, full_copy, job_config_from, randomize_adapters
 
 from titan_lora.clients.http import JsonClient
+from titan_lora.compose import EngineSide
 from titan_lora.clients.launch import EmbeddedEngine
 from titan_lora.clients.vllm import VLLMBucketEmitter
 from titan_lora.config import WeightSync
@@ -59,7 +60,9 @@ def build_syncer(rank: int, cfg, engine: EmbeddedEngine | None, url: str = "", k
                            lend=emitter.lend_buffer if emitter else plain_buffer)
     base = base_weights_source(built.model, built.sd_adapter, tied_embeddings=True)
     versions = AdapterVersions(cfg.lora_name, cfg.keep_versions)
-    return built, WeightSyncer(source, base, emitter, cfg, CPU, versions=versions, engine=engine, probe=probe)
+    side = EngineSide(engine, emitter)  # the watchdog as the job composes it (rank 0 only)
+    return built, WeightSyncer(source, base, emitter, cfg, CPU, versions=versions, engine=engine, probe=probe,
+                               watchdog=side.watchdog(cfg))
 
 
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from titan_lora.sync.syncer import with_retries
-from titan_lora.transfer.errors import EngineDied, EngineWeightsLost, TransferError
+from titan_lora.clients.frames import FrameRefused
+from titan_lora.transfer.errors import EngineDied, EngineUnreachable, EngineWeightsLost, TransferError
 
 
 class Failing:
@@ -68,3 +69,12 @@ def test_each_retry_is_logged_with_what_failed_and_why(sleeps: list[float], capl
         assert with_retries(flaky, 2, "posting bucket 3") == "ack"
     assert [r.getMessage() for r in caplog.records if r.name == "titan_lora.sync.syncer"] == [
         "posting bucket 3 failed (connection reset); retrying"]
+
+
+@pytest.mark.parametrize("error", [EngineUnreachable("connection refused"), FrameRefused("no greeting")])
+def test_an_engine_fault_keeps_its_type_through_the_retries(sleeps: list[float], error: Exception) -> None:
+    # A plain TransferError after the last retry would end the run instead of recovering the engine.
+    fn = Failing(error)
+    with pytest.raises(type(error), match="sending adapter policy-v1 failed after 3 attempts"):
+        with_retries(fn, 2, "sending adapter policy-v1", alive=lambda: True)
+    assert fn.calls == 3

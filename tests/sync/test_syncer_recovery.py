@@ -155,7 +155,7 @@ def test_an_embedded_engine_that_hangs_is_not_retried_but_restarted(rig, sleeps)
     r.syncer.sync(2)
     assert sleeps == [], "a dead engine is not retried with back-off"
     # the transfer's check, the failed request's health check, the restart, then the base and transfer checks
-    assert r.engine.events == [("check", 3.0), ("healthy", 3.0), "restart"] + [("check", 3.0)] * 3
+    assert r.engine.events == [("check", 3.0), ("check", 3.0), "restart"] + [("check", 3.0)] * 3
     assert r.emitter.calls.count("base v1") == 1 and r.syncer.versions.active.name == "policy-v2"
 
 
@@ -202,12 +202,15 @@ def test_a_failing_health_check_counts_as_a_lost_engine(rig, caplog) -> None:  #
     r = rig(engine=True)
     r.syncer.sync(1)
 
-    def broken(timeout_s: float) -> bool:
-        r.engine.healthy = lambda timeout_s: True
+    healthy = r.engine.check
+
+    def broken(timeout_s: float) -> None:
+        r.engine.check = healthy
         raise RuntimeError("health endpoint crashed")
 
-    r.engine.healthy = broken
-    r.emitter.adapter_ack = lambda p: (setattr(r.emitter, "adapter_ack", None), Ack(p.version, 0, 0))[1]
+    # A wrong ack, then the health check that judges it crashes.
+    r.emitter.adapter_ack = lambda p: (setattr(r.emitter, "adapter_ack", None), setattr(r.engine, "check", broken),
+                                       Ack(p.version, 0, 0))[-1]
     with caplog.at_level(logging.ERROR, logger="titan_lora.sync.syncer"):
         r.syncer.sync(2)
     assert "checking the engine's health failed; treating it as lost" in caplog.messages
@@ -268,7 +271,7 @@ def test_a_healthy_engine_does_not_turn_an_error_into_a_recovery(rig) -> None:  
     r.engine.events.clear()
     with pytest.raises(TransferError, match="^sending adapter version 2: TransferError: the engine acknowledged"):
         r.syncer.sync(2)
-    assert r.syncer.counters["engine_recoveries"] == 0 and ("healthy", 3.5) in r.engine.events
+    assert r.syncer.counters["engine_recoveries"] == 0 and ("check", 3.5) in r.engine.events
 
 
 # ---- what each failure during a recovery says ------------------------------------------------------
