@@ -49,27 +49,29 @@ def test_a_bad_line_is_named_by_file_and_line(tmp_path: Path, line: str, fragmen
 
 
 @pytest.mark.parametrize(("extract", "answer", "message"), [
-    ("last_number", '"sNaN"', "the answer 'sNaN' is not a finite number (NaN and Infinity equal no completion's "
-                              'number); write the answer as a finite number such as "4"'),
+    ("last_number", '"sNaN"', "the answer 'sNaN' is not a finite number (NaN and Infinity equal no "
+                              "completion's number); write the answer as a finite number such as \"4\""),
     ("boxed", '"NaN"', "the answer 'NaN' is not a finite number"),
     ("boxed", '"-Infinity"', "the answer '-Infinity' is not a finite number"),
     ("exact", "NaN", '"answer" is nan, not a finite number; write a finite number such as 4'),  # JSON's NaN
     ("exact", "1e400", '"answer" is inf, not a finite number'),
-    ("last_number", '"Paris"', "the answer 'Paris' is not a number, and [task] extract = 'last_number' reads"),
+    ("last_number", '"Paris"', "the answer 'Paris' is not a number, and [task] extract = 'last_number'"),
 ])
-def test_an_answer_no_completion_can_match_is_refused_by_file_and_line(tmp_path: Path, extract: str, answer: str,
-                                                                        message: str) -> None:
-    path = write_jsonl(tmp_path / "d.jsonl", [*qa(12), '{"prompt": "What is 0/0?", "answer": ' + answer + "}"])
+def test_an_answer_no_completion_can_match_is_refused_by_file_and_line(tmp_path: Path, extract: str,
+                                                                        answer: str, message: str) -> None:
+    bad = '{"prompt": "What is 0/0?", "answer": ' + answer + "}"
+    path = write_jsonl(tmp_path / "d.jsonl", [*qa(12), bad])
     with pytest.raises(ValueError) as err:
         jsonl_task(GRPO(), path=str(path), extract=extract)
     assert str(err.value).startswith(f"{path}:13: {message}")
 
 
 def test_text_answers_stay_valid_where_the_mode_compares_text(tmp_path: Path) -> None:
-    rows = [*qa(12), {"prompt": "Half?", "answer": r"\frac{1}{2}"}, {"prompt": "0/0 in IEEE?", "answer": "NaN"}]
+    rows = [*qa(12), {"prompt": "Half?", "answer": r"\frac{1}{2}"}, {"prompt": "0/0?", "answer": "NaN"}]
     path = write_jsonl(tmp_path / "d.jsonl", rows)
     assert len(read_jsonl(str(path), "[task] path", "exact")) == 14
-    assert read_jsonl(str(write_jsonl(tmp_path / "b.jsonl", rows[:-1])), "x", "boxed")[-1].answer == r"\frac{1}{2}"
+    boxed = read_jsonl(str(write_jsonl(tmp_path / "b.jsonl", rows[:-1])), "x", "boxed")
+    assert boxed[-1].answer == r"\frac{1}{2}"
 
 
 def test_a_byte_that_is_not_utf8_is_named_by_file_line_and_the_fix(tmp_path: Path) -> None:
@@ -77,8 +79,8 @@ def test_a_byte_that_is_not_utf8_is_named_by_file_line_and_the_fix(tmp_path: Pat
     path.write_bytes(b'{"prompt": "a", "answer": "1"}\n\n{"prompt": "Caf\xe9?", "answer": "2"}\n')
     with pytest.raises(ValueError) as err:  # was a bare UnicodeDecodeError, with no file or line
         read_jsonl(str(path), "[task] path")
-    assert str(err.value) == (f"{path}:3: byte 16 of the line (0xe9) is not UTF-8; save the file as UTF-8 (e.g. "
-                              "`iconv -f latin1 -t utf-8 in.jsonl > out.jsonl`)")
+    assert str(err.value) == (f"{path}:3: byte 16 of the line (0xe9) is not UTF-8; save the file as UTF-8 "
+                              "(e.g. `iconv -f latin1 -t utf-8 in.jsonl > out.jsonl`)")
     path.write_bytes('\ufeff{"prompt": "Café?", "answer": "2"}\r\n'.encode())  # a byte-order mark, CRLF
     assert read_jsonl(str(path), "[task] path") == [Problem("Café?", "2")]
 

@@ -45,7 +45,8 @@ def _record(obj: object, where: str, extract: str) -> Problem:
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
         raise ValueError(f'{where}: "answer" must be a string or a number, got {answer!r}')
     if isinstance(answer, float) and not math.isfinite(answer):  # JSON's NaN and Infinity, or 1e400
-        raise ValueError(f'{where}: "answer" is {answer}, not a finite number; write a finite number such as 4')
+        raise ValueError(f'{where}: "answer" is {answer}, not a finite number; write a finite number such '
+                         "as 4")
     if not isinstance(system, str):
         raise ValueError(f'{where}: "system" must be a string when given, got {system!r}')
     if why := answer_error(extract, str(answer)):
@@ -58,8 +59,9 @@ def _decoded(raw: bytes, where: str, first: bool) -> str:
     try:
         return raw.decode("utf-8-sig" if first else "utf-8")  # a leading byte-order mark is dropped
     except UnicodeDecodeError as err:
-        raise ValueError(f"{where}: byte {err.start + 1} of the line ({raw[err.start]:#04x}) is not UTF-8; save the "
-                         "file as UTF-8 (e.g. `iconv -f latin1 -t utf-8 in.jsonl > out.jsonl`)") from None
+        fix = "save the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8 in.jsonl > out.jsonl`)"
+        raise ValueError(f"{where}: byte {err.start + 1} of the line ({raw[err.start]:#04x}) is not UTF-8; "
+                         f"{fix}") from None
 
 
 def read_jsonl(path: str, key: str, extract: str = "exact") -> list[Problem]:
