@@ -3,7 +3,9 @@ and the 2-turn runner against a scripted chat client (which names the version th
 
 from __future__ import annotations
 
+import random
 import re
+import time
 
 import pytest
 
@@ -58,6 +60,12 @@ def test_the_evaluator_computes_arithmetic(expr: str, value: float) -> None:
     ("1 / 0", "division by zero"),
     ("2 ** 100000", "exponent 100000 is over the calculator's limit of 64"),
     ("9 ** 60", "out of the calculator's range"),
+    # Integer powers too large for a float: they raised OverflowError, not CalcError.
+    ("999999999999999999**64", "the value (1152 digits) is out of the calculator's range (|x| <= 1e+18)"),
+    ("123456789**40", "the value (324 digits) is out of the calculator's range"),
+    ("123456789^64*65*9", "the value (518 digits) is out of the calculator's range"),
+    ("1e18 ** 64", "the value of '1e+18 ** 64' is out of the calculator's range"),  # a float past 1.8e308
+    ("9**9**9**9", "the exponent 3.8742e+08 is over the calculator's limit of 64"),  # 9**(9**(9**9))
     ("(-8) ** 0.5", "out of the calculator's range"),
     ("3 +", "cannot read '3 +' as arithmetic"),
     ("1+" * 150 + "1", f"over the limit of {MAX_EXPRESSION_CHARS}"),
@@ -65,6 +73,42 @@ def test_the_evaluator_computes_arithmetic(expr: str, value: float) -> None:
 def test_the_evaluator_refuses_anything_else(expr: str, why: str) -> None:
     with pytest.raises(CalcError, match=re.escape(why)):
         evaluate(expr)
+
+
+def test_any_text_evaluates_to_a_number_or_a_calc_error_quickly() -> None:
+    """Seeded random expressions over the operators and edge operands: nothing else escapes, none is slow.
+    (Before the int range check, `123456789^64*65*9` escaped as an OverflowError among these.)"""
+    rng = random.Random(0)
+    atoms = ["0", "1", "-1", "9", "64", "65", "999999999999999999", "1e18", "1e-300", "0.5", "1e308",
+             "123456789", "0.0", "1_0", "0x10", "1j", "\x00", "nan", "(", ")", "[", "{", "}"]
+    ops = ["+", "-", "*", "/", "//", "%", "**", "^", "x", "÷", "", " ", ","]
+    start = time.monotonic()
+    for _ in range(20_000):
+        pairs = rng.randint(1, 8)
+        expr = "".join(rng.choice(atoms) + rng.choice(ops) for _ in range(pairs)) + rng.choice(atoms)
+        try:
+            format_value(evaluate(expr))
+        except CalcError:
+            pass
+    assert time.monotonic() - start < 30, "20,000 evaluations take about 0.2 s; none may hang"
+
+
+def test_a_reply_nested_a_thousand_deep_is_no_tool_call_and_the_episode_goes_on() -> None:
+    deep = '{"tool": "calculator", "expression": ' + "[" * 1000  # the JSON decoder raised RecursionError
+    assert parse_tool_call(deep) is None
+    assert parse_tool_call("CALC: " + "[" * 1000) == "[" * 1000
+    assert run_tool("[" * 1000).startswith("error: the expression has 1000 characters, over the limit of")
+    chat = ScriptedChat([deep], alias_serves=["policy-v2"])
+    episode = run_episode(chat, "policy", Problem("What is 1 + 1?", 2))
+    assert (episode.tool_call, episode.reward, episode.version) == (None, 0.0, 2)
+
+
+def test_a_value_out_of_range_reaches_the_model_as_an_error() -> None:
+    chat = ScriptedChat(["CALC: 999999999999999999**64", "I cannot"], alias_serves=["policy-v1"])
+    episode = run_episode(chat, "policy", Problem("What is 999999999999999999**64?", 0))
+    assert episode.tool_result == ("error: the value (1152 digits) is out of the calculator's range "
+                                   "(|x| <= 1e+18)")
+    assert chat.calls[1][1][-1]["content"] == f"Calculator result: {episode.tool_result}"
 
 
 def test_values_read_back_as_the_model_sees_them() -> None:

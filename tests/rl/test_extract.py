@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from titan_lora.rl.extract import boxed, check_mode, is_correct, last_number, same_value, whole_text
+from titan_lora.rl.extract import (
+    answer_error,
+    boxed,
+    check_mode,
+    is_correct,
+    last_number,
+    same_value,
+    whole_text,
+)
 
 
 @pytest.mark.parametrize(("text", "number"), [
@@ -56,3 +64,28 @@ def test_an_unknown_mode_names_the_modes_and_the_closest() -> None:
         check_mode("boxd", "[task] extract")
     assert str(err.value) == ("[task] extract = 'boxd' is not an extraction mode; use one of last_number, "
                               "boxed, exact; did you mean 'boxed'?")
+
+
+@pytest.mark.parametrize("reply", ["sNaN", "-sNaN", "NaN", "nan", "Infinity", "-inf", "1e" + "9" * 20])
+def test_a_reply_that_is_no_finite_number_scores_wrong_and_never_raises(reply: str) -> None:
+    # Decimal("sNaN") parses, and `==` on it raised InvalidOperation: one such reply ended the GRPO run.
+    assert is_correct("boxed", rf"so \boxed{{{reply}}}", "7") is False
+    assert same_value(reply, "7") is False and same_value("7", reply) is False
+    assert same_value(reply, reply), "equal text is still equal text"
+
+
+@pytest.mark.parametrize(("mode", "answer", "why"), [
+    ("last_number", "12", None), ("last_number", "-1,234.5", None), ("boxed", "7", None),
+    ("boxed", r"\frac{1}{2}", None), ("exact", "Paris", None), ("exact", "NaN", None),
+    ("boxed", "sNaN", "the answer 'sNaN' is not a finite number (NaN and Infinity equal no completion's "
+                      'number); write the answer as a finite number such as "4"'),
+    ("last_number", "NaN", "the answer 'NaN' is not a finite number"),
+    ("boxed", "-Infinity", "the answer '-Infinity' is not a finite number"),
+    ("last_number", "Paris", "the answer 'Paris' is not a number, and [task] extract = 'last_number' "
+                             "reads the completion's last number, so no completion can match it; write the "
+                             'answer as a number such as "4", or use extract = "boxed" or "exact" for text '
+                             "answers"),
+])
+def test_an_answer_no_completion_can_match_is_named(mode: str, answer: str, why: str | None) -> None:
+    found = answer_error(mode, answer)
+    assert found is None if why is None else found.startswith(why)

@@ -30,7 +30,8 @@ TRAINER_TAGS = ("train/loss", "train/grad_norm", "train/lr")
 DOCUMENTED_TAGS = {
     "train/loss", "train/lr", "train/step_time_s", "train/memory_mib", "train/grad_norm",
     "rl/reward_mean", "rl/reward_std", "rl/response_len", "rl/logprob_gap_mean", "rl/logprob_gap_max",
-    "rl/sample_version", "rl/dropped_stale", "eval/accuracy", "eval/failures", "train/nonfinite_rollbacks",
+    "rl/sample_version", "rl/dropped_stale", "rl/reward_errors", "eval/accuracy", "eval/failures",
+    "train/nonfinite_rollbacks",
     "sync/gather_ms", "sync/pack_ms", "sync/transfer_ms", "sync/apply_ms", "sync/total_ms", "sync/bytes",
     "sync/tensors", "sync/version", "sync/live_versions", "sync/parity_max_abs", "sync/parity_mean_abs",
 }

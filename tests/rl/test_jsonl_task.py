@@ -48,6 +48,43 @@ def test_a_bad_line_is_named_by_file_and_line(tmp_path: Path, line: str, fragmen
         assert fragment in str(err.value)
 
 
+@pytest.mark.parametrize(("extract", "answer", "message"), [
+    ("last_number", '"sNaN"', "the answer 'sNaN' is not a finite number (NaN and Infinity equal no "
+                              "completion's number); write the answer as a finite number such as \"4\""),
+    ("boxed", '"NaN"', "the answer 'NaN' is not a finite number"),
+    ("boxed", '"-Infinity"', "the answer '-Infinity' is not a finite number"),
+    ("exact", "NaN", '"answer" is nan, not a finite number; write a finite number such as 4'),  # JSON's NaN
+    ("exact", "1e400", '"answer" is inf, not a finite number'),
+    ("last_number", '"Paris"', "the answer 'Paris' is not a number, and [task] extract = 'last_number'"),
+])
+def test_an_answer_no_completion_can_match_is_refused_by_file_and_line(tmp_path: Path, extract: str,
+                                                                        answer: str, message: str) -> None:
+    bad = '{"prompt": "What is 0/0?", "answer": ' + answer + "}"
+    path = write_jsonl(tmp_path / "d.jsonl", [*qa(12), bad])
+    with pytest.raises(ValueError) as err:
+        jsonl_task(GRPO(), path=str(path), extract=extract)
+    assert str(err.value).startswith(f"{path}:13: {message}")
+
+
+def test_text_answers_stay_valid_where_the_mode_compares_text(tmp_path: Path) -> None:
+    rows = [*qa(12), {"prompt": "Half?", "answer": r"\frac{1}{2}"}, {"prompt": "0/0?", "answer": "NaN"}]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    assert len(read_jsonl(str(path), "[task] path", "exact")) == 14
+    boxed = read_jsonl(str(write_jsonl(tmp_path / "b.jsonl", rows[:-1])), "x", "boxed")
+    assert boxed[-1].answer == r"\frac{1}{2}"
+
+
+def test_a_byte_that_is_not_utf8_is_named_by_file_line_and_the_fix(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"prompt": "a", "answer": "1"}\n\n{"prompt": "Caf\xe9?", "answer": "2"}\n')
+    with pytest.raises(ValueError) as err:  # was a bare UnicodeDecodeError, with no file or line
+        read_jsonl(str(path), "[task] path")
+    assert str(err.value) == (f"{path}:3: byte 16 of the line (0xe9) is not UTF-8; save the file as UTF-8 "
+                              "(e.g. `iconv -f latin1 -t utf-8 in.jsonl > out.jsonl`)")
+    path.write_bytes('\ufeff{"prompt": "Café?", "answer": "2"}\r\n'.encode())  # a byte-order mark, CRLF
+    assert read_jsonl(str(path), "[task] path") == [Problem("Café?", "2")]
+
+
 def test_records_keep_their_system_and_numbers_become_strings(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p", "answer": 7, "system": "s", "id": 1},
                                               {"prompt": "q", "answer": 2.5}])
@@ -247,7 +284,7 @@ def test_the_file_is_read_once_for_the_objective_and_the_probe(tmp_path: Path, m
     (tmp_path / "config.json").write_text("{}")
     reads: list[str] = []
     read = jsonl.read_jsonl
-    monkeypatch.setattr(jsonl, "read_jsonl", lambda path, key: (reads.append(path), read(path, key))[1])
+    monkeypatch.setattr(jsonl, "read_jsonl", lambda path, *args: (reads.append(path), read(path, *args))[1])
     runs = []
 
     class Run:

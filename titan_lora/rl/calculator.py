@@ -5,7 +5,10 @@ A 135M model does not emit well-formed tool calls reliably, so two shapes are ac
 model often writes the answer it guesses), or a JSON object naming the calculator
 (`{"tool": "calculator", "expression": "3 + 4"}`, or OpenAI's `{"name": ..., "arguments": {...}}`).
 Expressions are evaluated by walking their syntax tree (numbers, + - * / // % **, unary signs and
-parentheses only; never `eval`), with bounds on length, exponents and magnitude.
+parentheses only; never `eval`), with bounds on length, exponents and magnitude. Every value, the
+operands of every operation included, stays within MAX_MAGNITUDE, so the largest number ever built is
+MAX_MAGNITUDE ** MAX_EXPONENT (about 1,150 digits): no expression can hang or fill memory. Every failure,
+whatever a model wrote, is a CalcError.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ def _json_calls(text: str) -> list[dict]:
     while i >= 0:
         try:
             obj, end = decoder.raw_decode(text, i)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: brackets nested ~1000 deep
             end = i + 1
         else:
             if isinstance(obj, dict):
@@ -90,8 +93,11 @@ def parse_tool_call(text: str) -> str | None:
 
 
 def _checked(value: float) -> float:
-    if isinstance(value, complex) or not math.isfinite(value) or abs(value) > MAX_MAGNITUDE:
-        raise CalcError(f"the value {value!r} is out of the calculator's range (|x| <= {MAX_MAGNITUDE:.0e})")
+    # An int is compared as an int: one too large for a float (999999999999999999 ** 64) is out of range too.
+    in_range = isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
+    if not in_range or abs(value) > MAX_MAGNITUDE:
+        shown = f"({len(str(abs(value)))} digits)" if isinstance(value, int) else repr(value)
+        raise CalcError(f"the value {shown} is out of the calculator's range (|x| <= {MAX_MAGNITUDE:.0e})")
     return value
 
 
@@ -105,9 +111,13 @@ def _eval(node: ast.AST) -> float:
         if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
             raise CalcError(f"the exponent {right:g} is over the calculator's limit of {MAX_EXPONENT}")
         try:
-            return _checked(_BINARY[type(node.op)](left, right))
+            value = _BINARY[type(node.op)](left, right)
         except ZeroDivisionError:
             raise CalcError("division by zero") from None
+        except OverflowError:  # a float result past 1.8e308 (1e18 ** 64.0)
+            raise CalcError(f"the value of {ast.unparse(node)!r} is out of the calculator's range "
+                            f"(|x| <= {MAX_MAGNITUDE:.0e})") from None
+        return _checked(value)
     raise CalcError(f"{ast.unparse(node)!r} is not arithmetic: use numbers, + - * / // % ** and parentheses")
 
 
@@ -118,9 +128,9 @@ def evaluate(expr: str) -> int | float:
     text = _TIMES.sub("*", expr.replace("÷", "/").replace("^", "**")).replace(",", "")
     try:
         tree = ast.parse(text, mode="eval")
-    except SyntaxError:
+    except (SyntaxError, ValueError, RecursionError, MemoryError):  # what the parser raises on any text
         raise CalcError(f"cannot read {expr!r} as arithmetic") from None
-    value = _eval(tree.body)
+    value = _eval(tree.body)  # at most MAX_EXPRESSION_CHARS deep: far within the recursion limit
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 

@@ -43,14 +43,17 @@ def whole_text(text: str) -> str:
 
 
 def _number(text: str) -> Decimal | None:
+    """`text` as a finite number, or None. NaN, sNaN and Infinity are no numbers: `==` on sNaN raises,
+    and NaN equals nothing."""
     try:
-        return Decimal(text.replace(",", ""))
+        value = Decimal(text.replace(",", ""))
     except InvalidOperation:
         return None
+    return value if value.is_finite() else None
 
 
 def same_value(got: str, want: str) -> bool:
-    """Equal as numbers when both are numbers ("7.0" == "7"), else equal up to whitespace."""
+    """Equal as finite numbers when both are ("7.0" == "7"), else equal up to whitespace."""
     a, b = _number(got), _number(want)
     if a is not None and b is not None:
         return a == b
@@ -71,6 +74,22 @@ def check_mode(mode: str, key: str) -> None:
         close = difflib.get_close_matches(mode, MODES, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ValueError(f"{key} = {mode!r} is not an extraction mode; use one of {', '.join(MODES)}{hint}")
+
+
+def answer_error(mode: str, answer: str) -> str | None:
+    """Why no completion could ever match the reference `answer` under `mode`, or None when one can."""
+    if mode == "exact" or _number(answer) is not None:
+        return None
+    try:
+        Decimal(answer.replace(",", ""))
+    except InvalidOperation:  # text: `boxed` compares it as text, `last_number` never extracts it
+        if mode != "last_number":
+            return None
+        return (f"the answer {answer!r} is not a number, and [task] extract = 'last_number' reads the "
+                "completion's last number, so no completion can match it; write the answer as a number "
+                "such as \"4\", or use extract = \"boxed\" or \"exact\" for text answers")
+    return (f"the answer {answer!r} is not a finite number (NaN and Infinity equal no completion's number); "
+            "write the answer as a finite number such as \"4\"")
 
 
 def is_correct(mode: str, completion: str, answer: str) -> bool:

@@ -16,11 +16,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import random
 
 from titan_lora.config import GRPO
-from titan_lora.rl.extract import check_mode, is_correct
+from titan_lora.rl.extract import answer_error, check_mode, is_correct
 from titan_lora.rl.task import Problem
 
 logger = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ SPLIT_SEED = 0
 _LINE_FORMAT = 'each line must be one JSON object such as {"prompt": "What is 2 + 2?", "answer": "4"}'
 
 
-def _record(obj: object, where: str) -> Problem:
+def _record(obj: object, where: str, extract: str) -> Problem:
     if not isinstance(obj, dict):
         raise ValueError(f"{where}: a JSON {type(obj).__name__}, not an object; {_LINE_FORMAT}")
     for key in ("prompt", "answer"):
@@ -43,28 +44,45 @@ def _record(obj: object, where: str) -> Problem:
         raise ValueError(f'{where}: "prompt" must be a non-empty string, got {prompt!r}')
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
         raise ValueError(f'{where}: "answer" must be a string or a number, got {answer!r}')
+    if isinstance(answer, float) and not math.isfinite(answer):  # JSON's NaN and Infinity, or 1e400
+        raise ValueError(f'{where}: "answer" is {answer}, not a finite number; write a finite number such '
+                         "as 4")
     if not isinstance(system, str):
         raise ValueError(f'{where}: "system" must be a string when given, got {system!r}')
+    if why := answer_error(extract, str(answer)):
+        raise ValueError(f"{where}: {why}")
     return Problem(prompt, str(answer), system)
 
 
-def read_jsonl(path: str, key: str) -> list[Problem]:
-    """The records of `path` (named by the config key `key`); errors name the file, the line and the fix."""
+def _decoded(raw: bytes, where: str, first: bool) -> str:
+    """One line of the file as text; a byte that is not UTF-8 is named with the fix."""
+    try:
+        return raw.decode("utf-8-sig" if first else "utf-8")  # a leading byte-order mark is dropped
+    except UnicodeDecodeError as err:
+        fix = "save the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8 in.jsonl > out.jsonl`)"
+        raise ValueError(f"{where}: byte {err.start + 1} of the line ({raw[err.start]:#04x}) is not UTF-8; "
+                         f"{fix}") from None
+
+
+def read_jsonl(path: str, key: str, extract: str = "exact") -> list[Problem]:
+    """The records of `path` (named by the config key `key`), each answer one that `extract` can match;
+    errors name the file, the line and the fix."""
     if not os.path.isfile(path):
         raise ValueError(f"{key} = {path!r} is not a file (relative paths start at {os.getcwd()}); "
                          f"point it at a JSONL file: {_LINE_FORMAT}")
     out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
+    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is named by its number
+        for n, raw in enumerate(f, start=1):
+            where = f"{path}:{n}"
+            line = _decoded(raw, where, first=n == 1)
             if not line.strip():
                 continue
-            where = f"{path}:{n}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as err:
                 raise ValueError(f"{where}: not valid JSON ({err.msg} at column {err.colno}); "
                                  f"{_LINE_FORMAT}") from None
-            out.append(_record(obj, where))
+            out.append(_record(obj, where, extract))
     if not out:
         raise ValueError(f"{key} = {path!r} has no records; {_LINE_FORMAT}")
     return out
@@ -108,12 +126,12 @@ def jsonl_task(cfg: GRPO, *, path: str, heldout_path: str = "", heldout_fraction
                extract: str = "last_number", instruction: str = "") -> JsonlTask:
     """The task from `[task]`: files read and checked, the held-out split made, the batch sizes checked."""
     check_mode(extract, "[task] extract")
-    records = read_jsonl(path, "[task] path")
+    records = read_jsonl(path, "[task] path", extract)
     if heldout_path and heldout_fraction is not None:
         raise ValueError("[task] sets both heldout_path and heldout_fraction; keep one (a file, or a "
                          "fraction of [task] path)")
     if heldout_path:
-        heldout = read_jsonl(heldout_path, "[task] heldout_path")
+        heldout = read_jsonl(heldout_path, "[task] heldout_path", extract)
         held = {_key(p) for p in heldout}
         train = [p for p in records if _key(p) not in held]
         if len(train) < len(records):

@@ -197,6 +197,7 @@ class GRPOObjective:
             "rl/response_len": sum(len(s.completion_ids) for s in fresh) / max(len(fresh), 1),
             "rl/logprob_gap_mean": float(sums[4]) / max(float(sums[6]), 1.0), "rl/logprob_gap_max": float(sums[5]),
             "rl/dropped_stale": self.dropped_stale, "rl/samples": len(fresh),
+            "rl/reward_errors": sum(s.reward_error for s in samples),  # this step's, each scored 0
             "rl/sample_version": float(min(s.version for s in fresh)),
         }
 

@@ -1,6 +1,8 @@
 """Reward functions, selected in TOML (`[grpo] reward`): a registered name or `module:function`.
 
-Empty (the default) uses the task's own reward."""
+Empty (the default) uses the task's own reward. A reward that raises on a sample, or returns no finite
+number, scores that sample 0: logged with the sample and counted in `rl/reward_errors`, it never ends the
+run (`rollout.scores`)."""
 
 from __future__ import annotations
 
