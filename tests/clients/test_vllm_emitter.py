@@ -458,3 +458,36 @@ def test_a_wrong_checksum_is_quoted_in_the_error(emitter_for: Make) -> None:
     assert str(err.value).endswith(f"sent {engine.bodies[0]['checksum']}, the engine copied out "
                                    f"{ZERO_SUM} (None: the engine does not checksum; run the same "
                                    "titan_lora on both sides)")
+
+
+def test_two_transfers_on_one_emitter_run_one_after_the_other(emitter_for: Make) -> None:
+    # A replica's revival can send the base while a fan-out call still runs on the same emitter: sharing
+    # its two packing buffers, each would overwrite the other's buckets before the engine copied them.
+    import threading
+
+    engine = ReadingEngine(delay_s=0.01)
+    emitter = emitter_for(engine)
+    first = _payload()
+    second = dataclasses.replace(first, name="policy-v4", version=4,
+                                 tensors={k: t + 100.0 for k, t in first.tensors.items()})
+    errors: list[BaseException] = []
+
+    def send(payload: AdapterPayload) -> None:
+        try:
+            emitter.send_adapter(payload)
+        except BaseException as err:  # noqa: BLE001 (reported below)
+            errors.append(err)
+
+    threads = [threading.Thread(target=send, args=(p,)) for p in (first, second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert errors == []
+    ids = [b["transfer_id"] for b in engine.bodies]
+    assert ids == sorted(ids, key=ids.index) and len(set(ids)) == 2
+    assert ids.index(ids[-1]) == 4, "the second transfer's buckets came only after the first's four"
+    for payload in (first, second):
+        got = engine.adapters[payload.name]
+        for name, sent in payload.tensors.items():
+            assert torch.equal(got[name], sent), f"{payload.name}: {name} arrived with the other's bytes"

@@ -22,7 +22,7 @@ from titan_lora.clients.rollout import Completion
 from titan_lora.clients.router import RolloutRouter
 from titan_lora.sync.syncer import WeightSyncer
 from titan_lora.sync.versions import AdapterVersions
-from titan_lora.transfer.errors import EngineDied, EngineUnreachable
+from titan_lora.transfer.errors import EngineDied, EngineHung, EngineUnreachable
 
 
 class Rollouts:
@@ -129,7 +129,7 @@ def test_a_wedged_replica_is_quarantined_within_its_health_timeout_and_its_reque
     hung = rs.replicas[0]
     original = hung.emitter.send_adapter
     hung.emitter.wedged = True
-    hung.emitter.send_adapter = lambda p: hung.emitter.hang_until_interrupted()
+    hung.emitter.send_adapter = lambda p: hung.emitter.hang_until_interrupted() if hung.emitter.wedged else original(p)
     started = time.monotonic()
     syncer.sync(2)
     took = time.monotonic() - started
@@ -137,7 +137,6 @@ def test_a_wedged_replica_is_quarantined_within_its_health_timeout_and_its_reque
     assert not hung.live and syncer.versions.active.version == 2
     assert hung.emitter.interrupts and "failed its liveness check" in hung.emitter.interrupts[0]
     assert rs.replicas[1].held.keys() == {1, 2}
-    hung.emitter.send_adapter = original
     hung.emitter.wedged = False  # it answers again: re-probed (same incarnation: no base), fed version 2, live
     wait_until(lambda: hung.live, "rejoin")
     assert adapters(hung)[-1] == "adapter policy-v2" and adapters(hung).count("base v1") == 1
@@ -212,3 +211,68 @@ def test_engines_started_from_short_lived_threads_outlive_them(tmp_path):
     finally:
         for e in engines:
             e.stop()
+
+
+def test_rollouts_in_flight_on_a_wedged_replica_go_to_the_others_within_its_health_timeout():
+    rs = replica_set(2, health_timeout_s=0.5)
+    for r in rs.replicas:
+        r.held = {1: "policy-v1"}
+    frozen, ended = rs.replicas[0], threading.Event()
+    frozen.emitter.wedged = True
+
+    def hang(prompts, adapter, max_tokens, temperature, seed, stop_token_ids):  # noqa: ANN001, ANN202
+        frozen.rollouts.calls.append((len(prompts), adapter, seed))
+        assert ended.wait(30), "the request to the wedged replica was never ended"
+        raise EngineHung("abandoned: interrupted")
+
+    frozen.rollouts.generate = hang
+    frozen.rollouts.interrupt = lambda reason: (frozen.rollouts.interrupts.append(reason), ended.set())
+    router = RolloutRouter(rs)
+    started = time.monotonic()
+    out = router.generate([[7]] * 4 + [[8]] * 4, "policy-v1", 4, 1.0, 0, [])
+    took = time.monotonic() - started
+    assert [c.token_ids for c in out] == [[1]] * 8, "every group served by the live replica"
+    assert took < 2 * 0.5 + 0.5, f"the step waited {took:.2f} s on the wedged replica"
+    assert not frozen.live and "failed its liveness check" in frozen.rollouts.interrupts[0]
+    assert [r.outstanding for r in rs.replicas] == [0, 0], "work given back on both replicas"
+    rs.close()
+
+
+def test_the_least_loaded_choice_counts_work_given_back():
+    # A count that never falls (outstanding -= 0 in done) would route everything to one replica.
+    rs = replica_set(2)
+    first = rs.pick(None, 10, exclude=set())
+    rs.done(first, 10)
+    second = rs.pick(None, 1, exclude=set())
+    assert (first.index, second.index) == (0, 1)
+    third = rs.pick(None, 1, exclude=set())  # replica 0 is idle again, replica 1 has 1 in flight
+    assert third.index == 0 and [r.outstanding for r in rs.replicas] == [1, 1]
+    rs.done(second, 1)
+    rs.done(third, 1)
+    assert [r.outstanding for r in rs.replicas] == [0, 0]
+    rs.close()
+
+
+def test_a_base_send_longer_than_one_request_timeout_quarantines_no_replica(syncer_over):
+    # Every bucket answers within timeout_s, the whole send takes longer: one engine would finish it.
+    rs = replica_set(2, timeout_s=0.2)
+    for r in rs.replicas:
+        original = r.emitter.send_base
+        r.emitter.send_base = lambda tensors, version, original=original: (time.sleep(0.6), original(tensors, version))[1]
+    syncer = syncer_over(rs)
+    syncer.sync(1)
+    assert [r.live for r in rs.replicas] == [True, True] and [r.quarantines for r in rs.replicas] == [0, 0]
+    assert syncer.versions.active.version == 1
+
+
+def test_the_host_copy_of_the_base_is_made_once_and_reused():
+    rs = replica_set(1)
+    rs.keep_base(iter(BASE), 0)
+
+    def not_drawn():  # noqa: ANN202
+        raise AssertionError("a second host copy of the base was made")
+        yield
+
+    kept, count, nbytes = rs.keep_base(not_drawn(), 3)
+    assert (count, nbytes) == (2, BASE_BYTES) and rs._base_version == 3
+    rs.close()

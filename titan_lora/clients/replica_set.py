@@ -219,7 +219,8 @@ class ReplicaSet:
             return
         deadline = time.monotonic() + self.cfg.engine_start_timeout_s
         while True:
-            try:
+            try:  # its core too: a wedged one behind a live API server must not rejoin
+                replica.emitter.check_live(self.cfg.health_timeout_s)
                 replica.emitter.engine_incarnation()
                 return
             except EngineUnreachable as err:
