@@ -18,7 +18,7 @@ from titan_lora.clients.http import JsonClient
 from titan_lora.engines.frame_server import FrameServer
 from titan_lora.engines.receiver import ReceiverService, build_server
 from titan_lora.transfer.buckets import bucket_checksum, bucket_size, layout_id, pack, plan_buckets
-from titan_lora.transfer.errors import EngineUnreachable, LayoutUnknownToEngine, TransferError
+from titan_lora.transfer.errors import EngineHung, EngineUnreachable, LayoutUnknownToEngine, TransferError
 from titan_lora.transfer.frames import HELLO_MAX_BYTES, recv_frame, send_frame
 from titan_lora.transfer.transport import BucketBuffer
 
@@ -136,14 +136,14 @@ def test_a_connection_lost_mid_request_is_unreachable_and_never_sent_again(engin
     listener.close()
 
 
-def test_a_request_with_no_reply_times_out_as_unreachable(engine) -> None:
+def test_a_request_with_no_reply_times_out_as_hung(engine) -> None:
     url, service, _ = engine
     hang_up = threading.Event()
     listener, seen = _half_engine(hang_up, service.incarnation)
     service.frames_port = listener.getsockname()[1]
     client = JsonClient(url, KEY)
     client.post("/titan/info")
-    with pytest.raises(EngineUnreachable, match=r"\(frames port \d+\): timed out"):
+    with pytest.raises(EngineHung, match=r"\(frames port \d+\): no answer within 0.3 s"):
         client.post("/titan/unload", {"name": "policy-v1"}, timeout_s=0.3)
     assert seen == [{"route": "unload", "body": {"name": "policy-v1"}}]
     assert client._frames is not None, "one slow unload (the retirer's) does not turn frames off"

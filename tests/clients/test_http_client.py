@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from titan_lora.clients.http import JsonClient
-from titan_lora.transfer.errors import EngineUnreachable, LayoutUnknownToEngine, TransferError
+from titan_lora.transfer.errors import EngineHung, EngineUnreachable, LayoutUnknownToEngine, TransferError
 
 
 class Recorder(ThreadingHTTPServer):
@@ -28,6 +28,7 @@ class Recorder(ThreadingHTTPServer):
         self.requests: list[dict] = []
         self.ports: list[int] = []
         self.close_after = False  # drop the connection after answering (a server-side keep-alive timeout)
+        self.stall: threading.Event | None = None  # answer only once it is set (a wedged engine)
 
     @property
     def url(self) -> str:
@@ -42,6 +43,8 @@ class Handler(BaseHTTPRequestHandler):
         self.server.requests.append({"path": self.path, "body": body, "headers": dict(self.headers)})
         self.server.ports.append(self.client_address[1])
         status, reply = self.server.script.get(self.path, (200, b'{"ok": true}'))
+        if self.server.stall is not None:
+            self.server.stall.wait(30)
         self.send_response(status)
         self.send_header("Content-Length", str(len(reply)))
         self.end_headers()
@@ -173,16 +176,16 @@ def test_nothing_listening_is_unreachable_naming_the_address() -> None:
     assert str(err.value).startswith(f"http://127.0.0.1:{port}: ") and "refused" in str(err.value).lower()
 
 
-def test_a_hung_server_times_out_as_unreachable_without_a_retry() -> None:
+def test_a_hung_server_times_out_as_hung_without_a_retry() -> None:
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(8)
     url = f"http://127.0.0.1:{listener.getsockname()[1]}"
     try:
         client = JsonClient(url, timeout_s=30)
-        with pytest.raises(EngineUnreachable) as err:
+        with pytest.raises(EngineHung) as err:  # an EngineUnreachable: the syncer recovers the engine
             client.post("/titan/unload", timeout_s=0.3)
-        assert str(err.value) == f"{url}/titan/unload: timed out"
+        assert str(err.value) == f"{url}/titan/unload: no answer within 0.3 s"
         assert client._local.conn is None, "a broken connection is not reused"
     finally:
         listener.close()
@@ -245,3 +248,55 @@ def test_status_300_is_an_error_and_undecodable_bodies_are_quoted_with_replaceme
     with pytest.raises(TransferError) as err:
         client.post("/boom")
     assert str(err.value) == f"{server.url}/boom failed with HTTP 500: bad \ufffd"
+
+
+def test_interrupt_ends_a_request_in_flight_at_once_and_it_is_not_resent(server: Recorder) -> None:
+    import time
+
+    server.stall = threading.Event()
+    client = JsonClient(server.url, timeout_s=60.0)
+    raised: list[BaseException] = []
+
+    def post() -> None:
+        try:
+            client.post("/titan/bucket", {"n": 1})
+        except BaseException as err:  # noqa: BLE001 (checked below)
+            raised.append(err)
+
+    thread = threading.Thread(target=post)
+    thread.start()
+    while not server.requests:
+        time.sleep(0.01)
+    started = time.monotonic()
+    client.interrupt("the engine core did not answer LIVE")
+    thread.join(5)
+    assert time.monotonic() - started < 1.0 and not thread.is_alive()
+    assert len(raised) == 1 and isinstance(raised[0], EngineHung)
+    assert "abandoned: the engine core did not answer LIVE" in str(raised[0])
+    server.stall.set()
+    server.stall = None
+    assert client.post("/titan/info") == {"ok": True}, "a later request connects afresh"
+    assert [r["path"] for r in server.requests] == ["/titan/bucket", "/titan/info"], "the bucket was resent"
+
+
+def test_a_request_past_its_timeout_is_an_engine_hang(server: Recorder) -> None:
+    server.stall = threading.Event()
+    with pytest.raises(EngineHung, match=r"/titan/bucket: no answer within 0.3 s"):
+        JsonClient(server.url).post("/titan/bucket", timeout_s=0.3)
+    server.stall.set()
+
+
+@pytest.mark.parametrize(("status", "error"), [(504, EngineHung), (500, EngineHung), (200, None), (404, None)])
+def test_the_liveness_check_names_a_wedged_engine_behind_a_live_front(server: Recorder, status: int,
+                                                                      error: type | None) -> None:
+    server.script["/titan/live"] = (status, b'{"error": "TimeoutError: the engine core did not answer"}')
+    client = JsonClient(server.url)
+    if error is None:
+        client.check_live(1.0)
+    else:
+        with pytest.raises(error, match="its API server answers, but the engine behind it does not"):
+            client.check_live(1.0)
+    live = [r for r in server.requests if r["path"] == "/titan/live"]
+    assert json.loads(live[0]["body"]) == {"timeout_s": 1.0}
+    if status == 404:  # an engine from before LIVE: its INFO is asked instead
+        assert server.requests[-1]["path"] == "/titan/info"

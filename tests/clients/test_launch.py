@@ -92,3 +92,33 @@ def test_a_hung_engine_is_detected_within_the_health_timeout_and_replaced(engine
     assert engine.ensure_running() is True
     assert hung.poll() == -signal.SIGKILL, "the hung engine must be killed, not left behind"
     assert engine.healthy() and _info(engine)["nonce"] == engine.nonce
+
+
+def _gone(pid: int) -> bool:
+    """The process no longer runs (gone, or a zombie nobody reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] == "Z"
+    except (FileNotFoundError, IndexError):
+        return True
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_a_stopped_engine_core_goes_with_the_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    # vLLM's engine core is a child of its API server; SIGSTOPped (or wedged in a kernel), it ignores the
+    # SIGTERM its parent's death sends it, and would hold its memory and GPU forever.
+    pid_file = tmp_path / "core.pid"
+    monkeypatch.setenv("SHIM_CHILD", str(pid_file))
+    eng = _engine(tmp_path, health_timeout_s=1.0)
+    eng.start()
+    core = int(pid_file.read_text())
+    try:
+        os.kill(core, signal.SIGSTOP)
+        getattr(eng, how)()
+        deadline = time.monotonic() + 10
+        while not _gone(core) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(core), f"the stopped engine core outlived the engine ({how})"
+        assert not eng.alive()
+    finally:
+        if not _gone(core):
+            os.kill(core, signal.SIGKILL)

@@ -3,6 +3,8 @@
 - A `/titan/digest` route: SHA-256 of every tensor the receiver HOLDS, for the base or one adapter,
   so a test can check the engine's bytes against the trainer's with an oracle of its own.
 - `SHIM_FOREIGN_NONCE=1` makes it echo another nonce: an engine the launcher did not start.
+- `SHIM_CHILD=<path>` makes it start a child process (as vLLM starts its engine core) and write the
+  child's pid to that file.
 """
 
 from __future__ import annotations
@@ -47,4 +49,11 @@ receiver.ReceiverService.info = _info_with_foreign_nonce
 receiver.make_handler = _handler_with_digest
 
 if __name__ == "__main__":
+    if os.environ.get("SHIM_CHILD"):
+        import subprocess
+        import sys
+
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        with open(os.environ["SHIM_CHILD"], "w") as f:
+            f.write(str(child.pid))
     receiver.main()

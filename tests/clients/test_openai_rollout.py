@@ -1,0 +1,101 @@
+"""The OpenAI rollout client's waits against a local server that stalls like a wedged engine core: an
+`interrupt` (the watchdog found the engine wedged) ends every waiting call at once with EngineHung, and a
+call after it goes through on fresh connections. A timeout is an engine hang too (the syncer recovers)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from titan_lora.clients.openai_rollout import OpenAIRolloutClient
+from titan_lora.transfer.errors import EngineHung
+
+
+class Completions(ThreadingHTTPServer):
+    """`/v1/completions` that answers token [7] per choice, after `stall` is set (when there is one)."""
+
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.stall: threading.Event | None = None
+        self.requests = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self) -> None:  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.server.requests += 1
+        if self.server.stall is not None and not self.server.stall.wait(30):
+            return
+        choices = [{"index": i, "text": "7", "token_ids": [7], "finish_reason": "length",
+                    "logprobs": {"token_logprobs": [-0.5], "tokens": ["7"], "top_logprobs": None,
+                                 "text_offset": [0]}} for i in range(body.get("n", 1))]
+        data = json.dumps({"id": "c", "object": "text_completion", "created": 0, "model": body["model"],
+                           "choices": choices}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args) -> None:  # noqa: ANN002
+        pass
+
+
+@pytest.fixture
+def server() -> Iterator[Completions]:
+    srv = Completions()
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield srv
+    if srv.stall is not None:
+        srv.stall.set()
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_interrupt_ends_every_waiting_call_at_once_and_later_calls_go_through(server: Completions) -> None:
+    server.stall = threading.Event()
+    client = OpenAIRolloutClient(server.url, timeout_s=60.0)
+    raised: list[BaseException] = []
+
+    def sample() -> None:
+        try:
+            client.generate([[1, 2]] * 4 + [[3]] * 4, "policy-v1", 4, 1.0, 0, [])
+        except BaseException as err:  # noqa: BLE001 (checked below)
+            raised.append(err)
+
+    callers = [threading.Thread(target=sample) for _ in range(2)]
+    for c in callers:
+        c.start()
+    while server.requests < 4:  # two groups from each caller in flight
+        time.sleep(0.01)
+    started = time.monotonic()
+    client.interrupt("the engine core did not answer LIVE")
+    for c in callers:
+        c.join(5)
+    assert time.monotonic() - started < 1.0 and not any(c.is_alive() for c in callers)
+    assert len(raised) == 2 and all(isinstance(e, EngineHung) for e in raised)
+    assert all("abandoned: the engine core did not answer LIVE" in str(e) for e in raised)
+    server.stall.set()
+    server.stall = None
+    out = client.generate([[1, 2]] * 2, "policy-v1", 4, 1.0, 0, [])
+    assert [c.token_ids for c in out] == [[7], [7]]
+
+
+def test_a_call_past_the_rollout_timeout_is_an_engine_hang(server: Completions) -> None:
+    server.stall = threading.Event()
+    client = OpenAIRolloutClient(server.url, timeout_s=0.5)
+    with pytest.raises(EngineHung, match=r"no answer within 0.5 s \(\[weight_sync\] rollout_timeout_s\)"):
+        client.generate([[1]], "policy-v1", 4, 1.0, 0, [])
