@@ -14,6 +14,7 @@ import sys
 
 import grimp
 import pytest
+import torch
 from model_helpers import randomize_adapters
 from vllm_helpers import CPU, PARITY_TOL, max_abs_diff, rollouts_of, smollm2_engine, smollm2_trainer
 
@@ -61,6 +62,7 @@ def test_an_untested_version_warns_once_and_leaves_vllm_as_it_is() -> None:
         "from titan_lora.engines import vllm_ext\n"
         "from vllm.lora.ops.torch_ops import lora_ops\n"
         "print(json.dumps({'cpu_kernels': vllm_ext.CPU_KERNELS,\n"
+        "    'prompt_logprobs_fix': vllm_ext.PROMPT_LOGPROBS_FIX,\n"
         "    'fastpath_imported': 'titan_lora.engines.vllm_fastpath' in sys.modules,\n"
         "    'kernel_module': lora_ops.bgmv_shrink.__module__}))\n"
     )
@@ -69,7 +71,40 @@ def test_an_untested_version_warns_once_and_leaves_vllm_as_it_is() -> None:
     assert done.returncode == 0, done.stderr
     assert done.stderr.count(WARNING) == 1, done.stderr
     assert json.loads(done.stdout.splitlines()[-1]) == {
-        "cpu_kernels": False, "fastpath_imported": False, "kernel_module": "vllm.lora.ops.torch_ops.lora_ops"}
+        # The prompt log-probs fix is a fix, not a speed-up: on any vLLM that has the names it patches.
+        "cpu_kernels": False, "prompt_logprobs_fix": True,
+        "fastpath_imported": False, "kernel_module": "vllm.lora.ops.torch_ops.lora_ops"}
+
+
+def test_a_requests_prompt_rows_get_its_adapter_in_a_batch_of_several() -> None:
+    """vLLM's CPU punica wrapper, as a batch of 3 requests (adapter ids 1 and 2, the base) sets it up: the
+    LoRA lm_head delta of one request's prompt rows, as vLLM 0.32 computes prompt log-probs."""
+    from vllm.lora.layers import LoRAMapping
+    from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+
+    punica = PunicaWrapperCPU(64, 8, "cpu")
+    lengths, ids = [3, 4, 2], [1, 2, 0]
+    tokens = [i for i, n in zip(ids, lengths) for _ in range(n)]
+    punica.update_metadata(LoRAMapping(tuple(tokens), tuple(ids), is_prefill=True), [1, 2], 2, 100)
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(sum(lengths), 16, generator=g)
+    a, b = torch.randn(2, 1, 4, 16, generator=g), torch.randn(2, 1, 100, 4, generator=g)
+    per_request = punica.sampler_indices.clone()
+    assert per_request.tolist() == [0, 1, -1]
+    rows = hidden[3:7]  # request 1's prompt rows: adapter id 2, in slot 1
+    with pytest.raises(RuntimeError, match="einsum"):  # vLLM alone: 3 indices for 4 rows (issue 15)
+        punica.add_lora_logits(torch.zeros(4, 100), rows, a, b, 1.0)
+    with compat._indices_of_rows(punica, hidden, rows):
+        assert punica.sampler_indices.tolist() == [1]
+        logits = torch.zeros(4, 100)
+        punica.add_lora_logits(logits, rows, a, b, 1.0)
+    torch.testing.assert_close(logits, rows @ a[1, 0].T @ b[1, 0].T)
+    assert torch.equal(punica.sampler_indices, per_request), "the batch's own indices were not put back"
+    for start, n, want in ((0, 3, [0]), (7, 2, [-1])):
+        with compat._indices_of_rows(punica, hidden, hidden[start : start + n]):
+            assert punica.sampler_indices.tolist() == want
+    with compat._indices_of_rows(punica, hidden, rows.clone()):  # not rows of the batch: vLLM's as they are
+        assert torch.equal(punica.sampler_indices, per_request)
 
 
 @pytest.mark.slow

@@ -6,8 +6,9 @@ generate: token-id prompts in; sampled token ids and the log-prob of each out (`
 seeds sample i of a request with `seed + i`, so prompt k of the call is sampled with `seed + k`, as on
 titan_lora's own engine. Runs go out concurrently and the engine batches them.
 chat: one `/v1/chat/completions` turn, its text and the served model name (the agentic example's).
-score: vLLM's `prompt_logprobs` with `max_tokens=1`, one sequence per request and one request at a
-time (vLLM 0.32's CPU LoRA kernels fail on prompt log-probs of several LoRA sequences in one batch).
+score: vLLM's `prompt_logprobs` with `max_tokens=1`, one sequence per request, the requests concurrent
+(titan_lora's vLLM engine computes prompt log-probs right in a batch with other requests:
+`vllm_compat.score_prompt_rows_under_their_adapter`).
 
 Every request ends within `timeout_s`; a request the client gave up on is aborted by vLLM when the
 connection drops. Requests run on the client's threads while the caller waits, so that `interrupt` (the
@@ -166,19 +167,19 @@ class OpenAIRolloutClient:
         return ChatReply(reply.model, reply.choices[0].message.content or "")
 
     def score(self, sequences: list[list[int]], adapter: str | None) -> list[list[float]]:
-        """log p(token t | tokens < t) for every token after the first of each sequence."""
-        return self._await([self._submit(self._score, sequences, self._model(adapter))])[0]
+        """log p(token t | tokens < t) for every token after the first of each sequence; the sequences
+        go out concurrently, one request each, and the engine batches them."""
+        model = self._model(adapter)
 
-    def _score(self, sequences: list[list[int]], model: str) -> list[list[float]]:
-        out = []
-        for ids in sequences:
+        def one(ids: list[int]) -> list[float]:
             reply = self._call(self.client.completions.create, model=model, prompt=ids, max_tokens=1,
                                temperature=0.0, extra_body={"prompt_logprobs": 0})
             if reply.model != model:
                 raise TransferError(f"asked for model {model!r}, the engine answered with {reply.model!r}")
             per_token = reply.choices[0].prompt_logprobs
-            out.append([per_token[j][str(ids[j])]["logprob"] for j in range(1, len(ids))])
-        return out
+            return [per_token[j][str(ids[j])]["logprob"] for j in range(1, len(ids))]
+
+        return self._await([self._submit(one, ids) for ids in sequences])
 
 
 def openai_rollouts(endpoint: Endpoint, ws: WeightSync) -> OpenAIRolloutClient:

@@ -2,7 +2,7 @@
 
 vLLM (0.32, 0.33 too) has no public API to install a LoRA adapter from in-memory tensors, so the
 engine side reaches into vLLM's internals, as every framework that does this must. Those internals
-change between releases; this module is the one place that names them, in two tiers:
+change between releases; this module is the one place that names them, in two tiers and fixes:
 
 - the builder tier, used on any version: vLLM's own adapter builder (`LoRAModel.from_lora_tensors`
   with a `PEFTHelper`), the worker LoRA manager's loader (shadowed by our in-memory store) and its
@@ -12,6 +12,9 @@ change between releases; this module is the one place that names them, in two ti
   slot writes into the LRU manager's slots) and `vllm_cpu_lora` (grouped CPU LoRA kernels). They
   depend on layer classes, weight containers, LRU-manager fields and kernel signatures that a release
   may change without notice, so on any other version they are off, and this module says so once.
+- the fixes of vLLM bugs titan_lora's users meet (`score_prompt_rows_under_their_adapter`): on any
+  version that has the names they patch, since without them the engine fails; each acts only where the
+  inputs are laid out as the fix expects, and leaves vLLM's behaviour otherwise.
 
 TITAN_LORA_FAKE_VLLM_VERSION=<version> makes the check see that version instead of the installed
 one (tests use it to exercise the fallback on the vLLM that is installed).
@@ -20,6 +23,8 @@ one (tests use it to exercise the fallback on the vLLM that is installed).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import importlib.metadata
 import logging
 import os
@@ -212,6 +217,96 @@ def swap_cpu_lora_kernels(kernels: Mapping[str, Callable]) -> dict[str, Callable
         setattr(lora_ops, name, fn)  # the sgmv_* wrappers look these up as module globals
         setattr(punica_cpu, name, fn)  # punica_cpu imported them by name
     return replaced
+
+
+# A fix of vLLM 0.32: prompt log-probs under LoRA in a batch of several requests (CPU backend).
+
+_PROMPT_ROWS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("titan_prompt_rows",
+                                                                                  default=None)
+_PATCHED = "_titan_lora_patched"
+
+
+def score_prompt_rows_under_their_adapter() -> bool:
+    """Make vLLM's CPU backend compute a request's prompt log-probs under that request's adapter when other
+    requests share its batch (idempotent); False when this vLLM lacks the pieces, and nothing changes.
+
+    vLLM 0.32 computes each prompt-logprobs request's logits from its own prompt rows
+    (v1/worker/gpu_model_runner.py:5373-5375, `_get_prompt_logprobs_dict`), and the LoRA logits
+    processor adds the adapter's lm_head delta with the punica wrapper's `sampler_indices`
+    (lora/layers/logits_processor.py:204, punica_wrapper/punica_cpu.py:349-350): one index per sampled
+    token of the whole batch (v1/worker/gpu_input_batch.py:1013), not one per row. Alone, the request's one
+    index broadcasts over its rows; in a batch of n requests the CPU ops' einsum
+    (lora/ops/torch_ops/lora_ops.py:78) meets n indices for the rows and raises, which ends the engine core.
+    While those logits are computed, the sampler indices are the request's own: its rows'
+    `token_lora_indices` (one per scheduled token, laid out as the hidden states), as one index when they
+    agree, which is what vLLM computes for a request alone. Rows that are not a slice of the batch's hidden
+    states (a vLLM that copies them) keep vLLM's behaviour.
+    """
+    try:
+        from vllm.lora.layers.logits_processor import LogitsProcessorWithLoRA
+        from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError:
+        return False
+    prompt_logprobs = getattr(GPUModelRunner, "_get_prompt_logprobs_dict", None)
+    get_logits = getattr(LogitsProcessorWithLoRA, "_get_logits", None)
+    if prompt_logprobs is None or get_logits is None or not hasattr(PunicaWrapperCPU, "sampler_indices"):
+        return False
+    if getattr(get_logits, _PATCHED, False):
+        return True
+
+    def get_prompt_logprobs_dict(runner: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        token = _PROMPT_ROWS.set(hidden_states)
+        try:
+            return prompt_logprobs(runner, hidden_states, *args, **kwargs)
+        finally:
+            _PROMPT_ROWS.reset(token)
+
+    def lora_logits(layer: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        batch_rows = _PROMPT_ROWS.get()
+        if batch_rows is None or not isinstance(layer.punica_wrapper, PunicaWrapperCPU):
+            return get_logits(layer, hidden_states, *args, **kwargs)
+        with _indices_of_rows(layer.punica_wrapper, batch_rows, hidden_states):
+            return get_logits(layer, hidden_states, *args, **kwargs)
+
+    setattr(lora_logits, _PATCHED, True)
+    GPUModelRunner._get_prompt_logprobs_dict = get_prompt_logprobs_dict
+    LogitsProcessorWithLoRA._get_logits = lora_logits
+    return True
+
+
+def _row_offset(batch_rows: torch.Tensor, rows: torch.Tensor) -> int | None:
+    """Where `rows` starts in `batch_rows` when it is a slice of its rows, else None."""
+    if (rows.dim() != 2 or batch_rows.dim() != 2 or rows.stride() != batch_rows.stride()
+            or rows.dtype != batch_rows.dtype
+            or rows.untyped_storage().data_ptr() != batch_rows.untyped_storage().data_ptr()):
+        return None
+    row_bytes = batch_rows.stride(0) * batch_rows.element_size()
+    start, remainder = divmod(rows.data_ptr() - batch_rows.data_ptr(), row_bytes)
+    if remainder or start < 0 or start + rows.shape[0] > batch_rows.shape[0]:
+        return None
+    return start
+
+
+@contextlib.contextmanager
+def _indices_of_rows(punica: Any, batch_rows: torch.Tensor, rows: torch.Tensor) -> Any:
+    """The punica wrapper's sampler indices are those of `rows` (a slice of `batch_rows`) meanwhile."""
+    start = _row_offset(batch_rows, rows)
+    own = None if start is None else punica.token_lora_indices[start : start + rows.shape[0]]
+    if own is None or own.numel() != rows.shape[0] or own.numel() == 0:
+        yield
+        return
+    if bool((own == own[0]).all()):
+        own = own[:1]  # one request's rows: its one index broadcasts, as for the request alone
+    count = punica.indices_len[1]
+    saved = punica.sampler_indices.clone()
+    punica._sampler_indices[: own.numel()] = own
+    punica.indices_len[1] = own.numel()
+    try:
+        yield
+    finally:
+        punica._sampler_indices[:count] = saved
+        punica.indices_len[1] = count
 
 
 # The OpenAI server tier: the pieces of `vllm serve` that titan_lora's OpenAI engine runs as they are.

@@ -4,9 +4,11 @@ vLLM's CPU ops (`vllm.lora.ops.torch_ops.lora_ops`) index the stacked adapter we
 per-token adapter index, materialising one weight copy per token before an einsum: sampling with
 all-linear adapters runs ~8x slower than the base model. A batch holds only a few distinct adapters,
 so grouping tokens by adapter and doing one matmul per group gives the same numbers at the cost of a
-plain matmul. Same signatures and semantics (including index -1, which selects the last slot as the
-original's indexing does); inputs the grouping cannot handle fall back to the original. The swap
-itself (a private vLLM module) is `vllm_compat.swap_cpu_lora_kernels`.
+plain matmul. Same signatures and semantics, except for index -1 (a base-model token): vLLM's punica
+wrappers document it as "no LoRA" and its GPU kernels skip it, but the CPU ops index the slots with it
+and so add the last slot's adapter to base-model requests that share a batch with adapter requests
+while every slot is taken; here it adds nothing. Inputs the grouping cannot handle fall back to the
+original. The swap itself (a private vLLM module) is `vllm_compat.swap_cpu_lora_kernels`.
 """
 
 from __future__ import annotations
@@ -16,24 +18,31 @@ import torch
 from titan_lora.engines.vllm_compat import swap_cpu_lora_kernels
 
 _ORIGINAL: dict[str, object] = {}
+NO_LORA = -1
+"""The index of a token (or request) of the base model: vLLM's punica wrappers mark them so."""
 
 
-def _grouped(inputs: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """out[t] = inputs[t] @ weights[indices[t]].T, one matmul per distinct index."""
+def _grouped(inputs: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
+             dtype: torch.dtype) -> torch.Tensor:
+    """out[t] = inputs[t] @ weights[indices[t]].T, one matmul per distinct index; 0 where indices[t] is -1."""
     w = weights.squeeze(1) if weights.dim() == 4 else weights
     x = inputs.to(dtype)
     distinct = torch.unique(indices)
-    if distinct.numel() == 1:
+    if distinct.numel() == 1 and distinct[0] != NO_LORA:
         return x @ w[distinct[0]].to(dtype).T
-    out = x.new_empty(x.shape[0], w.shape[1])
+    out = x.new_zeros(x.shape[0], w.shape[1])
     for idx in distinct.tolist():
+        if idx == NO_LORA:
+            continue
         rows = indices == idx
         out[rows] = x[rows] @ w[idx].to(dtype).T
     return out
 
 
 def _groupable(inputs: torch.Tensor, indices: torch.Tensor) -> bool:
-    return inputs.dim() == 2 and indices.dim() == 1 and inputs.shape[0] == indices.shape[0]
+    # One index for many rows broadcasts, as vLLM's einsum does: a request's prompt rows when its
+    # prompt log-probs are computed (`vllm_compat.score_prompt_rows_under_their_adapter`).
+    return inputs.dim() == 2 and indices.dim() == 1 and indices.shape[0] in (1, inputs.shape[0])
 
 
 def bgmv_shrink(inputs, lora_b_weights, output_tensor, lora_indices_tensor, scaling=1.0):  # noqa: ANN001, ANN201

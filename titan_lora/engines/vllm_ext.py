@@ -40,6 +40,9 @@ if compat.FAST_PATH:  # both drive vLLM internals that only the tested versions 
     CPU_KERNELS = compat.is_cpu() and vllm_cpu_lora.install()
 else:
     CPU_KERNELS = False
+# Without it a CPU engine core dies when a prompt-logprobs request shares a batch (on any vLLM that has
+# the names it patches).
+PROMPT_LOGPROBS_FIX = compat.is_cpu() and compat.score_prompt_rows_under_their_adapter()
 
 ADAPTER_SCHEME = compat.MEMORY_SCHEME
 SLABS_KEPT_PER_LAYOUT = 2
