@@ -10,7 +10,9 @@ after the recovery: test_vllm_sync.py's restart test, on an engine that restarts
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import signal
 import threading
 import time
 
@@ -19,6 +21,7 @@ import openai
 import pytest
 from dist_helpers import free_port
 from model_helpers import randomize_adapters
+from process_helpers import engine_core_pid
 from vllm_helpers import CPU, PARITY_TOL, alias_logprobs, max_abs_diff, smollm2_trainer
 from wait_helpers import waited
 
@@ -33,6 +36,7 @@ from titan_lora.rl.task import Problem, task_prompt
 from titan_lora.rl.tasks import ArithTask
 from titan_lora.sync.parity import trainer_logprobs
 from titan_lora.sync.syncer import WeightSyncer
+from titan_lora.transfer.errors import EngineHung
 
 pytestmark = pytest.mark.slow
 
@@ -229,3 +233,20 @@ def test_the_key_unknown_names_and_metrics(ctx: Ctx) -> None:
     metrics = httpx.get(ctx.engine.url + "/metrics").text
     assert "vllm:request_success_total{" in metrics and "vllm:prompt_tokens" in metrics
 
+
+
+def test_live_goes_through_the_engine_core_and_fails_in_time_while_info_still_answers(ctx: Ctx) -> None:
+    """Last in this module: it stops the engine core for a few seconds."""
+    ctx.titan.check_live(5.0)  # a running core answers the no-op collective_rpc
+    core = engine_core_pid(ctx.engine.proc.pid)
+    os.kill(core, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(EngineHung, match="did not answer a no-op collective_rpc within 2 s"):
+            ctx.titan.check_live(2.0)
+        assert time.monotonic() - started < 2.0 + 1.5, "LIVE must answer by its own deadline"
+        assert ctx.titan.post("/titan/info")["incarnation"], "the API server still answers INFO"
+        assert not ctx.engine.healthy(2.0), "the launcher's health check sees the wedged core"
+    finally:
+        os.kill(core, signal.SIGCONT)
+    wait_until(lambda: ctx.engine.healthy(5.0), 30)

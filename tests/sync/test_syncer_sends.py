@@ -249,8 +249,8 @@ def test_an_engine_that_stays_alive_is_checked_with_the_health_timeout(rig, slee
     r = rig(engine=True, retries=1, health_timeout_s=4.0)
     r.emitter.fail["adapter"] = [TransferError("HTTP 503")]
     r.syncer.sync(1)
-    assert ("healthy", 4.0) in r.engine.events and sleeps == [1.0]
-    assert ("check", 4.0) in r.engine.events and r.syncer.counters["engine_recoveries"] == 0
+    assert r.engine.events.count(("check", 4.0)) >= 2 and sleeps == [1.0]  # after the failure, and before it
+    assert r.syncer.counters["engine_recoveries"] == 0
 
 
 # ---- what each failure says -----------------------------------------------------------------------
