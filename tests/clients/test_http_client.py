@@ -286,7 +286,8 @@ def test_a_request_past_its_timeout_is_an_engine_hang(server: Recorder) -> None:
     server.stall.set()
 
 
-@pytest.mark.parametrize(("status", "error"), [(504, EngineHung), (500, EngineHung), (200, None), (404, None)])
+@pytest.mark.parametrize(("status", "error"),
+                         [(504, EngineHung), (500, EngineHung), (200, None), (404, None)])
 def test_the_liveness_check_names_a_wedged_engine_behind_a_live_front(server: Recorder, status: int,
                                                                       error: type | None) -> None:
     server.script["/titan/live"] = (status, b'{"error": "TimeoutError: the engine core did not answer"}')

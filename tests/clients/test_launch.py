@@ -103,7 +103,8 @@ def _gone(pid: int) -> bool:
 
 
 @pytest.mark.parametrize("how", ["kill", "stop"])
-def test_a_stopped_engine_core_goes_with_the_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+def test_a_stopped_engine_core_goes_with_the_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   how: str) -> None:
     # vLLM's engine core is a child of its API server; SIGSTOPped (or wedged in a kernel), it ignores the
     # SIGTERM its parent's death sends it, and would hold its memory and GPU forever.
     pid_file = tmp_path / "core.pid"

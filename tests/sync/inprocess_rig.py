@@ -89,7 +89,7 @@ class Emitter:
         self._interrupted.set()
 
     def hang_until_interrupted(self, limit_s: float = 30.0) -> None:
-        """What a request to a wedged engine does: wait until `interrupt` (then EngineHung), at most limit_s."""
+        """What a request to a wedged engine does: wait for `interrupt` (then EngineHung), at most limit_s."""
         if not self._interrupted.wait(limit_s):
             raise AssertionError(f"nobody interrupted a request to the wedged engine within {limit_s} s")
         self._interrupted.clear()

@@ -129,7 +129,8 @@ def test_a_wedged_replica_is_quarantined_within_its_health_timeout_and_its_reque
     hung = rs.replicas[0]
     original = hung.emitter.send_adapter
     hung.emitter.wedged = True
-    hung.emitter.send_adapter = lambda p: hung.emitter.hang_until_interrupted() if hung.emitter.wedged else original(p)
+    hung.emitter.send_adapter = lambda p: (hung.emitter.hang_until_interrupted() if hung.emitter.wedged
+                                           else original(p))
     started = time.monotonic()
     syncer.sync(2)
     took = time.monotonic() - started
@@ -137,7 +138,7 @@ def test_a_wedged_replica_is_quarantined_within_its_health_timeout_and_its_reque
     assert not hung.live and syncer.versions.active.version == 2
     assert hung.emitter.interrupts and "failed its liveness check" in hung.emitter.interrupts[0]
     assert rs.replicas[1].held.keys() == {1, 2}
-    hung.emitter.wedged = False  # it answers again: re-probed (same incarnation: no base), fed version 2, live
+    hung.emitter.wedged = False  # it answers again: re-probed (same incarnation: no base), fed v2, live
     wait_until(lambda: hung.live, "rejoin")
     assert adapters(hung)[-1] == "adapter policy-v2" and adapters(hung).count("base v1") == 1
 
@@ -258,7 +259,8 @@ def test_a_base_send_longer_than_one_request_timeout_quarantines_no_replica(sync
     rs = replica_set(2, timeout_s=0.2)
     for r in rs.replicas:
         original = r.emitter.send_base
-        r.emitter.send_base = lambda tensors, version, original=original: (time.sleep(0.6), original(tensors, version))[1]
+        r.emitter.send_base = lambda tensors, version, original=original: (
+            time.sleep(0.6), original(tensors, version))[1]
     syncer = syncer_over(rs)
     syncer.sync(1)
     assert [r.live for r in rs.replicas] == [True, True] and [r.quarantines for r in rs.replicas] == [0, 0]

@@ -209,8 +209,8 @@ def test_a_failing_health_check_counts_as_a_lost_engine(rig, caplog) -> None:  #
         raise RuntimeError("health endpoint crashed")
 
     # A wrong ack, then the health check that judges it crashes.
-    r.emitter.adapter_ack = lambda p: (setattr(r.emitter, "adapter_ack", None), setattr(r.engine, "check", broken),
-                                       Ack(p.version, 0, 0))[-1]
+    r.emitter.adapter_ack = lambda p: (setattr(r.emitter, "adapter_ack", None),
+                                       setattr(r.engine, "check", broken), Ack(p.version, 0, 0))[-1]
     with caplog.at_level(logging.ERROR, logger="titan_lora.sync.syncer"):
         r.syncer.sync(2)
     assert "checking the engine's health failed; treating it as lost" in caplog.messages

@@ -97,17 +97,19 @@ class JsonClient:
         """Raise EngineHung unless the engine's LIVE route (a no-op through its engine core and workers)
         answers within `timeout_s`; EngineUnreachable when nothing listens."""
         try:
-            self.post(protocol.path(protocol.LIVE), {"timeout_s": timeout_s}, timeout_s=timeout_s + LIVE_MARGIN_S)
+            self.post(protocol.path(protocol.LIVE), {"timeout_s": timeout_s},
+                      timeout_s=timeout_s + LIVE_MARGIN_S)
         except HTTPStatusError as err:
             if err.status == 401:
                 raise
             if err.status == 404:  # an engine from before LIVE: INFO answering is all it can show
-                logger.warning("%s serves no %s route: a wedged engine core cannot be told from a live one "
-                               "(update titan_lora on the engine)", self.base_url, protocol.path(protocol.LIVE))
+                logger.warning("%s serves no %s route: a wedged engine core cannot be told from a live "
+                               "one (update titan_lora on the engine)", self.base_url,
+                               protocol.path(protocol.LIVE))
                 self.post(protocol.path(protocol.INFO), timeout_s=timeout_s + LIVE_MARGIN_S)
                 return
-            raise EngineHung(f"{self.base_url}: its API server answers, but the engine behind it does not: {err}") \
-                from None
+            raise EngineHung(f"{self.base_url}: its API server answers, but the engine behind it does not: "
+                             f"{err}") from None
 
     def _interrupted_since(self, seen: int) -> bool:
         return self._open.wakes != seen
@@ -168,8 +170,8 @@ class JsonClient:
                 break
             except TimeoutError:
                 self._drop_connection()
-                raise EngineHung(f"{self.base_url}{path}: no answer within {timeout_s or self.timeout_s:g} s") \
-                    from None
+                raise EngineHung(f"{self.base_url}{path}: no answer within "
+                                 f"{timeout_s or self.timeout_s:g} s") from None
             except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as err:
                 self._drop_connection()
                 if attempt == 1 or self._interrupted_since(seen):  # never resend an interrupted request

@@ -185,8 +185,8 @@ class EmbeddedEngine:
         try:
             client.check_live(timeout_s)
         except EngineHung as err:
-            raise EngineHung(f"{self.module} is wedged ([weight_sync] health_timeout_s = {timeout_s:g}): {err}") \
-                from None
+            raise EngineHung(f"{self.module} is wedged ([weight_sync] health_timeout_s = {timeout_s:g}): "
+                             f"{err}") from None
         except TransferError as err:
             raise EngineDied(f"{self.module} failed its health check: {err}") from None
 

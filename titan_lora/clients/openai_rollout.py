@@ -153,8 +153,8 @@ class OpenAIRolloutClient:
         greedy = temperature == 0
         runs = prompt_runs(prompts)
         futures = [self._submit(self._sample, model, prompt, 1 if greedy else n,
-                                None if seed is None else seed + start, max_tokens, temperature, stop_token_ids)
-                   for start, prompt, n in runs]
+                                None if seed is None else seed + start, max_tokens, temperature,
+                                stop_token_ids) for start, prompt, n in runs]
         results = self._await(futures)
         return [c for r, (_, _, n) in zip(results, runs) for c in (r * n if greedy else r)]
 

@@ -249,8 +249,8 @@ class SGLangClient:
         scheduler unless it is already busy) answers 200 within `timeout_s`."""
         status, payload = self._call("GET", "/health_generate", timeout_s=timeout_s, retry=False)
         if status != 200:
-            raise EngineHung(f"SGLang at {self.url} failed /health_generate ({status}): its scheduler is wedged "
-                             f"or dead: {_error_text(payload)}")
+            raise EngineHung(f"SGLang at {self.url} failed /health_generate ({status}): its scheduler is "
+                             f"wedged or dead: {_error_text(payload)}")
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -313,7 +313,8 @@ class SGLangClient:
                     ) from err
             except (ConnectionError, http.client.HTTPException) as err:
                 if self.open.wakes != wakes:  # `interrupt` ended it: never resent
-                    raise EngineHung(f"SGLang at {self.url}: {path} abandoned: {self._interrupt_reason}") from None
+                    raise EngineHung(f"SGLang at {self.url}: {path} abandoned: {self._interrupt_reason}") \
+                        from None
                 if not idempotent or attempt == retries:
                     raise SGLangError(f"the connection to SGLang at {self.url} broke during {path} ({err}); "
                                       "the server may have crashed or restarted") from err

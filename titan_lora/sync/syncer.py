@@ -30,7 +30,13 @@ from titan_lora.sync.collective import RankZeroError, on_rank0, share
 from titan_lora.sync.retire import Retirer
 from titan_lora.sync.versions import AdapterVersions, Lease
 from titan_lora.sync.watchdog import Watchdog
-from titan_lora.transfer.errors import EngineDied, EngineHung, EngineUnreachable, EngineWeightsLost, TransferError
+from titan_lora.transfer.errors import (
+    EngineDied,
+    EngineHung,
+    EngineUnreachable,
+    EngineWeightsLost,
+    TransferError,
+)
 from titan_lora.transfer.protocol import Ack, EngineLimits
 
 if TYPE_CHECKING:
@@ -327,8 +333,8 @@ class WeightSyncer:
             started = time.perf_counter()
             tally = _Tally(self.base_weights())
             try:
-                ack = self._rank0(self._watched(lambda: self.emitter.send_base(tally, version), "sending the base"),
-                                  "sending the base", then=tally.drain)
+                send = self._watched(lambda: self.emitter.send_base(tally, version), "sending the base")
+                ack = self._rank0(send, "sending the base", then=tally.drain)
             except TransferError as err:  # raised on every rank alike
                 if attempt == self.cfg.retries:
                     raise TransferError(f"sending the base failed after {attempt + 1} attempts: {err}") \
@@ -406,8 +412,8 @@ class WeightSyncer:
         if len(self.versions.live) > self.versions.keep_versions:
             # Retirements lag behind: give them a bounded chance, so live versions stay <= keep + 1.
             self.retirer.wait_idle(self.cfg.retire_timeout_s)
-        ack = self._retrying(self._watched(lambda: self.emitter.send_adapter(payload), f"sending adapter {payload.name}"),
-                             f"sending adapter {payload.name}")
+        what = f"sending adapter {payload.name}"
+        ack = self._retrying(self._watched(lambda: self.emitter.send_adapter(payload), what), what)
         verify_ack(ack, payload.version, payload.num_tensors, payload.nbytes, f"adapter {payload.name}")
         self._acks_name_incarnation = ack.incarnation is not None
         if ack.incarnation is not None and ack.incarnation != self._base_incarnation:
