@@ -242,9 +242,9 @@ def test_live_goes_through_the_engine_core_and_fails_in_time_while_info_still_an
     os.kill(core, signal.SIGSTOP)
     try:
         started = time.monotonic()
-        with pytest.raises(EngineHung, match="did not answer a no-op collective_rpc within 2 s"):
+        with pytest.raises(EngineHung, match=r"did not answer a no-op collective_rpc within 1.6 s"):
             ctx.titan.check_live(2.0)
-        assert time.monotonic() - started < 2.0 + 1.5, "LIVE must answer by its own deadline"
+        assert time.monotonic() - started < 2.0, "LIVE must answer by its own deadline"
         assert ctx.titan.post("/titan/info")["incarnation"], "the API server still answers INFO"
         assert not ctx.engine.healthy(2.0), "the launcher's health check sees the wedged core"
     finally:

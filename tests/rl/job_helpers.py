@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -75,3 +77,14 @@ def wait_for(predicate, what: str, job, log: Path, timeout_s: float = 600, poll_
         assert job.poll() is None, f"the job ended while waiting for {what}:\n{log.read_text()[-4000:]}"
         assert time.monotonic() < deadline, f"no {what} in {timeout_s:.0f} s:\n{log.read_text()[-4000:]}"
         time.sleep(poll_s)
+
+
+def in_flight(port: int, api_key: str) -> int:
+    """Generate requests the engine on `port` is serving now (0 when it does not answer)."""
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/titan/info", data=b"{}", method="POST",
+                                 headers={"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=2) as resp:
+            return sum(json.loads(resp.read())["in_flight"].values())
+    except OSError:
+        return 0

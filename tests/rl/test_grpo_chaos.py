@@ -6,17 +6,15 @@ watchdog within 2 x health_timeout_s, not after the rollout timeout (600 s here)
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 from dist_helpers import free_port
-from job_helpers import kill_tree, launch, scalars, short_config, wait_for
+from job_helpers import in_flight, kill_tree, launch, scalars, short_config, wait_for
 from process_helpers import engine_core_pid
 
 API_KEY = "chaos-test-key"
@@ -35,17 +33,6 @@ def engine_pid(job_pid: int) -> int | None:
         except psutil.NoSuchProcess:
             continue
     return None
-
-
-def in_flight(port: int) -> int:
-    """Generate requests the engine is serving now (0 when it does not answer)."""
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/titan/info", data=b"{}", method="POST",
-                                 headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=2) as resp:
-            return sum(json.loads(resp.read())["in_flight"].values())
-    except OSError:
-        return 0
 
 
 def chaos_config(tmp: Path, port: int) -> Path:
@@ -80,13 +67,13 @@ def test_grpo_job_survives_kills_and_a_wedged_engine_core_in_rollouts_and_mid_bu
         faults.append("kill mid-bucket")
         # 2. SIGKILL while step 3's rollouts are in flight.
         wait_for(lambda: progress(2), "step 2", job, log)
-        wait_for(lambda: in_flight(port) > 0, "rollouts in flight", job, log, poll_s=0.01)
+        wait_for(lambda: in_flight(port, API_KEY) > 0, "rollouts in flight", job, log, poll_s=0.01)
         os.kill(engine_pid(job.pid), signal.SIGKILL)
         faults.append("kill in rollouts")
         # 3. The engine core alone SIGSTOPped while step 4's rollouts are in flight: the API server answers
         # INFO and keeps the requests; only the watchdog's LIVE (a collective_rpc) sees the wedge.
         wait_for(lambda: progress(3), "step 3", job, log)
-        wait_for(lambda: in_flight(port) > 0, "rollouts in flight", job, log, poll_s=0.01)
+        wait_for(lambda: in_flight(port, API_KEY) > 0, "rollouts in flight", job, log, poll_s=0.01)
         os.kill(engine_core_pid(engine_pid(job.pid)), signal.SIGSTOP)
         wedged = time.monotonic()
         faults.append("core SIGSTOP in rollouts")

@@ -1,17 +1,19 @@
-"""The main job on two embedded vLLM replicas: one is SIGKILLed inside an adapter bucket, later the other
-is frozen (SIGSTOP). Each is quarantined while training goes on, revived in the background (base, then
-the newest version) and rejoins; the job finishes with one published version per step, and one step's
-rollouts are split over both replicas."""
+"""The main job on two embedded vLLM replicas: one is SIGKILLed inside an adapter bucket, later the other's
+whole process tree is frozen (SIGSTOP) while rollouts run on it. Each is quarantined while training goes
+on (the frozen one by the liveness watch within 2 x health_timeout_s, with the shipped 600 s request
+timeouts), revived in the background (base, then the newest version) and rejoins; the job finishes with
+one published version per step, and one step's rollouts are split over both replicas."""
 
 from __future__ import annotations
 
 import os
 import re
 import signal
+import time
 from pathlib import Path
 
 import pytest
-from job_helpers import kill_tree, launch, scalars, short_config, wait_for
+from job_helpers import in_flight, kill_tree, launch, scalars, short_config, wait_for
 
 # Both rejoins must land inside the run, with room for slower engine restarts. Measured: by step 8 at 40
 # steps (899 s); by step 9 of 16 in a CI run (with a checkpoint every step then); by step 8 of 14 without
@@ -19,16 +21,19 @@ from job_helpers import kill_tree, launch, scalars, short_config, wait_for
 # and by step 7 of 11 in a CI run.
 STEPS = 11
 SERVER = "titan_lora.engines.vllm_openai"
+API_KEY = "replicas-test-key"
+HEALTH_TIMEOUT_S = 3
 
 
 def replicas_config(tmp: Path) -> Path:
     path = short_config(tmp, steps=STEPS)
     text = path.read_text()
     text = re.sub(r"^eval_every = \d+", "eval_every = 0", text, flags=re.M)
-    text = re.sub(r"^port = .*$", "port = 0\nreplicas = 2\nkv_cache_gib = 1", text, count=1, flags=re.M)
-    # A replica that stops answering costs a sync or a rollout 20 s at most; a health check 3 s.
-    text = re.sub(r"^timeout_s = .*$", "timeout_s = 20\nrollout_timeout_s = 20\nhealth_timeout_s = 3", text,
-                  flags=re.M)
+    text = re.sub(r"^port = .*$", f'port = 0\nreplicas = 2\nkv_cache_gib = 1\napi_key = "{API_KEY}"', text,
+                  count=1, flags=re.M)
+    # Requests may wait 600 s (the shipped default): only the liveness watch can quarantine a frozen replica.
+    text = re.sub(r"^timeout_s = .*$", f"timeout_s = 600\nrollout_timeout_s = 600\nhealth_timeout_s = {HEALTH_TIMEOUT_S}",
+                  text, flags=re.M)
     path.write_text(text)
     return path
 
@@ -58,6 +63,15 @@ def server_of(pid: int) -> int:
     raise AssertionError(f"process {pid} runs under no {SERVER}")
 
 
+def stop_tree(pid: int) -> float:
+    """SIGSTOP a process and all its descendants; when."""
+    import psutil
+
+    for proc in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+        proc.send_signal(signal.SIGSTOP)
+    return time.monotonic()
+
+
 def port_of(ports: dict[int, int], pid: int) -> int:
     return next(port for port, p in ports.items() if p == pid)
 
@@ -82,9 +96,15 @@ def test_grpo_job_goes_on_while_one_replica_is_killed_and_another_frozen(tmp_pat
         os.kill(killed, signal.SIGKILL)
         rejoined = rf"replica \d \(http://127.0.0.1:{{}}\) rejoined with the base and adapter version (\d+)"
         wait_for(lambda: re.search(rejoined.format(killed_port), text()), "the killed replica's rejoin", job, log)
-        # 2. SIGSTOP the other one: quarantined (a sync or a rollout outlives its 20 s), restarted, rejoins.
+        # 2. SIGSTOP the other one's whole process tree while rollouts run on it: its liveness check fails,
+        # it is quarantined, its rollouts go to the other, it is restarted and rejoins.
         frozen_port = next(p for p in ports if p != killed_port)
-        os.kill(ports[frozen_port], signal.SIGSTOP)
+        wait_for(lambda: in_flight(frozen_port, API_KEY) > 0, "rollouts on the other replica", job, log,
+                 poll_s=0.01)
+        frozen_at = stop_tree(ports[frozen_port])
+        quarantined = rf"replica \d \(http://127.0.0.1:{frozen_port}\) quarantined: (.*)"
+        wait_for(lambda: re.search(quarantined, text()), "the frozen replica's quarantine", job, log, poll_s=0.05)
+        to_quarantine = time.monotonic() - frozen_at
         wait_for(lambda: re.search(rejoined.format(frozen_port), text()), "the frozen replica's rejoin", job, log)
         assert job.wait(timeout=900) == 0, text()[-4000:]
     finally:
@@ -93,7 +113,10 @@ def test_grpo_job_goes_on_while_one_replica_is_killed_and_another_frozen(tmp_pat
     out = text()
     kill_line = re.search(rf"replica (\d) \(http://127.0.0.1:{killed_port}\) quarantined: (.*)", out)
     assert kill_line and "sending adapter policy-v" in kill_line[2], "the kill landed in an adapter transfer"
-    assert re.search(rf"replica \d \(http://127.0.0.1:{frozen_port}\) quarantined", out)
+    frozen_line = re.search(quarantined, out)
+    print(f"\nfrozen replica quarantined {to_quarantine:.1f} s after its SIGSTOP: {frozen_line[1][:160]}")
+    assert "failed its liveness check" in frozen_line[1]
+    assert to_quarantine < 2 * HEALTH_TIMEOUT_S + 1, "quarantined within 2 x health_timeout_s (+1 s of log)"
     assert out.count(f"starting {SERVER}") == 4, "two starts, two restarts"
     tags = scalars(tmp_path / "run/tb")
     for step in range(1, STEPS + 1):

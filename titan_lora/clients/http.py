@@ -27,9 +27,9 @@ from titan_lora.transfer.errors import EngineHung, EngineUnreachable, LayoutUnkn
 from titan_lora.transfer.frames import FRAMES_PORT
 
 logger = logging.getLogger(__name__)
-LIVE_MARGIN_S = 2.0
-"""Over LIVE's own deadline (which the engine answers with 504), for the socket: a front that is itself
-frozen (a SIGSTOPped server) is caught by this."""
+LIVE_ENGINE_SHARE = 0.8
+"""LIVE asks the engine to answer within this share of the check's timeout (504 past it), so that its answer
+comes before the socket's timeout, which catches a front that is itself frozen (a SIGSTOPped server)."""
 
 
 class HTTPStatusError(TransferError):
@@ -95,10 +95,10 @@ class JsonClient:
 
     def check_live(self, timeout_s: float) -> None:
         """Raise EngineHung unless the engine's LIVE route (a no-op through its engine core and workers)
-        answers within `timeout_s`; EngineUnreachable when nothing listens."""
+        answers within `timeout_s`, its front included; EngineUnreachable when nothing listens."""
         try:
-            self.post(protocol.path(protocol.LIVE), {"timeout_s": timeout_s},
-                      timeout_s=timeout_s + LIVE_MARGIN_S)
+            self.post(protocol.path(protocol.LIVE), {"timeout_s": timeout_s * LIVE_ENGINE_SHARE},
+                      timeout_s=timeout_s)
         except HTTPStatusError as err:
             if err.status == 401:
                 raise
@@ -106,7 +106,7 @@ class JsonClient:
                 logger.warning("%s serves no %s route: a wedged engine core cannot be told from a live "
                                "one (update titan_lora on the engine)", self.base_url,
                                protocol.path(protocol.LIVE))
-                self.post(protocol.path(protocol.INFO), timeout_s=timeout_s + LIVE_MARGIN_S)
+                self.post(protocol.path(protocol.INFO), timeout_s=timeout_s)
                 return
             raise EngineHung(f"{self.base_url}: its API server answers, but the engine behind it does not: "
                              f"{err}") from None
