@@ -191,8 +191,12 @@ class _Hub(_BucketServer):
         return group, rank + 1
 
     def _form(self, group: _Group) -> None:
+        store = self.store
+        if store is None:
+            group.fail("the trainer's nccl hub stopped")
+            return
         try:
-            group.pg = new_group(self.backend, self.store, group.name, 0, group.world, self.host)
+            group.pg = new_group(self.backend, store, group.name, 0, group.world, self.host)
         except RuntimeError as err:
             group.fail(f"the group did not form: {err}")
             return
@@ -271,12 +275,15 @@ class _HubHandler:
                 raise TcpRefused("a worker joins before it fetches")
             self.server.view(buffer_id, token, 0, 0)  # only a holder of a descriptor joins
             self.server.admit()
+            store = self.server.store
+            if store is None:
+                raise TcpRefused("the trainer's nccl hub stopped")
             group, member = self.server.join(key, rank, world)
         except TcpRefused as err:
             self._refuse(err)
             return
         self.group = group
-        self._reply(_OK, json.dumps({"store_port": self.server.store.port, "group": group.name, "rank": member,
+        self._reply(_OK, json.dumps({"store_port": store.port, "group": group.name, "rank": member,
                                      "world": group.world, "backend": self.server.backend}).encode())
         while (request := self._read(None)) is not None:
             op, buffer_id, token, offset, nbytes, _ = request

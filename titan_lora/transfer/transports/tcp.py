@@ -11,7 +11,9 @@ one trainer host only (the first that served it). Nothing is encrypted: use tcp 
 
 Wire format, big-endian. Request: MAGIC, buffer id (16 bytes), token (16 bytes), offset (u64),
 nbytes (u64). Reply: MAGIC, status (u8: 0 ok, 1 refused), length (u64), then `length` bytes: the range,
-or why it was refused (UTF-8). A connection that sends anything else is dropped.
+or why it was refused (UTF-8). A connection that sends anything else is dropped, and so is one that has not
+authenticated (sent a request naming a served buffer with its token) within `AUTH_TIMEOUT_S` of
+connecting: only authenticated connections hold one of the server's `MAX_CONNECTIONS` slots.
 """
 
 from __future__ import annotations
