@@ -24,7 +24,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,6 +32,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_timing import p, timed  # noqa: E402
+
+from titan_lora.transfer.buckets import bucket_checksum  # noqa: E402
+from titan_lora.transfer.cuda_graphs import capture_count  # noqa: E402
 
 GiB = 1 << 30
 
@@ -61,34 +63,14 @@ def base_stream(shapes: list[tuple[str, tuple[int, ...]]], device: torch.device)
         yield name, made[shape]
 
 
-def captures() -> int | None:
-    """CUDA graphs this process captured so far (None: a titan_lora from before the count)."""
-    try:
-        from titan_lora.transfer.cuda_graphs import capture_count
-    except ImportError:
-        return None
-    return capture_count()
-
-
 def floors(device: torch.device, nbytes: int, sync) -> tuple[float, float]:  # noqa: ANN001
     """(device copy of `nbytes`, one checksum pass over them) in ms, each timed on 1 GiB and scaled."""
-    from titan_lora.transfer.buckets import bucket_checksum
-
     size = min(GiB, nbytes)
     src = torch.randint(0, 255, (size,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     copy = statistics.median(timed(lambda: dst.copy_(src), 10, sync))
-    checksum = statistics.median(timed(lambda: bucket_checksum(src, **_ungraphed()), 10, sync))
+    checksum = statistics.median(timed(lambda: bucket_checksum(src, graphed=False), 10, sync))
     return copy * nbytes / size, checksum * nbytes / size
-
-
-def _ungraphed() -> dict:
-    """A checksum pass's own time: no graph capture in it, where this titan_lora can say so."""
-    import inspect
-
-    from titan_lora.transfer.buckets import bucket_checksum
-
-    return {"graphed": False} if "graphed" in inspect.signature(bucket_checksum).parameters else {}
 
 
 GRAPH_BASE_RECEIVER = """
@@ -124,11 +106,10 @@ def send_base(shapes: list[tuple[str, tuple[int, ...]]], made: dict[str, torch.T
         version = iter(range(1_000_000))
 
         def send() -> None:
-            before = captures()
+            before = capture_count()
             ack = emitter.send_base(((name, made[name]) for name, _ in shapes), next(version))
             phases.append(dict(ack.phases_ms))
-            if before is not None:
-                graphs.append(captures() - before)
+            graphs.append(capture_count() - before)
 
         try:
             times = timed(send, iters, sync, warmup=1)
