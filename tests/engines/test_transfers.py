@@ -56,3 +56,38 @@ def test_a_refused_fetch_stages_nothing_and_gives_its_slab_back() -> None:
         assert len(pool._free[("L", CPU)]) == 1, "the slab taken for the fetch was not given back"
     finally:
         buf.close()
+
+
+def test_only_an_adapters_buckets_take_the_graphed_copy_and_checksum(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A base bucket comes once per base send, each in a slab of its own: a CUDA graph captured for it (a
+    device sync and an allocator cache flush each) is never replayed. An adapter's slabs recur."""
+    asked: list[tuple[str, str, bool]] = []
+    copy, checksum = transfers.copy_with_checksum, transfers.bucket_checksum
+
+    def recorded_copy(dst: torch.Tensor, src: torch.Tensor, *, graphed: bool) -> str | None:
+        asked.append((kind, "copy", graphed))
+        return copy(dst, src, graphed=graphed)
+
+    def recorded_checksum(data: torch.Tensor, *, graphed: bool) -> str:
+        asked.append((kind, "checksum", graphed))
+        return checksum(data, graphed=graphed)
+
+    monkeypatch.setattr(transfers, "copy_with_checksum", recorded_copy)
+    monkeypatch.setattr(transfers, "bucket_checksum", recorded_checksum)
+    tensors = {f"t{i}": torch.randn(1000) for i in range(6)}
+    planned = plan_buckets(tensors, 8192)  # a bucket per tensor or two
+    buf = TransportChoice("shm").buffer(1 << 16, CPU)
+    try:
+        pool, store = transfers.SlabPool(), transfers.TransferStore()
+        for kind in ("base", "adapter", "adapter"):
+            for i, entries in enumerate(planned):
+                pack(buf.tensor, entries, tensors)
+                sent = bucket_checksum(buf.tensor[: bucket_size(entries)])
+                req = {"transfer_id": kind + str(len(asked)), "kind": kind, "segment": buf.describe(0),
+                       "layout": f"L{i}"}
+                staged, slab, copied = transfers.receive(BufferCache(), pool, store, req, entries)
+                assert store.hold(req["transfer_id"], staged, slab, sent, f"L{i}", copied)["checksum"] == sent
+    finally:
+        buf.close()
+    assert len(planned) >= 3 and len(asked) == 3 * 2 * len(planned), asked
+    assert all(graphed == (kind == "adapter") for kind, _, graphed in asked), asked

@@ -13,6 +13,7 @@ from dist_helpers import needs_gpus
 
 from titan_lora.transfer.buckets import CHECKSUM_CHUNK_WORDS, bucket_checksum, checksum_words
 from titan_lora.transfer import kernels
+from titan_lora.transfer.cuda_graphs import capture_count
 from titan_lora.transfer.kernels import copy_with_checksum, finite_and_checksum
 
 CHUNK = CHECKSUM_CHUNK_WORDS * 8
@@ -53,14 +54,15 @@ def test_a_kernel_that_cannot_build_or_run_turns_the_fused_path_off_with_a_warni
 
 
 @needs_gpus(1)
+@pytest.mark.parametrize("graphed", [True, False], ids=["recurring", "seen-once"])
 @pytest.mark.parametrize("n", SIZES)
-def test_on_a_gpu_the_copy_and_its_checksum_come_from_one_pass(n: int) -> None:
+def test_on_a_gpu_the_copy_and_its_checksum_come_from_one_pass(n: int, graphed: bool) -> None:
     src = torch.empty(n, dtype=torch.uint8, device="cuda")
     dst = torch.zeros(n, dtype=torch.uint8, device="cuda")
     digests = []
-    for seed in (1, 2):  # the same buffers again: the second call replays the captured graph
+    for seed in (1, 2):  # the same buffers again: the second call replays the captured graph (if graphed)
         src.copy_(_bytes(n, seed))
-        digests.append(copy_with_checksum(dst, src))
+        digests.append(copy_with_checksum(dst, src, graphed=graphed))
         assert torch.equal(dst, src), f"{n} bytes copied wrong (call {seed})"
         assert digests[-1] == bucket_checksum(src), f"{n} bytes: digest differs (call {seed})"
     assert digests[0] != digests[1]
@@ -97,3 +99,27 @@ def test_on_a_gpu_the_finite_check_and_the_checksum_come_from_one_read(n: int, d
 def test_on_a_gpu_values_whose_sum_overflows_are_still_finite() -> None:
     values = torch.full((3 * 2048,), 3e38, device="cuda")  # float32: any sum of two is inf
     assert finite_and_checksum(values)[0]
+
+
+def test_a_buffer_seen_once_runs_its_work_directly_and_never_reaches_the_graph_cache(monkeypatch) -> None:
+    def capture(*args: object) -> None:
+        raise AssertionError("a buffer seen once reached the graph cache")
+
+    monkeypatch.setattr(kernels, "_broken", False)
+    monkeypatch.setattr(kernels._GRAPHS, "read", capture)
+    assert kernels._read(("copy",), torch.device("cpu"), lambda: torch.tensor([3, 4]), graphed=False) == [3, 4]
+    assert not kernels._broken
+
+
+@needs_gpus(1)
+def test_on_a_gpu_only_a_recurring_buffer_is_captured_and_both_ways_agree() -> None:
+    n = 3 * CHUNK + 5 * 8 + 3
+    src, dst = _bytes(n, 5, "cuda"), torch.zeros(n, dtype=torch.uint8, device="cuda")
+    before = capture_count()
+    once = copy_with_checksum(dst, src, graphed=False)  # a base bucket: launched, never captured
+    assert torch.equal(dst, src) and once == bucket_checksum(src, graphed=False)
+    assert capture_count() == before, "a buffer seen once was captured"
+    dst.zero_()
+    for _ in range(3):  # an adapter slab: captured once, then replayed
+        assert copy_with_checksum(dst, src) == once and torch.equal(dst, src)
+    assert capture_count() == before + 1

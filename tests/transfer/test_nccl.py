@@ -190,3 +190,26 @@ def test_nccl_is_chosen_by_name_with_its_backend() -> None:
         assert isinstance(b, nccl.NcclBuffer) and b.describe()["backend"] == "gloo"
     finally:
         b.close()
+
+
+def test_the_groups_of_an_earlier_trainer_run_are_left_and_a_restart_on_the_same_port_is_joined(
+        fetcher) -> None:  # noqa: ANN001
+    ports = [free_port(), free_port()]
+    into = torch.empty(16, dtype=torch.uint8)
+    first = nccl.NcclBuffer(1 << 10, CPU, backend="gloo", port=ports[0])
+    second = nccl.NcclBuffer(1 << 10, CPU, backend="gloo", port=ports[1])
+    try:
+        fetcher.fetch(_desc(first), 0, into)
+        (old,) = fetcher._links.values()
+        fetcher.fetch(_desc(second), 0, into)  # the next trainer run, on another port
+        assert old.sock.fileno() == -1 and list(fetcher._links) == [("127.0.0.1", ports[1])], \
+            "the earlier run's group is still held"
+        assert waited(lambda: not first._server._groups), "and its trainer saw the worker leave"
+        second.close()  # that run ends; the next one serves on the same port
+        second = nccl.NcclBuffer(1 << 10, CPU, backend="gloo", port=ports[1])
+        second.tensor[:16] = 4
+        fetcher.fetch(_desc(second), 0, into)  # its connection read EOF: a new group, no failed bucket
+        assert int(into.sum()) == 4 * 16
+    finally:
+        first.close()
+        second.close()

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from dist_helpers import free_port
 from wait_helpers import waited
 
 from titan_lora.transfer.buckets import bucket_checksum, bucket_size, copy_out, pack, plan_buckets
@@ -195,21 +196,22 @@ def test_a_cuda_buffer_is_staged_to_host_and_served() -> None:
 
 
 
-def test_stalled_connections_are_capped_and_dropped(buf: tcp.TcpBuffer, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tcp, "HEADER_TIMEOUT_S", 0.3)
-    monkeypatch.setattr(tcp, "MAX_CONNECTIONS", 4)
+def test_unauthenticated_connections_are_capped_evicted_and_dropped_each_told_why(
+        buf: tcp.TcpBuffer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tcp, "AUTH_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(tcp, "MAX_PENDING", 4)
     server, desc = buf._server, buf.describe(0)
     stalled = [socket.create_connection((desc["host"], desc["port"])) for _ in range(20)]
     try:
         for s in stalled:
             s.sendall(b"TL")  # 2 bytes of a request header, then nothing
-        assert waited(lambda: len(server._handlers) == 4), "at most MAX_CONNECTIONS handler threads"
-        for s in stalled:
             s.settimeout(15.0)  # a handler that never ends its stalled read fails the recv below
         replies = [s.recv(4096) for s in stalled]
-        refused = [r for r in replies if r.startswith(tcp.MAGIC)]
-        assert len(refused) >= 16, "connections past the cap are told so and closed"
-        assert all(r == b"" for r in replies if not r.startswith(tcp.MAGIC)), "a stalled header read ends"
+        assert all(r.startswith(tcp.MAGIC) for r in replies), "every one is told why, in the server's magic"
+        evicted = [r for r in replies if b"while 4 newer connections waited to authenticate" in r]
+        timed_out = [r for r in replies if b"within 2 s of connecting" in r]
+        assert (len(evicted), len(timed_out)) == (16, 4), "the oldest past MAX_PENDING go first, the rest in time"
+        assert all(s.recv(10) == b"" for s in stalled), "and each is closed"
     finally:
         for s in stalled:
             s.close()
@@ -329,3 +331,31 @@ def test_the_engine_fetches_only_from_the_first_trainer_host_that_served_it(buf:
     with pytest.raises(ValueError, match="names trainer host '127.0.0.2', but this engine fetches only from "
                                          "'127.0.0.1'.*restart the engine"):
         fetcher.fetch({**desc, "host": "127.0.0.2"}, 0, torch.empty(8, dtype=torch.uint8))
+
+
+def test_kept_connections_to_an_earlier_trainer_run_or_that_read_eof_are_closed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tcp, "IDLE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(tcp, "AUTH_TIMEOUT_S", 0.5, raising=False)
+    fetcher = tcp.TcpFetcher()
+    runs = [tcp.TcpBuffer(4096, CPU, host="127.0.0.6", port=free_port()) for _ in range(2)]  # two trainer runs
+    try:
+        first = runs[0].describe(0)
+        addr = ("127.0.0.6", first["port"])
+        fetcher.fetch(first, 0, torch.empty(8, dtype=torch.uint8))
+        for _ in range(2):  # more kept connections, as concurrent buckets leave them
+            fetcher._keep(addr, fetcher._connect(addr, time.monotonic() + 5))
+        kept = list(fetcher._idle[addr])
+        assert len(kept) == 3
+        time.sleep(2.0)  # the server ends them all: each reads EOF now
+        fetcher.fetch(first, 0, torch.empty(8, dtype=torch.uint8))
+        assert all(s.fileno() == -1 for s in kept), "a kept connection that read EOF stays open"
+        (fresh,) = fetcher._idle[addr]
+        second = runs[1].describe(0)
+        fetcher.fetch(second, 0, torch.empty(8, dtype=torch.uint8))  # the next trainer run
+        assert fresh.fileno() == -1, "the earlier run's connection stays open"
+        assert [k for k, v in fetcher._idle.items() if v] == [("127.0.0.6", second["port"])]
+    finally:
+        fetcher.close()
+        for b in runs:
+            b.close()

@@ -44,6 +44,11 @@ from titan_lora.transfer.transport import BufferCache
 PAUSE_ENV = "TITAN_LORA_FAULT_BUCKET_PAUSE_S"
 MARKER_ENV = "TITAN_LORA_FAULT_MARKER"
 KEEP_UNCOMMITTED = {"base": 1, "adapter": 2}  # per kind, the newest transfers that may wait for a commit
+GRAPHED_KINDS = frozenset({"adapter"})
+"""Transfers whose buckets recur, so that their copy-out and checksum on a GPU replay CUDA graphs: an
+adapter's slabs are pooled by layout and filled again every sync. A base bucket comes once per base send
+(hundreds of them, each in a slab of its own), and each capture would synchronize the device and empty
+the allocator cache: its kernels are launched directly."""
 _FORGOTTEN_KEPT = 256  # ids of evicted or discarded transfers remembered, to refuse their late buckets
 
 
@@ -138,7 +143,8 @@ def receive(buffers: BufferCache, pool: SlabPool, transfers: TransferStore, req:
             if slab is None:  # staged first: the older transfers it evicts give their slabs back for this one
                 slab = pool.take(layout, entries, buffer.device)
             if buffer.data_ptr() != slab.data.data_ptr():
-                copied = copy_with_checksum(slab.data[:size], buffer[:size])
+                copied = copy_with_checksum(slab.data[:size], buffer[:size],
+                                            graphed=staged.kind in GRAPHED_KINDS)
                 if copied is None:
                     copy_flat(slab.data, buffer[:size])
     except BaseException:
@@ -203,7 +209,8 @@ class TransferStore:
             self.discard(transfer_id)
             raise ValueError("a bucket came without the checksum of its bytes: upgrade the trainer's titan_lora")
         # Either read waits for the copy on a device, so the ack never comes before the bytes.
-        checksum = copied if copied is not None else bucket_checksum(slab.data)
+        recurs = staged.kind in GRAPHED_KINDS
+        checksum = copied if copied is not None else bucket_checksum(slab.data, graphed=recurs)
         if checksum != expected:
             self.discard(transfer_id)
             raise ChecksumMismatch(f"checksum mismatch in transfer {transfer_id}: the engine holds "

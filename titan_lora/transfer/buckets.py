@@ -137,7 +137,7 @@ def copy_out(buffer: torch.Tensor, entries: Sequence[Entry]) -> tuple[torch.Tens
     return owned, tensor_views(owned, entries)
 
 
-def bucket_checksum(data: torch.Tensor) -> str:
+def bucket_checksum(data: torch.Tensor, *, graphed: bool = True) -> str:
     """A cheap, position-sensitive digest of a uint8 tensor, identical on CPU and GPU.
 
     Sums of 64-bit words per 8 KiB chunk, then two sums over the chunk sums: plain, and weighted by an
@@ -145,13 +145,13 @@ def bucket_checksum(data: torch.Tensor) -> str:
     does not matter and both devices agree). The digest is two words, so a GPU bucket costs two
     reductions and a 16-byte host read (hashing every chunk sum on the host cost 8x a device copy). On
     GPU those kernels replay from a CUDA graph per buffer (address and size): launching them one by one
-    cost more host time than they run.
+    cost more host time than they run. `graphed` False: a buffer seen once, whose capture would cost more.
     """
     data = data.reshape(-1)
     n = data.numel()
     if not n:
         return f"w64:{0:032x}:0"
-    if data.is_cuda:
+    if data.is_cuda and graphed:
         plain, weighted = _GRAPHED_DIGESTS.read((data.device, data.data_ptr(), n), data.device,
                                                 lambda: checksum_words(data))
     else:

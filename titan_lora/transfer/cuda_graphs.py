@@ -1,5 +1,10 @@
 """CUDA graphs for short device work on buffers that never move, whose launches cost more host time than
-its kernels: the gather's pack and scatter (`sync/gather.py`) and the checksum of a bucket buffer."""
+its kernels: the gather's pack and scatter (`sync/gather.py`) and the checksum of a bucket buffer.
+
+Only for buffers that recur: a capture synchronizes the device and empties the allocator cache, which
+costs far more than the launches it saves on work that runs once (a base bucket: `engines/transfers.py`).
+`capture_count` says how many were taken, for the tests and benchmarks that check it.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +15,21 @@ from collections.abc import Callable, Hashable
 import torch
 
 
+_captures = 0
+_captures_lock = threading.Lock()
+
+
+def capture_count() -> int:
+    """CUDA graphs captured by this process so far."""
+    return _captures
+
+
 def captured(work: Callable[[], object], device: torch.device) -> torch.cuda.CUDAGraph:
     """`work` (device work on buffers that never move, no host sync) as a CUDA graph, warmed up first on a
     side stream as capture requires. Other threads may use the device meanwhile (thread-local capture)."""
+    global _captures
+    with _captures_lock:
+        _captures += 1
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):

@@ -9,7 +9,8 @@ the checksum both sides take of them.
 
 `checksum_words` finishes `bucket_checksum`'s digest from the chunk sums, so both digests are
 `bucket_checksum`'s. Like the checksum alone, each replays from a CUDA graph per buffer (addresses and
-size). Where Triton is missing or cannot build its kernels, off a GPU, or for a buffer not 8-byte
+size) where the caller says the buffer recurs (`graphed`), and launches its kernels directly where it is
+seen once (a base bucket: capturing costs a device sync and an allocator cache flush). Where Triton is missing or cannot build its kernels, off a GPU, or for a buffer not 8-byte
 aligned, each function declines (returns None; a failed copy may have written part of the
 destination, which the caller's copy then overwrites) and the caller runs the two passes.
 """
@@ -68,12 +69,13 @@ def _fusable(*tensors: torch.Tensor) -> bool:
 _broken = False  # set once a kernel failed to build or run: every later call declines
 
 
-def _read(key: tuple, device: torch.device, work: Callable[[], torch.Tensor]) -> list | None:
-    """`work`'s values from its graph, or None (and no fused kernel again) when it cannot run: Triton
-    compiles at the first launch, where a missing compiler or an unwritable cache raises."""
+def _read(key: tuple, device: torch.device, work: Callable[[], torch.Tensor], graphed: bool = True) -> list | None:
+    """`work`'s values, from its graph for `key` if `graphed` (else launched directly), or None (and no
+    fused kernel again) when it cannot run: Triton compiles at the first launch, where a missing compiler
+    or an unwritable cache raises."""
     global _broken
     try:
-        return _GRAPHS.read(key, device, work)
+        return _GRAPHS.read(key, device, work) if graphed else work().tolist()
     except Exception as err:  # noqa: BLE001 (the two-pass path serves; a real device fault shows there)
         _broken = True
         logger.warning("the one-pass GPU kernels cannot run here (%s: %s): buckets are copied, then "
@@ -81,14 +83,15 @@ def _read(key: tuple, device: torch.device, work: Callable[[], torch.Tensor]) ->
         return None
 
 
-def copy_with_checksum(dst: torch.Tensor, src: torch.Tensor) -> str | None:
+def copy_with_checksum(dst: torch.Tensor, src: torch.Tensor, *, graphed: bool = True) -> str | None:
     """Copy flat uint8 `src` into `dst` (as long, on one GPU) and return `bucket_checksum(dst)`, in one
-    pass; None where the fused kernel cannot run (then copy and checksum in two passes)."""
+    pass; None where the fused kernel cannot run (then copy and checksum in two passes). `graphed`: the
+    pair of buffers recurs, so its launches are captured once and replayed."""
     n = src.numel()
     if dst.numel() != n or not _fusable(dst, src):
         return None
     words = _read(("copy", dst.device, dst.data_ptr(), src.data_ptr(), n), dst.device,
-                  lambda: _copy_and_words(dst, src))
+                  lambda: _copy_and_words(dst, src), graphed)
     return None if words is None else format_checksum(words[0], words[1], n)
 
 

@@ -49,9 +49,9 @@ import torch
 import torch.distributed as dist
 
 from titan_lora.transfer.transports.base import Fetcher, Transport
-from titan_lora.transfer.transports.tcp import (
-    _REPLY, _address, _BucketServer, _hex16, _keepalive, _recv_exact, _settimeout, TcpBuffer, TcpRefused,
-    read_reply,
+from titan_lora.transfer.transports.tcp import _BucketServer, TcpBuffer
+from titan_lora.transfer.transports.wire import (
+    _REPLY, _address, _hex16, _keepalive, _left, _recv_exact, _settimeout, ended, read_reply, TcpRefused,
 )
 
 MAGIC = b"TLN1"
@@ -159,13 +159,17 @@ class _Group:
 
 class _Hub(_BucketServer):
     """The trainer's nccl hub on one address: buffers by id and token (as the tcp server keeps them), a
-    TCPStore for the groups to meet in, and one group per engine incarnation."""
+    TCPStore for the groups to meet in, and one group per engine incarnation. A connection authenticates
+    with its join (a served buffer's id and token), within `tcp.AUTH_TIMEOUT_S`, as the tcp server's do."""
+
+    magic = MAGIC
+    what = "nccl hub"
 
     def __init__(self, host: str, port: int) -> None:
         self.backend = ""  # set by the first buffer: one hub, one backend
         self._groups: dict[bytes, _Group] = {}
         self._names = itertools.count()
-        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+        self.store: dist.TCPStore | None = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
                                    timeout=_timedelta(JOIN_TIMEOUT_S))
         super().__init__(host, port)  # serves from here on
 
@@ -187,8 +191,12 @@ class _Hub(_BucketServer):
         return group, rank + 1
 
     def _form(self, group: _Group) -> None:
+        store = self.store
+        if store is None:
+            group.fail("the trainer's nccl hub stopped")
+            return
         try:
-            group.pg = new_group(self.backend, self.store, group.name, 0, group.world, self.host)
+            group.pg = new_group(self.backend, store, group.name, 0, group.world, self.host)
         except RuntimeError as err:
             group.fail(f"the group did not form: {err}")
             return
@@ -207,6 +215,7 @@ class _Hub(_BucketServer):
             groups, self._groups = list(self._groups.values()), {}
         for group in groups:
             group.fail("the trainer's nccl hub stopped")
+        self.store = None  # its listening socket and connections close now, not when the hub is collected
 
 
 class _HubHandler:
@@ -224,18 +233,21 @@ class _HubHandler:
             if self.group is not None:
                 server.leave(self.group, f"worker connection from {client_address} ended")
 
-    def _read(self) -> tuple | None:
+    def _read(self, deadline: float | None) -> tuple | None:
+        """The next request; None when the peer closed. `deadline`: the whole request's (a join's); else a
+        member idles between syncs without one (keepalive ends a dead peer), then has `SEND_TIMEOUT_S`
+        for the rest of a request once its first byte came."""
         head = memoryview(bytearray(_REQUEST.size))
-        self.request.settimeout(None)  # a member idles between syncs; keepalive ends a dead one
-        got = self.request.recv_into(head)
-        if got == 0:
-            return None
-        self.request.settimeout(SEND_TIMEOUT_S)
+        got = 0
+        self.request.settimeout(None if deadline is None else _left(deadline))
         while got < len(head):
             n = self.request.recv_into(head[got:])
             if n == 0:
                 return None
+            if deadline is None:
+                deadline = time.monotonic() + SEND_TIMEOUT_S
             got += n
+            self.request.settimeout(_left(deadline))
         fields = _REQUEST.unpack(head)
         if fields[0] != MAGIC:
             raise TcpRefused("not a titan_lora nccl request")
@@ -248,22 +260,32 @@ class _HubHandler:
         self._reply(_REFUSED, str(err).encode())
 
     def _serve(self) -> None:
-        request = self._read()
+        try:
+            request = self._read(self.server.auth_deadline())
+        except TimeoutError:
+            self.server.farewell(self.request, timed_out=True)
+            return
         if request is None:
+            self.server.farewell(self.request, timed_out=False)
             return
         op, buffer_id, token, rank, world, key = request
+        self.request.settimeout(SEND_TIMEOUT_S)
         try:
             if op != _JOIN:
                 raise TcpRefused("a worker joins before it fetches")
             self.server.view(buffer_id, token, 0, 0)  # only a holder of a descriptor joins
+            self.server.admit()
+            store = self.server.store
+            if store is None:
+                raise TcpRefused("the trainer's nccl hub stopped")
             group, member = self.server.join(key, rank, world)
         except TcpRefused as err:
             self._refuse(err)
             return
         self.group = group
-        self._reply(_OK, json.dumps({"store_port": self.server.store.port, "group": group.name, "rank": member,
+        self._reply(_OK, json.dumps({"store_port": store.port, "group": group.name, "rank": member,
                                      "world": group.world, "backend": self.server.backend}).encode())
-        while (request := self._read()) is not None:
+        while (request := self._read(None)) is not None:
             op, buffer_id, token, offset, nbytes, _ = request
             try:
                 if op != _FETCH:
@@ -326,6 +348,10 @@ class _Link:
         """Leave the group (the trainer abandons it when the connection ends)."""
         abandon(self.pg)
         self.sock.close()
+
+    def ended(self) -> bool:
+        """Whether the trainer hung up (or sent what was not asked for); hold `lock`."""
+        return ended(self.sock)
 
 
 class NcclFetcher(Fetcher):
@@ -390,7 +416,19 @@ class NcclFetcher(Fetcher):
         self.trainer_host = self.trainer_host or addr[0]
 
     def _link(self, addr: tuple[str, int], desc: dict, buffer_id: bytes, token: bytes, deadline: float) -> _Link:
+        """This worker's group with the hub at `addr`, joined on first use. First every link no fetch will
+        use again is left: one to another address (an earlier trainer run: on GPU each holds an NCCL
+        communicator) and one whose connection reads EOF (its trainer went)."""
         with self._lock:
+            for other, link in list(self._links.items()):
+                if not link.lock.acquire(blocking=False):
+                    continue  # in use: a fetch that fails on it drops it itself
+                try:
+                    if other != addr or link.ended():
+                        del self._links[other]
+                        link.close()
+                finally:
+                    link.lock.release()
             link = self._links.get(addr)
             if link is None:
                 link = self._links[addr] = self._join(addr, desc, buffer_id, token, deadline)

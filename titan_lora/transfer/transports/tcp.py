@@ -11,7 +11,9 @@ one trainer host only (the first that served it). Nothing is encrypted: use tcp 
 
 Wire format, big-endian. Request: MAGIC, buffer id (16 bytes), token (16 bytes), offset (u64),
 nbytes (u64). Reply: MAGIC, status (u8: 0 ok, 1 refused), length (u64), then `length` bytes: the range,
-or why it was refused (UTF-8). A connection that sends anything else is dropped.
+or why it was refused (UTF-8). A connection that sends anything else is dropped, and so is one that has not
+authenticated (sent a request naming a served buffer with its token) within `AUTH_TIMEOUT_S` of
+connecting: only authenticated connections hold one of the server's `MAX_CONNECTIONS` slots.
 """
 
 from __future__ import annotations
@@ -31,11 +33,13 @@ from typing import ClassVar
 import torch
 
 from titan_lora.transfer.transports.base import BucketBuffer, Fetcher, Transport
+from titan_lora.transfer.transports.wire import (  # noqa: F401 (TcpRefused, _REPLY: this transport's API)
+    _OK, _REFUSED, _REPLY, _address, _hex16, _keepalive, _left, _recv_exact, _settimeout, _Stale, ended,
+    read_reply, TcpRefused,
+)
 
 MAGIC = b"TLB1"
 _REQUEST = struct.Struct("!4s16s16sQQ")
-_REPLY = struct.Struct("!4sBQ")
-_OK, _REFUSED = 0, 1
 FETCH_TIMEOUT_S = 60.0
 """The engine's bound on one fetch, connecting included."""
 SEND_TIMEOUT_S = 60.0
@@ -44,7 +48,14 @@ MAX_FETCH_BYTES = 1 << 34
 """The largest range one request may ask for (16 GiB): a bucket, never a whole model's worth more."""
 IDLE_KEPT = 8  # idle connections an engine keeps per trainer address
 MAX_CONNECTIONS = 64
-"""Connections the trainer serves at once (engines x TP workers x concurrent buckets); more are refused."""
+"""Authenticated connections the trainer serves at once (engines x TP workers x concurrent buckets);
+a connection that authenticates past them is refused."""
+AUTH_TIMEOUT_S = 5.0
+"""A new connection's bound on authenticating: its first request naming a served buffer with its token
+(an engine sends it as soon as it connects). One that does not is told why and closed."""
+MAX_PENDING = 64
+"""Connections not yet authenticated held at once; a new one past them evicts the oldest, so that
+silent or keyless peers never hold a slot an engine needs."""
 IDLE_TIMEOUT_S = 300.0
 """The trainer closes a connection idle this long between requests (the engine reconnects)."""
 HEADER_TIMEOUT_S = 10.0
@@ -55,26 +66,24 @@ STAGING_BYTES = 16 << 20
 logger = logging.getLogger("titan_lora.tcp")
 
 
-class TcpRefused(ValueError):
-    """The trainer's bucket server refused a request (unknown buffer, wrong token, range past the end)."""
-
-    def __init__(self, message: str, *, whole: bool = True) -> None:
-        super().__init__(message)
-        self.whole = whole  # the engine read the whole refusal: its connection is still in step
-
-
 class _BucketServer(socketserver.ThreadingTCPServer):
     """The trainer's bucket server on one address: registered buffers by id, each with its token.
 
-    It runs inside rank 0's training process, so nothing an engine (or anyone) does may hold it: at most
-    `MAX_CONNECTIONS` connections at once (more are refused), a request header must arrive within
-    `HEADER_TIMEOUT_S` once begun and an idle connection goes after `IDLE_TIMEOUT_S`, keepalive probes
-    end half-open ones, and CUDA ranges go through one fixed-size pinned staging buffer."""
+    It runs inside rank 0's training process, so nothing an engine (or anyone) does may hold it: a new
+    connection must authenticate (a request naming a served buffer with its token) within
+    `AUTH_TIMEOUT_S`, and at most `MAX_PENDING` wait to (a newer one evicts the oldest); at most
+    `MAX_CONNECTIONS` authenticated ones are served (more are refused); a request header must arrive
+    within `HEADER_TIMEOUT_S` once begun and an idle connection goes after `IDLE_TIMEOUT_S`, keepalive
+    probes end half-open ones, and CUDA ranges go through one fixed-size pinned staging buffer."""
 
     daemon_threads = True
     allow_reuse_address = True
     handler: ClassVar[type[socketserver.BaseRequestHandler]]
     """What serves one connection (`_Handler`, set below; the nccl hub has its own)."""
+    magic: ClassVar[bytes] = MAGIC
+    """The magic of its replies, refusals included (the nccl hub has its own)."""
+    what: ClassVar[str] = "tcp bucket server"
+    """What it is called in its refusals and logs."""
 
     # The listen backlog: connections past it wait on SYN retransmits (seconds) before they are even
     # accepted or refused; every connection the cap admits, and as many again to refuse, fit in it.
@@ -88,7 +97,10 @@ class _BucketServer(socketserver.ThreadingTCPServer):
         self.host = host
         self._buffers: dict[bytes, tuple[bytes, torch.Tensor]] = {}
         self._lock = threading.Lock()
-        self._handlers: dict[threading.Thread, socket.socket] = {}
+        self._handlers: dict[threading.Thread, socket.socket] = {}  # every connection's
+        self._pending: dict[threading.Thread, socket.socket] = {}  # not yet authenticated, oldest first
+        self._admitted: set[threading.Thread] = set()
+        self._evicted: set[threading.Thread] = set()
         self._staging: torch.Tensor | None = None
         self.owners = 0  # open TcpBuffers on this server, under _SERVERS_LOCK: it stops with the last
         self.staging_lock = threading.Lock()
@@ -96,28 +108,27 @@ class _BucketServer(socketserver.ThreadingTCPServer):
 
     def handle_error(self, request: socket.socket, client_address: tuple) -> None:
         """One line, not a traceback: an engine that timed out or restarted drops its connection."""
-        logger.warning("tcp bucket server %s:%d: connection from %s ended: %r", self.host, self.port,
+        logger.warning("%s %s:%d: connection from %s ended: %r", self.what, self.host, self.port,
                        client_address, sys.exc_info()[1])
 
     def process_request(self, request: socket.socket, client_address: tuple) -> None:
-        """A handler thread for the connection, or a refusal past `MAX_CONNECTIONS`."""
+        """A handler thread for the connection, pending until it authenticates (`admit`); past
+        `MAX_PENDING` pending connections the oldest is evicted (its handler says so and ends)."""
+        thread = threading.Thread(target=self.process_request_thread, args=(request, client_address), daemon=True)
+        evicted = None
         with self._lock:
-            full = len(self._handlers) >= MAX_CONNECTIONS
-            if not full:
-                thread = threading.Thread(target=self.process_request_thread, args=(request, client_address),
-                                          daemon=True)
-                self._handlers[thread] = request
-        if full:
-            logger.warning("tcp bucket server %s:%d: refused %s: %d connections are open already",
-                           self.host, self.port, client_address, MAX_CONNECTIONS)
-            why = f"the trainer's tcp bucket server has {MAX_CONNECTIONS} connections open already".encode()
+            self._handlers[thread] = self._pending[thread] = request
+            if len(self._pending) > MAX_PENDING:
+                oldest = next(iter(self._pending))  # insertion order is age
+                evicted = self._pending.pop(oldest)
+                self._evicted.add(oldest)
+        if evicted is not None:
+            logger.warning("%s %s:%d: evicted a connection that did not authenticate: %d newer ones wait",
+                           self.what, self.host, self.port, MAX_PENDING)
             try:
-                request.settimeout(0)
-                request.send(_REPLY.pack(MAGIC, _REFUSED, len(why)) + why)
+                evicted.shutdown(socket.SHUT_RD)  # its handler's read returns: it says why and ends
             except OSError:
                 pass
-            self.shutdown_request(request)
-            return
         thread.start()
 
     def process_request_thread(self, request: socket.socket, client_address: tuple) -> None:
@@ -125,8 +136,51 @@ class _BucketServer(socketserver.ThreadingTCPServer):
         try:
             super().process_request_thread(request, client_address)
         finally:
+            me = threading.current_thread()
             with self._lock:
-                self._handlers.pop(threading.current_thread(), None)
+                self._handlers.pop(me, None)
+                self._pending.pop(me, None)
+                self._admitted.discard(me)
+                self._evicted.discard(me)
+
+    @staticmethod
+    def auth_deadline() -> float:
+        """When a connection accepted now must have authenticated (`AUTH_TIMEOUT_S`)."""
+        return time.monotonic() + AUTH_TIMEOUT_S
+
+    def admit(self) -> None:
+        """The calling handler's connection named a served buffer with its token: count it against
+        `MAX_CONNECTIONS` from now on; TcpRefused when that many are authenticated already."""
+        me = threading.current_thread()
+        with self._lock:
+            if me in self._admitted:
+                return
+            if len(self._admitted) >= MAX_CONNECTIONS:
+                raise TcpRefused(f"the trainer's {self.what} serves {MAX_CONNECTIONS} authenticated "
+                                 "connections already (engines x TP workers x concurrent buckets): "
+                                 "retry once a transfer ended, or serve fewer engines from one trainer")
+            self._pending.pop(me, None)
+            self._evicted.discard(me)
+            self._admitted.add(me)
+
+    def farewell(self, sock: socket.socket, timed_out: bool) -> None:
+        """Tell a connection that never authenticated why it is closed (evicted, or out of time); best
+        effort, never blocking: the peer may not read."""
+        with self._lock:
+            evicted = threading.current_thread() in self._evicted
+        if evicted:
+            why = (f"the trainer's {self.what} dropped this connection: it sent no valid request while "
+                   f"{MAX_PENDING} newer connections waited to authenticate")
+        elif timed_out:
+            why = (f"the trainer's {self.what} dropped this connection: no request naming a served buffer "
+                   f"and its token within {AUTH_TIMEOUT_S:g} s of connecting")
+        else:
+            return
+        try:
+            sock.settimeout(0)
+            sock.send(_REPLY.pack(self.magic, _REFUSED, len(why.encode())) + why.encode())
+        except OSError:
+            pass
 
     @property
     def port(self) -> int:
@@ -184,15 +238,6 @@ def _pinned(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
-def _keepalive(sock: socket.socket) -> None:
-    """No Nagle delay; keepalive probes so that a peer gone without a FIN (half-open) is noticed."""
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for option, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
-        if hasattr(socket, option):  # Linux; elsewhere the system's keepalive timing applies
-            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
-
-
 class _Handler(socketserver.BaseRequestHandler):
     """One engine connection: requests in turn until it closes, idles too long or stalls mid-header."""
 
@@ -200,35 +245,51 @@ class _Handler(socketserver.BaseRequestHandler):
 
     def handle(self) -> None:
         _keepalive(self.request)
-        while (head := self._read_request()) is not None:
-            magic, buffer_id, token, offset, nbytes = _REQUEST.unpack(head)
-            if magic != MAGIC:
-                return
-            self.request.settimeout(SEND_TIMEOUT_S)
-            try:
-                view = self.server.view(buffer_id, token, offset, nbytes)
-            except TcpRefused as err:
-                why = str(err).encode()
-                self.request.sendall(_REPLY.pack(MAGIC, _REFUSED, len(why)) + why)
-                continue
-            self.request.sendall(_REPLY.pack(MAGIC, _OK, nbytes))
-            self._send(view)
+        self.deadline: float | None = self.server.auth_deadline()  # None once authenticated
+        try:
+            while (head := self._read_request()) is not None:
+                magic, buffer_id, token, offset, nbytes = _REQUEST.unpack(head)
+                if magic != MAGIC:
+                    return
+                self.request.settimeout(SEND_TIMEOUT_S)
+                try:
+                    view = self.server.view(buffer_id, token, offset, nbytes)
+                    if self.deadline is not None:
+                        self.server.admit()
+                        self.deadline = None
+                except TcpRefused as err:
+                    why = str(err).encode()
+                    self.request.sendall(_REPLY.pack(MAGIC, _REFUSED, len(why)) + why)
+                    continue
+                self.request.sendall(_REPLY.pack(MAGIC, _OK, nbytes))
+                self._send(view)
+        except TimeoutError:
+            if self.deadline is None:
+                return  # an engine's connection idled or stalled: it reconnects
+            self.server.farewell(self.request, timed_out=True)
+            return
+        if self.deadline is not None:
+            self.server.farewell(self.request, timed_out=False)
 
     def _read_request(self) -> bytes | None:
-        """The next request header; None when the engine closed, idled past `IDLE_TIMEOUT_S` (it
-        reconnects) or took longer than `HEADER_TIMEOUT_S` over one header."""
+        """The next request header; None when the engine closed or (authenticated) idled past
+        `IDLE_TIMEOUT_S` (it reconnects) or took longer than `HEADER_TIMEOUT_S` over one header.
+        Before it authenticated, every read ends at its deadline (TimeoutError)."""
         head = bytearray()
+        deadline = self.deadline
         try:
-            self.request.settimeout(IDLE_TIMEOUT_S)
+            self.request.settimeout(IDLE_TIMEOUT_S if deadline is None else _left(deadline))
             while len(head) < _REQUEST.size:
                 chunk = self.request.recv(_REQUEST.size - len(head))
                 if not chunk:
                     return None
-                if not head:
+                if not head and deadline is None:
                     deadline = time.monotonic() + HEADER_TIMEOUT_S
                 head += chunk
-                self.request.settimeout(max(deadline - time.monotonic(), 1e-3))
+                self.request.settimeout(_left(deadline))
         except TimeoutError:
+            if self.deadline is not None:
+                raise
             return None
         return bytes(head)
 
@@ -324,24 +385,6 @@ class TcpBuffer(BucketBuffer):
         _release(self._server)
 
 
-def _hex16(desc: dict, key: str) -> bytes:
-    value = desc.get(key)
-    try:
-        raw = bytes.fromhex(value) if isinstance(value, str) else b""
-    except ValueError:
-        raw = b""
-    if len(raw) != 16:
-        raise ValueError(f"tcp descriptor field {key!r} must be 32 hex digits, got {value!r}")
-    return raw
-
-
-def _address(desc: dict) -> tuple[str, int]:
-    host, port = desc.get("host"), desc.get("port")
-    if not isinstance(host, str) or not host or not isinstance(port, int) or not 0 < port < 65536:
-        raise ValueError(f"tcp descriptor names no address: host {host!r}, port {port!r}")
-    return host, port
-
-
 class TcpFetcher(Fetcher):
     """Engine side: asks the trainer's bucket server for each bucket, over kept-alive connections.
 
@@ -381,9 +424,18 @@ class TcpFetcher(Fetcher):
             self.trainer_host = self.trainer_host or addr[0]
 
     def _take(self, addr: tuple[str, int]) -> socket.socket | None:
+        """A kept connection to `addr`, if one is; first the ones no fetch will use again are closed:
+        every connection to another address (an earlier trainer run) and every one that reads EOF."""
         with self._lock:
-            idle = self._idle.get(addr)
-            return idle.pop() if idle else None
+            gone = [sock for other, idle in self._idle.items() if other != addr for sock in idle]
+            self._idle = {addr: self._idle.get(addr, [])}
+            idle = self._idle[addr]
+            gone += [sock for sock in idle if ended(sock)]
+            idle[:] = [sock for sock in idle if sock not in gone]
+            taken = idle.pop() if idle else None
+        for sock in gone:
+            sock.close()
+        return taken
 
     def _keep(self, addr: tuple[str, int], sock: socket.socket) -> None:
         with self._lock:
@@ -392,6 +444,14 @@ class TcpFetcher(Fetcher):
                 idle.append(sock)
                 return
         sock.close()
+
+    def close(self) -> None:
+        """Close every kept connection (the engine shuts down)."""
+        with self._lock:
+            idle, self._idle = self._idle, {}
+        for socks in idle.values():
+            for sock in socks:
+                sock.close()
 
     def _connect(self, addr: tuple[str, int], deadline: float) -> socket.socket:
         try:
@@ -429,58 +489,6 @@ class TcpFetcher(Fetcher):
             sock.close()
             raise
         self._keep(addr, sock)
-
-
-class _Stale(ConnectionError):
-    """A kept-alive connection closed before any reply byte: try a fresh one."""
-
-
-def _settimeout(sock: socket.socket, deadline: float) -> None:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError("the tcp bucket fetch ran out of time")
-    sock.settimeout(left)
-
-
-def read_reply(sock: socket.socket, addr: tuple[str, int], deadline: float, magic: bytes, server: str,
-               stale_if_empty: bool = False) -> int:
-    """The length a reply header announces, once it proved to come from `server` and say yes; a refusal
-    raises TcpRefused with the server's reason."""
-    head = memoryview(bytearray(_REPLY.size))
-    _recv_exact(sock, head, addr, "reply header", deadline, stale_if_empty=stale_if_empty)
-    got, status, length = _REPLY.unpack(head)
-    if got != magic:
-        raise ConnectionError(f"{addr[0]}:{addr[1]} is not a titan_lora {server}")
-    if status != _OK:
-        why = memoryview(bytearray(min(length, 4096)))
-        _recv_exact(sock, why, addr, "refusal", deadline)
-        raise TcpRefused(f"the trainer's {server} refused: {bytes(why).decode(errors='replace')}",
-                         whole=length <= len(why))
-    return length
-
-
-def _recv_exact(sock: socket.socket, out: memoryview, addr: tuple[str, int], what: str, deadline: float,
-                stale_if_empty: bool = False) -> None:
-    """Fill `out` from `sock` before `deadline`; a short read, a timeout or a socket error raises."""
-    got = 0
-    while got < len(out):
-        try:
-            _settimeout(sock, deadline)
-            n = sock.recv_into(out[got:])
-        except TimeoutError:
-            raise TimeoutError(f"the trainer's tcp bucket server at {addr[0]}:{addr[1]} sent {got} of "
-                               f"{len(out)} bytes of the {what} in time") from None
-        except OSError as err:
-            if stale_if_empty and got == 0:
-                raise _Stale(f"{addr[0]}:{addr[1]}: {err}") from None
-            raise ConnectionError(f"short read: {got} of {len(out)} bytes of the {what} from "
-                                  f"{addr[0]}:{addr[1]} ({err})") from None
-        if n == 0:
-            if stale_if_empty and got == 0:
-                raise _Stale(f"{addr[0]}:{addr[1]} closed the connection before replying")
-            raise ConnectionError(f"short read: {got} of {len(out)} bytes of the {what} from "
-                                  f"{addr[0]}:{addr[1]} (the connection closed)")
-        got += n
 
 
 TCP = Transport(TcpBuffer, TcpFetcher())
