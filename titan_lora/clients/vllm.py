@@ -136,7 +136,9 @@ class _Transfer:
         if checksum is None:
             buf.synchronize()
             t0 = time.perf_counter()
-            checksum = bucket_checksum(buf.tensor[offset : offset + bucket_size(entries)])
+            # A base bucket's (address, size) seldom recurs: capturing a graph for it costs more than it saves.
+            checksum = bucket_checksum(buf.tensor[offset : offset + bucket_size(entries)],
+                                       graphed=self.kind == "adapter")
             self.checksum_s += time.perf_counter() - t0
         bucket = _Posted(len(self.posts), entries, layout or layout_id(entries), buf, offset, checksum)
         if inline:  # two thread hand-offs less: each wake of a sleeping thread costs ~0.1 ms on a sync's path
