@@ -136,7 +136,7 @@ class _Transfer:
         if checksum is None:
             buf.synchronize()
             t0 = time.perf_counter()
-            # A base bucket's (address, size) seldom recurs: capturing a graph for it costs more than it saves.
+            # A base bucket's (address, size) seldom recurs: a graph would cost more than it saves.
             checksum = bucket_checksum(buf.tensor[offset : offset + bucket_size(entries)],
                                        graphed=self.kind == "adapter")
             self.checksum_s += time.perf_counter() - t0
