@@ -50,6 +50,12 @@ class RolloutRouter:
             self.replicas.done(replica, work, samples=work if sampled else 0)
             return out
 
+    def interrupt(self, reason: str) -> None:
+        """End the rollout requests in flight on every replica (each replica's own are ended when it is
+        quarantined)."""
+        self.replicas.each(lambda r: r.rollouts.interrupt(reason),
+                           [r for r in self.replicas.replicas if r.rollouts is not None])
+
     def generate(self, prompts: list[list[int]], adapter: str | None, max_tokens: int,
                  temperature: float, seed: int | None, stop_token_ids: list[int]) -> list[Completion]:
         """One completion per token-id prompt under `adapter` (None: the base), each run of identical
