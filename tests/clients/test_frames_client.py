@@ -19,7 +19,7 @@ from titan_lora.engines.frame_server import FrameServer
 from titan_lora.engines.receiver import ReceiverService, build_server
 from titan_lora.transfer.buckets import bucket_checksum, bucket_size, layout_id, pack, plan_buckets
 from titan_lora.transfer.errors import EngineUnreachable, LayoutUnknownToEngine, TransferError
-from titan_lora.transfer.frames import HELLO_MAX_BYTES, recv_frame, send_frame
+from titan_lora.transfer.frames import HELLO_MAX_BYTES, SERVER, proof, recv_frame, send_frame
 from titan_lora.transfer.transport import BucketBuffer
 
 KEY = "frames-key"
@@ -109,9 +109,13 @@ def _half_engine(hang_up: threading.Event, incarnation: str) -> tuple[socket.soc
     def serve() -> None:
         conn, _ = listener.accept()
         reader = conn.makefile("rb")
-        recv_frame(reader, HELLO_MAX_BYTES)
-        send_frame(conn, {"status": 200, "incarnation": incarnation})
-        seen.append(recv_frame(reader, 1 << 20))
+        send_frame(conn, {"challenge": "s1"})
+        theirs = recv_frame(reader, HELLO_MAX_BYTES)["challenge"]
+        send_frame(conn, {"status": 200, "incarnation": incarnation,
+                          "proof": proof(KEY, SERVER, theirs, "s1", incarnation)})
+        request = recv_frame(reader, 1 << 20)
+        if request is not None:  # None: the client hung up without a request
+            seen.append(request)
         hang_up.wait(30)
         conn.close()
 
