@@ -4,9 +4,10 @@
 INFO offered one. A connection counts only if its greeting proves the engine holds the key (the key
 itself is never sent: a process that took a dead engine's port learns nothing) and names the
 incarnation that INFO named: a port can outlive its engine. A kept connection idle for half the
-server's idle timeout, or that the server closed meanwhile, is replaced before a request goes out. A request is never sent twice: once it went out (or was being sent), a
-broken connection raises EngineUnreachable, since the engine may have acted on it (the syncer then
-checks the engine and sends again as a whole). Only a connection that could not be made or greeted
+server's idle timeout, or that the server closed meanwhile, is replaced before a request goes out.
+A request is never sent twice: once it went out (or was being sent), a broken connection raises
+EngineUnreachable, since the engine may have acted on it (the syncer then checks the engine and sends
+again as a whole). Only a connection that could not be made or greeted
 raises FrameRefused, with nothing sent, so that the caller may go over HTTP instead.
 """
 
@@ -88,7 +89,8 @@ class FrameChannel:
             # A wrong key goes over HTTP too, whose refusal says what to set.
             raise FrameError(f"the greeting was {hello}, not engine {self.incarnation}'s")
         if not proof_holds(self.api_key, SERVER, (mine, theirs, self.incarnation), hello.get("proof")):
-            raise FrameError(f"the server greeting as engine {self.incarnation} did not prove it holds the API key")
+            raise FrameError(f"the server greeting as engine {self.incarnation} did not prove it holds the "
+                             "API key")
         return hello
 
     def close(self) -> None:

@@ -78,7 +78,8 @@ class FrameServer(CappedServer, socketserver.TCPServer):
 
     def refusal(self) -> bytes:
         """A 503 frame, the connection's last."""
-        error = f"the engine serves {self.max_connections} frame connections already (engine flag --max-connections)"
+        error = (f"the engine serves {self.max_connections} frame connections already (engine flag "
+                 "--max-connections)")
         return encode_frame({"status": 503, "error": error, "close": True})
 
 

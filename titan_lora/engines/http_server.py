@@ -45,6 +45,7 @@ class CappedServer(socketserver.ThreadingMixIn):
 
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 128  # socketserver's 5 drops a burst's SYNs: each retried a second later
 
     def init_cap(self, max_connections: int) -> None:
         """Serve at most `max_connections` at once."""

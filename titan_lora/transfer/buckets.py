@@ -233,17 +233,16 @@ class LayoutCache:
         self._lock = threading.Lock()  # the receiver serves buckets from several threads
 
     def resolve(self, layout: str, header: list[dict] | None) -> list[Entry]:
-        """The entries of `layout`, parsing, checking and remembering `header` when it is given and the
-        layout is new."""
+        """The entries of `layout`; a `header` given is checked (`parse_header`), and kept if the layout
+        is new."""
+        entries = None if header is None else parse_header(layout, header, self.max_entries)
         with self._lock:
-            known = self._layouts.get(layout)
-            if known is not None:
+            if entries is None:
+                known = self._layouts.get(layout)
+                if known is None:
+                    raise UnknownLayout(f"unknown bucket layout {layout}")
                 self._layouts.move_to_end(layout)
                 return known
-        if header is None:
-            raise UnknownLayout(f"unknown bucket layout {layout}")
-        entries = parse_header(layout, header, self.max_entries)
-        with self._lock:
             if layout not in self._layouts:  # another thread may have kept it meanwhile: the first stays
                 self._layouts[layout] = entries
                 self._entries += len(entries)
