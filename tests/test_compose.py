@@ -9,6 +9,7 @@ import pytest
 import torch
 from model_helpers import StubBaseModel, StubSdAdapter
 
+from titan_lora.clients.http import ApiKey
 from titan_lora.clients.kinds import engine_kind
 from titan_lora.compose import embedded_engine
 from titan_lora.config import GRPO, Engine, WeightSync
@@ -125,6 +126,7 @@ class _FakeSyncer:
 
 class _FakeEngine:
     url, api_key = "http://127.0.0.1:4321", "engine-key"
+    key = ApiKey(api_key)  # what clients read (an embedded engine's changes at each start)
 
     def __init__(self) -> None:
         self.started = False

@@ -14,6 +14,7 @@ import torch.nn as nn
 from titan_lora.clients.base import Emitter, Endpoint
 from titan_lora.clients.kinds import EngineKind, LaunchRequest, engine_kind
 from titan_lora.clients.fanout import FanoutEmitter
+from titan_lora.clients.http import ApiKey
 from titan_lora.clients.launch import EmbeddedEngine, start_engines
 from titan_lora.clients.replica_set import Replica, ReplicaSet
 from titan_lora.clients.rollout import RolloutClient
@@ -105,7 +106,7 @@ class EngineSide:
         return self.emitter.lend_buffer if self.emitter is not None else plain_buffer
 
 
-def engine_endpoint(kind: EngineKind, engine: Engine, url: str, api_key: str) -> Endpoint:
+def engine_endpoint(kind: EngineKind, engine: Engine, url: str, api_key: ApiKey | str) -> Endpoint:
     """The engine at `url`, and for a kind that sends buckets the transport they take: `[engine]
     transport`, where "auto" decides from where the engine is (`transfer/placement.py`)."""
     if not kind.shm_buckets:
@@ -126,7 +127,7 @@ def connect_replicas(kind: EngineKind, engine: Engine, ws: WeightSync, hf_dir: s
                                      ws, hf_dir, device, dump_folder, lora_rank, f"engine{i}.log")
                      for i in range(engine.replicas)]
         start_engines(processes)
-        urls, keys = [p.url for p in processes], [p.api_key for p in processes]
+        urls, keys = [p.url for p in processes], [p.key for p in processes]
     replicas = []
     for i, (url, key, process) in enumerate(zip(urls, keys, processes)):
         endpoint = engine_endpoint(kind, engine, url, key)
@@ -150,7 +151,7 @@ def connect_engine(engine: Engine, ws: WeightSync, hf_dir: str, device: torch.de
     if not engine.url:
         process = embedded_engine(kind, engine, ws, hf_dir, device, dump_folder, lora_rank)
         process.start()
-        url, api_key = process.url, process.api_key
+        url, api_key = process.url, process.key
     endpoint = engine_endpoint(kind, engine, url, api_key)
     rollouts = kind.rollouts(endpoint, ws) if kind.rollouts else None
     return EngineSide(process, kind.emitter(ws, engine, endpoint), rollouts)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -19,7 +20,7 @@ from titan_lora.engines.frame_server import FrameServer
 from titan_lora.engines.receiver import ReceiverService, build_server
 from titan_lora.transfer.buckets import bucket_checksum, bucket_size, layout_id, pack, plan_buckets
 from titan_lora.transfer.errors import EngineHung, EngineUnreachable, LayoutUnknownToEngine, TransferError
-from titan_lora.transfer.frames import HELLO_MAX_BYTES, recv_frame, send_frame
+from titan_lora.transfer.frames import HELLO_MAX_BYTES, SERVER, proof, recv_frame, send_frame
 from titan_lora.transfer.transport import BucketBuffer
 
 KEY = "frames-key"
@@ -109,9 +110,13 @@ def _half_engine(hang_up: threading.Event, incarnation: str) -> tuple[socket.soc
     def serve() -> None:
         conn, _ = listener.accept()
         reader = conn.makefile("rb")
-        recv_frame(reader, HELLO_MAX_BYTES)
-        send_frame(conn, {"status": 200, "incarnation": incarnation})
-        seen.append(recv_frame(reader, 1 << 20))
+        send_frame(conn, {"challenge": "s1"})
+        theirs = recv_frame(reader, HELLO_MAX_BYTES)["challenge"]
+        send_frame(conn, {"status": 200, "incarnation": incarnation,
+                          "proof": proof(KEY, SERVER, theirs, "s1", incarnation)})
+        request = recv_frame(reader, 1 << 20)
+        if request is not None:  # None: the client hung up without a request
+            seen.append(request)
         hang_up.wait(30)
         conn.close()
 
@@ -182,3 +187,54 @@ def test_an_https_address_never_takes_the_plain_tcp_offer() -> None:
     client = JsonClient("https://engine.example:8443", KEY)
     client._follow_offer({"frames_port": 9000, "incarnation": "x"})
     assert client._frames is None
+
+
+def test_the_key_never_goes_to_a_port_that_cannot_prove_it_holds_it(engine, buffer, caplog) -> None:
+    """A process that took the frames port (the engine died, the OS let anyone bind it) greets like an
+    engine and forges the welcome: it hears no key and no request, and the bucket goes over HTTP."""
+    url, service, _ = engine
+    thief = socket.create_server(("127.0.0.1", 0))
+    heard: list[bytes] = []
+
+    def listen() -> None:
+        conn, _ = thief.accept()
+        send_frame(conn, {"challenge": "t1"})
+        conn.settimeout(2)
+        reader = conn.makefile("rb")
+        heard.append(repr(recv_frame(reader, HELLO_MAX_BYTES)).encode())
+        send_frame(conn, {"status": 200, "incarnation": service.incarnation, "proof": "0" * 64})
+        try:
+            heard.append(reader.read(1 << 16) or b"")  # anything sent after the forged welcome
+        except OSError:
+            pass
+        conn.close()
+
+    listener = threading.Thread(target=listen, daemon=True)
+    listener.start()
+    service.frames_port = thief.getsockname()[1]
+    client = JsonClient(url, KEY)
+    client.post("/titan/info")
+    body, checksum = _bucket(buffer, 9, "policy-v9")
+    with caplog.at_level(logging.WARNING):
+        assert client.post("/titan/bucket", body)["checksum"] == checksum
+    listener.join(10)
+    assert heard and KEY.encode() not in b"".join(heard), heard
+    assert b"transfer_id" not in b"".join(heard), "no request went to the port"
+    assert "did not prove it holds the API key" in caplog.text and sorted(service.adapters) == ["policy-v9"]
+    thief.close()
+
+
+def test_a_kept_connection_near_its_idle_timeout_is_replaced_before_a_request(engine, buffer) -> None:
+    url, service, frames = engine
+    frames.idle_timeout_s = 0.6
+    client = JsonClient(url, KEY)
+    client.post("/titan/info")
+    client.post("/titan/bucket", _bucket(buffer, 10, "policy-v10")[0])
+    first = client._frames._local.conn[0]
+    time.sleep(0.4)  # past half the idle timeout: the server may drop it at any moment now
+    client.post("/titan/bucket", _bucket(buffer, 11, "policy-v11")[0])
+    assert client._frames._local.conn[0] is not first, "a fresh connection took the request"
+    time.sleep(1.0)  # past the timeout: the server closed the (new) connection
+    client._frames._local.fresh_until = float("inf")  # a client that did not see it coming: the peek does
+    client.post("/titan/bucket", _bucket(buffer, 12, "policy-v12")[0])
+    assert sorted(service.adapters) == ["policy-v10", "policy-v11", "policy-v12"]

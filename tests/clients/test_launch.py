@@ -123,3 +123,30 @@ def test_a_stopped_engine_core_goes_with_the_engine(tmp_path: Path, monkeypatch:
     finally:
         if not _gone(core):
             os.kill(core, signal.SIGKILL)
+
+
+def test_each_start_gets_a_fresh_key_that_clients_of_the_engine_follow(engine) -> None:  # noqa: ANN001
+    """A key a dead engine's port took (or any client sent it) opens nothing on the next incarnation; the
+    clients built on `engine.key` carry the new one."""
+    client = JsonClient(engine.url, engine.key, timeout_s=5)
+    first = engine.api_key
+    assert client.post("/titan/info")["nonce"] == engine.nonce
+    os.kill(engine.proc.pid, signal.SIGKILL)
+    engine.proc.wait(5)
+    assert engine.ensure_running() is True
+    assert engine.api_key != first and len(engine.api_key) >= 32
+    environ = Path(f"/proc/{engine.proc.pid}/environ").read_bytes().split(b"\0")
+    assert f"{API_KEY_ENV}={engine.api_key}".encode() in environ
+    assert client.post("/titan/info")["nonce"] == engine.nonce, "the same client follows the new key"
+    with pytest.raises(TransferError, match="refused the API key"):
+        JsonClient(engine.url, first, timeout_s=5).post("/titan/info")
+
+
+def test_a_key_the_user_fixed_stays_across_restarts(tmp_path: Path) -> None:
+    eng = _engine(tmp_path, api_key="user-fixed-key")
+    eng.start()
+    try:
+        eng.restart()
+        assert eng.api_key == "user-fixed-key" and _info(eng)["nonce"] == eng.nonce
+    finally:
+        eng.stop()

@@ -1,6 +1,8 @@
 """The OpenAI rollout client's waits against a local server that stalls like a wedged engine core: an
 `interrupt` (the watchdog found the engine wedged) ends every waiting call at once with EngineHung, and a
-call after it goes through on fresh connections. A timeout is an engine hang too (the syncer recovers)."""
+call after it goes through on fresh connections. A timeout is an engine hang too (the syncer recovers).
+Each request carries the key of the engine's current incarnation (an embedded engine gets a fresh one at
+every start)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from titan_lora.clients.http import ApiKey
 from titan_lora.clients.openai_rollout import OpenAIRolloutClient
 from titan_lora.transfer.errors import EngineHung
 
@@ -99,3 +102,32 @@ def test_a_call_past_the_rollout_timeout_is_an_engine_hang(server: Completions) 
     client = OpenAIRolloutClient(server.url, timeout_s=0.5)
     with pytest.raises(EngineHung, match=r"no answer within 0.5 s \(\[weight_sync\] rollout_timeout_s\)"):
         client.generate([[1]], "policy-v1", 4, 1.0, 0, [])
+
+
+def test_each_request_carries_the_key_of_the_current_incarnation() -> None:
+    seen: list[str] = []
+
+    class Models(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            seen.append(self.headers.get("Authorization", ""))
+            data = json.dumps({"object": "list", "data": [{"id": "base", "object": "model", "created": 0,
+                                                             "owned_by": "x"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args) -> None:  # noqa: ANN002
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Models)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    key = ApiKey("first-incarnation")
+    client = OpenAIRolloutClient(f"http://127.0.0.1:{server.server_address[1]}", key, timeout_s=10)
+    client._call(client.client.models.list)
+    key.value = "second-incarnation"  # what EmbeddedEngine.start does
+    client._call(client.client.models.list)
+    assert seen == ["Bearer first-incarnation", "Bearer second-incarnation"]
+    server.shutdown()
+    server.server_close()

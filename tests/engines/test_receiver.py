@@ -18,9 +18,10 @@ from dist_helpers import free_port
 
 from titan_lora.clients.http import JsonClient
 from titan_lora.clients.launch import EmbeddedEngine
-from titan_lora.engines.receiver import build_server
+from titan_lora.engines.receiver import build_server, shut_down
 from titan_lora.transfer.buckets import bucket_checksum, bucket_size, layout_id, pack, plan_buckets
 from titan_lora.transfer.errors import TransferError
+from titan_lora.transfer.frames import recv_frame, send_frame
 from titan_lora.transfer.transport import BucketBuffer
 
 KEY = "test-key"
@@ -208,3 +209,34 @@ def test_sigterm_releases_the_mappings_and_exits_cleanly(tmp_path) -> None:  # n
     finally:
         engine.stop()
     assert "mappings released" in log.read_text()
+
+
+def test_shutdown_closes_kept_connections_before_releasing_the_mappings(monkeypatch, buffer) -> None:
+    """The trainer's kept frame connection must not be served after the release: its next bucket would
+    map the trainer's buffer again (on a GPU, leaving a CUDA IPC ref-counter file behind at exit)."""
+    monkeypatch.setenv("TITAN_LORA_API_KEY", KEY)
+    server, service, framed = build_server(["--port", str(free_port())], frames=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    client = JsonClient(_url(server), KEY)
+    client.post("/titan/info")
+    client.post("/titan/bucket", _bucket(buffer, _tensors(1), uuid.uuid4().hex)[0])  # as a frame
+    sock, reader = client._frames._local.conn
+    assert len(service.buffers) == 1
+    shut_down(server, service, framed, wait_s=5)
+    assert len(service.buffers) == 0
+    try:
+        send_frame(sock, {"route": "bucket", "body": _bucket(buffer, _tensors(2), uuid.uuid4().hex)[0]})
+        reply = recv_frame(reader, 1 << 20)
+    except OSError:  # reset: closed as well
+        reply = None
+    assert reply is None and len(service.buffers) == 0, "the kept connection was served after the release"
+
+
+def test_a_header_that_is_not_the_layout_it_names_is_refused_400(receiver, buffer) -> None:
+    server, service = receiver
+    body, _ = _bucket(buffer, _tensors(3), uuid.uuid4().hex)
+    other, _ = _bucket(buffer, {"x": torch.zeros(4)}, uuid.uuid4().hex)
+    with pytest.raises(TransferError, match=r"HTTP 400.*the bucket header is layout"):
+        JsonClient(_url(server), KEY).post("/titan/bucket", {**body, "layout": other["layout"]})
+    with pytest.raises(TransferError, match="unknown bucket layout"):  # nothing was kept under the id it named (409)
+        JsonClient(_url(server), KEY).post("/titan/bucket", {**other, "header": None})

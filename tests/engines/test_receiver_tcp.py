@@ -69,7 +69,7 @@ def _adapter(emitter, version: int, device: torch.device = CPU) -> AdapterPayloa
 def _emitter(engine: EmbeddedEngine, transport: str):  # noqa: ANN202
     """The bucket emitter the composition root builds for `[engine] transport` (nccl: its gloo fallback)."""
     config = Engine(kind="receiver", transport=transport, nccl_backend="gloo")
-    endpoint = engine_endpoint(engine_kind("receiver"), config, engine.url, engine.api_key)
+    endpoint = engine_endpoint(engine_kind("receiver"), config, engine.url, engine.key)  # follows restarts
     return engine_kind("receiver").emitter(WeightSync(bucket_mb=1, timeout_s=30), config, endpoint)
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from model_helpers import DEBUG_LORA, build_from, full_adapter, full_copy, job_config_from, randomize_adapters
 
-from titan_lora.clients.http import JsonClient
+from titan_lora.clients.http import ApiKey, JsonClient
 from titan_lora.compose import EngineSide
 from titan_lora.clients.launch import EmbeddedEngine
 from titan_lora.clients.vllm import VLLMBucketEmitter
@@ -47,14 +47,14 @@ def start_receiver(tmp: str, max_loras: int = 8) -> EmbeddedEngine:
     return engine
 
 
-def build_syncer(rank: int, cfg, engine: EmbeddedEngine | None, url: str = "", key: str = "",  # noqa: ANN001
+def build_syncer(rank: int, cfg, engine: EmbeddedEngine | None, url: str = "", key: str | ApiKey = "",  # noqa: ANN001
                  probe=None, seed: int = 1):  # noqa: ANN001, ANN201
     """(built model, syncer): the debug model with seeded adapters; rank 0 holds the emitter."""
     built = build_from(DEBUG_LORA)
     randomize_adapters(built.model, seed=seed)
     emitter = None
     if rank == 0:
-        url, key = (engine.url, engine.api_key) if engine is not None else (url, key)
+        url, key = (engine.url, engine.key) if engine is not None else (url, key)  # the key of each start
         emitter = VLLMBucketEmitter(JsonClient(url, key, cfg.timeout_s), cfg.bucket_mb)
     source = AdapterSource(built.model, built.peft_layout, job_config_from(DEBUG_LORA).lora, cfg.lora_name,
                            lend=emitter.lend_buffer if emitter else plain_buffer)

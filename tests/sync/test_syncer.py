@@ -125,7 +125,7 @@ def test_an_engine_error_and_a_wrong_ack_raise_on_every_rank_and_publish_nothing
 
 def _attached_engine_restarts(rank: int, world: int, tmp: str) -> None:
     engine = _receiver(rank, tmp, max_loras=2)
-    url, key = (engine.url, engine.api_key) if engine else ("", "")
+    url, key = (engine.url, engine.key) if engine else ("", "")  # a fresh key at each restart
     built, syncer = build_syncer(rank, sync_cfg(keep_versions=2), None, url, key)  # attached: not ours
     try:
         with pytest.raises(TransferError, match=r"keep_versions = 2 needs 3 adapter slots.*--max-loras >= 3"):
@@ -171,7 +171,7 @@ def test_an_attached_engine_that_restarts_gets_the_base_then_the_newest_adapter(
 
 def _steady_state(rank: int, world: int, tmp: str, attached: bool) -> None:
     engine = _receiver(rank, tmp)
-    url, key = (engine.url, engine.api_key) if engine and attached else ("", "")
+    url, key = (engine.url, engine.key) if engine and attached else ("", "")
     built, syncer = build_syncer(rank, sync_cfg(), None if attached else engine, url, key)
     from titan_lora.sync import collective
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from dist_helpers import needs_gpus
 
-from titan_lora.transfer.buckets import ALIGN, Entry, bucket_size, copy_out, pack, plan_buckets
+from titan_lora.transfer.buckets import ALIGN, Entry, bucket_size, copy_out, entry_for, layout_id, pack, plan_buckets
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -281,3 +281,41 @@ def test_every_checksum_weights_table_stays_alive_for_the_graphs_that_read_it(mo
     assert any(t.untyped_storage().data_ptr() == address for t in buckets._KEPT), "the first table was let go"
     golden = buckets._GOLDEN
     assert torch.equal(larger[:3], (torch.arange(1, 4, dtype=torch.int64) * golden) | 1)
+
+
+def _header(names: str, offset: int = 0) -> tuple[str, list[dict]]:
+    entries = [entry_for(n, torch.zeros(2, 4), offset + 64 * i) for i, n in enumerate(names)]
+    return layout_id(entries), [e.to_json() for e in entries]
+
+
+def test_a_header_is_kept_only_under_the_layout_id_it_hashes_to() -> None:
+    from titan_lora.transfer.buckets import LayoutCache, UnknownLayout
+
+    cache = LayoutCache()
+    ab, header_ab = _header("ab")
+    cd, header_cd = _header("cd")
+    with pytest.raises(ValueError, match=f"the bucket header is layout {cd}, the request names {ab}"):
+        cache.resolve(ab, header_cd)
+    with pytest.raises(UnknownLayout):
+        cache.resolve(ab, None)  # the refused header was not kept under the id it named
+    first = cache.resolve(ab, header_ab)
+    shifted = [{**row, "nbytes": row["nbytes"] * 2} for row in header_ab]  # same id: the id omits nbytes
+    with pytest.raises(ValueError, match="do not fit shape"):
+        cache.resolve(ab, shifted)
+    assert cache.resolve(ab, None) == first, "the first header of a layout stays"
+
+
+def test_the_layout_cache_is_bounded_and_drops_the_least_recently_used() -> None:
+    from titan_lora.transfer.buckets import LayoutCache, UnknownLayout
+
+    cache = LayoutCache(max_entries=4)  # two layouts of two entries
+    layouts = [_header(pair) for pair in ("ab", "cd", "ef")]
+    cache.resolve(*layouts[0])
+    cache.resolve(*layouts[1])
+    cache.resolve(layouts[0][0], None)  # used again: the other one is the oldest now
+    cache.resolve(*layouts[2])
+    with pytest.raises(UnknownLayout):
+        cache.resolve(layouts[1][0], None)
+    assert [e.name for e in cache.resolve(layouts[0][0], None)] == ["a", "b"]
+    with pytest.raises(ValueError, match="at most 4 entries"):
+        cache.resolve(*_header("vwxyz"))

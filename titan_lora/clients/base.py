@@ -13,6 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from titan_lora.clients.http import ApiKey
 from titan_lora.transfer.errors import TransferError
 from titan_lora.transfer.protocol import Ack, EngineLimits
 from titan_lora.transfer.transport import BucketBuffer, TransportChoice
@@ -119,5 +120,11 @@ class Endpoint:
     runs (embedded) or is attached. An emitter that sends buckets allocates them of `transport`."""
 
     url: str
-    api_key: str = ""
+    api_key: ApiKey | str = ""
+    """Read per request (`ApiKey.value`): an embedded engine's changes at every start. A str is taken as
+    a key that never changes (an attached engine's), and held as an ApiKey."""
     transport: TransportChoice = TransportChoice()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.api_key, str):
+            object.__setattr__(self, "api_key", ApiKey(self.api_key))

@@ -40,23 +40,37 @@ class HTTPStatusError(TransferError):
         self.status = status
 
 
-class JsonClient:
-    """POST JSON to `<base_url><path>` and return the decoded reply."""
+class ApiKey:
+    """An engine's API key as it is now: an attached engine's stays; an embedded engine's launcher sets a
+    fresh one at every start (`EmbeddedEngine`), so a key a dead engine's port took is of no use to
+    the next incarnation. Clients read `value` for each request."""
 
-    def __init__(self, base_url: str, api_key: str = "", timeout_s: float = 120.0) -> None:
+    def __init__(self, value: str = "") -> None:
+        self.value = value
+
+
+class JsonClient:
+    """POST JSON to `<base_url><path>` and return the decoded reply; `api_key` is read per request."""
+
+    def __init__(self, base_url: str, api_key: str | ApiKey = "", timeout_s: float = 120.0) -> None:
         parsed = urllib.parse.urlsplit(base_url)
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
             raise ValueError(f"engine address {base_url!r} must look like http://host:port")
         self.base_url = base_url.rstrip("/")
         self._scheme, self._host = parsed.scheme, parsed.hostname
         self._port = parsed.port or (443 if parsed.scheme == "https" else 80)
-        self.api_key = api_key
+        self._key = api_key if isinstance(api_key, ApiKey) else ApiKey(api_key)
         self.timeout_s = timeout_s
         self._local = threading.local()
         self._frames: FrameChannel | None = None  # the channel the last INFO reply offered
         self._refused: set[tuple[str, int]] = set()  # (incarnation, frames port) not reached: HTTP instead
         self._open = OpenSockets()  # every thread's connection: `interrupt` ends their requests
         self._interrupt_reason = ""
+
+    @property
+    def api_key(self) -> str:
+        """The key requests carry now."""
+        return self._key.value
 
     def _connection(self, timeout_s: float) -> http.client.HTTPConnection:
         conn = getattr(self._local, "conn", None)

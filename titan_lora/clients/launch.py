@@ -23,7 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from titan_lora.clients.http import JsonClient
+from titan_lora.clients.http import ApiKey, JsonClient
 from titan_lora.transfer import protocol
 from titan_lora.transfer.errors import EngineDied, EngineHung, EngineUnreachable, TransferError
 
@@ -82,7 +82,9 @@ class EmbeddedEngine:
     def __init__(self, module: str, port: int, args: list[str], log_path: str, start_timeout_s: float = 600.0,
                  api_key: str = "", health_timeout_s: float = 10.0) -> None:
         self.module = module
-        self.api_key = api_key or secrets.token_urlsafe(32)  # an open engine API is anyone's to rewrite
+        # An open engine API is anyone's to rewrite. Clients read `key`: a fresh one at every start.
+        self._fixed_key = api_key
+        self.key = ApiKey(api_key or secrets.token_urlsafe(32))
         self.args = args
         self.log_path = Path(log_path)
         self.start_timeout_s = start_timeout_s
@@ -100,6 +102,9 @@ class EmbeddedEngine:
             self._reservation = reserve_port(self.port)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.nonce = secrets.token_hex(16)
+        # A fresh key per incarnation ([engine] api_key fixes one): a process that took a dead engine's port
+        # and read the key a client sent it cannot use it on the next engine.
+        self.key.value = self._fixed_key or secrets.token_urlsafe(32)
         cmd = [sys.executable, "-m", self.module, "--port", str(self.port), *self.args]
         env = {**os.environ, protocol.API_KEY_ENV: self.api_key, protocol.NONCE_ENV: self.nonce}
         logger.info("starting %s (log: %s)", self.module, self.log_path)
@@ -117,6 +122,11 @@ class EmbeddedEngine:
         finally:
             self._reservation.close()
             self._reservation = None
+
+    @property
+    def api_key(self) -> str:
+        """The key of the current incarnation."""
+        return self.key.value
 
     def _client(self, timeout_s: float) -> JsonClient:
         return JsonClient(self.url, self.api_key, timeout_s=timeout_s)

@@ -24,6 +24,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from titan_lora.clients.base import Endpoint
+from titan_lora.clients.http import ApiKey
 from titan_lora.clients.rollout import Completion
 from titan_lora.config import WeightSync
 from titan_lora.transfer.errors import EngineHung, EngineUnreachable, TransferError
@@ -52,7 +53,7 @@ def prompt_runs(prompts: list[list[int]]) -> list[tuple[int, list[int], int]]:
 class OpenAIRolloutClient:
     """RolloutClient over `/v1/completions`; `adapter` is the model name (None: the base model)."""
 
-    def __init__(self, base_url: str, api_key: str = "", timeout_s: float = 600.0) -> None:
+    def __init__(self, base_url: str, api_key: str | ApiKey = "", timeout_s: float = 600.0) -> None:
         if timeout_s <= 0:
             raise ValueError(f"[weight_sync] rollout_timeout_s must be positive, got {timeout_s}")
         try:
@@ -62,7 +63,8 @@ class OpenAIRolloutClient:
                               "pip install openai") from err
 
         self._openai = openai
-        self._url, self._api_key = base_url.rstrip("/") + "/v1", api_key or "none"
+        self._url = base_url.rstrip("/") + "/v1"
+        self._key = api_key if isinstance(api_key, ApiKey) else ApiKey(api_key)
         self.timeout_s = timeout_s
         self._waits: set[Future] = set()  # one per caller waiting now: `interrupt` fails them
         self._lock = threading.Lock()
@@ -71,8 +73,8 @@ class OpenAIRolloutClient:
 
     def _fresh(self) -> None:
         # No retries: a retried sample would be a second, different sample under the same seed slot.
-        self.client = self._openai.OpenAI(base_url=self._url, api_key=self._api_key, timeout=self.timeout_s,
-                                          max_retries=0)
+        self.client = self._openai.OpenAI(base_url=self._url, api_key=self._key.value or "none",
+                                          timeout=self.timeout_s, max_retries=0)
         self._pool = ThreadPoolExecutor(max_workers=MAX_CONCURRENT, thread_name_prefix="titan-rollout")
 
     def interrupt(self, reason: str) -> None:
@@ -118,8 +120,8 @@ class OpenAIRolloutClient:
 
     def _call(self, fn: Any, **kwargs: Any) -> Any:
         """One API call, its failures as the errors the syncer recovers from."""
-        try:
-            return fn(**kwargs)
+        try:  # the key of the engine's current incarnation: an embedded engine gets a new one at each start
+            return fn(**kwargs, extra_headers={"Authorization": f"Bearer {self._key.value or 'none'}"})
         except self._openai.APITimeoutError:
             raise EngineHung(f"{self.client.base_url}: no answer within {self.timeout_s:g} s ([weight_sync] "
                              "rollout_timeout_s); the engine aborts the request") from None

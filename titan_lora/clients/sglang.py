@@ -402,7 +402,7 @@ def _verified_checksums(bucket: Bucket, tensors: Mapping[str, torch.Tensor]) -> 
 
 def build_sglang_emitter(ws: WeightSync, engine: Engine, endpoint: Endpoint) -> SGLangEmitter:
     """The SGLang emitter to the server at `endpoint`."""
-    client = SGLangClient(endpoint.url, api_key=endpoint.api_key, timeout_s=ws.timeout_s, retries=ws.retries,
+    client = SGLangClient(endpoint.url, api_key=endpoint.api_key.value, timeout_s=ws.timeout_s, retries=ws.retries,
                           admin_api_key=engine.admin_api_key)
     return SGLangEmitter(client, keep_versions=ws.keep_versions, pause_mode=engine.pause_mode,
                          bucket_bytes=ws.bucket_mb << 20)

@@ -114,6 +114,6 @@ class SGLangRolloutClient:
 
 def sglang_rollouts(endpoint: Endpoint, ws: WeightSync) -> SGLangRolloutClient:
     """The rollout client of the SGLang server at `endpoint` (its `--api-key`, never the admin key)."""
-    client = SGLangClient(endpoint.url, api_key=endpoint.api_key, timeout_s=ws.timeout_s, retries=ws.retries)
+    client = SGLangClient(endpoint.url, api_key=endpoint.api_key.value, timeout_s=ws.timeout_s, retries=ws.retries)
     return SGLangRolloutClient(client, ws.rollout_timeout_s)
 

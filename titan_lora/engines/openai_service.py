@@ -21,7 +21,7 @@ from typing import Any
 from titan_lora.engines import vllm_compat as compat
 from titan_lora.engines.adapter_table import AdapterTable
 from titan_lora.transfer import protocol
-from titan_lora.transfer.buckets import UnknownLayout
+from titan_lora.transfer.buckets import LayoutCache
 from titan_lora.transfer.errors import check_name
 
 REPLACE_TIMEOUT_S = 30.0
@@ -40,7 +40,9 @@ class TitanService:
         self.nonce = os.environ.get(protocol.NONCE_ENV, "")
         self.base_version: int | None = None
         self.table = AdapterTable()
-        self._layouts: set[str] = set()  # bucket layouts the worker has been sent the header of
+        # The bucket layouts the workers hold, kept as each worker's `LayoutCache` keeps them (same checks,
+        # same bound, same requests in the same order), so that one they dropped is answered 409 here.
+        self._layouts = LayoutCache()
 
     @classmethod
     async def start(cls, engine_client: Any, models: Any, model: str) -> TitanService:
@@ -74,17 +76,15 @@ class TitanService:
         """Copy one bucket out of the trainer's buffer (the ack frees it); an adapter's last bucket
         carries its commit, installed in the same engine call."""
         layout, header = req["layout"], req.get("header")
-        # vLLM's RPC reports a worker's exception as a plain message: the layout check is made here,
-        # where it can still answer 409 (the worker learns each header with the same request).
-        if header is None and layout not in self._layouts:
-            raise UnknownLayout(f"unknown bucket layout {layout}")
+        # vLLM's RPC reports a worker's exception as a plain message: the layout checks (its id, 409 for
+        # an unknown one) are made here, where they can still answer 400 or 409.
+        self._layouts.resolve(layout, header)
         args = (req["transfer_id"], req["segment"], layout, header)
         if "commit" in req:
             ack = await self._commit(req["commit"], lambda lora_id, name, peft_config: self.rpc(
                 "titan_receive_and_commit", *args, req.get("checksum"), lora_id, name, peft_config))
         else:
             ack = await self.rpc("titan_receive_bucket", *args, req.get("kind", "adapter"), req.get("checksum"))
-        self._layouts.add(layout)
         return ack
 
     async def _free_name(self, name: str) -> None:

@@ -25,12 +25,18 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from http.server import ThreadingHTTPServer
 
 import torch
 
 from titan_lora.engines.frame_server import FrameServer
-from titan_lora.engines.http_server import DEFAULT_MAX_BODY_MB, make_handler
+from titan_lora.engines.http_server import (
+    DEFAULT_HEAD_TIMEOUT_S,
+    DEFAULT_IDLE_TIMEOUT_S,
+    DEFAULT_MAX_BODY_MB,
+    DEFAULT_MAX_CONNECTIONS,
+    FrontServer,
+    make_handler,
+)
 from titan_lora.engines.transfers import SlabPool, Staged, TransferStore, receive
 from titan_lora.transfer import protocol
 from titan_lora.transfer.buckets import LayoutCache
@@ -40,6 +46,8 @@ from titan_lora.transfer.transport import BufferCache
 
 logger = logging.getLogger("titan_lora.receiver")
 DEFAULT_LIVE_TIMEOUT_S = 10.0
+SHUTDOWN_WAIT_S = 10.0
+"""At exit, how long routes in progress may take to finish before the mappings are released anyway."""
 
 
 def _on_core(route: Callable[[ReceiverService, dict], dict]) -> Callable[[ReceiverService, dict], dict]:
@@ -156,7 +164,7 @@ class ReceiverService:
 
 
 def build_server(argv: list[str] | None = None, frames: bool = False,
-                 ) -> tuple[ThreadingHTTPServer, ReceiverService, FrameServer | None]:
+                 ) -> tuple[FrontServer, ReceiverService, FrameServer | None]:
     """The receiver's HTTP server (bound, not yet serving), its service and, with `frames` where
     `--frames-port` allows, its frame server (serving from now on), from command-line options."""
     p = argparse.ArgumentParser(description="titan_lora receiver process (no inference engine)")
@@ -171,6 +179,13 @@ def build_server(argv: list[str] | None = None, frames: bool = False,
                    help="largest request body accepted")
     p.add_argument("--frames-port", type=int, default=0,
                    help="port of the framed transfer routes, on --host (0: any free one; -1: HTTP only)")
+    p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                   help="connections served at once, per port (one more is answered 503 and closed)")
+    p.add_argument("--peer-deadline-s", type=float, default=DEFAULT_HEAD_TIMEOUT_S,
+                   help="seconds a connection has to send a request's line and headers (HTTP) or to "
+                        "complete its greeting (frames)")
+    p.add_argument("--idle-timeout-s", type=float, default=DEFAULT_IDLE_TIMEOUT_S,
+                   help="a kept connection with no request for this long is closed")
     args = p.parse_args(argv)
     device = torch.device(args.device) if args.device else None
     if device is not None:
@@ -178,12 +193,13 @@ def build_server(argv: list[str] | None = None, frames: bool = False,
         device = torch.device("cuda", torch.cuda.current_device())  # "cuda" alone: the index it stands for
     service = ReceiverService(args.max_lora_rank, args.max_loras, device)
     routes = {op: _on_device(getattr(service, op), device) for op in protocol.TRANSFER_ROUTES}
-    handler = make_handler(routes, args.api_key, args.max_body_mb * 2**20)
-    server = ThreadingHTTPServer((args.host, args.port), handler)
+    handler = make_handler(routes, args.api_key, args.max_body_mb * 2**20, args.peer_deadline_s,
+                           args.idle_timeout_s)
+    server = FrontServer((args.host, args.port), handler, args.max_connections)
     framed = None
     if frames and args.frames_port >= 0:
         framed = FrameServer((args.host, args.frames_port), routes, args.api_key, args.max_body_mb * 2**20,
-                             service.incarnation)
+                             service.incarnation, args.max_connections, args.peer_deadline_s, args.idle_timeout_s)
         framed.start()
         service.frames_port = framed.port
     return server, service, framed
@@ -217,11 +233,24 @@ def main(argv: list[str] | None = None) -> None:
     try:
         server.serve_forever()
     finally:
-        if framed is not None:  # no new frame request maps a buffer after the clear below
-            framed.shutdown()
-            framed.server_close()
-        service.buffers.clear()  # the trainer's CUDA IPC ref counters drop only when we unmap
+        shut_down(server, service, framed)
         logger.info("receiver %s stopped; mappings released", service.incarnation[:8])
+
+
+def shut_down(server: FrontServer, service: ReceiverService, framed: FrameServer | None,
+              wait_s: float = SHUTDOWN_WAIT_S) -> None:
+    """Stop both fronts, close their live connections (a kept one would be served on), let routes in
+    progress finish (at most `wait_s`), then release every mapping: the trainer's CUDA IPC ref counters
+    drop only when we unmap. The core lock stays held: no route maps a buffer after the release."""
+    fronts = [front for front in (framed, server) if front is not None]
+    for front in fronts:
+        front.shutdown()  # returns at once for the HTTP server, whose serve_forever already ended
+        front.server_close()
+    closed = sum(front.close_connections(wait_s) for front in fronts)
+    if not service._core.acquire(timeout=wait_s):
+        logger.warning("a transfer still runs after %g s; releasing the mappings under it", wait_s)
+    service.buffers.clear()
+    logger.info("closed %d live connections before releasing the mappings", closed)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,10 @@ JSON-able header of names, shapes, dtypes and offsets. No pickle crosses from on
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
+import math
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
@@ -40,7 +42,8 @@ class Entry:
         """Parse one header row, rejecting dtypes we do not send."""
         if row["dtype"] not in _DTYPES:
             raise ValueError(f"unsupported dtype {row['dtype']!r} in bucket header")
-        return Entry(row["name"], tuple(row["shape"]), row["dtype"], int(row["offset"]), int(row["nbytes"]))
+        return Entry(str(row["name"]), tuple(int(d) for d in row["shape"]), row["dtype"], int(row["offset"]),
+                     int(row["nbytes"]))
 
 
 def _aligned(n: int) -> int:
@@ -216,18 +219,57 @@ class UnknownLayout(KeyError):
 
 
 class LayoutCache:
-    """Receiver side: bucket headers by layout id, so a repeated layout travels as its id alone."""
+    """Receiver side: bucket headers by layout id, so a repeated layout travels as its id alone.
 
-    def __init__(self) -> None:
-        self._layouts: dict[str, list[Entry]] = {}
+    A header is kept only under the id it hashes to (`layout_id`), and the first one kept for an id
+    stays: a request cannot make later buckets of that layout read another one's offsets. At most
+    `max_entries` tensor entries are kept, the least recently used layouts dropped first (a dropped
+    layout is answered as unknown, and the trainer sends its header again)."""
+
+    def __init__(self, max_entries: int = 1 << 18) -> None:
+        self.max_entries = max_entries
+        self._layouts: collections.OrderedDict[str, list[Entry]] = collections.OrderedDict()
+        self._entries = 0
+        self._lock = threading.Lock()  # the receiver serves buckets from several threads
 
     def resolve(self, layout: str, header: list[dict] | None) -> list[Entry]:
-        """The entries of `layout`, parsing and remembering `header` when it is given."""
-        if header is not None:
-            self._layouts[layout] = [Entry.from_json(row) for row in header]
-        if layout not in self._layouts:
-            raise UnknownLayout(f"unknown bucket layout {layout}")
-        return self._layouts[layout]
+        """The entries of `layout`; a `header` given is checked (`parse_header`), and kept if the layout
+        is new."""
+        entries = None if header is None else parse_header(layout, header, self.max_entries)
+        with self._lock:
+            if entries is None:
+                known = self._layouts.get(layout)
+                if known is None:
+                    raise UnknownLayout(f"unknown bucket layout {layout}")
+                self._layouts.move_to_end(layout)
+                return known
+            if layout not in self._layouts:  # another thread may have kept it meanwhile: the first stays
+                self._layouts[layout] = entries
+                self._entries += len(entries)
+                while self._entries > self.max_entries:
+                    self._entries -= len(self._layouts.popitem(last=False)[1])
+            self._layouts.move_to_end(layout)
+            return self._layouts[layout]
+
+
+def parse_header(layout: str, header: list[dict], max_entries: int) -> list[Entry]:
+    """The entries of `header`, once it is shown to be the layout `layout` names: its id, and byte counts
+    and offsets that fit its shapes and dtypes (a ValueError says what does not)."""
+    if not isinstance(header, list) or len(header) > max_entries:
+        raise ValueError(f"a bucket header must be a list of at most {max_entries} entries")
+    try:
+        entries = [Entry.from_json(row) for row in header]
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"a bucket header entry is malformed ({type(err).__name__}: {err}); each names "
+                         "name, shape, dtype, offset and nbytes") from None
+    for e in entries:
+        if e.offset < 0 or e.nbytes != math.prod(e.shape) * _DTYPES[e.dtype].itemsize or min(e.shape, default=0) < 0:
+            raise ValueError(f"bucket header entry {e.name!r}: {e.nbytes} bytes at offset {e.offset} do not fit "
+                             f"shape {list(e.shape)} of {e.dtype}")
+    if layout_id(entries) != layout:
+        raise ValueError(f"the bucket header is layout {layout_id(entries)}, the request names {layout}: send "
+                         "the header of the layout the request names")
+    return entries
 
 
 def layout_id(entries: Sequence[Entry]) -> str:
