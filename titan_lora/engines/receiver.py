@@ -189,8 +189,9 @@ def build_server(argv: list[str] | None = None, frames: bool = False,
     args = p.parse_args(argv)
     device = torch.device(args.device) if args.device else None
     if device is not None:
-        torch.cuda.set_device(device)
-        device = torch.device("cuda", torch.cuda.current_device())  # "cuda" alone: the index it stands for
+        if device.index is not None:  # "cuda" alone: the current device (torch 2.11 refuses to set it)
+            torch.cuda.set_device(device)
+        device = torch.device("cuda", torch.cuda.current_device())
     service = ReceiverService(args.max_lora_rank, args.max_loras, device)
     routes = {op: _on_device(getattr(service, op), device) for op in protocol.TRANSFER_ROUTES}
     handler = make_handler(routes, args.api_key, args.max_body_mb * 2**20, args.peer_deadline_s,
