@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import socket
 import threading
+import weakref
 
 
 class OpenSockets:
-    """A thread-safe set of connected sockets, each woken by `wake_all`."""
+    """A thread-safe set of connected sockets, each woken by `wake_all`. It holds them weakly: a socket
+    whose owner is gone (a thread-local connection of a thread that ended) is closed as before, not kept
+    open here, where it would hold one of the engine's connection slots forever."""
 
     def __init__(self) -> None:
-        self._socks: set[socket.socket] = set()
+        self._socks: weakref.WeakSet[socket.socket] = weakref.WeakSet()
         self._lock = threading.Lock()
         self.wakes = 0
         """How many times `wake_all` ran: a request that began before a wake must not be resent."""
