@@ -491,3 +491,14 @@ def test_two_transfers_on_one_emitter_run_one_after_the_other(emitter_for: Make)
         got = engine.adapters[payload.name]
         for name, sent in payload.tensors.items():
             assert torch.equal(got[name], sent), f"{payload.name}: {name} arrived with the other's bytes"
+
+
+def test_a_slow_engine_shows_in_the_transfer_phase_not_in_packing(emitter_for: Make) -> None:
+    # Packing waits for a slot the engine still copies from; that wait (and the posts' checksums) used to
+    # count as packing, and the base's transfer phase came out negative (-34 ms on the 8B base, H100).
+    engine = ReadingEngine(delay_s=0.05)
+    emitter = emitter_for(engine)
+    ack = emitter.send_base(iter(_payload().tensors.items()), version=1)
+    phases = ack.phases_ms
+    assert phases["buckets"] == 4 and phases["transfer_ms"] >= 4 * 50 * 0.9, phases
+    assert phases["pack_ms"] < phases["transfer_ms"] / 4, phases

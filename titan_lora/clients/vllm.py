@@ -158,6 +158,8 @@ class _Transfer:
             copy_ms += float(ack.get("copy_ms", 0.0))
         total_ms = (time.perf_counter() - self.started) * 1e3
         pack_ms, checksum_ms = self.pack_s * 1e3, self.checksum_s * 1e3
+        # transfer: the rest of the wall time (posts, waits for the engine's acks and, for a streamed base,
+        # drawing the stream), so that the three add up to it.
         out.phases = {"pack_ms": pack_ms, "checksum_ms": checksum_ms,
                       "transfer_ms": total_ms - pack_ms - checksum_ms, "buckets": len(self.posts)}
         if copy_ms:  # the engine's own time per bucket (copy-out and checksum), where it reports it
@@ -284,8 +286,8 @@ class VLLMBucketEmitter:
                 transfer.post(bucket.entries, *bucket.home, layout=bucket.layout, commit=last, inline=inline,
                               checksum=known)
                 continue
-            t0 = time.perf_counter()
             slot = transfer.take_slot()
+            t0 = time.perf_counter()  # the copy alone: waiting for the slot is the engine's time
             pack(self._buffers[slot].tensor, bucket.entries, tensors, bucket.run)
             transfer.pack_s += time.perf_counter() - t0
             transfer.post(bucket.entries, self._buffers[slot], 0, layout=bucket.layout, slot=slot,
@@ -299,7 +301,6 @@ class VLLMBucketEmitter:
         entries: list[Entry] = []
         slot, count, nbytes = 0, 0, 0
         for name, t in items:
-            t0 = time.perf_counter()
             size = t.numel() * t.element_size()
             used = next_offset(entries[-1]) if entries else 0
             if entries and used + size > self.bucket_bytes:
@@ -311,9 +312,10 @@ class VLLMBucketEmitter:
                     self._ensure_buffers(size, t.device)
                 slot = transfer.take_slot()
             entries.append(entry_for(name, t, used))
+            t0 = time.perf_counter()  # the copy alone: posts (their checksum) and slot waits are apart
             pack_one(self._buffers[slot].tensor, entries[-1], t)
-            count, nbytes = count + 1, nbytes + size
             transfer.pack_s += time.perf_counter() - t0
+            count, nbytes = count + 1, nbytes + size
             del t  # the loop variable would keep this tensor alive while the next one is gathered
         if entries:
             transfer.post(entries, self._buffers[slot], 0, slot=slot)
