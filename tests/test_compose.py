@@ -111,9 +111,10 @@ class _FakeSyncer:
     made: list[_FakeSyncer] = []
 
     def __init__(self, source, base, emitter, cfg, device, *, versions, engine=None, probe=None,  # noqa: ANN001
-                 report=None) -> None:  # noqa: ANN001
+                 report=None, watchdog=None) -> None:  # noqa: ANN001
         self.source, self.base, self.emitter, self.cfg, self.device = source, base, emitter, cfg, device
         self.engine, self.probe, self.versions, self.report = engine, probe, versions, report
+        self.watchdog = watchdog
         self.checked = False
         _FakeSyncer.made.append(self)
 
@@ -194,6 +195,9 @@ def test_wiring_an_attached_vllm_engine(monkeypatch: pytest.MonkeyPatch, tmp_pat
     assert rollouts.client.timeout_s == 44.0 and rollouts.client.client.timeout == 44.0
     assert (str(rollouts.client.client.base_url), rollouts.client.client.api_key) == ("http://10.0.0.5:8000/v1/", "k1")
     assert syncer.probe is None
+    # one engine is watched while rank 0 waits on it, at health_timeout_s, through the emitter's LIVE check
+    dog = syncer.watchdog
+    assert dog.timeout_s == job_config.weight_sync.health_timeout_s and dog._check_live == syncer.emitter.check_live
     # tied embeddings: the stream leaves lm_head out
     assert [n for n, _ in syncer.base()] == ["model.embed_tokens.weight", "model.norm.weight"]
 
@@ -222,6 +226,7 @@ def test_wiring_two_embedded_replicas_fans_out_and_routes(monkeypatch: pytest.Mo
     assert isinstance(syncer.emitter, FanoutEmitter) and isinstance(rollouts.client, RolloutRouter)
     assert [r.engine for r in syncer.emitter.replicas.replicas] == engines
     assert syncer.report()["sync/live_replicas"] == 2.0
+    assert syncer.watchdog is None, "replicas are watched one by one by their replica set"
 
 
 def test_wiring_attached_urls_keeps_one_emitter_per_replica(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
