@@ -28,6 +28,7 @@ class Completions(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.stall: threading.Event | None = None
         self.requests = 0
+        self.keys: list[str] = []  # the Authorization header of each request
 
     @property
     def url(self) -> str:
@@ -37,16 +38,25 @@ class Completions(ThreadingHTTPServer):
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
+    def do_GET(self) -> None:  # noqa: N802 (/v1/models)
+        self.server.keys.append(self.headers.get("Authorization", ""))
+        self._answer({"object": "list",
+                      "data": [{"id": "base", "object": "model", "created": 0, "owned_by": "x"}]})
+
     def do_POST(self) -> None:  # noqa: N802
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.server.requests += 1
+        self.server.keys.append(self.headers.get("Authorization", ""))
         if self.server.stall is not None and not self.server.stall.wait(30):
             return
         choices = [{"index": i, "text": "7", "token_ids": [7], "finish_reason": "length",
                     "logprobs": {"token_logprobs": [-0.5], "tokens": ["7"], "top_logprobs": None,
                                  "text_offset": [0]}} for i in range(body.get("n", 1))]
-        data = json.dumps({"id": "c", "object": "text_completion", "created": 0, "model": body["model"],
-                           "choices": choices}).encode()
+        self._answer({"id": "c", "object": "text_completion", "created": 0, "model": body["model"],
+                      "choices": choices})
+
+    def _answer(self, reply: dict) -> None:
+        data = json.dumps(reply).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
@@ -104,30 +114,12 @@ def test_a_call_past_the_rollout_timeout_is_an_engine_hang(server: Completions) 
         client.generate([[1]], "policy-v1", 4, 1.0, 0, [])
 
 
-def test_each_request_carries_the_key_of_the_current_incarnation() -> None:
-    seen: list[str] = []
-
-    class Models(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802
-            seen.append(self.headers.get("Authorization", ""))
-            data = json.dumps({"object": "list", "data": [{"id": "base", "object": "model", "created": 0,
-                                                             "owned_by": "x"}]}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args) -> None:  # noqa: ANN002
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Models)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+def test_each_request_carries_the_key_of_the_current_incarnation(server: Completions) -> None:
     key = ApiKey("first-incarnation")
-    client = OpenAIRolloutClient(f"http://127.0.0.1:{server.server_address[1]}", key, timeout_s=10)
-    client._call(client.client.models.list)
+    client = OpenAIRolloutClient(server.url, key, timeout_s=10)
+    client.generate([[1]], "policy-v1", 4, 1.0, 0, [])
     key.value = "second-incarnation"  # what EmbeddedEngine.start does
-    client._call(client.client.models.list)
-    assert seen == ["Bearer first-incarnation", "Bearer second-incarnation"]
-    server.shutdown()
-    server.server_close()
+    client.generate([[1]], "policy-v1", 4, 1.0, 0, [])
+    client.generate([[1]], None, 4, 1.0, 0, [])  # the base's name from /v1/models, then a sample
+    assert server.keys[-2:] == ["Bearer second-incarnation"] * 2
+    assert server.keys[:2] == ["Bearer first-incarnation", "Bearer second-incarnation"]
