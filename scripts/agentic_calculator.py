@@ -51,7 +51,7 @@ def main() -> None:
                                 os.path.join(tempfile.gettempdir(), "titan_lora_agentic_engine.log"))
         engine.start()
     try:
-        url, key = (engine.url, engine.api_key) if engine else (args.url, os.environ.get(API_KEY_ENV, ""))
+        url, key = (engine.url, engine.key) if engine else (args.url, os.environ.get(API_KEY_ENV, ""))
         chat = OpenAIRolloutClient(url, key, timeout_s=300)
         model = args.model or chat.client.models.list().data[0].id
         rewards, calls = [], 0

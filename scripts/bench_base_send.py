@@ -100,7 +100,7 @@ def send_base(shapes: list[tuple[str, tuple[int, ...]]], made: dict[str, torch.T
                                 os.path.join(tempfile.gettempdir(), "titan_lora_bench_base_receiver.log"),
                                 start_timeout_s=120.0)
         engine.start()
-        emitter = VLLMBucketEmitter(JsonClient(engine.url, engine.api_key), bucket_mb=bucket_mb)
+        emitter = VLLMBucketEmitter(JsonClient(engine.url, engine.key), bucket_mb=bucket_mb)
         phases: list[dict] = []
         graphs: list[int] = []
         version = iter(range(1_000_000))

@@ -49,7 +49,7 @@ def bench_kind(kind_name: str, built, source: AdapterSource, iters: int, prompts
     t0 = time.perf_counter()
     engine.start()
     figures = {"start_s": time.perf_counter() - t0}
-    endpoint = Endpoint(engine.url, engine.api_key)
+    endpoint = Endpoint(engine.url, engine.key)
     emitter, rollouts = kind.emitter(ws, Engine(kind=kind_name), endpoint), kind.rollouts(endpoint, ws)
     try:
         t0 = time.perf_counter()

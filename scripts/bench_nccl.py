@@ -92,7 +92,7 @@ def main() -> None:
         for engine in engines:
             engine.start()
         for name, kind in ((backend, "nccl"), (baseline, baseline)):
-            emitters[name] = [VLLMBucketEmitter(JsonClient(e.url, e.api_key), 256,
+            emitters[name] = [VLLMBucketEmitter(JsonClient(e.url, e.key), 256,
                                                 choose_transport(kind, e.url, nccl_backend=backend if kind == "nccl" else ""))
                               for e in engines]
         payloads = {name: adapter(ems[0], device, 0) for name, ems in emitters.items()}

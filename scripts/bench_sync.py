@@ -88,7 +88,7 @@ def cpu_bench(iters: int) -> None:
                             os.path.join(tempfile.gettempdir(), "titan_lora_bench_engine.log"))
     engine.start()
     try:
-        client = JsonClient(engine.url, engine.api_key)
+        client = JsonClient(engine.url, engine.key)
         bucket = VLLMBucketEmitter(client, WeightSync.bucket_mb)
         disk = DiskEmitter(client, WeightSync.bucket_mb, "")
         base = dict(base_weights_source(built.model, built.sd_adapter, tied_embeddings=True)())
@@ -347,7 +347,7 @@ def end_to_end(model, built, cfg, device: torch.device, iters: int, rank: int,  
                                 os.path.join(tempfile.gettempdir(), "titan_lora_bench_receiver.log"),
                                 start_timeout_s=60.0)
         engine.start()
-        emitter = VLLMBucketEmitter(JsonClient(engine.url, engine.api_key), bucket_mb=256)
+        emitter = VLLMBucketEmitter(JsonClient(engine.url, engine.key), bucket_mb=256)
         emitter.engine_incarnation()  # the syncer's first question: its INFO reply also offers frames
     source = AdapterSource(model, built.peft_layout, cfg.lora, lend=emitter.lend_buffer if emitter else plain_buffer)
     version = iter(range(1, 10_000))

@@ -81,7 +81,7 @@ def main() -> None:
     emitters: dict[str, VLLMBucketEmitter] = {}
     try:
         choices = {"shm": TransportChoice(), "tcp": choose_transport("tcp", engine.url)}
-        emitters = {name: VLLMBucketEmitter(JsonClient(engine.url, engine.api_key), WeightSync.bucket_mb, choice)
+        emitters = {name: VLLMBucketEmitter(JsonClient(engine.url, engine.key), WeightSync.bucket_mb, choice)
                     for name, choice in choices.items()}
         sources = {name: AdapterSource(built.model, built.peft_layout, lora, f"bench-{name}", lend=em.lend_buffer)
                    for name, em in emitters.items()}

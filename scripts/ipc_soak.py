@@ -75,7 +75,7 @@ def soak(args: argparse.Namespace) -> dict:
     engine = receiver(device, args.log)
     engine.start()
     receiver_pid = engine.proc.pid
-    emitter = VLLMBucketEmitter(JsonClient(engine.url, engine.api_key, timeout_s=60), args.bucket_mb)
+    emitter = VLLMBucketEmitter(JsonClient(engine.url, engine.key, timeout_s=60), args.bucket_mb)
     figures = {"posts": 0, "mismatches": 0, "errors": 0, "receiver_alive": False, "receiver_pid": receiver_pid}
     try:
         started, version = time.perf_counter(), 0

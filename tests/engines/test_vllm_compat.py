@@ -120,7 +120,7 @@ def test_an_untested_version_serves_synced_adapters_exactly_then_releases_on_sig
         cfg = WeightSync(enabled=True, keep_versions=2, bucket_mb=4, timeout_s=60, retries=1,
                          retire_timeout_s=60, parity_every=0)
         built, _, _, syncer = smollm2_trainer(engine, cfg)
-        client = JsonClient(engine.url, engine.api_key, timeout_s=300)
+        client = JsonClient(engine.url, engine.key, timeout_s=300)
         rollouts = rollouts_of(engine)
         sequences = probe_sequences(AutoTokenizer.from_pretrained(built.hf_dir))
         assert client.post("/titan/info")["vllm"] == {"version": UNTESTED, "fast_path": False,

@@ -114,7 +114,7 @@ def engine(smollm2_dir, tmp_path_factory) -> Engine:
     embedded = vllm_engine(smollm2_dir, tmp / "engine.log", max_model_len=512, keep_versions=1)
     embedded.start()
     try:
-        titan = JsonClient(embedded.url, embedded.api_key, 120)
+        titan = JsonClient(embedded.url, embedded.key, 120)
         for seed, name in enumerate(ADAPTERS, start=1):
             path = write_adapter(tmp / name, config, seed)
             titan.post("/titan/adapter_from_path", {"name": name, "version": 1, "path": str(path)})
@@ -175,7 +175,7 @@ def test_the_rollout_client_scores_several_sequences_at_once(engine: Engine, smo
     from transformers import AutoTokenizer
 
     sequences = probe_sequences(AutoTokenizer.from_pretrained(smollm2_dir))
-    client = OpenAIRolloutClient(engine.url, engine.api_key, timeout_s=300)
+    client = OpenAIRolloutClient(engine.url, engine.key, timeout_s=300)
     for model in ADAPTERS:
         alone = [engine.score(ids, model) for ids in sequences]
         together = client.score(sequences, model)

@@ -94,8 +94,8 @@ def ctx(smollm2_dir, tmp_path_factory) -> Ctx:
         built, _, _, syncer = smollm2_trainer(engine, cfg)
         tokenizer = AutoTokenizer.from_pretrained(built.hf_dir)
         api = openai.OpenAI(base_url=engine.url + "/v1", api_key=engine.api_key, max_retries=0, timeout=300)
-        yield Ctx(engine, built, syncer, api, OpenAIRolloutClient(engine.url, engine.api_key, 300),
-                  JsonClient(engine.url, engine.api_key, 60), tokenizer, probe_sequences(tokenizer))
+        yield Ctx(engine, built, syncer, api, OpenAIRolloutClient(engine.url, engine.key, 300),
+                  JsonClient(engine.url, engine.key, 60), tokenizer, probe_sequences(tokenizer))
         syncer.close()  # also stops the engine
     finally:
         engine.stop()

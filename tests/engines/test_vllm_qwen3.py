@@ -31,7 +31,7 @@ def test_the_engine_serves_the_synced_qwen3_adapter(tmp_path, smollm2_dir) -> No
     engine.start()
     cfg = WeightSync(enabled=True, keep_versions=2, bucket_mb=1, timeout_s=60, retries=1, parity_every=0)
     try:
-        emitter = emitter_to("vllm", Endpoint(engine.url, engine.api_key), cfg)
+        emitter = emitter_to("vllm", Endpoint(engine.url, engine.key), cfg)
         source = AdapterSource(built.model, built.peft_layout, job_config_from(toml).lora, cfg.lora_name,
                                built.hf_dir, lend=emitter.lend_buffer)
         syncer = WeightSyncer(source, base_weights_source(built.model, built.sd_adapter, False), emitter, cfg,

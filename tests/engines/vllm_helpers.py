@@ -75,7 +75,7 @@ def smollm2_engine(model_dir: Path, log: Path) -> EmbeddedEngine:
 
 def rollouts_of(engine: EmbeddedEngine) -> OpenAIRolloutClient:
     """The OpenAI rollout client of `engine` (sample and score under an adapter name)."""
-    return OpenAIRolloutClient(engine.url, engine.api_key, timeout_s=300)
+    return OpenAIRolloutClient(engine.url, engine.key, timeout_s=300)
 
 
 def syncer_into(engine: EmbeddedEngine, cfg: WeightSync, built: BuiltModel, lora: LoRA,
@@ -85,7 +85,7 @@ def syncer_into(engine: EmbeddedEngine, cfg: WeightSync, built: BuiltModel, lora
     versions `<name>-vN` (`[weight_sync] lora_name` when empty); closing the syncer stops the engine when
     it `owns_engine`."""
     name = name or cfg.lora_name
-    emitter = emitter_to("vllm", Endpoint(engine.url, engine.api_key, transport), cfg)
+    emitter = emitter_to("vllm", Endpoint(engine.url, engine.key, transport), cfg)
     source = AdapterSource(built.model, built.peft_layout, lora, name, built.hf_dir,
                            lend=emitter.lend_buffer)  # the gather writes where the emitter posts from
     syncer = WeightSyncer(source, base_weights_source(built.model, built.sd_adapter, True), emitter, cfg, CPU,

@@ -73,9 +73,16 @@ class OpenAIRolloutClient:
 
     def _fresh(self) -> None:
         # No retries: a retried sample would be a second, different sample under the same seed slot.
-        self.client = self._openai.OpenAI(base_url=self._url, api_key=self._key.value or "none",
-                                          timeout=self.timeout_s, max_retries=0)
+        self._client = self._openai.OpenAI(base_url=self._url, api_key=self._key.value or "none",
+                                           timeout=self.timeout_s, max_retries=0)
         self._pool = ThreadPoolExecutor(max_workers=MAX_CONCURRENT, thread_name_prefix="titan-rollout")
+
+    @property
+    def client(self) -> Any:
+        """The `openai.OpenAI` client, carrying the key of the engine's current incarnation (an embedded
+        engine gets a new one at each start)."""
+        self._client.api_key = self._key.value or "none"
+        return self._client
 
     def interrupt(self, reason: str) -> None:
         """Fail every call waiting now with EngineHung (`reason`: the engine was found wedged). Their
@@ -120,8 +127,8 @@ class OpenAIRolloutClient:
 
     def _call(self, fn: Any, **kwargs: Any) -> Any:
         """One API call, its failures as the errors the syncer recovers from."""
-        try:  # the key of the engine's current incarnation: an embedded engine gets a new one at each start
-            return fn(**kwargs, extra_headers={"Authorization": f"Bearer {self._key.value or 'none'}"})
+        try:
+            return fn(**kwargs)
         except self._openai.APITimeoutError:
             raise EngineHung(f"{self.client.base_url}: no answer within {self.timeout_s:g} s ([weight_sync] "
                              "rollout_timeout_s); the engine aborts the request") from None
