@@ -95,7 +95,7 @@ BAD = {
         ["[engine] kind = 'sglang'", "['k_proj', 'q_proj']", "add the missing modules to [lora] target_modules"],
     ),
     "pause mode": (_sync("", engine='pause_mode = "stop"'), ["[engine] pause_mode = 'stop'", "in_place"]),
-    "engine port": (_sync("", engine="port = 70000"), ["[engine] port = 70000", "0 to pick"]),
+    "engine port": (_sync("", engine="port = 70000"), ["[engine] port must be in [0, 65535], got 70000", "0 to pick"]),
     "unknown transport": (
         _sync("", engine='transport = "rdma"'), ["[engine] transport = 'rdma'", "cuda_ipc, nccl, shm, tcp", '"auto"'],
     ),
@@ -103,7 +103,7 @@ BAD = {
         _sync("", engine='kind = "sglang"\nurl = "http://sglang:30000"\ntransport = "tcp"'),
         ["[engine] transport = 'tcp'", "kind 'sglang' does not send buckets", "remove the key"],
     ),
-    "tcp port": (_sync("", engine="tcp_port = 70000"), ["[engine] tcp_port = 70000", "0 to pick"]),
+    "tcp port": (_sync("", engine="tcp_port = 70000"), ["[engine] tcp_port must be in [0, 65535], got 70000", "0 to pick"]),
     "tcp host that no engine can connect to": (
         _sync("", engine='tcp_host = "0.0.0.0"'), ["[engine] tcp_host = '0.0.0.0'", "as the engine sees it"],
     ),

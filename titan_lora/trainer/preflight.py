@@ -113,14 +113,23 @@ def check_rollback(job_config) -> None:  # noqa: ANN001
                          '[checkpoint] enable = true (or on_nonfinite = "stop")')
 
 
+def check_sft_data(job_config) -> None:  # noqa: ANN001
+    """The SFT job reads `[data] path` after the model is built: a missing file is refused now."""
+    path = job_config.data.path
+    if not job_config.grpo.enabled and not os.path.isfile(path):
+        raise ValueError(f"[data] path = {path!r} is not a file (relative paths start at {os.getcwd()}); "
+                         "name a JSONL file with {\"prompt\", \"completion\"} per line")
+
+
 def preflight(job_config, targets: list[str] | None) -> None:  # noqa: ANN001
     """Every cross-section check; `targets` are the adapted linears (None: no LoRA)."""
     check_parallelism(job_config)
+    check_sft_data(job_config)
     check_rollback(job_config)
     check_engine(job_config, targets)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    dp = data_parallel_size(job_config.parallelism, world_size)  # refuses degrees that do not fit the ranks
     if job_config.grpo.enabled:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        dp = data_parallel_size(job_config.parallelism, world_size)
         check_grpo_split(job_config.grpo.prompts_per_step, job_config.grpo.group_size, dp)
     if job_config.checkpoint.enable:
         folder = Path(job_config.job.dump_folder) / job_config.checkpoint.folder
