@@ -131,6 +131,17 @@ BAD = {
         DEBUG_LORA + "[parallelism]\ntensor_parallel_degree = 2\n",
         ["tensor_parallel_degree = 2", "disable_loss_parallel = true"],
     ),
+    "SFT data that is missing": (
+        DEBUG_LORA + '[data]\npath = "/nonexistent/sft.jsonl"\n',
+        ["[data] path = '/nonexistent/sft.jsonl' does not exist", "name a JSONL file"],
+    ),
+    "SFT data without completions": (
+        DEBUG_LORA + f'[data]\npath = "{__file__}"\n', [f"[data] path = '{__file__}': Extra data: line 1", 'each line needs {"prompt": ..., "completion": ...}'],
+    ),
+    "parallel degrees that do not fit the ranks": (
+        DEBUG_LORA + "[parallelism]\ntensor_parallel_degree = 4\ndisable_loss_parallel = true\n",
+        ["[parallelism] does not fit 1 ranks", "set data_parallel_shard_degree = -1"],
+    ),
     "context parallelism": (
         DEBUG_LORA + "[parallelism]\ncontext_parallel_degree = 2\n",
         ["context_parallel_degree = 2", "set both to 1"],
