@@ -67,7 +67,7 @@ def _default(f: dataclasses.Field) -> object:
 def section_rows(name: str, cls: type, ours: type | None = None) -> list[str]:
     """The markdown table of one section: key, type, default, range, what it does; `ours`: titan_lora's
     class of a section it shares with torchtitan (its keys are marked "titan_lora:")."""
-    from titan_lora.config import RANGES
+    from titan_lora.config import RANGES, choices
     from titan_lora.trainer.job_config import toml_literal, type_words
 
     docs = attribute_docs(cls)
@@ -78,11 +78,12 @@ def section_rows(name: str, cls: type, ours: type | None = None) -> list[str]:
         if dataclasses.is_dataclass(f.type):
             continue  # a nested table: its own section below
         default = _default(f)
-        rule = RANGES.get((name, f.name))
+        rule, among = RANGES.get((name, f.name)), choices().get((name, f.name))
+        accepted = rule.describe() if rule else ", ".join(f"`{c}`" for c in among) if among else ""
         doc = docs.get(f.name, "titan_lora." if f.name in added else "")
         rows.append(f"| `{f.name}` | {_cell(type_words(f.type))} | "
                     f"{'' if default is None else '`' + _cell(toml_literal(default)) + '`'} | "
-                    f"{_cell(rule.describe()) if rule else ''} | {_cell(doc)} |")
+                    f"{_cell(accepted)} | {_cell(doc)} |")
     return rows
 
 

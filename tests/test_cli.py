@@ -107,15 +107,12 @@ def test_every_shipped_config_passes_the_check(capsys) -> None:
     assert out.splitlines() == [f"{c}: ok" for c in configs]
 
 
-def test_the_console_script_is_declared_and_runs_as_a_module() -> None:
+def test_the_console_script_is_declared() -> None:
+    """`pip install -e .` installs `titan-lora` from here; the module itself runs as
+    `python -m titan_lora.cli` in test_a_failure_after_the_start_ends_with_the_root_cause."""
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts == {"titan-lora": "titan_lora.cli:main"}
-    proc = subprocess.run([sys.executable, "-m", "titan_lora.cli", "check", "train_configs/smollm2_lora_sft.toml",
-                           "--lora.rank", "0"], cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr == ("train_configs/smollm2_lora_sft.toml: config error: [lora] rank must be a positive "
-                           "integer, got 0; try rank = 16\n")
+    assert callable(cli.main)
 
 
 def _torchrun_env() -> dict[str, str]:

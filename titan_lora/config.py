@@ -291,6 +291,13 @@ RANGES: dict[tuple[str, str], Range] = {
 """The range of every numeric key that has one (section, key); docs/config.md lists them."""
 
 
+def choices() -> dict[tuple[str, str], tuple[str, ...]]:
+    """The string keys that take one of a fixed set of values (the validate_* functions refuse others);
+    docs/config.md lists them."""
+    return {("lora", "dtype"): ADAPTER_DTYPES, ("training", "on_nonfinite"): NONFINITE_POLICIES,
+            ("engine", "pause_mode"): PAUSE_MODES, ("engine", "nccl_backend"): NCCL_BACKENDS}
+
+
 def range_error(section: str, key: str, value: object) -> str | None:
     """The error line of `[section] key = value` when `RANGES` refuses it, else None."""
     rule = RANGES.get((section, key))
