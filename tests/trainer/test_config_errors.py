@@ -140,7 +140,7 @@ BAD = {
     ),
     "parallel degrees that do not fit the ranks": (
         DEBUG_LORA + "[parallelism]\ntensor_parallel_degree = 4\ndisable_loss_parallel = true\n",
-        ["[parallelism] does not fit 1 ranks", "set data_parallel_shard_degree = -1"],
+        ["[parallelism] does not fit 1 ranks", "lower the degrees or launch more ranks"],
     ),
     "context parallelism": (
         DEBUG_LORA + "[parallelism]\ncontext_parallel_degree = 2\n",

@@ -31,8 +31,8 @@ def parallel_dims(parallelism, world_size: int) -> ParallelDims:  # noqa: ANN001
         raise ValueError(
             f"[parallelism] does not fit {world_size} ranks{': ' + str(err) if str(err) else ''}; the product of "
             "the degrees (data_parallel_replicate, data_parallel_shard, context, tensor, pipeline) must equal the "
-            "ranks launched (torchrun --nproc_per_node, titan-lora --nproc): set data_parallel_shard_degree = -1 "
-            "to take the ranks the others leave"
+            "ranks launched (torchrun --nproc_per_node, titan-lora --nproc): lower the degrees or launch more "
+            "ranks (data_parallel_shard_degree = -1 takes the ranks the others leave)"
         ) from None
 
 
