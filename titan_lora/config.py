@@ -16,10 +16,13 @@ class LoRA:
     """`[lora]`: the adapter applied by the `lora` model converter."""
 
     rank: int = 16
+    """The adapter's rank r: lora_A is r x in, lora_B is out x r."""
     alpha: float = 32.0
+    """The adapter's output is scaled by alpha / rank (alpha / sqrt(rank) with use_rslora)."""
     use_rslora: bool = False
     """Scale by alpha / sqrt(rank) instead of alpha / rank."""
     dropout: float = 0.0
+    """Dropout on the adapter's input while training; 0: none."""
     target_modules: list[str] | str = "all-linear"
     """Leaf names of the linears to adapt (e.g. ["wq", "wv"] or HF names ["q_proj"]), or "all-linear"."""
     dtype: str = "float32"
@@ -49,6 +52,7 @@ class Data:
     path: str = "titan_lora/data/arith_sft.jsonl"
     """JSONL with {"prompt", "completion"} per line."""
     seed: int = 0
+    """Seed of the order the examples are drawn in."""
 
 
 @dataclass
@@ -108,16 +112,23 @@ class WeightSync:
     """`[weight_sync]`: keep the engine on the newest adapter after every optimizer step."""
 
     enabled: bool = False
+    """Sync the adapter into the engine after every optimizer step (GRPO rollouts need it)."""
     lora_name: str = "policy"
+    """The name the engine serves the adapter under (each version gets its own id)."""
     bucket_mb: int = 32
+    """Size of one transfer bucket in MiB; the emitter keeps two (double-buffered)."""
     keep_versions: int = 2
     """Adapter versions kept live; must be >= max staleness + 1."""
     timeout_s: float = 120.0
+    """Bound of one adapter transfer to the engine."""
     retries: int = 3
+    """Retries of a failed engine operation (a transfer, a load) before it counts as an engine fault."""
     retire_timeout_s: float = 30.0
+    """Bound of one unload of an expired adapter version (an install may wait this long for them)."""
     parity_every: int = 5
     """Run the trainer-vs-engine log-prob probe every N syncs; 0: never."""
     parity_tolerance: float = 1e-3
+    """Largest |trainer - engine| log-prob difference of any probed token that the parity probe accepts."""
     parity_gate: bool = False
     """true: a version whose parity probe exceeds parity_tolerance is not published."""
     rollout_timeout_s: float = 600.0
@@ -135,12 +146,17 @@ class GRPO:
     """`[grpo]`: the RL objective. Defaults are near-on-policy, what LoRA RL needs to stay stable."""
 
     enabled: bool = False
+    """Train with GRPO on engine rollouts instead of SFT on `[data]`."""
     prompts_per_step: int = 8
+    """Prompts per optimizer step; each is sampled group_size times."""
     group_size: int = 8
     """Samples per prompt; advantages are normalised within each group."""
     max_new_tokens: int = 8
+    """Longest completion sampled per rollout, in tokens."""
     temperature: float = 1.0
+    """Sampling temperature of the rollouts (1.0: the policy as trained)."""
     clip_eps: float = 0.2
+    """PPO-style clip of the probability ratio: [1 - clip_eps, 1 + clip_eps]."""
     kl_coef: float = 0.0
     """Weight of the k3 KL to the base model (the adapter switched off); 0 skips that forward."""
     max_staleness: int = 1
@@ -155,10 +171,13 @@ class GRPO:
     task_ops: str = "+-"
     """arith: the operators drawn from."""
     train_size: int = 2000
+    """Training problems the task draws (seeded)."""
     eval_size: int = 100
+    """Held-out problems scored greedily every eval_every steps."""
     eval_every: int = 5
     """Greedy held-out accuracy every N steps (and before the first); 0: never."""
     seed: int = 0
+    """Seed of the task's problems and of the rollouts' sampling."""
     rollouts: bool = True
     """false: no engine rollouts (GPU timing without an inference engine); samples come from the data."""
 
@@ -178,14 +197,138 @@ class JobConfig:
     """`[task]`: the options of the task `[grpo] task` names; that task checks them (rl/task.py)."""
 
 
+class ConfigError(ValueError):
+    """One or more config errors, one line each (`errors`), found before anything starts."""
+
+    def __init__(self, errors: list[str]) -> None:
+        """`errors`: one self-contained line per mistake, naming the key and the fix."""
+        super().__init__("\n".join(errors))
+        self.errors = list(errors)
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric key accepts: `lo` <= value <= `hi` (None: unbounded; `*_open`: the bound
+    itself excluded); `text` replaces the generated wording, `fix` says what to write instead."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    text: str = ""
+    fix: str = ""
+
+    def describe(self) -> str:
+        """The accepted values in words, e.g. "> 0" or "in [0, 1)"."""
+        if self.text:
+            return self.text
+        if self.lo is not None and self.hi is not None:
+            return f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
+        if self.lo is not None:
+            return f"{'>' if self.lo_open else '>='} {self.lo:g}"
+        return f"{'<' if self.hi_open else '<='} {self.hi:g}"
+
+    def holds(self, value: float) -> bool:
+        """Whether `value` is accepted."""
+        if self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo):
+            return False
+        return self.hi is None or (value < self.hi if self.hi_open else value <= self.hi)
+
+
+_POSITIVE = Range(0, lo_open=True)
+_AT_LEAST_1 = Range(1)
+_NON_NEGATIVE = Range(0)
+_PORT = Range(0, 65535, fix="use a TCP port, or 0 to pick a free one")
+_SECONDS = Range(0, lo_open=True, text="> 0 seconds")
+RANGES: dict[tuple[str, str], Range] = {
+    ("lora", "rank"): Range(1, text="a positive integer", fix="try rank = 16"),
+    ("lora", "alpha"): Range(0, lo_open=True, fix="a common choice is 2 * rank"),
+    ("lora", "dropout"): Range(0, 1, hi_open=True),
+    ("engine", "port"): _PORT,
+    ("engine", "tcp_port"): _PORT,
+    ("engine", "max_model_len"): _AT_LEAST_1,
+    ("engine", "kv_cache_gib"): _AT_LEAST_1,
+    ("engine", "replicas"): Range(1, fix="start at least 1 engine (1 is one engine)"),
+    ("weight_sync", "bucket_mb"): _AT_LEAST_1,
+    ("weight_sync", "keep_versions"): Range(2, fix="keep at least 2 (max staleness 1 + 1) so that rollouts "
+                                                   "pinned to the previous version can finish"),
+    ("weight_sync", "timeout_s"): _SECONDS,
+    ("weight_sync", "retire_timeout_s"): _SECONDS,
+    ("weight_sync", "rollout_timeout_s"): _SECONDS,
+    ("weight_sync", "health_timeout_s"): _SECONDS,
+    ("weight_sync", "engine_start_timeout_s"): _SECONDS,
+    ("weight_sync", "retries"): _NON_NEGATIVE,
+    ("weight_sync", "engine_restarts"): _NON_NEGATIVE,
+    ("weight_sync", "parity_every"): Range(0, fix="0 turns the probe off"),
+    ("weight_sync", "parity_tolerance"): _POSITIVE,
+    ("grpo", "prompts_per_step"): _AT_LEAST_1,
+    ("grpo", "group_size"): Range(2, fix="GRPO needs >= 2 samples per prompt"),
+    ("grpo", "max_new_tokens"): _AT_LEAST_1,
+    ("grpo", "temperature"): Range(0, lo_open=True, fix="try temperature = 1.0 (samples the policy as trained)"),
+    ("grpo", "clip_eps"): _POSITIVE,
+    ("grpo", "kl_coef"): Range(0, fix="0 skips the KL term"),
+    ("grpo", "max_staleness"): _NON_NEGATIVE,
+    ("grpo", "task_digits"): _AT_LEAST_1,
+    ("grpo", "train_size"): _AT_LEAST_1,
+    ("grpo", "eval_size"): _NON_NEGATIVE,
+    ("grpo", "eval_every"): Range(0, fix="0 turns evaluation off"),
+    # torchtitan's own sections: checked here before its LR scheduler or optimizer meets them.
+    ("training", "steps"): Range(1, fix="the number of optimizer steps: try steps = 20"),
+    ("training", "local_batch_size"): _AT_LEAST_1,
+    ("training", "seq_len"): _AT_LEAST_1,
+    ("training", "max_norm"): Range(0, lo_open=True, fix="the norm gradients are clipped to: try max_norm = 1.0"),
+    ("optimizer", "lr"): Range(0, lo_open=True, fix="try lr = 2e-4 (a common LoRA rate)"),
+    ("optimizer", "eps"): _POSITIVE,
+    ("optimizer", "weight_decay"): _NON_NEGATIVE,
+    ("optimizer", "beta1"): Range(0, 1, hi_open=True),
+    ("optimizer", "beta2"): Range(0, 1, hi_open=True),
+    ("lr_scheduler", "warmup_steps"): _NON_NEGATIVE,
+    ("lr_scheduler", "decay_ratio"): Range(0, 1),
+    ("lr_scheduler", "min_lr_factor"): Range(0, 1),
+    ("checkpoint", "interval"): _AT_LEAST_1,
+    ("checkpoint", "keep_latest_k"): _NON_NEGATIVE,
+}
+"""The range of every numeric key that has one (section, key); docs/config.md lists them."""
+
+
+def choices() -> dict[tuple[str, str], tuple[str, ...]]:
+    """The string keys that take one of a fixed set of values (the validate_* functions refuse others);
+    docs/config.md lists them."""
+    return {("lora", "dtype"): ADAPTER_DTYPES, ("training", "on_nonfinite"): NONFINITE_POLICIES,
+            ("engine", "pause_mode"): PAUSE_MODES, ("engine", "nccl_backend"): NCCL_BACKENDS}
+
+
+def range_error(section: str, key: str, value: object) -> str | None:
+    """The error line of `[section] key = value` when `RANGES` refuses it, else None."""
+    rule = RANGES.get((section, key))
+    # Wrong types are refused by name when the TOML is read; None means "derived" (e.g. decay_ratio).
+    if rule is None or isinstance(value, bool) or not isinstance(value, (int, float)) or rule.holds(value):
+        return None
+    return f"[{section}] {key} must be {rule.describe()}, got {value}" + (f"; {rule.fix}" if rule.fix else "")
+
+
+def range_errors(section: str, cfg: object) -> list[str]:
+    """One line per key of `cfg` (section `section`) outside its range in `RANGES`."""
+    found = (range_error(section, key, getattr(cfg, key, None)) for sec, key in RANGES if sec == section)
+    return [e for e in found if e is not None]
+
+
+def raise_range_errors(section: str, cfg: object) -> None:
+    """`range_errors`, raised as one ConfigError."""
+    errors = range_errors(section, cfg)
+    if errors:
+        raise ConfigError(errors)
+
+
+def all_range_errors(job_config: object) -> list[str]:
+    """`range_errors` of every section of a parsed JobConfig."""
+    return [e for section in dict.fromkeys(s for s, _ in RANGES)
+            for e in range_errors(section, getattr(job_config, section))]
+
+
 def validate_lora(cfg: LoRA) -> None:
     """Reject a `[lora]` section that cannot work."""
-    if cfg.rank <= 0:
-        raise ValueError(f"[lora] rank must be a positive integer, got {cfg.rank}; try rank = 16")
-    if cfg.alpha <= 0:
-        raise ValueError(f"[lora] alpha must be > 0, got {cfg.alpha}; a common choice is 2 * rank")
-    if not 0.0 <= cfg.dropout < 1.0:
-        raise ValueError(f"[lora] dropout must be in [0, 1), got {cfg.dropout}")
+    raise_range_errors("lora", cfg)
     if cfg.dtype not in ADAPTER_DTYPES:
         raise ValueError(f"[lora] dtype = {cfg.dtype!r} is not one of {', '.join(ADAPTER_DTYPES)}")
     targets = cfg.target_modules
@@ -236,16 +379,6 @@ def process_group_timeout_s(ws: WeightSync) -> float:
     return max(DEFAULT_PG_TIMEOUT_S, rank0_wait_budget_s(ws) + 120.0)
 
 
-def _check_sync_timeouts(cfg: WeightSync) -> None:
-    for key in ("timeout_s", "rollout_timeout_s", "health_timeout_s", "engine_start_timeout_s",
-                "retire_timeout_s"):
-        if not getattr(cfg, key) > 0:
-            raise ValueError(f"[weight_sync] {key} must be > 0 seconds, got {getattr(cfg, key)}")
-    for key in ("retries", "engine_restarts"):
-        if getattr(cfg, key) < 0:
-            raise ValueError(f"[weight_sync] {key} must be >= 0, got {getattr(cfg, key)}")
-
-
 def validate_training(cfg: Training) -> None:
     """Reject titan_lora's `[training]` keys that cannot work."""
     if cfg.on_nonfinite not in NONFINITE_POLICIES:
@@ -259,12 +392,9 @@ NCCL_BACKENDS = ("nccl", "gloo")
 
 def validate_engine(cfg: Engine) -> None:
     """Reject an `[engine]` section whose values cannot work (its kind is checked against the registry)."""
+    raise_range_errors("engine", cfg)
     if cfg.pause_mode not in PAUSE_MODES:
         raise ValueError(f"[engine] pause_mode = {cfg.pause_mode!r}: use {', '.join(PAUSE_MODES)}")
-    if not 0 <= cfg.port < 65536:
-        raise ValueError(f"[engine] port = {cfg.port}: use a TCP port, or 0 to pick a free one")
-    if not 0 <= cfg.tcp_port < 65536:
-        raise ValueError(f"[engine] tcp_port = {cfg.tcp_port}: use a TCP port, or 0 to pick a free one")
     if cfg.tcp_host in UNSPECIFIED_HOSTS:
         raise ValueError(f"[engine] tcp_host = {cfg.tcp_host!r} is the address the engine connects to: name "
                          "this host's address as the engine sees it, or leave it empty to derive it")
@@ -281,8 +411,6 @@ def attached_urls(cfg: Engine) -> list[str]:
 
 
 def _check_replicas(cfg: Engine) -> None:
-    if cfg.replicas < 1:
-        raise ValueError(f"[engine] replicas = {cfg.replicas}: start at least 1 engine (1 is one engine, as today)")
     if cfg.urls and cfg.url:
         raise ValueError("[engine] url and urls are both set: list every engine in urls and remove url")
     if cfg.urls and cfg.replicas > 1:
@@ -301,28 +429,14 @@ def _check_replicas(cfg: Engine) -> None:
 
 def validate_weight_sync(cfg: WeightSync) -> None:
     """Reject a `[weight_sync]` section that cannot work."""
-    if not cfg.enabled:
-        return
-    if cfg.keep_versions < 2:
-        raise ValueError(
-            f"[weight_sync] keep_versions = {cfg.keep_versions}: keep at least 2 (max staleness 1 "
-            "+ 1) so that rollouts pinned to the previous version can finish"
-        )
-    if cfg.bucket_mb <= 0:
-        raise ValueError(f"[weight_sync] bucket_mb must be > 0, got {cfg.bucket_mb}")
-    _check_sync_timeouts(cfg)
+    raise_range_errors("weight_sync", cfg)
 
 
 def validate_grpo(cfg: GRPO, weight_sync: WeightSync) -> None:
     """Reject a `[grpo]` section that cannot work."""
+    raise_range_errors("grpo", cfg)
     if not cfg.enabled:
         return
-    if cfg.group_size < 2:
-        raise ValueError(f"[grpo] group_size = {cfg.group_size}: GRPO needs >= 2 samples per prompt")
-    if cfg.prompts_per_step < 1 or cfg.max_new_tokens < 1:
-        raise ValueError("[grpo] prompts_per_step and max_new_tokens must be >= 1")
-    if cfg.max_staleness < 0:
-        raise ValueError(f"[grpo] max_staleness must be >= 0, got {cfg.max_staleness}")
     if cfg.rollouts and not weight_sync.enabled:
         raise ValueError("[grpo] rollouts come from the engine: set [weight_sync] enabled = true "
                          "(or [grpo] rollouts = false to time training without an engine)")

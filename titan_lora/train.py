@@ -166,6 +166,12 @@ def _exit_on_signal(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
+def print_config_errors(err: Exception) -> None:
+    """One `titan_lora: config error: ...` line per mistake, on stderr."""
+    for line in str(err).splitlines() or [repr(err)]:
+        print(f"titan_lora: config error: {line}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parse the config (failing fast on errors), then train."""
     # SIGTERM (torchrun's, a scheduler's, `kill`) unwinds like Ctrl-C: the engine is stopped and the
@@ -183,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
         task = check_plugins(job_config)
     except (ValueError, FileNotFoundError) as err:
         if rank0:  # every rank read the same config: one copy of the message is enough
-            print(f"titan_lora: config error: {err}", file=sys.stderr)
+            print_config_errors(err)
         sys.exit(2)
     run = TrainingRun(job_config, task, model)
     try:

@@ -95,7 +95,7 @@ BAD = {
         ["[engine] kind = 'sglang'", "['k_proj', 'q_proj']", "add the missing modules to [lora] target_modules"],
     ),
     "pause mode": (_sync("", engine='pause_mode = "stop"'), ["[engine] pause_mode = 'stop'", "in_place"]),
-    "engine port": (_sync("", engine="port = 70000"), ["[engine] port = 70000", "0 to pick"]),
+    "engine port": (_sync("", engine="port = 70000"), ["[engine] port must be in [0, 65535], got 70000", "0 to pick"]),
     "unknown transport": (
         _sync("", engine='transport = "rdma"'), ["[engine] transport = 'rdma'", "cuda_ipc, nccl, shm, tcp", '"auto"'],
     ),
@@ -103,7 +103,7 @@ BAD = {
         _sync("", engine='kind = "sglang"\nurl = "http://sglang:30000"\ntransport = "tcp"'),
         ["[engine] transport = 'tcp'", "kind 'sglang' does not send buckets", "remove the key"],
     ),
-    "tcp port": (_sync("", engine="tcp_port = 70000"), ["[engine] tcp_port = 70000", "0 to pick"]),
+    "tcp port": (_sync("", engine="tcp_port = 70000"), ["[engine] tcp_port must be in [0, 65535], got 70000", "0 to pick"]),
     "tcp host that no engine can connect to": (
         _sync("", engine='tcp_host = "0.0.0.0"'), ["[engine] tcp_host = '0.0.0.0'", "as the engine sees it"],
     ),
@@ -130,6 +130,17 @@ BAD = {
     "tensor parallelism with loss parallelism": (
         DEBUG_LORA + "[parallelism]\ntensor_parallel_degree = 2\n",
         ["tensor_parallel_degree = 2", "disable_loss_parallel = true"],
+    ),
+    "SFT data that is missing": (
+        DEBUG_LORA + '[data]\npath = "/nonexistent/sft.jsonl"\n',
+        ["[data] path = '/nonexistent/sft.jsonl' does not exist", "name a JSONL file"],
+    ),
+    "SFT data without completions": (
+        DEBUG_LORA + f'[data]\npath = "{__file__}"\n', [f"[data] path = '{__file__}': Extra data: line 1", 'each line needs {"prompt": ..., "completion": ...}'],
+    ),
+    "parallel degrees that do not fit the ranks": (
+        DEBUG_LORA + "[parallelism]\ntensor_parallel_degree = 4\ndisable_loss_parallel = true\n",
+        ["[parallelism] does not fit 1 ranks", "lower the degrees or launch more ranks"],
     ),
     "context parallelism": (
         DEBUG_LORA + "[parallelism]\ncontext_parallel_degree = 2\n",

@@ -8,7 +8,7 @@ from titan_lora.config import Engine, attached_urls, validate_engine
 
 
 @pytest.mark.parametrize(("engine", "message"), [
-    (Engine(replicas=0), r"replicas = 0: start at least 1"),
+    (Engine(replicas=0), r"replicas must be >= 1, got 0; start at least 1"),
     (Engine(url="http://a:1", urls=["http://b:1", "http://c:1"]), r"url and urls are both set"),
     (Engine(urls=["http://b:1", "http://c:1"], replicas=2), r"use one of them"),
     (Engine(urls=["b:1"]), r"'b:1' is not an engine address"),

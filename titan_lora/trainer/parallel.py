@@ -27,8 +27,13 @@ def parallel_dims(parallelism, world_size: int) -> ParallelDims:  # noqa: ANN001
             pp=parallelism.pipeline_parallel_degree, ep=parallelism.expert_parallel_degree,
             etp=parallelism.expert_tensor_parallel_degree, world_size=world_size,
         )
-    except AssertionError as err:
-        raise ValueError(f"[parallelism] does not fit {world_size} ranks: {err}") from None
+    except AssertionError as err:  # torchtitan's asserts often carry no text: say what must hold
+        raise ValueError(
+            f"[parallelism] does not fit {world_size} ranks{': ' + str(err) if str(err) else ''}; the product of "
+            "the degrees (data_parallel_replicate, data_parallel_shard, context, tensor, pipeline) must equal the "
+            "ranks launched (torchrun --nproc_per_node, titan-lora --nproc): lower the degrees or launch more "
+            "ranks (data_parallel_shard_degree = -1 takes the ranks the others leave)"
+        ) from None
 
 
 def data_parallel_size(parallelism, world_size: int) -> int:  # noqa: ANN001

@@ -13,6 +13,7 @@ from titan_lora.lora.targets import hf_leaf_names
 from titan_lora.models.family import model_family
 from titan_lora.trainer.checkpoint import check_resume_compatible, check_steps_left
 from titan_lora.trainer.parallel import data_parallel_size
+from titan_lora.trainer.sft_data import load_pairs
 from titan_lora.transfer.errors import TransferError
 from titan_lora.transfer.placement import AUTO, transport_kind
 from titan_lora.transfer.transport import SHM_DIR
@@ -113,14 +114,29 @@ def check_rollback(job_config) -> None:  # noqa: ANN001
                          '[checkpoint] enable = true (or on_nonfinite = "stop")')
 
 
+def check_sft_data(job_config) -> None:  # noqa: ANN001
+    """The SFT job reads `[data] path` after the model is built: a missing or malformed file is refused now."""
+    if job_config.grpo.enabled:
+        return
+    try:
+        load_pairs(job_config.data.path)
+    except FileNotFoundError as err:
+        raise ValueError(f"{err} (a relative path starts at {os.getcwd()}); name a JSONL file with "
+                         '{"prompt": ..., "completion": ...} per line') from None
+    except ValueError as err:  # a line that is not JSON, or lacks a key: the line is in the message
+        hint = "" if "completion" in str(err) else '; each line needs {"prompt": ..., "completion": ...}'
+        raise ValueError(f"[data] path = {job_config.data.path!r}: {err}{hint}") from None
+
+
 def preflight(job_config, targets: list[str] | None) -> None:  # noqa: ANN001
     """Every cross-section check; `targets` are the adapted linears (None: no LoRA)."""
     check_parallelism(job_config)
+    check_sft_data(job_config)
     check_rollback(job_config)
     check_engine(job_config, targets)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    dp = data_parallel_size(job_config.parallelism, world_size)  # refuses degrees that do not fit the ranks
     if job_config.grpo.enabled:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        dp = data_parallel_size(job_config.parallelism, world_size)
         check_grpo_split(job_config.grpo.prompts_per_step, job_config.grpo.group_size, dp)
     if job_config.checkpoint.enable:
         folder = Path(job_config.job.dump_folder) / job_config.checkpoint.folder

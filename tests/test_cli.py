@@ -1,0 +1,168 @@
+"""`titan-lora check` and `titan-lora train`: a newcomer's sixteen common mistakes each give one line naming
+the key and the fix (exit code 2, nothing started); the shipped configs pass; a failure after the start
+ends with the failing rank's own error line; docs/config.md is what the generator writes."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+from model_helpers import DEBUG_LORA
+
+from titan_lora import cli
+
+REPO = Path(__file__).resolve().parents[1]
+SFT_DATA = REPO / "titan_lora" / "data" / "arith_sft.jsonl"
+BASE = DEBUG_LORA + f'[data]\npath = "{SFT_DATA}"\n'
+SYNC = '[weight_sync]\nenabled = true\n'
+GRPO_NO_ROLLOUTS = "[grpo]\nenabled = true\nrollouts = false\nprompts_per_step = 2\ngroup_size = 2\n"
+
+MISTAKES = {
+    # Clear before this work (kept so).
+    "rank zero": (BASE.replace("rank = 8", "rank = 0"), "[lora] rank must be a positive integer, got 0; try rank = 16"),
+    "a misspelt key": (BASE.replace("rank = 8", "rnak = 8"), "[lora] has an unknown key 'rnak'; did you mean 'rank'?"),
+    "unknown engine kind": (BASE + SYNC + '[engine]\nkind = "vlm"\n', "[engine] kind = 'vlm'"),
+    "unknown transport": (BASE + SYNC + '[engine]\ntransport = "rdma"\n', "[engine] transport = 'rdma'"),
+    "missing checkpoint": (
+        BASE.replace('name = "smollm2"\nflavor = "debug"\nload_pretrained = false',
+                     'name = "qwen3"\nload_pretrained = true\nhf_assets_path = "/nonexistent/Qwen3-0.6B"'),
+        "[model] load_pretrained = true needs an HF checkpoint, but /nonexistent/Qwen3-0.6B has no config.json",
+    ),
+    "a JSONL task without a path": (BASE + GRPO_NO_ROLLOUTS + 'task = "jsonl"\n', "[task] path"),
+    "target modules that match nothing": (
+        BASE.replace('"all-linear"', '["wq", "qproj"]'), "[lora] target_modules",
+    ),
+    "keep_versions too small": (BASE + SYNC + "keep_versions = 1\n", "[weight_sync] keep_versions must be >= 2, got 1"),
+    "unknown converter": (BASE.replace('converters = ["lora"]', 'converters = ["lroa"]'), "[model] converters names 'lroa'"),
+    "dropout": (BASE.replace("[lora]\n", "[lora]\ndropout = 1.0\n"), "[lora] dropout must be in [0, 1), got 1.0"),
+    # A raw traceback, or the engine started first, before this work.
+    "rank as a word": (BASE.replace("rank = 8", 'rank = "sixteen"'),
+                       '[lora] rank = "sixteen" must be an integer (the default is rank = 16)'),
+    "lr as a word": (BASE + '[optimizer]\nlr = "fast"\n', '[optimizer] lr = "fast" must be a number'),
+    "negative steps": (BASE.replace("[training]\n", "[training]\nsteps = -1\n"),
+                       "[training] steps must be >= 1, got -1; the number of optimizer steps: try steps = 20"),
+    "negative temperature": (BASE + GRPO_NO_ROLLOUTS + "temperature = -1.0\n",
+                             "[grpo] temperature must be > 0, got -1.0; try temperature = 1.0"),
+    # Partly clear before this work.
+    "unknown section": (BASE + SYNC.replace("weight_sync", "weightsync"),
+                        "[weightsync] is not a config section; did you mean 'weight_sync'?"),
+    "TOML syntax error": (BASE.replace("rank = 8", "rank = 8 8"), ":8:10: TOML syntax error: "),
+}
+
+
+@pytest.mark.parametrize("command", ["check", "train"])
+@pytest.mark.parametrize("case", list(MISTAKES))
+def test_each_mistake_is_one_line_naming_the_key(case: str, command: str, tmp_path, capsys, monkeypatch) -> None:
+    toml, expected = MISTAKES[case]
+    config = tmp_path / "job.toml"
+    config.write_text(toml)
+    monkeypatch.chdir(tmp_path)  # nothing is written: the dump folder (./outputs) must not appear
+    launched = []
+    monkeypatch.setattr(cli, "launch", lambda *a: launched.append(a) or 0)
+    argv = ["check", str(config)] if command == "check" else ["train", str(config), "--nproc", "2"]
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert len(lines) == 1, f"{case}: {err}"
+    assert expected in lines[0], f"{case}: {expected!r} missing from {lines[0]!r}"
+    prefix = f"{config}: config error: " if command == "check" else "titan_lora: config error: "
+    assert lines[0].startswith(prefix), lines[0]
+    assert not out and not launched and not (tmp_path / "outputs").exists()
+
+
+def test_several_mistakes_are_one_line_each_and_cli_overrides_are_checked(tmp_path, capsys) -> None:
+    config = tmp_path / "job.toml"
+    config.write_text(BASE.replace("rank = 8", 'rank = "sixteen"') + '[optimizer]\nlr = "fast"\n')
+    assert cli.main(["check", str(config), "--lora.rnak", "3", "--grpo.temperature", "hot"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(": config error: ")[1] for line in lines] == [
+        '[lora] rank = "sixteen" must be an integer (the default is rank = 16)',
+        '[optimizer] lr = "fast" must be a number (the default is lr = 0.0008)',
+        "--lora.rnak: [lora] has an unknown key 'rnak'; did you mean 'rank'?",
+        "--grpo.temperature 'hot': [grpo] temperature must be a number",
+    ]
+    config.write_text(BASE)
+    assert cli.main(["check", str(config), "--training.steps", "0", "--parallelism.disable_loss_parallel"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"{config}: config error: [training] steps must be >= 1, got 0; the number of optimizer steps: try steps = 20"]
+
+
+def test_every_shipped_config_passes_the_check(capsys) -> None:
+    configs = sorted(str(p.relative_to(REPO)) for p in (REPO / "train_configs").rglob("*.toml"))
+    assert len(configs) >= 6 and any("gpu/" in c for c in configs)
+    cwd = os.getcwd()
+    os.chdir(REPO)  # the configs name their data relative to the repository
+    try:
+        rc = cli.main(["check", *configs, "--nproc", "2"])
+    finally:
+        os.chdir(cwd)
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert out.splitlines() == [f"{c}: ok" for c in configs]
+
+
+def test_the_console_script_is_declared() -> None:
+    """`pip install -e .` installs `titan-lora` from here; the module itself runs as
+    `python -m titan_lora.cli` in test_a_failure_after_the_start_ends_with_the_root_cause."""
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"titan-lora": "titan_lora.cli:main"}
+    assert callable(cli.main)
+
+
+def _torchrun_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    return {**env, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+
+
+def test_plain_torchrun_prints_a_config_error_once_before_building(tmp_path) -> None:
+    config = tmp_path / "job.toml"
+    config.write_text(MISTAKES["negative temperature"][0] + f'[job]\ndump_folder = "{tmp_path}/run"\n')
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m",
+                           "titan_lora.train", "--job.config_file", str(config)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env=_torchrun_env())
+    assert proc.returncode != 0
+    line = "titan_lora: config error: [grpo] temperature must be > 0, got -1.0; try temperature = 1.0"
+    assert (proc.stdout + proc.stderr).count(line) == 1, proc.stderr[-3000:]  # rank 0 only
+    assert not (tmp_path / "run").exists(), "nothing is built or written"
+    print(f"torchrun, 2 ranks, config error: {time.monotonic() - started:.1f} s")
+
+
+def test_a_failure_after_the_start_ends_with_the_root_cause(tmp_path) -> None:
+    # A valid config whose first optimizer step overflows float32: caught after the start, by the ranks.
+    config = tmp_path / "job.toml"
+    config.write_text(BASE.replace("[training]\n", "[training]\nsteps = 2\nlocal_batch_size = 2\n")
+                      + f'[optimizer]\nlr = 1e300\n[job]\ndump_folder = "{tmp_path}/run"\n')
+    proc = subprocess.run([sys.executable, "-m", "titan_lora.cli", "train", str(config), "--nproc", "2"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300, env=_torchrun_env())
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    last = proc.stderr.splitlines()[-1]
+    assert last.startswith("titan-lora: training failed (exit code 1); root cause, rank "), last
+    assert "NonFiniteAdapterError: step 1: adapter tensor" in last and "holds NaN/Inf" in last, last
+
+
+def test_root_cause_prefers_torchruns_named_rank_and_our_own_error_line() -> None:
+    lines = ["[default1]:[rank1]: Traceback (most recent call last):", "[default1]:[rank1]: RuntimeError: peer gone",
+             "[default0]:titan_lora: config error: [lora] rank must be a positive integer, got 0",
+             "[default0]:[rank0]: SystemExit: 2", "Root Cause (first observed failure):",
+             "[0]:", "  rank      : 0 (local_rank: 0)"]
+    assert cli.root_cause(lines) == (0, "titan_lora: config error: [lora] rank must be a positive integer, got 0")
+    assert cli.root_cause(lines[:2]) == (1, "RuntimeError: peer gone")
+    assert cli.root_cause(["no rank output"]) is None
+
+
+def test_docs_config_md_is_what_the_generator_writes() -> None:
+    spec = importlib.util.spec_from_file_location("gen_config_doc", REPO / "scripts" / "gen_config_doc.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    text = gen.render()
+    for row in ("| `rank` | an integer | `16` | a positive integer |", "| `temperature` | a number | `1.0` | > 0 |",
+                "| `steps` | an integer |", "## [lr_scheduler]"):
+        assert row in text, row
+    assert (REPO / "docs" / "config.md").read_text() == text, "run: python scripts/gen_config_doc.py"

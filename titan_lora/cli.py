@@ -1,0 +1,175 @@
+"""`titan-lora`, the command for people: `check` a config without starting anything, or `train`: check it
+once, then run `torchrun -m titan_lora.train` with the same arguments.
+
+    titan-lora check train_configs/smollm2_grpo_arith.toml [--section.key value ...]
+    titan-lora train train_configs/smollm2_grpo_arith.toml --nproc 2 [--section.key value ...]
+
+A config error is one line per mistake and exit code 2, before torchrun starts (no model, no engine, no
+process group); a failure after the start ends with the failing rank's own error line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterable
+
+CONFIG_ERROR_EXIT = 2
+
+
+def config_errors(path: str, overrides: list[str], nproc: int = 1) -> list[str]:
+    """The config errors of `path` with `overrides` for a run of `nproc` ranks, one line each (empty: the
+    job would start). Runs every check training runs before building (the TOML, the values, the model's
+    checkpoint and targets, the engine settings, the task and its data); builds and starts nothing."""
+    from titan_lora.compose import check_plugins
+    from titan_lora.trainer.job_config import load_job
+
+    saved = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(nproc)  # how the GRPO batch splits over data-parallel ranks
+    try:
+        job_config, _ = load_job(["--job.config_file", path, *overrides])
+        check_plugins(job_config)
+    except (ValueError, FileNotFoundError) as err:
+        return str(err).splitlines() or [repr(err)]
+    finally:
+        if saved is None:
+            os.environ.pop("WORLD_SIZE", None)
+        else:
+            os.environ["WORLD_SIZE"] = saved
+    return []
+
+
+def check(configs: list[str], overrides: list[str], nproc: int) -> int:
+    """`titan-lora check`: every config's errors as `CONFIG: config error: ...` lines; 2 if any."""
+    failed = 0
+    for path in configs:
+        errors = config_errors(path, overrides, nproc)
+        for line in errors:
+            print(f"{path}: config error: {line}", file=sys.stderr)
+        if not errors:
+            print(f"{path}: ok")
+        failed += bool(errors)
+    return CONFIG_ERROR_EXIT if failed else 0
+
+
+# torchrun --tee prefixes `[<role><local_rank>]:`; torch's own excepthook may add `[rank<N>]: ` after it.
+_RANK_PREFIX = re.compile(r"^\[(?P<role>[\w-]+?)(?P<rank>\d+)\]:(\[rank\d+\]: ?)?(?P<line>.*)$")
+_ROOT_CAUSE_RANK = re.compile(r"^\s*rank\s*:\s*(?P<rank>\d+)\s*\(local_rank:\s*(?P<local>\d+)\)")
+_ERROR_LINE = re.compile(r"^(titan_lora: .*error: |[\w.]*(Error|Exception|Exit|Interrupt)\b(: |$))")
+
+
+def root_cause(lines: Iterable[str]) -> tuple[int, str] | None:
+    """From torchrun's output with `--tee 3` (each rank's line prefixed `[default<local_rank>]:`): the
+    local rank torchrun names as the root cause (else the first rank that printed an error) and that rank's
+    own error line (its last exception or `titan_lora: ... error:` line); None when no rank printed one."""
+    errors: dict[int, str] = {}
+    first: list[int] = []
+    cause = None
+    in_root_cause = False
+    for raw in lines:
+        m = _RANK_PREFIX.match(raw)
+        if m:
+            line = m["line"].strip()
+            if _ERROR_LINE.match(line):
+                rank = int(m["rank"])
+                if rank not in first:
+                    first.append(rank)
+                # our own one-line error beats a traceback's last line; else the latest exception line
+                if line.startswith("titan_lora: ") or not errors.get(rank, "").startswith("titan_lora: "):
+                    errors[rank] = line
+            continue
+        in_root_cause = in_root_cause or "Root Cause" in raw
+        rc = _ROOT_CAUSE_RANK.match(raw)
+        if in_root_cause and rc and cause is None:
+            cause = int(rc["local"])
+    if cause is not None and cause in errors:
+        return cause, errors[cause]
+    return (first[0], errors[first[0]]) if first else None
+
+
+def launch(config: str, overrides: list[str], nproc: int) -> int:
+    """Run `torchrun -m titan_lora.train` on the checked config, its output passed through; on a failure,
+    end with the root cause. Returns torchrun's exit code."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--tee", "3",
+           "-m", "titan_lora.train", "--job.config_file", config, *overrides]
+    seen: list[str] = []
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
+        try:
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                seen.append(line.rstrip("\n"))
+                del seen[:-5000]  # enough to hold a rank's traceback and torchrun's block, bounded
+            rc = proc.wait()
+        except KeyboardInterrupt:  # torchrun got the same SIGINT: let it stop its ranks
+            rc = proc.wait()
+    if rc != 0:
+        found = root_cause(seen)
+        where = f"rank {found[0]}: {found[1]}" if found else "no rank printed an error line; see above"
+        print(f"titan-lora: training failed (exit code {rc}); root cause, {where}", file=sys.stderr)
+    return rc
+
+
+def train(config: str, overrides: list[str], nproc: int) -> int:
+    """`titan-lora train`: check once (one line per error, exit 2), then launch."""
+    errors = config_errors(config, overrides, nproc)
+    for line in errors:
+        print(f"titan_lora: config error: {line}", file=sys.stderr)
+    if errors:
+        return CONFIG_ERROR_EXIT
+    return launch(config, overrides, nproc)
+
+
+def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """`argv` split into the command's own arguments and the `--section.key [value]` overrides (a value
+    follows unless it is joined by `=` or the key is a flag: true or false)."""
+    from titan_lora.trainer.job_config import is_flag
+
+    rest, overrides = [], []
+    i = 0
+    while i < len(argv):
+        name = argv[i].split("=", 1)[0]
+        if not (name.startswith("--") and "." in name):
+            rest.append(argv[i])
+            i += 1
+            continue
+        takes_value = "=" not in argv[i] and not is_flag(name) and i + 1 < len(argv)
+        overrides += argv[i:i + 1 + takes_value]
+        i += 1 + takes_value
+    return rest, overrides
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="titan-lora", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    check_p = sub.add_parser("check", help="validate configs (and the checkpoint, task and engine settings "
+                                           "they name) without starting anything",
+                             epilog="Any other --section.key value is an override, as in training.")
+    check_p.add_argument("configs", nargs="+", metavar="CONFIG")
+    check_p.add_argument("--nproc", type=int, default=1, help="ranks the job will run on (default 1)")
+    train_p = sub.add_parser("train", help="validate a config, then train it under torchrun",
+                             epilog="Any other --section.key value is an override passed to every rank.")
+    train_p.add_argument("config", metavar="CONFIG")
+    train_p.add_argument("--nproc", type=int, default=1, help="torchrun --nproc_per_node (default 1)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The `titan-lora` console script; returns (and exits with) the command's exit code."""
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    rest, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(rest)
+    if args.command == "check":
+        rc = check(args.configs, overrides, args.nproc)
+    else:
+        rc = train(args.config, overrides, args.nproc)
+    if argv is None:
+        sys.exit(rc)
+    return rc
+
+
+if __name__ == "__main__":
+    main()
