@@ -45,3 +45,10 @@ def test_a_socket_whose_owner_is_gone_is_closed_not_kept() -> None:
     assert len(tracked._socks) == 0
     peer.close()
     listener.close()
+
+
+def test_a_connection_that_closed_itself_is_nothing_to_discard() -> None:
+    tracked = OpenSockets()
+    tracked.add(None)  # http.client sets its sock to None once it closed it
+    tracked.discard(None)
+    assert len(tracked._socks) == 0

@@ -30,9 +30,10 @@ class OpenSockets:
                 self._socks.add(sock)
 
     def discard(self, sock: socket.socket | None) -> None:
-        """Stop tracking `sock` (its owner closes it)."""
-        with self._lock:
-            self._socks.discard(sock)
+        """Stop tracking `sock` (its owner closes it); None (a connection that closed itself) is nothing."""
+        if sock is not None:
+            with self._lock:
+                self._socks.discard(sock)
 
     def wake_all(self) -> None:
         """Shut every tracked socket down: each blocked request fails now; its owner closes the socket."""
