@@ -175,7 +175,7 @@ def test_the_rollout_client_scores_several_sequences_at_once(engine: Engine, smo
     from transformers import AutoTokenizer
 
     sequences = probe_sequences(AutoTokenizer.from_pretrained(smollm2_dir))
-    client = OpenAIRolloutClient(engine.url, engine.key, timeout_s=300)
+    client = OpenAIRolloutClient(engine.url, engine.api_key, timeout_s=300)
     for model in ADAPTERS:
         alone = [engine.score(ids, model) for ids in sequences]
         together = client.score(sequences, model)

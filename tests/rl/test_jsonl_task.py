@@ -239,7 +239,7 @@ def _fake_sync(monkeypatch: pytest.MonkeyPatch) -> list[list[list[int]]]:
     probed: list[list[list[int]]] = []
 
     class Syncer:
-        def __init__(self, *args, versions, engine, probe, report) -> None:  # noqa: ANN002
+        def __init__(self, *args, versions, engine, probe, report, watchdog) -> None:  # noqa: ANN002
             self.versions, self.with_engine = versions, None
 
         def check_engine(self) -> None:

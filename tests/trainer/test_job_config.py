@@ -99,3 +99,10 @@ def test_a_toml_syntax_error_names_file_line_and_column(tmp_path) -> None:
     assert err.value.errors == [f"{bad}:3:8: TOML syntax error: Invalid value"]
     with pytest.raises(ConfigError, match=r"--job.config_file '.*missing.toml': no such file"):
         read_toml(str(tmp_path / "missing.toml"))
+
+
+def test_an_override_of_a_free_form_table_is_left_to_its_plug_in() -> None:
+    from titan_lora.trainer.job_config import override_errors
+
+    assert override_errors(["--task.path", "data/x.jsonl", "--task.answer_key", "a"]) == []
+    assert override_errors(["--tsak.path", "x"]) and "did you mean 'task'" in override_errors(["--tsak.path", "x"])[0]
