@@ -21,6 +21,7 @@ from titan_lora.clients.rollout import RolloutClient
 from titan_lora.clients.router import RolloutRouter
 from titan_lora.config import GRPO, Engine, WeightSync, attached_urls
 from titan_lora.rl.objective import GRPOObjective
+from titan_lora.rl.producer import ProducerState
 from titan_lora.rl.rewards import get_reward
 from titan_lora.rl.task import Task, build_task, task_prompt
 from titan_lora.sync.adapter_source import AdapterSource
@@ -223,15 +224,17 @@ def check_plugins(job_config) -> Task | None:  # noqa: ANN001
 
 
 def build_objective(job_config, hf_dir: str, dims, device: torch.device, metrics: MetricsLogger,  # noqa: ANN001
-                    engine: EngineRollouts | None, task: Task | None) -> Objective:
+                    engine: EngineRollouts | None, task: Task | None, data_state: dict | None = None) -> Objective:
     """The objective the job config asks for: GRPO (`[grpo] enabled`) on `task` (from `check_plugins`),
-    else SFT."""
+    else SFT. `data_state`: what the resumed checkpoint kept of the data position."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     dp = data_parallel_info(dims)
     if job_config.grpo.enabled:
-        return GRPOObjective(job_config.grpo, task, tokenizer, engine, dp, device, metrics)
+        resume = ProducerState(**data_state) if data_state else None
+        record = os.path.join(job_config.job.dump_folder, "rollouts.jsonl")
+        return GRPOObjective(job_config.grpo, task, tokenizer, engine, dp, device, metrics, resume, record)
     training = job_config.training
     global_batch = training.global_batch_size
     if global_batch <= 0:

@@ -118,7 +118,8 @@ class WeightSync:
     bucket_mb: int = 32
     """Size of one transfer bucket in MiB; the emitter keeps two (double-buffered)."""
     keep_versions: int = 2
-    """Adapter versions kept live; must be >= max staleness + 1."""
+    """Adapter versions kept live: >= [grpo] max_staleness + 1 (sync loop) or + 2 (async loop); when the
+    config leaves it out, it is raised to that bound."""
     timeout_s: float = 120.0
     """Bound of one adapter transfer to the engine."""
     retries: int = 3
@@ -160,7 +161,14 @@ class GRPO:
     kl_coef: float = 0.0
     """Weight of the k3 KL to the base model (the adapter switched off); 0 skips that forward."""
     max_staleness: int = 1
-    """Samples from adapter versions older than (current - max_staleness) are dropped and counted."""
+    """S: no sample from an adapter version older than (current - S) is trained; older ones are dropped and
+    counted (sync loop), or never admitted and re-drawn (async loop, docs/design.md)."""
+    loop: str = "sync"
+    """"sync": rollouts, then the step, then the sync, in turn. "async": rank 0 keeps the engine generating
+    while the ranks train, at most (max_staleness + 1) x prompts_per_step groups ahead."""
+    stale_weight_cap: float = 2.0
+    """Cap of the importance weight pi_current / pi_behaviour (the engine's log-probs) that corrects a sample
+    drawn under an older version (decoupled PPO with truncated importance sampling)."""
     task: str = "arith"
     """A registered task (arith, reverse, jsonl, word_problems) or `package.module:factory`; its options
     are the `[task]` section (docs/extending.md)."""
@@ -268,6 +276,7 @@ RANGES: dict[tuple[str, str], Range] = {
     ("grpo", "clip_eps"): _POSITIVE,
     ("grpo", "kl_coef"): Range(0, fix="0 skips the KL term"),
     ("grpo", "max_staleness"): _NON_NEGATIVE,
+    ("grpo", "stale_weight_cap"): Range(1, fix="1 weighs stale samples as fresh ones; try 2.0"),
     ("grpo", "task_digits"): _AT_LEAST_1,
     ("grpo", "train_size"): _AT_LEAST_1,
     ("grpo", "eval_size"): _NON_NEGATIVE,
@@ -294,7 +303,7 @@ RANGES: dict[tuple[str, str], Range] = {
 def choices() -> dict[tuple[str, str], tuple[str, ...]]:
     """The string keys that take one of a fixed set of values (the validate_* functions refuse others);
     docs/config.md lists them."""
-    return {("lora", "dtype"): ADAPTER_DTYPES, ("training", "on_nonfinite"): NONFINITE_POLICIES,
+    return {("grpo", "loop"): GRPO_LOOPS, ("lora", "dtype"): ADAPTER_DTYPES, ("training", "on_nonfinite"): NONFINITE_POLICIES,
             ("engine", "pause_mode"): PAUSE_MODES, ("engine", "nccl_backend"): NCCL_BACKENDS}
 
 
@@ -432,15 +441,32 @@ def validate_weight_sync(cfg: WeightSync) -> None:
     raise_range_errors("weight_sync", cfg)
 
 
+GRPO_LOOPS = ("sync", "async")
+
+
+def versions_needed(cfg: GRPO) -> int:
+    """The adapter versions an engine must keep for `[grpo]`: every version a trainable sample may come from
+    (S + 1), plus, in the async loop, the one being published while requests pinned to the oldest run."""
+    if not cfg.enabled:
+        return 2
+    return cfg.max_staleness + (2 if cfg.loop == "async" else 1)
+
+
 def validate_grpo(cfg: GRPO, weight_sync: WeightSync) -> None:
     """Reject a `[grpo]` section that cannot work."""
     raise_range_errors("grpo", cfg)
+    if cfg.loop not in GRPO_LOOPS:
+        raise ValueError(f'[grpo] loop = {cfg.loop!r}: use "sync" or "async"')
     if not cfg.enabled:
         return
     if cfg.rollouts and not weight_sync.enabled:
         raise ValueError("[grpo] rollouts come from the engine: set [weight_sync] enabled = true "
                          "(or [grpo] rollouts = false to time training without an engine)")
-    if weight_sync.enabled and weight_sync.keep_versions < cfg.max_staleness + 1:
-        raise ValueError(f"[weight_sync] keep_versions = {weight_sync.keep_versions} must be >= "
-                         f"[grpo] max_staleness + 1 = {cfg.max_staleness + 1}")
+    if cfg.loop == "async" and not cfg.rollouts:
+        raise ValueError('[grpo] loop = "async" overlaps rollouts with training: it needs [grpo] rollouts = true')
+    need = versions_needed(cfg)
+    if weight_sync.enabled and weight_sync.keep_versions < need:
+        why = "+ 2 (async loop)" if cfg.loop == "async" else "+ 1"
+        raise ValueError(f"[weight_sync] keep_versions = {weight_sync.keep_versions} must be >= [grpo] "
+                         f"max_staleness {why} = {need}; raise it, or leave it out to have it derived")
 

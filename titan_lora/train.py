@@ -63,7 +63,7 @@ class TrainingRun:
         try:
             self._build_sync_side(job_config, side, task)
             self.objective = build_objective(job_config, self.built.hf_dir, self.dims, self.device, self.metrics,
-                                             self.engine_rollouts, task)
+                                             self.engine_rollouts, task, self.checkpointer.data_state)
         except BaseException:
             side.stop()  # what this run started: a failed start-up must not leave it behind
             raise
@@ -137,10 +137,16 @@ class TrainingRun:
             self.step += 1
             started = time.perf_counter()
             metrics = self.train_step()
+            trained = time.perf_counter()
             metrics |= self.check_and_sync()
+            synced = time.perf_counter()
             metrics |= self.objective.after_step(self.step)
             step_s = time.perf_counter() - started
             metrics |= {
+                # the step's time apart: training (less the wait for samples), the sync, and the rest
+                # (evaluation, the engine's share: phase/engine_*)
+                "phase/train_s": trained - started - metrics.get("phase/rollout_wait_s", 0.0),
+                "phase/sync_s": synced - trained,
                 "step_time_s": step_s,
                 "lr": self.lr_schedulers.schedulers[0].get_last_lr()[0],
                 "memory_mib": peak_memory_mib(self.device),
@@ -148,7 +154,7 @@ class TrainingRun:
             self.metrics.log(self.step, {k if "/" in k else f"train/{k}": v for k, v in metrics.items()})
             self.metrics.progress(self.step, last, self.objective.progress_fields(metrics))
             if self.checkpointer.should_save(self.step, last):
-                self.checkpointer.save(self.step)
+                self.checkpointer.save(self.step, self.objective.data_state())
         if self.cfg.lora.export_dir and self.adapter is not None:
             path = self.adapter.export(self.cfg.lora.export_dir)
             if path is not None:

@@ -162,18 +162,41 @@ def test_on_policy_loss_and_gradient_are_minus_advantage_over_tokens() -> None:
 
 
 def test_a_sample_of_an_older_version_is_weighed_by_the_engine_log_probs_it_was_drawn_with() -> None:
-    # Version 3 is kept (max_staleness 1) but the trainer is at 4: ratio = exp(logp - engine logp).
-    # Token 1: ratio 2, clipped to 1.2 (no gradient); token 2: ratio 1.1, inside the clip.
+    # Version 3 is kept (max_staleness 1) but the trainer is at 4. Decoupled PPO: the ratio is taken against
+    # the current policy (1 here, so the clip is idle) and each token is weighed by p_current / p_engine,
+    # capped at stale_weight_cap = 2: token 1 drew with p/3 (weight 3, capped to 2), token 2 with p/1.1.
     ln_v = math.log(VOCAB)
-    s = Sample([1, 2], [3, 4], [-ln_v - math.log(2.0), -ln_v - math.log(1.1)], 2.0, 1.0, STEP - 2, "")
+    s = Sample([1, 2], [3, 4], [-ln_v - math.log(3.0), -ln_v - math.log(1.1)], 2.0, 1.0, STEP - 2, "")
     model = LogitTable()
-    loss, metrics = _loss(_objective(), [s], model)
-    assert loss.item() == pytest.approx(-(1.2 + 1.1) / 2, abs=1e-5)
-    assert metrics["rl/clip_frac"] == pytest.approx(0.5)
+    loss, metrics = _loss(_objective(stale_weight_cap=2.0), [s], model)
+    assert loss.item() == pytest.approx(-(2.0 + 1.1) / 2, abs=1e-5)
+    assert metrics["rl/clip_frac"] == 0.0
     assert metrics["rl/logprob_gap_max"] == 0.0, "the gap measures current-version samples only"
+    assert metrics["rl/staleness_mean"] == 1.0 and metrics["rl/staleness_max"] == 1.0
+    # k3 of KL(behaviour || current) per token: r - 1 - ln r with r = p_current / p_engine = 3, then 1.1
+    k3 = lambda r: r - 1 - math.log(r)  # noqa: E731
+    assert metrics["rl/mismatch_kl_s1"] == pytest.approx((k3(3.0) + k3(1.1)) / 2, rel=1e-5)
+    assert "rl/mismatch_kl_s0" not in metrics, "no sample of the current version"
     loss.backward()
-    assert _dlogp(model.table.grad, 2, 3) == pytest.approx(0.0, abs=1e-6), "clipped: no gradient"
+    assert _dlogp(model.table.grad, 2, 3) == pytest.approx(-2.0 / 2, abs=1e-5), "capped weight"
     assert _dlogp(model.table.grad, 3, 4) == pytest.approx(-1.1 / 2, abs=1e-5)
+
+
+def test_a_current_version_sample_gets_no_importance_weight_whatever_the_engine_said() -> None:
+    # Staleness 0: the sample is on-policy; its engine log-probs (here far off) only feed the parity gap.
+    ln_v = math.log(VOCAB)
+    s = Sample([1, 2], [3, 4], [-ln_v - 0.5, -ln_v + 0.25], 2.0, 1.0, STEP - 1, "")
+    loss, metrics = _loss(_objective(), [s], LogitTable())
+    assert loss.item() == pytest.approx(-1.0, abs=1e-6)
+    assert metrics["rl/logprob_gap_max"] == pytest.approx(0.5, abs=1e-6)
+    assert metrics["rl/mismatch_kl_s0"] == pytest.approx(((math.exp(0.5) - 1 - 0.5) + (math.exp(-0.25) - 1 + 0.25)) / 2,
+                                                         rel=1e-5)
+
+
+def test_the_async_loop_refuses_a_sample_older_than_max_staleness_instead_of_training_it() -> None:
+    s = _sample(1, 2, 2, version=STEP - 3, advantage=1.0)  # staleness 2 > 1
+    with pytest.raises(RuntimeError, match=r"versions \[2\], older than \[grpo\] max_staleness = 1"):
+        _loss(_objective(loop="async"), [s], LogitTable())
 
 
 def test_a_positive_advantage_raises_the_sampled_tokens_probability() -> None:

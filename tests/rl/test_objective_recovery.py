@@ -95,9 +95,10 @@ def test_eval_runs_through_the_recovery_and_its_failures_are_counted_not_raised(
     objective = _objective(tokenizer, syncer)
     right = {tuple(ids): str(p.answer) for ids, p in zip(objective.heldout_ids, objective.heldout)}
     syncer.rollouts.answers = {k: v for i, (k, v) in enumerate(right.items()) if i < 3}  # 3 of 6 right
-    assert objective.after_step(5) == {"eval/accuracy": 0.5, "eval/failures": 0}
-    assert objective.after_step(4) == {}, "eval_every = 5: no eval at step 4"
+    evals = lambda step: {k: v for k, v in objective.after_step(step).items() if k.startswith("eval/")}  # noqa: E731
+    assert evals(5) == {"eval/accuracy": 0.5, "eval/failures": 0}
+    assert evals(4) == {}, "eval_every = 5: no eval at step 4"
     syncer.failing = True
-    assert objective.after_step(10) == {"eval/failures": 1}
-    assert objective.after_step(15) == {"eval/failures": 2}
+    assert evals(10) == {"eval/failures": 1}
+    assert evals(15) == {"eval/failures": 2}
     assert syncer.calls == ["held-out eval at step 5", "held-out eval at step 10", "held-out eval at step 15"]

@@ -151,11 +151,13 @@ def test_the_step_sums_are_reduced_over_the_dp_group(monkeypatch: pytest.MonkeyP
     samples = _hand_samples()[:4]
     one_loss, one = _loss(_objective(), samples[:2], LogitTable())
     loss, metrics = _loss(_objective(DataParallelInfo(0, 2, TwinRank.GROUP)), samples, LogitTable())
-    assert twin.calls == [(5, "SUM", TwinRank.GROUP), (1, "MAX", TwinRank.GROUP), (1, "SUM", TwinRank.GROUP)]
+    # the gap's token count, then (mismatch KL sum, tokens) for staleness 0 and 1: one SUM
+    assert twin.calls == [(5, "SUM", TwinRank.GROUP), (1, "MAX", TwinRank.GROUP), (5, "SUM", TwinRank.GROUP)]
     assert loss.item() == pytest.approx(one_loss.item() / 2, abs=1e-6), "normalised by both ranks' tokens"
     assert metrics["loss"] == pytest.approx(one["loss"], abs=1e-6)
     assert metrics["rl/logprob_gap_max"] == pytest.approx(one["rl/logprob_gap_max"], abs=1e-6)
     assert metrics["rl/logprob_gap_mean"] == pytest.approx(one["rl/logprob_gap_mean"], abs=1e-6)
+    assert metrics["rl/mismatch_kl_s0"] == pytest.approx(one["rl/mismatch_kl_s0"], abs=1e-6)
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -282,9 +284,12 @@ def test_before_training_logs_the_evaluation(caplog: pytest.LogCaptureFixture) -
 
 def test_after_step_evaluates_on_its_period() -> None:
     obj, _ = _with(Syncer(0.5), eval_every=5)
-    assert obj.after_step(4) == {}
-    assert obj.after_step(10) == {"eval/accuracy": 0.5, "eval/failures": 0}
-    assert _with(None, eval_every=5)[0].after_step(10) == {}
+    phases = {"phase/engine_busy_s", "phase/engine_idle_s", "phase/gen_tokens_per_s"}
+    assert set(obj.after_step(4)) == phases, "no eval at step 4; the engine's share of every step"
+    at_10 = obj.after_step(10)
+    assert {k: at_10[k] for k in ("eval/accuracy", "eval/failures")} == {"eval/accuracy": 0.5, "eval/failures": 0}
+    assert at_10["phase/gen_tokens_per_s"] == 0.0, "no rollout ran: nothing generated"
+    assert _with(None, eval_every=5)[0].after_step(10).keys() == phases
 
 
 def test_progress_fields_format_reward_loss_length_and_times() -> None:
@@ -294,6 +299,8 @@ def test_progress_fields_format_reward_loss_length_and_times() -> None:
     metrics |= {"sync/total_ms": 41.6, "eval/accuracy": 0.5}
     assert obj.progress_fields(metrics) == {"reward": "0.250", "loss": "+0.1235", "len": "3.5", "step_s": "1.3",
                                             "sync_ms": "42", "heldout_acc": "0.500"}
+    metrics |= {"phase/rollout_wait_s": 0.04, "phase/engine_idle_s": 2.26}
+    assert obj.progress_fields(metrics)["wait_s"] == "0.0" and obj.progress_fields(metrics)["idle_s"] == "2.3"
     obj.close()
 
 
@@ -334,7 +341,8 @@ def test_the_problems_of_a_step_depend_on_the_seed_and_the_step_only() -> None:
 
 def test_rollouts_are_asked_with_the_configured_sampling(monkeypatch: pytest.MonkeyPatch) -> None:
     asked: list[tuple] = []
-    monkeypatch.setattr(objective, "sample_groups", lambda *args: asked.append(args) or ["sampled"])
+    sampled = [Sample([1], [2, 3], [0.0, 0.0], 1.0, 0.0, 10, "") for _ in range(6)]
+    monkeypatch.setattr(objective, "sample_groups", lambda *args: asked.append(args) or sampled)
     monkeypatch.setattr(objective, "share", lambda samples: samples)
 
     class Engine(Syncer):
@@ -344,7 +352,10 @@ def test_rollouts_are_asked_with_the_configured_sampling(monkeypatch: pytest.Mon
 
     syncer = Engine()
     obj, _ = _with(syncer, seed=2, group_size=3, max_new_tokens=9, temperature=0.7, prompts_per_step=2)
-    assert obj._samples(11) == ["sampled"] and syncer.what == "rollouts of step 11"
+    assert obj._samples(11) == sampled and syncer.what == "rollouts of step 11"
+    assert [s.group for s in sampled] == [20, 20, 20, 21, 21, 21], "step 11's groups in data order: 2 x 10 on"
+    assert {s.trained_at for s in sampled} == {11}
+    assert obj.clock.lap()[2] == 12, "the generated tokens counted for the phase figures"
     problems = obj._problems_at(11)
     assert asked == [(syncer.rollouts, syncer.versions, problems, [obj.encode(p) for p in problems], 3, 9, 0.7,
                       2 * 1_000_003 + 11 * 1_009, obj.stop_ids, obj.reward)]

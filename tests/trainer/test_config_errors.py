@@ -146,6 +146,19 @@ BAD = {
         DEBUG_LORA + "[parallelism]\ncontext_parallel_degree = 2\n",
         ["context_parallel_degree = 2", "set both to 1"],
     ),
+    "unknown loop": (_sync("", engine='url = "http://e:8000"') + GRPO_WITH_ROLLOUTS + 'loop = "overlap"\n',
+                     ["[grpo] loop = 'overlap'", '"sync" or "async"']),
+    "async spelled as in prose": (_sync("") + GRPO_WITH_ROLLOUTS + "async = true\n",
+                                  ["[grpo] async = true", 'write loop = "async"']),
+    "async without rollouts": (_sync("", engine='url = "http://e:8000"') + GRPO_WITH_ROLLOUTS
+                               + 'loop = "async"\nrollouts = false\n', ["[grpo] rollouts = true"]),
+    "async keep_versions written too small": (
+        _sync("keep_versions = 3", engine='url = "http://e:8000"') + GRPO_WITH_ROLLOUTS
+        + 'loop = "async"\nmax_staleness = 2\n',
+        ["[weight_sync] keep_versions = 3 must be >= [grpo] max_staleness + 2 (async loop) = 4", "leave it out"],
+    ),
+    "stale weight cap below 1": (_sync("") + GRPO_WITH_ROLLOUTS + "stale_weight_cap = 0.5\n",
+                                 ["[grpo] stale_weight_cap must be >= 1, got 0.5"]),
 }
 
 
@@ -182,6 +195,16 @@ def test_nccl_on_a_trainer_without_cuda_needs_the_gloo_fallback_asked_for(monkey
         job_config_from(_sync("", engine='transport = "nccl"\nnccl_backend = "mpi"'))
     with pytest.raises(ValueError, match=r'trainer\'s device is cpu: on a CPU trainer set \[engine\] nccl_backend = "gloo"'):
         NcclBuffer(64, torch.device("cpu"), backend="nccl")
+
+
+@pytest.mark.parametrize(("loop", "staleness", "keep"), [("async", 1, 3), ("async", 3, 5), ("sync", 2, 3)])
+def test_keep_versions_left_out_is_derived_from_the_loop_and_max_staleness(loop: str, staleness: int,
+                                                                           keep: int) -> None:
+    grpo = GRPO_WITH_ROLLOUTS + f'loop = "{loop}"\nmax_staleness = {staleness}\n'
+    cfg = job_config_from(_sync("", engine='url = "http://e:8000"') + grpo)
+    assert cfg.weight_sync.keep_versions == keep
+    written = job_config_from(_sync(f"keep_versions = {keep + 2}", engine='url = "http://e:8000"') + grpo)
+    assert written.weight_sync.keep_versions == keep + 2, "a value the user wrote is kept when it is enough"
 
 
 @pytest.mark.parametrize("case", list(BAD))

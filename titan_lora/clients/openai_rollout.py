@@ -29,7 +29,9 @@ from titan_lora.clients.rollout import Completion
 from titan_lora.config import WeightSync
 from titan_lora.transfer.errors import EngineHung, EngineUnreachable, TransferError
 
-MAX_CONCURRENT = 16
+MAX_CONCURRENT = 64
+"""Requests in flight at once: the async loop keeps (max_staleness + 1) x prompts_per_step groups out, with
+the held-out eval and the parity probe beside them."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,3 +30,21 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """Per-token KL(pi || ref) estimate exp(ref - logp) - (ref - logp) - 1 (always >= 0)."""
     delta = ref_logp - logp
     return torch.exp(delta) - delta - 1.0
+
+
+def stale_weights(prox_logp: torch.Tensor, behaviour_logp: torch.Tensor, stale: torch.Tensor,
+                  cap: float) -> torch.Tensor:
+    """Per-token importance weight pi_prox / pi_behaviour, truncated at `cap`, where `stale` ([N, 1] or
+    [N, T]) is set; 1 elsewhere. No gradient flows through it.
+
+    Decoupled PPO (AReaL): a sample drawn under an older version is weighed by how much likelier the
+    current (proximal) policy finds its tokens than the policy that drew them, and the PPO ratio is taken
+    against the proximal policy, so the clip does not cut the step short for a change that happened
+    before the step."""
+    weight = torch.exp(prox_logp.detach() - behaviour_logp).clamp(max=cap)
+    return torch.where(stale.bool(), weight, torch.ones_like(weight))
+
+
+def mismatch_kl(behaviour_logp: torch.Tensor, prox_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi_behaviour || pi_prox) on tokens drawn from pi_behaviour (>= 0)."""
+    return k3_kl(behaviour_logp, prox_logp.detach())

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import random
+import time
 
 import torch
 import torch.distributed as dist
@@ -13,11 +16,13 @@ from torch.distributed.tensor import DTensor
 
 from titan_lora.config import GRPO
 from titan_lora.lora.layer import adapters_disabled
-from titan_lora.rl.grpo import clipped_policy_loss, group_advantages, k3_kl
+from titan_lora.rl.grpo import clipped_policy_loss, group_advantages, k3_kl, mismatch_kl, stale_weights
+from titan_lora.rl.producer import BusyClock, ProducerState, RolloutProducer
 from titan_lora.rl.rewards import get_reward
-from titan_lora.rl.rollout import Sample, greedy_accuracy, sample_groups, share
+from titan_lora.rl.rollout import Sample, draw_groups, greedy_accuracy, sample_groups, share
 from titan_lora.rl.task import Task, task_prompt, train_and_heldout
 from titan_lora.sync.engine_access import EngineRollouts
+from titan_lora.sync.versions import Lease
 from titan_lora.trainer.parallel import DataParallelInfo
 from titan_lora.transfer.errors import TransferError
 
@@ -51,6 +56,10 @@ def fresh_samples(samples: list[Sample], current_version: int, max_staleness: in
     return fresh
 
 
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
 def token_logprobs(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
                    mask: torch.Tensor | None = None) -> torch.Tensor:
     """log p(label) at every position, [N, T]; with `mask`, only where it is set (0 elsewhere).
@@ -75,10 +84,15 @@ def token_logprobs(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
 
 
 class GRPOObjective:
-    """One GRPO step per optimizer step, near-on-policy by default (staleness <= 1, one minibatch)."""
+    """One GRPO step per optimizer step, near-on-policy by default (staleness <= 1, one minibatch).
+
+    `[grpo] loop = "async"`: rank 0's `RolloutProducer` draws groups while the ranks train and a step takes
+    its batch from it. `resume`: the data position a checkpoint kept (None: the step's own). `record`: a
+    JSONL file that gets one line per step with its groups, their versions and staleness (rank 0)."""
 
     def __init__(self, cfg: GRPO, task: Task, tokenizer, engine: EngineRollouts | None,  # noqa: ANN001
-                 dp: DataParallelInfo, device: torch.device, metrics_logger) -> None:  # noqa: ANN001
+                 dp: DataParallelInfo, device: torch.device, metrics_logger,  # noqa: ANN001
+                 resume: ProducerState | None = None, record: str = "") -> None:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.engine = engine
@@ -94,13 +108,36 @@ class GRPOObjective:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.dropped_stale = 0
         self.eval_failures = 0
+        self.clock = BusyClock()  # rank 0: when rollout requests run, for the phase figures
+        self.producer: RolloutProducer | None = None
+        self._resume = resume
+        self._record = record
+        self._problems_cache: tuple[int, list] | None = None
+        self._wait_s = 0.0
         if not cfg.rollouts:
             logger.warning("[grpo] rollouts = false: this job runs NO rollouts; samples are the data's own "
                            "answers and scrambled ones, for timing the train + sync step only")
 
     def _problems_at(self, step: int) -> list:
-        rng = random.Random(self.cfg.seed * 100_003 + step)  # data position = step: resumable
-        return rng.sample(self.train_problems, self.cfg.prompts_per_step)
+        cached = self._problems_cache  # one read: producer threads replace it concurrently
+        if cached is None or cached[0] != step:
+            rng = random.Random(self.cfg.seed * 100_003 + step)  # data position = step: resumable
+            cached = self._problems_cache = (step, rng.sample(self.train_problems, self.cfg.prompts_per_step))
+        return cached[1]
+
+    def _seed(self, step: int) -> int:
+        return self.cfg.seed * 1_000_003 + step * 1_009
+
+    def _draw_group(self, index: int, lease: Lease) -> list[Sample]:
+        """Rank 0, a producer thread: group `index` (prompt index % B of step index // B + 1) under `lease`."""
+        step, k = divmod(index, self.cfg.prompts_per_step)
+        problem = self._problems_at(step + 1)[k]
+        samples = draw_groups(self.engine.client, lease, [problem], [self.encode(problem)], self.cfg.group_size,
+                              self.cfg.max_new_tokens, self.cfg.temperature,
+                              self._seed(step + 1) + k * self.cfg.group_size, self.stop_ids, self.reward)
+        for s in samples:
+            s.group = index
+        return samples
 
     def _greedy_accuracy(self) -> float:
         """Rank 0: held-out greedy accuracy under the active adapter version."""
@@ -125,21 +162,43 @@ class GRPOObjective:
         return {"eval/accuracy": acc, "eval/failures": self.eval_failures}
 
     def before_training(self, step: int) -> None:
-        """Held-out accuracy before any update (the loop has synced the engine)."""
+        """Held-out accuracy before any update (the loop has synced the engine); then, in the async loop,
+        rank 0 starts drawing rollouts."""
         if evaluated := self._evaluate(step):
             self.metrics_logger.log(step, evaluated)
+        if self.cfg.loop == "async" and self.engine is not None and self.engine.client is not None:
+            state = self._resume or ProducerState.at_step(step, self.cfg.prompts_per_step)
+            self.producer = RolloutProducer(self._draw_group, self.engine.versions, self.cfg.prompts_per_step,
+                                            self.cfg.max_staleness, self.clock, state)
+            self.producer.start()
+        self.clock.lap()  # the phase figures of step 1 start here
 
     def _samples(self, step: int) -> list[Sample]:
-        """Collective: the step's samples on every rank (rank 0 draws them, with engine recovery)."""
+        """Collective: the step's samples on every rank (rank 0 draws or takes them, with engine recovery)."""
+        started = time.monotonic()
+        try:
+            return self._step_samples(step)
+        finally:
+            self._wait_s = time.monotonic() - started
+
+    def _step_samples(self, step: int) -> list[Sample]:
         problems = self._problems_at(step)
         if not self.cfg.rollouts:
             return share(self._offline_samples(problems, step) if dist.get_rank() == 0 else None)
+        if self.cfg.loop == "async":
+            return share(self.engine.call(lambda: self.producer.take(step), f"rollouts of step {step}"))
 
         def rollouts() -> list[Sample]:  # runs on rank 0 only
-            return sample_groups(
-                self.engine.client, self.engine.versions, problems, [self.encode(p) for p in problems],
-                self.cfg.group_size, self.cfg.max_new_tokens, self.cfg.temperature,
-                self.cfg.seed * 1_000_003 + step * 1_009, self.stop_ids, self.reward)
+            with self.clock.busy():
+                samples = sample_groups(
+                    self.engine.client, self.engine.versions, problems, [self.encode(p) for p in problems],
+                    self.cfg.group_size, self.cfg.max_new_tokens, self.cfg.temperature, self._seed(step),
+                    self.stop_ids, self.reward)
+            self.clock.add_tokens(sum(len(s.completion_ids) for s in samples))
+            first = (step - 1) * self.cfg.prompts_per_step
+            for i, s in enumerate(samples):
+                s.group, s.trained_at = first + i // self.cfg.group_size, step
+            return samples
 
         # Every rank calls it: a dead engine is restarted and re-synced collectively; failure raises.
         return share(self.engine.call(rollouts, f"rollouts of step {step}"))
@@ -157,32 +216,46 @@ class GRPOObjective:
             s.advantage = a
         return out
 
+    def _trainable(self, samples: list[Sample], current: int) -> list[Sample]:
+        """The samples a step may train on: none older than max_staleness versions."""
+        if self.cfg.loop != "async":
+            fresh = fresh_samples(samples, current, self.cfg.max_staleness)
+            self.dropped_stale += len(samples) - len(fresh)
+            return fresh
+        too_old = [s.version for s in samples if s.version < current - self.cfg.max_staleness]
+        if too_old:  # the producer's admission and take() rule this out: a bug, never trained on
+            raise RuntimeError(f"the async loop handed step {current + 1} samples of versions {sorted(set(too_old))}, "
+                               f"older than [grpo] max_staleness = {self.cfg.max_staleness} allows")
+        return samples
+
     def loss(self, model: nn.Module, step: int) -> tuple[torch.Tensor, dict[str, float]]:
-        """The GRPO loss on this rank's share of the step's samples, normalised by global tokens."""
+        """The GRPO loss on this rank's share of the step's samples, normalised by global tokens.
+
+        Decoupled PPO: the clip is centred on the current (proximal) policy, and a sample drawn under an
+        older version is weighed by pi_current / pi_behaviour, the engine's log-probs as the behaviour
+        policy, truncated at `[grpo] stale_weight_cap`."""
         samples = self._samples(step)
         current = step - 1  # the version the engine serves when step `step` starts
-        fresh = fresh_samples(samples, current, self.cfg.max_staleness)
-        self.dropped_stale += len(samples) - len(fresh)
+        fresh = self._trainable(samples, current)
         share_n = len(fresh) // self.dp.size
         mine = fresh[self.dp.rank * share_n : (self.dp.rank + 1) * share_n]
         inputs, labels, mask = (t.to(self.device) for t in completion_batch(mine, self.pad_id))
         adv = torch.tensor([s.advantage for s in mine], device=self.device)
         logp = token_logprobs(model, inputs, labels, mask)
         engine = self._engine_logprobs(mine, logp)
-        on_policy = torch.tensor([[s.version == current] for s in mine], device=self.device)
-        # An older version drew a stale sample: its ratio needs that version's log-probs, which the
-        # engine returned with the sample (the parity probe holds them to the trainer's).
-        old = torch.where(on_policy, logp.detach(), engine)
-        per_token, clipped = clipped_policy_loss(logp, old, adv, self.cfg.clip_eps)
+        staleness = torch.tensor([[current - s.version] for s in mine], device=self.device)
+        per_token, clipped = clipped_policy_loss(logp, logp.detach(), adv, self.cfg.clip_eps)
+        per_token = per_token * stale_weights(logp, engine, staleness > 0, self.cfg.stale_weight_cap)
         kl = torch.zeros_like(per_token)
         if self.cfg.kl_coef > 0:
             with torch.no_grad(), adapters_disabled(model):
                 ref = token_logprobs(model, inputs, labels, mask)
             kl = k3_kl(logp, ref)
             per_token = per_token + self.cfg.kl_coef * kl
-        gap = self._engine_gap(logp.detach(), engine, mask * on_policy)
+        gap = self._engine_gap(logp.detach(), engine, mask * (staleness == 0))
+        by_staleness = self._mismatch_by_staleness(engine, logp, mask, staleness)
         sums = torch.stack([mask.sum(), (per_token * mask).sum().detach(), (kl * mask).sum().detach(),
-                            (clipped * mask).sum(), gap[0], gap[1], gap[2]])
+                            (clipped * mask).sum(), gap[0], gap[1], gap[2], *by_staleness])
         if self.dp.group is not None:
             dist.all_reduce(sums[:5], group=self.dp.group)
             dist.all_reduce(sums[5:6], op=dist.ReduceOp.MAX, group=self.dp.group)
@@ -190,16 +263,55 @@ class GRPOObjective:
         tokens = float(sums[0])
         loss = (per_token * mask).sum() / tokens
         rewards = torch.tensor([s.reward for s in fresh])
+        ages = [current - s.version for s in fresh]
+        self._write_record(step, fresh)
         return loss, {
             "loss": float(sums[1]) / tokens, "rl/reward_mean": float(rewards.mean()),
             "rl/reward_std": float(rewards.std(unbiased=False)), "rl/kl": float(sums[2]) / tokens,
             "rl/clip_frac": float(sums[3]) / tokens,
             "rl/response_len": sum(len(s.completion_ids) for s in fresh) / max(len(fresh), 1),
             "rl/logprob_gap_mean": float(sums[4]) / max(float(sums[6]), 1.0), "rl/logprob_gap_max": float(sums[5]),
-            "rl/dropped_stale": self.dropped_stale, "rl/samples": len(fresh),
+            "rl/dropped_stale": self.dropped_stale + self._producer_count("stale_dropped"),
+            "rl/samples": len(fresh),
             "rl/reward_errors": sum(s.reward_error for s in samples),  # this step's, each scored 0
             "rl/sample_version": float(min(s.version for s in fresh)),
+            "rl/staleness_mean": sum(ages) / max(len(ages), 1), "rl/staleness_max": float(max(ages, default=0)),
+            **self._mismatch_metrics(sums[7:]),
+            "phase/rollout_wait_s": self._wait_s,
         }
+
+    def _mismatch_by_staleness(self, engine: torch.Tensor, logp: torch.Tensor, mask: torch.Tensor,
+                               staleness: torch.Tensor) -> list[torch.Tensor]:
+        """(KL sum, token count) of the behaviour-vs-current mismatch for each staleness 0..S."""
+        if not self.cfg.rollouts:
+            return []
+        kl = mismatch_kl(engine, logp) * mask
+        out = []
+        for age in range(self.cfg.max_staleness + 1):
+            rows = staleness == age
+            out += [(kl * rows).sum(), (mask * rows).sum()]
+        return out
+
+    @staticmethod
+    def _mismatch_metrics(sums: torch.Tensor) -> dict[str, float]:
+        """`rl/mismatch_kl_s<age>`: mean per-token KL(behaviour || current) of the samples that old."""
+        return {f"rl/mismatch_kl_s{age}": float(sums[2 * age]) / float(sums[2 * age + 1])
+                for age in range(len(sums) // 2) if float(sums[2 * age + 1]) > 0}
+
+    def _producer_count(self, name: str) -> int:
+        return self.producer.counters[name] if self.producer is not None else 0
+
+    def _write_record(self, step: int, samples: list[Sample]) -> None:
+        """Rank 0: one JSONL line per step: its groups in data order, the version each was drawn under."""
+        if not self._record or not _rank0():
+            return
+        groups = {}
+        for s in samples:
+            groups.setdefault(s.group, s.version)
+        line = {"step": step, "groups": list(groups), "versions": list(groups.values()),
+                "staleness": [step - 1 - v for v in groups.values()]}
+        with open(self._record, "a") as f:
+            f.write(json.dumps(line) + "\n")
 
     @staticmethod
     def _engine_logprobs(mine: list[Sample], like: torch.Tensor) -> torch.Tensor:
@@ -218,10 +330,16 @@ class GRPOObjective:
         return torch.stack([diff.sum(), diff.max(), mask.sum()])
 
     def after_step(self, step: int) -> dict[str, float]:
-        """Held-out accuracy every `eval_every` steps."""
-        if self.cfg.eval_every and step % self.cfg.eval_every == 0:
-            return self._evaluate(step)
-        return {}
+        """The engine's share of the step (rank 0), and held-out accuracy every `eval_every` steps."""
+        if self.producer is not None:
+            self.producer.poke()  # the step's version was just published: slots are free
+        metrics = self._evaluate(step) if self.cfg.eval_every and step % self.cfg.eval_every == 0 else {}
+        wall, busy, tokens = self.clock.lap()
+        if not _rank0() or not self.cfg.rollouts:
+            return metrics
+        counts = {f"rl/{k}": v for k, v in self.producer.counters.items()} if self.producer else {}
+        return {**metrics, **counts, "phase/engine_busy_s": busy, "phase/engine_idle_s": max(wall - busy, 0.0),
+                "phase/gen_tokens_per_s": tokens / wall if wall > 0 else 0.0}
 
     def progress_fields(self, metrics: dict[str, float]) -> dict[str, str]:
         """Reward, accuracy (when measured), step and sync times."""
@@ -229,9 +347,20 @@ class GRPOObjective:
                   "len": f"{metrics['rl/response_len']:.1f}", "step_s": f"{metrics['step_time_s']:.1f}"}
         if "sync/total_ms" in metrics:
             fields["sync_ms"] = f"{metrics['sync/total_ms']:.0f}"
+        if "phase/engine_idle_s" in metrics:
+            fields["wait_s"] = f"{metrics['phase/rollout_wait_s']:.1f}"
+            fields["idle_s"] = f"{metrics['phase/engine_idle_s']:.1f}"
+        if self.cfg.loop == "async":
+            fields["stale"] = f"{metrics['rl/staleness_mean']:.2f}/{metrics['rl/staleness_max']:.0f}"
         if "eval/accuracy" in metrics:
             fields["heldout_acc"] = f"{metrics['eval/accuracy']:.3f}"
         return fields
 
+    def data_state(self) -> dict | None:
+        """Rank 0, async loop: the data position a checkpoint saved now keeps (None: the step is it)."""
+        return dataclasses.asdict(self.producer.state()) if self.producer is not None else None
+
     def close(self) -> None:
-        """Nothing to release: the engine belongs to the run."""
+        """Stop the rollout producer (the engine belongs to the run)."""
+        if self.producer is not None:
+            self.producer.close()

@@ -18,7 +18,7 @@ from titan_lora.clients.rollout import RolloutClient
 from titan_lora.rl.grpo import group_advantages
 from titan_lora.rl.rewards import RewardFn
 from titan_lora.rl.tasks import Problem
-from titan_lora.sync.versions import ServedVersions
+from titan_lora.sync.versions import Lease, ServedVersions
 
 logger = logging.getLogger(__name__)
 SHOWN_CHARS = 300
@@ -38,6 +38,10 @@ class Sample:
     text: str
     reward_error: bool = False
     """The reward raised (or gave no finite number) on this sample, which scores 0."""
+    group: int = -1
+    """The group's place in data order (prompt g % B of step g // B + 1); -1: not from the GRPO loop."""
+    trained_at: int | None = None
+    """The step that trains it (set when a step takes it)."""
 
 
 def _cut(text: str) -> str:
@@ -70,9 +74,19 @@ def sample_groups(
     group_size: int, max_tokens: int, temperature: float, seed: int, stop_token_ids: list[int], reward: RewardFn,
 ) -> list[Sample]:
     """Rank 0: `group_size` completions per prompt under the active version, scored and normalised."""
-    prompts = [ids for ids in prompt_ids for _ in range(group_size)]
     with versions.lease() as lease:  # the version cannot be retired while these requests run
-        completions = client.generate(prompts, lease.name, max_tokens, temperature, seed, stop_token_ids)
+        return draw_groups(client, lease, problems, prompt_ids, group_size, max_tokens, temperature, seed,
+                           stop_token_ids, reward)
+
+
+def draw_groups(
+    client: RolloutClient, lease: Lease, problems: Sequence[Problem], prompt_ids: Sequence[list[int]],
+    group_size: int, max_tokens: int, temperature: float, seed: int, stop_token_ids: list[int], reward: RewardFn,
+) -> list[Sample]:
+    """Rank 0: `group_size` completions per prompt under the leased version, scored and normalised; prompt k
+    is sampled with seeds `seed + k * group_size + i`."""
+    prompts = [ids for ids in prompt_ids for _ in range(group_size)]
+    completions = client.generate(prompts, lease.name, max_tokens, temperature, seed, stop_token_ids)
     scored = scores(reward, [c.text for c in completions], [p for p in problems for _ in range(group_size)],
                     f"rollouts under {lease.name}")
     rewards = torch.tensor([0.0 if r is None else r for r in scored])

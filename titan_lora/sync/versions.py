@@ -35,6 +35,12 @@ class ServedVersions(Protocol):
         """The newest published version, or None before the first."""
         ...
 
+    @property
+    def generation(self) -> int:
+        """How many times the engine lost every version (a restart); requests of an older generation are
+        past help."""
+        ...
+
     def lease(self) -> contextlib.AbstractContextManager[Lease]:
         """Pin the active version while requests under it run."""
         ...
@@ -51,6 +57,7 @@ class AdapterVersions:
         self._live: dict[int, str] = {}  # version -> name, in load order
         self._leases: dict[int, int] = {}
         self._active: int | None = None
+        self._generation = 0
         self._cond = threading.Condition()
 
     @property
@@ -58,6 +65,12 @@ class AdapterVersions:
         """The newest acknowledged version, or None before the first adapter load."""
         with self._cond:
             return None if self._active is None else Lease(self._live[self._active], self._active)
+
+    @property
+    def generation(self) -> int:
+        """How many times `forget_all` ran (the engine lost its adapters)."""
+        with self._cond:
+            return self._generation
 
     @property
     def live(self) -> list[int]:
@@ -84,6 +97,7 @@ class AdapterVersions:
             self._live.clear()
             self._leases.clear()
             self._active = None
+            self._generation += 1
             self._cond.notify_all()
 
     @contextlib.contextmanager

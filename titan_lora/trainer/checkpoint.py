@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 SIGNATURE_FILE = "titan_lora_adapter.json"
 """Beside DCP's files: the LoRA rank and adapted modules, compared before a resume."""
+DATA_STATE_FILE = "titan_lora_data.json"
+"""Beside DCP's files, when the objective has one: its data position (the async loop's groups trained)."""
 
 
 def complete_steps(folder: Path) -> list[int]:
@@ -83,6 +85,8 @@ class AdapterCheckpointer:
         self.lr_schedulers = lr_schedulers
         self.interval = interval
         self.keep_latest = keep_latest
+        self.data_state: dict | None = None
+        """What the objective saved with the checkpoint `load_latest` restored (None: nothing)."""
 
     def _state(self, step: int) -> dict[str, Any]:
         # The data position and the adapter version are both the step: data is drawn per step
@@ -102,8 +106,9 @@ class AdapterCheckpointer:
         """True on every `interval`-th step and on the last one."""
         return self.interval > 0 and (step % self.interval == 0 or step == last_step)
 
-    def save(self, step: int) -> None:
-        """Collective: write the checkpoint of `step`, then prune old ones; refuses a non-finite adapter.
+    def save(self, step: int, data_state: dict | None = None) -> None:
+        """Collective: write the checkpoint of `step` (with rank 0's `data_state`, when given), then prune old
+        ones; refuses a non-finite adapter.
 
         Only finite adapters are ever saved, so pruning to the newest `keep_latest` always keeps the
         last finite checkpoint.
@@ -116,6 +121,8 @@ class AdapterCheckpointer:
         if dist.get_rank() == 0:
             path.mkdir(parents=True, exist_ok=True)
             (path / SIGNATURE_FILE).write_text(json.dumps(self._signature()))
+            if data_state is not None:  # before DCP's .metadata, which marks the checkpoint complete
+                (path / DATA_STATE_FILE).write_text(json.dumps(data_state))
         dcp.save(self._state(step), checkpoint_id=str(path))
         if dist.get_rank() == 0:
             for old in self.steps()[: -self.keep_latest]:
@@ -140,5 +147,7 @@ class AdapterCheckpointer:
         dcp.load(state, checkpoint_id=str(path))
         self.optimizers.load_state_dict(state["optimizer"])
         self.lr_schedulers.load_state_dict(state["lr_scheduler"])
+        data = path / DATA_STATE_FILE
+        self.data_state = json.loads(data.read_text()) if data.exists() else None
         logger.info("resumed from %s", path)
         return int(state["trainer"]["step"])

@@ -22,6 +22,7 @@ from titan_lora.models.family import FamilyLoRAConverter  # noqa: F401 (register
 from titan_lora.models.resolve import ResolvedModel, quiet_torchtitan_asset_warnings, resolve_model
 from titan_lora.trainer.preflight import preflight
 
+logger = logging.getLogger(__name__)
 CUSTOM_CONFIG_MODULE = "titan_lora.config"
 _OUR_SECTIONS = {"lora": ours.LoRA, "engine": ours.Engine, "weight_sync": ours.WeightSync, "data": ours.Data,
                  "grpo": ours.GRPO}
@@ -122,6 +123,9 @@ def _section_errors(section: str, given: dict, cls: type) -> list[str]:
     for key, value in given.items():
         if section == "weight_sync" and key in _MOVED:
             errors.append(f"[weight_sync] {key} has moved: use {_MOVED[key]}")
+        elif section == "grpo" and key == "async":
+            errors.append(f'[grpo] async = {toml_literal(value)}: write loop = "async" (or "sync"); async is a '
+                          "Python keyword, so the key is `loop`")
         elif key not in known:
             errors.append(f"[{section}] has an unknown key {key!r}; {_did_you_mean(key, list(known), 'keys')}")
         elif dataclasses.is_dataclass(known[key].type) and isinstance(value, dict):
@@ -249,11 +253,28 @@ class _MissingAssets(logging.Filter):
 _MISSING_ASSETS = _MissingAssets()
 
 
+def _names_key(toml: dict, argv: list[str], section: str, key: str) -> bool:
+    """Whether the TOML or an override sets `[section] key`."""
+    flag = f"--{section}.{key}"
+    return key in toml.get(section, {}) or any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def derive_keep_versions(job_config, named: bool) -> None:  # noqa: ANN001
+    """Raise `[weight_sync] keep_versions` to what `[grpo]` needs when the config left it out (`named`
+    False); a value the user wrote is checked by `validate_grpo` instead."""
+    ws, need = job_config.weight_sync, ours.versions_needed(job_config.grpo)
+    if not named and ws.keep_versions < need:
+        logger.info("[weight_sync] keep_versions = %d (derived: [grpo] max_staleness = %d, loop = %s)", need,
+                    job_config.grpo.max_staleness, job_config.grpo.loop)
+        ws.keep_versions = need
+
+
 def load_job(argv: list[str]) -> tuple[Any, ResolvedModel]:
     """The merged JobConfig and its `[model]` resolved (family, shape, vocab, weights checked) once, for
     `build_model`; raises ValueError on a bad config before anything is built."""
     path = _config_path(argv)
-    errors = toml_errors(read_toml(path)) if path is not None else []
+    toml = read_toml(path) if path is not None else {}
+    errors = toml_errors(toml) if path is not None else []
     errors += override_errors(argv)
     if errors:  # before tyro: it would keep a wrong-typed TOML value and box a wrong CLI one
         raise ours.ConfigError(errors)
@@ -276,6 +297,7 @@ def load_job(argv: list[str]) -> tuple[Any, ResolvedModel]:
     ours.validate_training(job_config.training)
     ours.validate_engine(job_config.engine)
     ours.validate_weight_sync(job_config.weight_sync)
+    derive_keep_versions(job_config, _names_key(toml, argv, "weight_sync", "keep_versions"))
     ours.validate_grpo(job_config.grpo, job_config.weight_sync)
     preflight(job_config, targets)
     return job_config, model

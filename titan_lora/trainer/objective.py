@@ -27,6 +27,10 @@ class Objective(Protocol):
         """The few figures the progress line shows."""
         ...
 
+    def data_state(self) -> dict | None:
+        """Rank 0: the data position a checkpoint keeps beside the step, JSON-able (None: the step is it)."""
+        ...
+
     def close(self) -> None:
         """Release engines and threads."""
         ...

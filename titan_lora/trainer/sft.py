@@ -53,5 +53,9 @@ class SFTObjective:
             fields["sync_ms"] = f"{metrics['sync/total_ms']:.1f}"
         return fields
 
+    def data_state(self) -> dict | None:
+        """None: the SFT data position is the step."""
+        return None
+
     def close(self) -> None:
         """Nothing to release."""

@@ -1,0 +1,165 @@
+"""RolloutProducer's bookkeeping on real AdapterVersions with a scripted draw: admission bound, slots freed
+only by a published version, data order, the straggler rule, faults, and the data position."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from titan_lora.rl.producer import BusyClock, ProducerState, RolloutProducer
+from titan_lora.rl.rollout import Sample
+from titan_lora.sync.versions import AdapterVersions, Lease
+from titan_lora.transfer.errors import EngineDied
+
+B, S = 2, 1  # prompts per step, max staleness: (S + 1) x B = 4 slots
+
+
+class ScriptedDraw:
+    """Each group's request waits until the test releases it; records the version it was pinned to."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.started: dict[int, list[int]] = {}  # group -> versions of its attempts
+        self.released: set[int] = set()
+        self.fail: dict[int, BaseException] = {}
+
+    def __call__(self, index: int, lease: Lease) -> list[Sample]:
+        with self.cond:
+            self.started.setdefault(index, []).append(lease.version)
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: index in self.released or index in self.fail, 10)
+            if index in self.fail:
+                raise self.fail.pop(index)
+            self.released.discard(index)
+        return [Sample([1], [2, 3], [0.0, 0.0], 1.0, 0.0, lease.version, f"g{index}", group=index)]
+
+    def release(self, *indices: int) -> None:
+        with self.cond:
+            self.released.update(indices)
+            self.cond.notify_all()
+
+    def wait_started(self, n: int) -> None:
+        with self.cond:
+            assert self.cond.wait_for(lambda: sum(map(len, self.started.values())) >= n, 10), self.started
+
+
+def _producer(state: ProducerState | None = None, version: int = 0) -> tuple[RolloutProducer, ScriptedDraw,
+                                                                           AdapterVersions]:
+    versions = AdapterVersions("policy", keep_versions=S + 2)
+    versions.publish(version)  # the resumed step's adapter, as the syncer's first sync publishes it
+    draw = ScriptedDraw()
+    producer = RolloutProducer(draw, versions, B, S, BusyClock(), state)
+    producer.start()
+    return producer, draw, versions
+
+
+def _settle() -> None:
+    time.sleep(0.3)  # > the admission loop's poll: whatever it would admit, it has
+
+
+def test_admission_stops_at_s_plus_1_steps_of_groups_and_a_slot_frees_only_when_its_step_is_published() -> None:
+    producer, draw, versions = _producer()
+    try:
+        draw.wait_started(4)
+        _settle()
+        assert sorted(draw.started) == [0, 1, 2, 3], "(S + 1) x B = 4 groups admitted, no more"
+        draw.release(0, 1)
+        samples = producer.take(1)
+        assert [s.group for s in samples] == [0, 1] and {s.trained_at for s in samples} == {1}
+        _settle()
+        assert sorted(draw.started) == [0, 1, 2, 3], "step 1 trained but version 1 not published: no slot free"
+        versions.publish(1)
+        producer.poke()
+        draw.wait_started(6)
+        assert sorted(draw.started) == [0, 1, 2, 3, 4, 5]
+        assert draw.started[4] == [1] and draw.started[5] == [1], "new groups take the newest version"
+        assert draw.started[2] == [0], "a group keeps the version it was admitted under"
+    finally:
+        producer.close()
+
+
+def test_a_step_takes_the_first_finished_groups_in_data_order_and_never_waits_on_a_straggler() -> None:
+    producer, draw, versions = _producer()
+    try:
+        draw.wait_started(4)
+        draw.release(1, 2)  # group 0 straggles
+        assert [s.group for s in producer.take(1)] == [1, 2]
+        assert producer.state() == ProducerState(0, [1, 2]), "group 0 is not trained yet: the position keeps it"
+    finally:
+        producer.close()
+
+
+def test_a_group_older_than_max_staleness_is_dropped_and_drawn_again_under_the_newest_version() -> None:
+    producer, draw, versions = _producer()
+    try:
+        draw.wait_started(4)
+        draw.release(1, 2)
+        producer.take(1)  # group 0 (version 0) still running
+        versions.publish(1)
+        producer.poke()
+        draw.wait_started(6)
+        draw.release(3, 4)
+        producer.take(2)  # oldest allowed at step 2: version 0
+        versions.publish(2)
+        producer.poke()
+        draw.release(0)  # version 0 is now 2 versions behind step 3's current version 2
+        draw.wait_started(7)
+        _settle()
+        assert draw.started[0] == [0, 2], "drawn again under version 2"
+        draw.release(0, 5)
+        samples = producer.take(3)
+        assert [(s.group, s.version) for s in samples] == [(0, 2), (5, 1)]
+        assert producer.counters["stale_dropped"] == 1
+        assert producer.state() == ProducerState(6, [])
+    finally:
+        producer.close()
+
+
+def test_an_engine_fault_is_raised_once_by_take_and_after_the_recovery_its_group_is_drawn_again() -> None:
+    producer, draw, versions = _producer()
+    try:
+        draw.wait_started(4)
+        fault = EngineDied("the engine died mid-rollout")
+        with draw.cond:
+            draw.fail[1] = fault
+            draw.cond.notify_all()
+        with pytest.raises(EngineDied, match="mid-rollout"):
+            producer.take(1)
+        _settle()
+        assert draw.started[1] == [0], "no admission while the fault is pending"
+        versions.forget_all()  # the syncer's recovery: a new engine generation, the version re-published
+        versions.publish(0)
+        draw.release(0)
+        draw.wait_started(5)
+        draw.release(1)
+        assert [s.group for s in producer.take(1)] == [0, 1]
+        assert draw.started[1] == [0, 0] and producer.counters["failed_groups"] == 1
+    finally:
+        producer.close()
+
+
+def test_a_resumed_producer_skips_groups_trained_ahead_and_draws_the_untrained_ones_first() -> None:
+    producer, draw, _ = _producer(ProducerState(next_group=4, trained_ahead=[5]), version=2)
+    try:
+        draw.wait_started(4)
+        assert sorted(draw.started) == [4, 6, 7, 8], "group 5 was trained before the checkpoint"
+        draw.release(4, 6)
+        assert [s.group for s in producer.take(3)] == [4, 6]
+        assert producer.state() == ProducerState(7, [])
+    finally:
+        producer.close()
+
+
+def test_the_busy_clock_counts_time_with_any_request_in_flight_once() -> None:
+    clock = BusyClock()
+    clock.lap()
+    with clock.busy():
+        with clock.busy():
+            time.sleep(0.05)
+        time.sleep(0.05)
+    time.sleep(0.05)
+    clock.add_tokens(7)
+    wall, busy, tokens = clock.lap()
+    assert 0.1 <= busy < 0.14 and wall >= 0.15 and tokens == 7
