@@ -235,6 +235,37 @@ def test_the_key_unknown_names_and_metrics(ctx: Ctx) -> None:
 
 
 
+def test_a_long_generation_pinned_to_version_k_finishes_on_k_while_k_plus_1_and_k_plus_2_are_published(
+        ctx: Ctx) -> None:
+    """The async loop's zero-pause turnover: a group leased to version k (as the rollout producer leases it)
+    keeps decoding while two newer versions are installed and published; nothing is aborted or paused, and
+    every token it returns is version k's."""
+    ctx.sync(8)
+    prompt = ctx.prompt("Count from 1 to 1000.")
+    out: dict[str, object] = {}
+    in_flight = lambda: ctx.titan.post("/titan/info")["in_flight"].get("policy-v8", 0)  # noqa: E731
+    with ctx.syncer.versions.lease() as lease:
+        assert lease.name == "policy-v8"
+        thread = threading.Thread(target=lambda: out.update(
+            c=ctx.rollouts.generate([prompt], lease.name, 160, 1.0, 3, [])[0]))
+        thread.start()
+        wait_until(lambda: in_flight() == 1)
+        published = []
+        for version in (9, 10):
+            ctx.sync(version)
+            published.append((ctx.syncer.versions.active.version, in_flight()))
+        thread.join(timeout=300)
+    assert published == [(9, 1), (10, 1)], "k + 1 and k + 2 were published while the k request decoded"
+    completion = out["c"]
+    assert len(completion.token_ids) == len(completion.logprobs) > 0, "the request ran to its end"
+    seq = prompt + list(completion.token_ids)
+    v8, v10 = (ctx.rollouts.score([seq], f"policy-v{v}")[0][len(prompt) - 1:] for v in (8, 10))
+    assert max(abs(a - b) for a, b in zip(completion.logprobs, v8)) <= PARITY_TOL, "a token not from version k"
+    assert max(abs(a - b) for a, b in zip(v8, v10)) > 0.05, "k and k + 2 score alike: the check proves nothing"
+    # The lease ended: version 8, out of the 2-version window, is retired off the training path.
+    wait_until(lambda: ctx.live() == ["policy-v10", "policy-v9"])
+
+
 def test_live_goes_through_the_engine_core_and_fails_in_time_while_info_still_answers(ctx: Ctx) -> None:
     """Last in this module: it stops the engine core for a few seconds."""
     ctx.titan.check_live(5.0)  # a running core answers the no-op collective_rpc
