@@ -24,7 +24,7 @@ KEYS = {"steps": STEPS, "prompts_per_step": 2, "eval_size": 50, "eval_every": RE
         "interval": RESUME_AT}
 # Held-out accuracy (50 problems, greedy) at step 10 minus step 0. Measured: see docs/testing.md.
 MIN_GAIN = 0.06
-KEEP_VERSIONS = 2  # the shipped [weight_sync] keep_versions
+KEEP_VERSIONS = 2  # derived from the shipped [grpo] max_staleness = 1 (sync loop)
 REWARD_TAGS = ("rl/reward_mean", "rl/reward_std", "rl/response_len")
 TRAINER_TAGS = ("train/loss", "train/grad_norm", "train/lr")
 DOCUMENTED_TAGS = {
