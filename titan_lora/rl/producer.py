@@ -131,8 +131,6 @@ class RolloutProducer:
         self._pool = ThreadPoolExecutor(max_workers=self.capacity, thread_name_prefix="titan-producer")
         self._thread = threading.Thread(target=self._admit_forever, name="titan-producer", daemon=True)
         self.counters = {"admitted": 0, "stale_dropped": 0, "redrawn": 0, "failed_groups": 0}
-        self.wait_s = 0.0
-        """Seconds the trainer waited in `take` since the last `lap`."""
 
     # ---- admission (its own thread) -----------------------------------------------------------------
     def start(self) -> None:
@@ -209,7 +207,6 @@ class RolloutProducer:
 
         Raises the engine fault a group met, once; the syncer recovers the engine and calls again."""
         oldest = step - 1 - self.max_staleness
-        started = time.monotonic()
         with self._cond:
             while True:
                 if self._fault is not None:
@@ -230,7 +227,6 @@ class RolloutProducer:
             self._unacked.append((step, len(groups)))
             self._mark_trained(ready)
             self._cond.notify_all()
-        self.wait_s += time.monotonic() - started
         for g in groups:
             for s in g.samples:
                 s.trained_at = step
@@ -255,11 +251,6 @@ class RolloutProducer:
         """The data position now: what a checkpoint saved after this step keeps."""
         with self._cond:
             return ProducerState(self._watermark, sorted(self._trained))
-
-    def lap_wait(self) -> float:
-        """Seconds the trainer waited in `take` since the previous call."""
-        waited, self.wait_s = self.wait_s, 0.0
-        return waited
 
     def close(self) -> None:
         """Stop admitting; requests in flight are left to the engine's shutdown."""
