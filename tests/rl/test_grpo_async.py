@@ -26,9 +26,9 @@ MAX_STALENESS = 1
 
 def async_config(tmp: Path, port: int) -> Path:
     path = shipped_config(tmp, "async.toml", prompts_per_step=PER_STEP, group_size=4, max_new_tokens=4,
-                          eval_every=0, parity_every=1, steps=STEPS, interval=2)
+                          eval_every=0, parity_every=1, steps=STEPS, interval=2, loop='"async"',
+                          max_staleness=MAX_STALENESS)
     text = path.read_text()
-    text = re.sub(r"^max_staleness = .*$", f'max_staleness = {MAX_STALENESS}\nloop = "async"', text, flags=re.M)
     text = re.sub(r"^port = .*$", f'port = {port}\napi_key = "{API_KEY}"', text, count=1, flags=re.M)
     text = re.sub(r"^\[weight_sync\]\n", "[weight_sync]\nrollout_timeout_s = 600\nhealth_timeout_s = 5\n", text,
                   flags=re.M)
