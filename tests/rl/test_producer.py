@@ -163,3 +163,28 @@ def test_the_busy_clock_counts_time_with_any_request_in_flight_once() -> None:
     clock.add_tokens(7)
     wall, busy, tokens = clock.lap()
     assert 0.1 <= busy < 0.14 and wall >= 0.15 and tokens == 7
+
+
+def test_take_raises_instead_of_waiting_forever_when_no_version_is_published() -> None:
+    # A recovery re-sent the base (the record cleared) but could not re-send the adapter: nothing is
+    # admitted, so a wait would never end; the syncer's recovery must see an error instead.
+    producer, draw, versions = _producer()
+    try:
+        draw.wait_started(4)
+        versions.forget_all()
+        with pytest.raises(RuntimeError, match="no adapter version is active"):
+            producer.take(1)
+    finally:
+        producer.close()
+
+
+def test_take_raises_when_the_engine_gets_no_new_versions() -> None:
+    # Version 0 is still the newest at step 3 (a parity gate holding every version back): with S = 1 no
+    # group drawn now could ever be trained, as the sync loop's staleness filter says too.
+    producer, draw, _ = _producer()
+    try:
+        draw.wait_started(4)
+        with pytest.raises(RuntimeError, match="serves version 0, too old for step 3"):
+            producer.take(3)
+    finally:
+        producer.close()

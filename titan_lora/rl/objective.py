@@ -6,7 +6,9 @@ import dataclasses
 import json
 import logging
 import random
+import threading
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -101,8 +103,8 @@ class GRPOObjective:
         self.metrics_logger = metrics_logger
         self.reward = get_reward(cfg.reward) if cfg.reward else task.reward
         self.train_problems, self.heldout = train_and_heldout(task, cfg.train_size, cfg.eval_size, cfg.seed)
-        self.encode = lambda p: tokenizer(task_prompt(tokenizer, task, p.question, p.system),
-                                          add_special_tokens=False)["input_ids"]
+        self._tokenizing = threading.Lock()  # producer threads encode at once; a fast tokenizer is not reentrant
+        self.encode = lambda p: self._encode(lambda: task_prompt(tokenizer, task, p.question, p.system))
         self.heldout_ids = [self.encode(p) for p in self.heldout]
         self.stop_ids = [tokenizer.eos_token_id]
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -117,6 +119,10 @@ class GRPOObjective:
         if not cfg.rollouts:
             logger.warning("[grpo] rollouts = false: this job runs NO rollouts; samples are the data's own "
                            "answers and scrambled ones, for timing the train + sync step only")
+
+    def _encode(self, prompt: Callable[[], str]) -> list[int]:
+        with self._tokenizing:
+            return self.tokenizer(prompt(), add_special_tokens=False)["input_ids"]
 
     def _problems_at(self, step: int) -> list:
         cached = self._problems_cache  # one read: producer threads replace it concurrently

@@ -195,7 +195,7 @@ class RolloutProducer:
             self.counters["failed_groups"] += 1
             if self._stopped or isinstance(err, RuntimeError) and self._versions.active is None:
                 return  # closing, or the engine lost its adapters under a recovery: drawn again after it
-            if generation >= self._versions.generation and self._fault is None:
+            if generation >= self._versions.generation and not self._faulted():  # an older one is past
                 self._fault = (err, generation)
                 logger.warning("rollout group %d failed (%s: %s); the next step recovers the engine", index,
                                type(err).__name__, err)
@@ -216,6 +216,7 @@ class RolloutProducer:
                     self._cond.notify_all()
                 if self._stopped or not self._thread.is_alive():
                     raise RuntimeError("the rollout producer was closed, or its admission thread ended")
+                self._check_published(step)
                 self._drop_stale(oldest)
                 ready = sorted(self._done)[: self.per_step]
                 if len(ready) == self.per_step:
@@ -231,6 +232,19 @@ class RolloutProducer:
             for s in g.samples:
                 s.trained_at = step
         return [s for g in groups for s in g.samples]
+
+    def _check_published(self, step: int) -> None:
+        """Raise where waiting could never end: no version is published (an engine recovery that could not
+        re-send the adapter, or a parity gate holding back the first), or the newest is too old for any group
+        drawn now to be trainable at `step` (the engine receives no new versions)."""
+        active = self._versions.active
+        if active is None:
+            raise RuntimeError("no adapter version is active yet: sync before the first rollout")
+        if active.version < step - 1 - self.max_staleness:
+            raise RuntimeError(
+                f"the engine serves version {active.version}, too old for step {step} with [grpo] max_staleness "
+                f"= {self.max_staleness}: the engine is not receiving new adapter versions (check [weight_sync] "
+                "parity_gate and the engine's log)")
 
     def _drop_stale(self, oldest: int) -> None:
         for index in [i for i, g in self._done.items() if g.version < oldest]:
