@@ -255,11 +255,12 @@ def test_a_long_generation_pinned_to_version_k_finishes_on_k_while_k_plus_1_and_
             ctx.sync(version)
             published.append((ctx.syncer.versions.active.version, in_flight()))
         thread.join(timeout=300)
+        completion = out["c"]
+        seq = prompt + list(completion.token_ids)
+        # scored under the lease: once it ends, version 8 (out of the window) is retired
+        v8, v10 = (ctx.rollouts.score([seq], f"policy-v{v}")[0][len(prompt) - 1:] for v in (8, 10))
     assert published == [(9, 1), (10, 1)], "k + 1 and k + 2 were published while the k request decoded"
-    completion = out["c"]
     assert len(completion.token_ids) == len(completion.logprobs) > 0, "the request ran to its end"
-    seq = prompt + list(completion.token_ids)
-    v8, v10 = (ctx.rollouts.score([seq], f"policy-v{v}")[0][len(prompt) - 1:] for v in (8, 10))
     assert max(abs(a - b) for a, b in zip(completion.logprobs, v8)) <= PARITY_TOL, "a token not from version k"
     assert max(abs(a - b) for a, b in zip(v8, v10)) > 0.05, "k and k + 2 score alike: the check proves nothing"
     # The lease ended: version 8, out of the 2-version window, is retired off the training path.
