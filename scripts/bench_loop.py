@@ -24,24 +24,10 @@ import sys
 import time
 from pathlib import Path
 
+from plot_run import read_scalars
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "train_configs/smollm2_grpo_arith.toml"
-
-
-def scalars(tb: Path) -> dict[str, dict[int, float]]:
-    """tag -> step -> value over the event files under `tb`."""
-    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
-
-    mux = EventMultiplexer()
-    for f in sorted(tb.glob("events.*")):
-        mux.AddRun(str(f), name=f.name)
-    mux.Reload()
-    out: dict[str, dict[int, float]] = {}
-    for run, tags in mux.Runs().items():
-        for tag in tags["scalars"]:
-            for e in mux.Scalars(run, tag):
-                out.setdefault(tag, {})[e.step] = e.value
-    return out
 
 
 def run_job(loop: str, seed: int, args: argparse.Namespace, out: Path) -> dict[str, float]:
@@ -59,7 +45,7 @@ def run_job(loop: str, seed: int, args: argparse.Namespace, out: Path) -> dict[s
                             env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
     if rc:
         sys.exit(f"the {loop} run failed (rc {rc}); see {out / f'{dump.name}.log'}")
-    tags = scalars(dump / "tb")
+    tags = {tag: dict(points) for tag, points in read_scalars(str(dump / "tb")).items()}
     steps = range(2, args.steps + 1)
     mean = lambda tag: statistics.fmean(tags[tag][s] for s in steps)  # noqa: E731
     step_s = mean("train/step_time_s")

@@ -3,8 +3,10 @@ only by a published version, data order, the straggler rule, faults, and the dat
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -45,14 +47,19 @@ class ScriptedDraw:
             assert self.cond.wait_for(lambda: sum(map(len, self.started.values())) >= n, 10), self.started
 
 
-def _producer(state: ProducerState | None = None, version: int = 0) -> tuple[RolloutProducer, ScriptedDraw,
-                                                                           AdapterVersions]:
+@contextlib.contextmanager
+def _producer(state: ProducerState | None = None,
+              version: int = 0) -> Iterator[tuple[RolloutProducer, ScriptedDraw, AdapterVersions]]:
+    """A started producer over a scripted draw, `version` published; closed at the end."""
     versions = AdapterVersions("policy", keep_versions=S + 2)
     versions.publish(version)  # the resumed step's adapter, as the syncer's first sync publishes it
     draw = ScriptedDraw()
     producer = RolloutProducer(draw, versions, B, S, BusyClock(), state)
     producer.start()
-    return producer, draw, versions
+    try:
+        yield producer, draw, versions
+    finally:
+        producer.close()
 
 
 def _settle() -> None:
@@ -60,8 +67,7 @@ def _settle() -> None:
 
 
 def test_admission_stops_at_s_plus_1_steps_of_groups_and_a_slot_frees_only_when_its_step_is_published() -> None:
-    producer, draw, versions = _producer()
-    try:
+    with _producer() as (producer, draw, versions):
         draw.wait_started(4)
         _settle()
         assert sorted(draw.started) == [0, 1, 2, 3], "(S + 1) x B = 4 groups admitted, no more"
@@ -76,24 +82,18 @@ def test_admission_stops_at_s_plus_1_steps_of_groups_and_a_slot_frees_only_when_
         assert sorted(draw.started) == [0, 1, 2, 3, 4, 5]
         assert draw.started[4] == [1] and draw.started[5] == [1], "new groups take the newest version"
         assert draw.started[2] == [0], "a group keeps the version it was admitted under"
-    finally:
-        producer.close()
 
 
 def test_a_step_takes_the_first_finished_groups_in_data_order_and_never_waits_on_a_straggler() -> None:
-    producer, draw, versions = _producer()
-    try:
+    with _producer() as (producer, draw, versions):
         draw.wait_started(4)
         draw.release(1, 2)  # group 0 straggles
         assert [s.group for s in producer.take(1)] == [1, 2]
         assert producer.state() == ProducerState(0, [1, 2]), "group 0 is not trained yet: the position keeps it"
-    finally:
-        producer.close()
 
 
 def test_a_group_older_than_max_staleness_is_dropped_and_drawn_again_under_the_newest_version() -> None:
-    producer, draw, versions = _producer()
-    try:
+    with _producer() as (producer, draw, versions):
         draw.wait_started(4)
         draw.release(1, 2)
         producer.take(1)  # group 0 (version 0) still running
@@ -113,13 +113,10 @@ def test_a_group_older_than_max_staleness_is_dropped_and_drawn_again_under_the_n
         assert [(s.group, s.version) for s in samples] == [(0, 2), (5, 1)]
         assert producer.counters["stale_dropped"] == 1
         assert producer.state() == ProducerState(6, [])
-    finally:
-        producer.close()
 
 
 def test_an_engine_fault_is_raised_once_by_take_and_after_the_recovery_its_group_is_drawn_again() -> None:
-    producer, draw, versions = _producer()
-    try:
+    with _producer() as (producer, draw, versions):
         draw.wait_started(4)
         fault = EngineDied("the engine died mid-rollout")
         with draw.cond:
@@ -136,20 +133,15 @@ def test_an_engine_fault_is_raised_once_by_take_and_after_the_recovery_its_group
         draw.release(1)
         assert [s.group for s in producer.take(1)] == [0, 1]
         assert draw.started[1] == [0, 0] and producer.counters["failed_groups"] == 1
-    finally:
-        producer.close()
 
 
 def test_a_resumed_producer_skips_groups_trained_ahead_and_draws_the_untrained_ones_first() -> None:
-    producer, draw, _ = _producer(ProducerState(next_group=4, trained_ahead=[5]), version=2)
-    try:
+    with _producer(ProducerState(next_group=4, trained_ahead=[5]), version=2) as (producer, draw, _):
         draw.wait_started(4)
         assert sorted(draw.started) == [4, 6, 7, 8], "group 5 was trained before the checkpoint"
         draw.release(4, 6)
         assert [s.group for s in producer.take(3)] == [4, 6]
         assert producer.state() == ProducerState(7, [])
-    finally:
-        producer.close()
 
 
 def test_the_busy_clock_counts_time_with_any_request_in_flight_once() -> None:
@@ -168,23 +160,17 @@ def test_the_busy_clock_counts_time_with_any_request_in_flight_once() -> None:
 def test_take_raises_instead_of_waiting_forever_when_no_version_is_published() -> None:
     # A recovery re-sent the base (the record cleared) but could not re-send the adapter: nothing is
     # admitted, so a wait would never end; the syncer's recovery must see an error instead.
-    producer, draw, versions = _producer()
-    try:
+    with _producer() as (producer, draw, versions):
         draw.wait_started(4)
         versions.forget_all()
         with pytest.raises(RuntimeError, match="no adapter version is active"):
             producer.take(1)
-    finally:
-        producer.close()
 
 
 def test_take_raises_when_the_engine_gets_no_new_versions() -> None:
     # Version 0 is still the newest at step 3 (a parity gate holding every version back): with S = 1 no
     # group drawn now could ever be trained, as the sync loop's staleness filter says too.
-    producer, draw, _ = _producer()
-    try:
+    with _producer() as (producer, draw, _):
         draw.wait_started(4)
         with pytest.raises(RuntimeError, match="serves version 0, too old for step 3"):
             producer.take(3)
-    finally:
-        producer.close()

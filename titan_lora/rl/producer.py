@@ -41,7 +41,6 @@ POLL_S = 0.2
 class Group:
     """One prompt's samples, all drawn under one adapter version."""
 
-    index: int
     samples: list[Sample]
     version: int
 
@@ -121,7 +120,7 @@ class RolloutProducer:
         self._trained = set(state.trained_ahead)  # trained groups at or above the watermark
         self._watermark = state.next_group  # every group below it is trained
         self._redraw: list[int] = []  # sorted: failed or stale groups, drawn again before new ones
-        self._running: dict[int, int] = {}  # group -> generation of the engine it was sent to
+        self._running: set[int] = set()  # groups whose request is out
         self._done: dict[int, Group] = {}
         self._unacked: list[tuple[int, int]] = []  # (step, groups): trained, their step not yet published
         self._fault: tuple[BaseException, int] | None = None  # (error, generation it happened in)
@@ -169,7 +168,7 @@ class RolloutProducer:
                     return
                 index = self._next_index()
                 generation = self._versions.generation
-                self._running[index] = generation
+                self._running.add(index)
                 self.counters["admitted"] += 1
             self._pool.submit(self._run_group, index, generation)
 
@@ -182,15 +181,15 @@ class RolloutProducer:
             return
         self._clock.add_tokens(sum(len(s.completion_ids) for s in samples))
         with self._cond:
-            self._running.pop(index, None)
-            self._done[index] = Group(index, samples, lease.version)
+            self._running.discard(index)
+            self._done[index] = Group(samples, lease.version)
             # The next step to take is the earliest that could train it: stale for that one, stale forever.
             self._drop_stale(self._taken - self.max_staleness)
             self._cond.notify_all()
 
     def _failed(self, index: int, generation: int, err: BaseException) -> None:
         with self._cond:
-            self._running.pop(index, None)
+            self._running.discard(index)
             bisect.insort(self._redraw, index)
             self.counters["failed_groups"] += 1
             if self._stopped or isinstance(err, RuntimeError) and self._versions.active is None:

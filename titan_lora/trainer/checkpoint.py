@@ -89,8 +89,8 @@ class AdapterCheckpointer:
         """What the objective saved with the checkpoint `load_latest` restored (None: nothing)."""
 
     def _state(self, step: int) -> dict[str, Any]:
-        # The data position and the adapter version are both the step: data is drawn per step
-        # from a seeded order, and versions are training steps.
+        # The adapter version is the step, and so is the data position of the sync loop (data is drawn
+        # per step from a seeded order); the async loop's position goes beside it (DATA_STATE_FILE).
         return {
             "adapter": dict(adapter_params(self.model)),
             "optimizer": self.optimizers.state_dict(),
