@@ -198,11 +198,19 @@ def main(argv: list[str] | None = None) -> None:
             print_config_errors(err)
         sys.exit(2)
     run = TrainingRun(job_config, task, model)
+    finished = False
     try:
         run.train()
+        finished = True
     finally:
         run.close()
         if dist.is_initialized():
+            if finished:
+                # Leave together: a rank that tears its gloo pairs down while a peer is still in its last
+                # collective (rank 0 exporting, stopping the engine) makes that peer abort at exit
+                # ("terminate called without an active exception"), and torchrun reports a finished run
+                # as failed.
+                dist.barrier()
             dist.destroy_process_group()
 
 
