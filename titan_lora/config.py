@@ -156,8 +156,6 @@ class GRPO:
     """Longest completion sampled per rollout, in tokens."""
     temperature: float = 1.0
     """Sampling temperature of the rollouts (1.0: the policy as trained)."""
-    clip_eps: float = 0.2
-    """PPO-style clip of the probability ratio: [1 - clip_eps, 1 + clip_eps]."""
     kl_coef: float = 0.0
     """Weight of the k3 KL to the base model (the adapter switched off); 0 skips that forward."""
     max_staleness: int = 1
@@ -273,7 +271,6 @@ RANGES: dict[tuple[str, str], Range] = {
     ("grpo", "group_size"): Range(2, fix="GRPO needs >= 2 samples per prompt"),
     ("grpo", "max_new_tokens"): _AT_LEAST_1,
     ("grpo", "temperature"): Range(0, lo_open=True, fix="try temperature = 1.0 (samples the policy as trained)"),
-    ("grpo", "clip_eps"): _POSITIVE,
     ("grpo", "kl_coef"): Range(0, fix="0 skips the KL term"),
     ("grpo", "max_staleness"): _NON_NEGATIVE,
     ("grpo", "stale_weight_cap"): Range(1, fix="1 weighs stale samples as fresh ones; try 2.0"),

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from titan_lora.rl.extract import last_number
-from titan_lora.rl.grpo import clipped_policy_loss, group_advantages, k3_kl
+from titan_lora.rl.grpo import group_advantages, k3_kl, policy_loss
 from titan_lora.rl.rewards import get_reward, register_reward
 from titan_lora.rl.task import Problem, train_and_heldout
 from titan_lora.rl.tasks import ArithTask, exact_match, make_problems
@@ -23,14 +23,12 @@ def test_group_advantages_normalise_within_each_group():
         group_advantages(torch.ones(4), group_size=3)
 
 
-def test_clipped_loss_matches_ppo_clip():
-    logp = torch.log(torch.tensor([[1.5, 0.5]]))  # ratios 1.5 and 0.5 against old = 0
-    old = torch.zeros(1, 2)
-    loss, clipped = clipped_policy_loss(logp, old, torch.tensor([1.0]), clip_eps=0.2)
-    assert torch.allclose(loss, torch.tensor([[-1.2, -0.5]]))  # positive advantage: ratio capped at 1.2
-    assert clipped.tolist() == [[True, False]]
-    loss, _ = clipped_policy_loss(logp, old, torch.tensor([-1.0]), clip_eps=0.2)
-    assert torch.allclose(loss, torch.tensor([[1.5, 0.8]]))  # negative advantage: ratio floored at 0.8
+def test_the_policy_loss_is_minus_the_advantage_with_the_gradient_of_minus_advantage_times_logp():
+    logp = torch.log(torch.tensor([[0.5, 0.25], [0.1, 0.9]])).requires_grad_()
+    loss = policy_loss(logp, torch.tensor([2.0, -0.5]))
+    assert torch.equal(loss.detach(), torch.tensor([[-2.0, -2.0], [0.5, 0.5]]))  # the ratio is exactly 1
+    loss.sum().backward()
+    assert torch.equal(logp.grad, torch.tensor([[-2.0, -2.0], [0.5, 0.5]]))
 
 
 def test_k3_kl_hand_computed_values():

@@ -37,8 +37,11 @@ def async_config(tmp: Path, port: int) -> Path:
 
 
 def trained_groups(record: Path) -> dict[int, dict]:
-    """step -> its record line; a step trained twice (killed after it, before a checkpoint) keeps the last."""
-    return {line["step"]: line for line in map(json.loads, record.read_text().splitlines())}
+    """step -> its record line; each step has one (a resumed run drops the lines of the steps it trains again)."""
+    lines = [json.loads(line) for line in record.read_text().splitlines()]
+    steps = [line["step"] for line in lines]
+    assert steps == sorted(set(steps)), f"a step recorded twice, or out of order: {steps}"
+    return {line["step"]: line for line in lines}
 
 
 @pytest.mark.slow

@@ -4,12 +4,13 @@ The oracles are hand-derived. The "model" is a logit table, logits = table[input
 input token distinct, so the gradient on table row `tok` is the gradient at the one position fed `tok`.
 With a zero table, softmax is uniform and d loss / d logits[v] = g * (1[v = label] - 1/V), where g is
 d loss / d logp at that position; so g = grad[tok, label] - grad[tok, any other column].
-On-policy (ratio 1, inside the clip), the GRPO loss sum(-ratio * adv * mask) / tokens gives
+On-policy (ratio 1), the GRPO loss sum(-ratio * adv * mask) / tokens gives
 g = -adv / tokens on completion positions and 0 elsewhere.
 """
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -55,7 +56,7 @@ class LogitTable(nn.Module):
 
 
 def _objective(dp: DataParallelInfo | None = None, **overrides) -> GRPOObjective:  # noqa: ANN003
-    settings = dict(enabled=True, train_size=10, eval_size=2, max_staleness=1, clip_eps=0.2) | overrides
+    settings = dict(enabled=True, train_size=10, eval_size=2, max_staleness=1) | overrides
     cfg = GRPO(**settings)
     dp = dp or DataParallelInfo(0, 1, None)
     return GRPOObjective(cfg, build_task(cfg), StubTokenizer(), None, dp, torch.device("cpu"), None)
@@ -135,6 +136,20 @@ def test_stale_samples_are_dropped_counted_and_get_no_gradient() -> None:
     assert obj.dropped_stale == 4, "the drop count accumulates over steps"
 
 
+def test_a_resumed_run_drops_the_record_lines_of_the_steps_it_trains_again(tmp_path) -> None:
+    # A run killed after writing step 5's line resumes from the checkpoint of step 3: steps 4 and 5 are
+    # trained again, so their old lines go and the file ends with one line per step.
+    record = tmp_path / "rollouts.jsonl"
+    record.write_text("".join(json.dumps({"step": n, "groups": [n]}) + "\n" for n in range(1, 6)))
+    cfg = GRPO(enabled=True, train_size=10, eval_size=2)
+    obj = GRPOObjective(cfg, build_task(cfg), StubTokenizer(), None, DataParallelInfo(0, 1, None),
+                        torch.device("cpu"), None, record=str(record))
+    obj.before_training(3)
+    assert [json.loads(line)["step"] for line in record.read_text().splitlines()] == [1, 2, 3]
+    obj.before_training(0)  # a new run in the same folder starts the file afresh
+    assert record.read_text() == ""
+
+
 def test_the_staleness_bound_follows_max_staleness() -> None:
     _, metrics = _loss(_objective(max_staleness=0), _hand_samples(), LogitTable())
     assert (metrics["rl/samples"], metrics["rl/dropped_stale"]) == (2, 4)
@@ -154,7 +169,7 @@ def test_on_policy_loss_and_gradient_are_minus_advantage_over_tokens() -> None:
     want = -(1.0 * 2 - 0.5 * 3 + 2.0 * 1 - 1.5 * 2) / tokens
     assert loss.item() == pytest.approx(want, abs=1e-6)
     assert metrics["loss"] == pytest.approx(want, abs=1e-6)
-    assert metrics["rl/clip_frac"] == 0.0 and metrics["rl/kl"] == 0.0
+    assert metrics["rl/kl"] == 0.0
     loss.backward()
     for tok, g in _expected_dlogp(samples, tokens).items():
         label = tok + 1  # every sample's ids are consecutive
@@ -163,14 +178,13 @@ def test_on_policy_loss_and_gradient_are_minus_advantage_over_tokens() -> None:
 
 def test_a_sample_of_an_older_version_is_weighed_by_the_engine_log_probs_it_was_drawn_with() -> None:
     # Version 3 is kept (max_staleness 1) but the trainer is at 4. Decoupled PPO: the ratio is taken against
-    # the current policy (1 here, so the clip is idle) and each token is weighed by p_current / p_engine,
+    # the current policy (1 here) and each token is weighed by p_current / p_engine,
     # capped at stale_weight_cap = 2: token 1 drew with p/3 (weight 3, capped to 2), token 2 with p/1.1.
     ln_v = math.log(VOCAB)
     s = Sample([1, 2], [3, 4], [-ln_v - math.log(3.0), -ln_v - math.log(1.1)], 2.0, 1.0, STEP - 2, "")
     model = LogitTable()
     loss, metrics = _loss(_objective(stale_weight_cap=2.0), [s], model)
     assert loss.item() == pytest.approx(-(2.0 + 1.1) / 2, abs=1e-5)
-    assert metrics["rl/clip_frac"] == 0.0
     assert metrics["rl/logprob_gap_max"] == 0.0, "the gap measures current-version samples only"
     assert metrics["rl/staleness_mean"] == 1.0 and metrics["rl/staleness_max"] == 1.0
     # k3 of KL(behaviour || current) per token: r - 1 - ln r with r = p_current / p_engine = 3, then 1.1

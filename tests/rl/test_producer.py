@@ -9,8 +9,10 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from wait_helpers import waited
 
-from titan_lora.rl.producer import BusyClock, ProducerState, RolloutProducer
+from titan_lora.clients.replica_set import NoLiveReplica
+from titan_lora.rl.producer import MAX_STALE_DRAWS, BusyClock, ProducerState, RolloutProducer
 from titan_lora.rl.rollout import Sample
 from titan_lora.sync.versions import AdapterVersions, Lease
 from titan_lora.transfer.errors import EngineDied
@@ -26,12 +28,15 @@ class ScriptedDraw:
         self.started: dict[int, list[int]] = {}  # group -> versions of its attempts
         self.released: set[int] = set()
         self.fail: dict[int, BaseException] = {}
+        self.free_running = False  # True: every group but those `held` finishes at once
+        self.held: set[int] = set()
 
     def __call__(self, index: int, lease: Lease) -> list[Sample]:
         with self.cond:
             self.started.setdefault(index, []).append(lease.version)
             self.cond.notify_all()
-            self.cond.wait_for(lambda: index in self.released or index in self.fail, 10)
+            self.cond.wait_for(lambda: index in self.released or index in self.fail
+                               or self.free_running and index not in self.held, 10)
             if index in self.fail:
                 raise self.fail.pop(index)
             self.released.discard(index)
@@ -60,6 +65,9 @@ def _producer(state: ProducerState | None = None,
         yield producer, draw, versions
     finally:
         producer.close()
+        with draw.cond:  # end the scripted requests still out, so no test leaves threads behind
+            draw.free_running, draw.held = True, set()
+            draw.cond.notify_all()
 
 
 def _settle() -> None:
@@ -89,7 +97,7 @@ def test_a_step_takes_the_first_finished_groups_in_data_order_and_never_waits_on
         draw.wait_started(4)
         draw.release(1, 2)  # group 0 straggles
         assert [s.group for s in producer.take(1)] == [1, 2]
-        assert producer.state() == ProducerState(0, [1, 2]), "group 0 is not trained yet: the position keeps it"
+        assert producer.state() == ProducerState(0, [1, 2], B), "group 0 is not trained yet: the position keeps it"
 
 
 def test_a_group_older_than_max_staleness_is_dropped_and_drawn_again_under_the_newest_version() -> None:
@@ -112,7 +120,7 @@ def test_a_group_older_than_max_staleness_is_dropped_and_drawn_again_under_the_n
         samples = producer.take(3)
         assert [(s.group, s.version) for s in samples] == [(0, 2), (5, 1)]
         assert producer.counters["stale_dropped"] == 1
-        assert producer.state() == ProducerState(6, [])
+        assert producer.state() == ProducerState(6, [], B)
 
 
 def test_an_engine_fault_is_raised_once_by_take_and_after_the_recovery_its_group_is_drawn_again() -> None:
@@ -132,7 +140,7 @@ def test_an_engine_fault_is_raised_once_by_take_and_after_the_recovery_its_group
         draw.wait_started(5)
         draw.release(1)
         assert [s.group for s in producer.take(1)] == [0, 1]
-        assert draw.started[1] == [0, 0] and producer.counters["failed_groups"] == 1
+        assert draw.started[1] == [0, 0] and producer.counters["failed"] == 1
 
 
 def test_a_resumed_producer_skips_groups_trained_ahead_and_draws_the_untrained_ones_first() -> None:
@@ -141,7 +149,7 @@ def test_a_resumed_producer_skips_groups_trained_ahead_and_draws_the_untrained_o
         assert sorted(draw.started) == [4, 6, 7, 8], "group 5 was trained before the checkpoint"
         draw.release(4, 6)
         assert [s.group for s in producer.take(3)] == [4, 6]
-        assert producer.state() == ProducerState(7, [])
+        assert producer.state() == ProducerState(7, [], B)
 
 
 def test_the_busy_clock_counts_time_with_any_request_in_flight_once() -> None:
@@ -174,3 +182,64 @@ def test_take_raises_when_the_engine_gets_no_new_versions() -> None:
         draw.wait_started(4)
         with pytest.raises(RuntimeError, match="serves version 0, too old for step 3"):
             producer.take(3)
+
+
+def test_a_group_stale_every_time_it_finishes_is_skipped_after_max_stale_draws_and_the_position_moves_past_it():
+    # Group 0's generation outlasts S + 1 steps each time: redrawing it for ever would pin an old version
+    # and hold a slot for ever.
+    with _producer() as (producer, draw, versions):
+        with draw.cond:
+            draw.free_running, draw.held = True, {0}
+            draw.cond.notify_all()
+        step = 0
+        for attempt in range(1, MAX_STALE_DRAWS + 1):
+            draw.wait_started(1)
+            for _ in range(S + 1):  # group 0 is now S + 1 versions behind
+                step += 1
+                assert 0 not in [s.group for s in producer.take(step)]
+                versions.publish(step)
+                producer.poke()
+            draw.release(0)
+            if attempt < MAX_STALE_DRAWS:  # (other groups may age in the buffer too: count group 0's own)
+                assert waited(lambda: len(draw.started[0]) == attempt + 1), "drawn again under the newest"
+        assert waited(lambda: producer.counters["skipped"] == 1)
+        _settle()
+        assert draw.started[0] == [0, 2, 4], "three attempts, each under the version then newest; no fourth"
+        position = producer.state()
+        assert position.next_group > 0 and 0 not in position.trained_ahead, "the data position moved past it"
+
+
+def test_a_replica_lost_under_an_older_pinned_version_redraws_the_group_without_an_engine_fault() -> None:
+    with _producer() as (producer, draw, versions):
+        draw.wait_started(4)
+        versions.publish(1)  # group 1 was pinned to version 0
+        with draw.cond:
+            draw.fail[1] = NoLiveReplica("no live replica serves policy-v0")
+            draw.cond.notify_all()
+        assert waited(lambda: draw.started.get(1) == [0, 1]), "drawn again under the newest version at once"
+        draw.release(0, 1)
+        assert [(s.group, s.version) for s in producer.take(1)] == [(0, 0), (1, 1)], "no fault was raised"
+        assert producer.counters["failed"] == 1
+        assert waited(lambda: 4 in draw.started) and draw.started[4] == [1]
+        with draw.cond:  # under the newest version, no replica left is an engine fault
+            draw.fail[4] = NoLiveReplica("no live replica serves policy-v1")
+            draw.cond.notify_all()
+        with pytest.raises(NoLiveReplica):
+            producer.take(2)
+
+
+def test_a_checkpoint_of_another_prompts_per_step_is_refused() -> None:
+    versions = AdapterVersions("policy", keep_versions=S + 2)
+    with pytest.raises(ValueError, match="counts 3 prompts a step.*prompts_per_step = 2.*prompts_per_step = 3"):
+        RolloutProducer(ScriptedDraw(), versions, B, S, BusyClock(), ProducerState(6, [], per_step=3))
+
+
+def test_group_requests_run_on_daemon_threads_so_a_hung_request_never_holds_the_process_at_exit() -> None:
+    before = set(threading.enumerate())
+    with _producer() as (producer, draw, _):
+        draw.wait_started(4)
+        groups = [t for t in set(threading.enumerate()) - before if t.name.startswith("titan-group-")]
+        assert len(groups) == 4 and all(t.daemon for t in groups)
+        producer.close()
+        draw.release(0, 1, 2, 3)
+        assert waited(lambda: not any(t.is_alive() for t in groups))

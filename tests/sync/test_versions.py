@@ -129,6 +129,20 @@ def test_a_lease_held_across_forget_all_is_released_cleanly() -> None:
     assert v.in_flight(1) == 0
 
 
+def test_a_lease_from_before_a_restart_ending_first_keeps_the_new_lease_counted() -> None:
+    v = AdapterVersions("policy", 2)
+    v.publish(1)
+    old = v.lease()
+    old.__enter__()
+    v.forget_all()
+    v.publish(1)
+    with v.lease():
+        old.__exit__(None, None, None)  # the pre-restart rollout ends while the new one runs
+        assert v.in_flight(1) == 1, "the new request still pins version 1"
+        assert not v.wait_drained(1, 0.05)
+    assert v.in_flight(1) == 0
+
+
 def test_a_stale_publish_says_that_versions_are_steps() -> None:
     v = AdapterVersions("policy", 2)
     v.publish(5)

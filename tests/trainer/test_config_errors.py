@@ -157,6 +157,8 @@ BAD = {
         + 'loop = "async"\nmax_staleness = 2\n',
         ["[weight_sync] keep_versions = 3 must be >= [grpo] max_staleness + 2 (async loop) = 4", "leave it out"],
     ),
+    "clip_eps, removed": (_sync("") + GRPO_WITH_ROLLOUTS + "clip_eps = 0.2\n",
+                          ["[grpo] clip_eps was removed", "never bound", "Delete the line"]),
     "stale weight cap below 1": (_sync("") + GRPO_WITH_ROLLOUTS + "stale_weight_cap = 0.5\n",
                                  ["[grpo] stale_weight_cap must be >= 1, got 0.5"]),
 }
@@ -205,6 +207,13 @@ def test_keep_versions_left_out_is_derived_from_the_loop_and_max_staleness(loop:
     assert cfg.weight_sync.keep_versions == keep
     written = job_config_from(_sync(f"keep_versions = {keep + 2}", engine='url = "http://e:8000"') + grpo)
     assert written.weight_sync.keep_versions == keep + 2, "a value the user wrote is kept when it is enough"
+
+
+@pytest.mark.parametrize("flag", ["--weight_sync.keep_versions", "--weight-sync.keep-versions"])
+def test_keep_versions_written_as_an_override_in_either_spelling_is_checked_not_derived(flag: str) -> None:
+    grpo = GRPO_WITH_ROLLOUTS + 'loop = "async"\n'
+    with pytest.raises(ValueError, match=r"keep_versions = 2 must be >= \[grpo\] max_staleness \+ 2"):
+        job_config_from(_sync("", engine='url = "http://e:8000"') + grpo, flag, "2")
 
 
 @pytest.mark.parametrize("case", list(BAD))

@@ -1,4 +1,5 @@
-"""GRPO's pure pieces: group-normalised advantages, the clipped policy loss and the k3 KL estimate."""
+"""GRPO's pure pieces: group-normalised advantages, the policy-gradient loss, the staleness weights and the
+k3 KL estimate."""
 
 from __future__ import annotations
 
@@ -15,15 +16,14 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
     return ((grouped - mean) / (std + eps)).view(-1)
 
 
-def clipped_policy_loss(
-    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, clip_eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token PPO-clip loss and a mask of where the clip was active. Shapes: [N, T] and [N]."""
-    ratio = torch.exp(logp - old_logp)
-    adv = advantages[:, None]
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
-    return -torch.minimum(unclipped, clipped), (clipped < unclipped)
+def policy_loss(logp: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+    """Per-token policy-gradient loss -ratio x advantage, the ratio taken against the proximal policy (the
+    current parameters, detached): its value is -advantage and its gradient -advantage x d logp. Shapes:
+    [N, T] and [N].
+
+    One update per batch leaves nothing for a PPO clip to cut (the ratio is exactly 1), so there is none;
+    the policy change before the step is what `stale_weights` corrects."""
+    return -torch.exp(logp - logp.detach()) * advantages[:, None]
 
 
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -38,9 +38,9 @@ def stale_weights(prox_logp: torch.Tensor, behaviour_logp: torch.Tensor, stale: 
     [N, T]) is set; 1 elsewhere. No gradient flows through it.
 
     Decoupled PPO (AReaL): a sample drawn under an older version is weighed by how much likelier the
-    current (proximal) policy finds its tokens than the policy that drew them, and the PPO ratio is taken
-    against the proximal policy, so the clip does not cut the step short for a change that happened
-    before the step."""
+    current (proximal) policy finds its tokens than the policy that drew them, and the policy ratio is
+    taken against the proximal policy, so a change that happened before the step is this weight's to
+    correct, not the ratio's."""
     weight = torch.exp(prox_logp.detach() - behaviour_logp).clamp(max=cap)
     return torch.where(stale.bool(), weight, torch.ones_like(weight))
 

@@ -1,10 +1,11 @@
-"""The GRPO objective: rollouts from the live engine, group advantages, clipped loss, optional KL."""
+"""The GRPO objective: rollouts from the live engine, group advantages, policy-gradient loss, optional KL."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import logging
+import os
 import random
 import threading
 import time
@@ -18,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from titan_lora.config import GRPO
 from titan_lora.lora.layer import adapters_disabled
-from titan_lora.rl.grpo import clipped_policy_loss, group_advantages, k3_kl, mismatch_kl, stale_weights
+from titan_lora.rl.grpo import group_advantages, k3_kl, mismatch_kl, policy_loss, stale_weights
 from titan_lora.rl.producer import BusyClock, ProducerState, RolloutProducer
 from titan_lora.rl.rewards import get_reward
 from titan_lora.rl.rollout import Sample, draw_groups, greedy_accuracy, sample_groups, share
@@ -170,6 +171,7 @@ class GRPOObjective:
     def before_training(self, step: int) -> None:
         """Held-out accuracy before any update (the loop has synced the engine); then, in the async loop,
         rank 0 starts drawing rollouts."""
+        self._trim_record(step)
         if evaluated := self._evaluate(step):
             self.metrics_logger.log(step, evaluated)
         if self.cfg.loop == "async" and self.engine is not None and self.engine.client is not None:
@@ -237,9 +239,9 @@ class GRPOObjective:
     def loss(self, model: nn.Module, step: int) -> tuple[torch.Tensor, dict[str, float]]:
         """The GRPO loss on this rank's share of the step's samples, normalised by global tokens.
 
-        Decoupled PPO: the clip is centred on the current (proximal) policy, and a sample drawn under an
-        older version is weighed by pi_current / pi_behaviour, the engine's log-probs as the behaviour
-        policy, truncated at `[grpo] stale_weight_cap`."""
+        Decoupled PPO with one update per batch: the ratio is taken against the current (proximal) policy,
+        and a sample drawn under an older version is weighed by pi_current / pi_behaviour, the engine's
+        log-probs as the behaviour policy, truncated at `[grpo] stale_weight_cap`."""
         samples = self._samples(step)
         current = step - 1  # the version the engine serves when step `step` starts
         fresh = self._trainable(samples, current)
@@ -250,8 +252,7 @@ class GRPOObjective:
         logp = token_logprobs(model, inputs, labels, mask)
         engine = self._engine_logprobs(mine, logp)
         staleness = torch.tensor([[current - s.version] for s in mine], device=self.device)
-        per_token, clipped = clipped_policy_loss(logp, logp.detach(), adv, self.cfg.clip_eps)
-        per_token = per_token * stale_weights(logp, engine, staleness > 0, self.cfg.stale_weight_cap)
+        per_token = policy_loss(logp, adv) * stale_weights(logp, engine, staleness > 0, self.cfg.stale_weight_cap)
         kl = torch.zeros_like(per_token)
         if self.cfg.kl_coef > 0:
             with torch.no_grad(), adapters_disabled(model):
@@ -261,11 +262,11 @@ class GRPOObjective:
         gap = self._engine_gap(logp.detach(), engine, mask * (staleness == 0))
         by_staleness = self._mismatch_by_staleness(engine, logp, mask, staleness)
         sums = torch.stack([mask.sum(), (per_token * mask).sum().detach(), (kl * mask).sum().detach(),
-                            (clipped * mask).sum(), gap[0], gap[1], gap[2], *by_staleness])
+                            gap[0], gap[1], gap[2], *by_staleness])
         if self.dp.group is not None:
-            dist.all_reduce(sums[:5], group=self.dp.group)
-            dist.all_reduce(sums[5:6], op=dist.ReduceOp.MAX, group=self.dp.group)
-            dist.all_reduce(sums[6:], group=self.dp.group)
+            dist.all_reduce(sums[:4], group=self.dp.group)
+            dist.all_reduce(sums[4:5], op=dist.ReduceOp.MAX, group=self.dp.group)
+            dist.all_reduce(sums[5:], group=self.dp.group)
         tokens = float(sums[0])
         loss = (per_token * mask).sum() / tokens
         rewards = torch.tensor([s.reward for s in fresh])
@@ -274,15 +275,15 @@ class GRPOObjective:
         return loss, {
             "loss": float(sums[1]) / tokens, "rl/reward_mean": float(rewards.mean()),
             "rl/reward_std": float(rewards.std(unbiased=False)), "rl/kl": float(sums[2]) / tokens,
-            "rl/clip_frac": float(sums[3]) / tokens,
             "rl/response_len": sum(len(s.completion_ids) for s in fresh) / max(len(fresh), 1),
-            "rl/logprob_gap_mean": float(sums[4]) / max(float(sums[6]), 1.0), "rl/logprob_gap_max": float(sums[5]),
-            "rl/dropped_stale": self.dropped_stale + self._producer_count("stale_dropped"),
+            "rl/logprob_gap_mean": float(sums[3]) / max(float(sums[5]), 1.0), "rl/logprob_gap_max": float(sums[4]),
+            # samples in both loops (the producer counts groups of group_size)
+            "rl/dropped_stale": self.dropped_stale + self._producer_count("stale_dropped") * self.cfg.group_size,
             "rl/samples": len(fresh),
             "rl/reward_errors": sum(s.reward_error for s in samples),  # this step's, each scored 0
             "rl/sample_version": float(min(s.version for s in fresh)),
             "rl/staleness_mean": sum(ages) / max(len(ages), 1), "rl/staleness_max": float(max(ages, default=0)),
-            **self._mismatch_metrics(sums[7:]),
+            **self._mismatch_metrics(sums[6:]),
             "phase/rollout_wait_s": self._wait_s,
         }
 
@@ -306,6 +307,16 @@ class GRPOObjective:
 
     def _producer_count(self, name: str) -> int:
         return self.producer.counters[name] if self.producer is not None else 0
+
+    def _trim_record(self, step: int) -> None:
+        """Rank 0: drop the record's lines of steps after `step`, which a killed run wrote and this resumed
+        one trains again, so the file holds each step once."""
+        if not self._record or not _rank0() or not os.path.exists(self._record):
+            return
+        with open(self._record) as f:
+            kept = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+        with open(self._record, "w") as f:
+            f.writelines(kept)
 
     def _write_record(self, step: int, samples: list[Sample]) -> None:
         """Rank 0: one JSONL line per step: its groups in data order, the version each was drawn under."""
@@ -343,7 +354,7 @@ class GRPOObjective:
         wall, busy, tokens = self.clock.lap()
         if not _rank0() or not self.cfg.rollouts:
             return metrics
-        counts = {f"rl/{k}": v for k, v in self.producer.counters.items()} if self.producer else {}
+        counts = {f"rl/groups_{k}": v for k, v in self.producer.counters.items()} if self.producer else {}
         return {**metrics, **counts, "phase/engine_busy_s": busy, "phase/engine_idle_s": max(wall - busy, 0.0),
                 "phase/gen_tokens_per_s": tokens / wall if wall > 0 else 0.0}
 

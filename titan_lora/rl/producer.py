@@ -12,8 +12,11 @@ finishes on that version however many are published meanwhile, and no group mixe
 
 A step takes the B finished groups that come first in data order; it never waits on a particular group.
 A group finished under a version older than (step - 1) - S is never trained: it is dropped, counted and
-drawn again under the newest version (the straggler rule, docs/design.md). A group whose request failed
-is drawn again too. An engine fault (a dead or wedged engine) stops admission and is raised by the next
+drawn again under the newest version (the straggler rule, docs/design.md); a group dropped so
+`MAX_STALE_DRAWS` times (its generation outlasts S steps every time) is skipped, counted and logged, so it
+cannot pin old versions forever. A group whose request failed is drawn again too; a replica lost under an
+older pinned version (`NoLiveReplica` while a newer version is published) only redraws the group under the
+newest. An engine fault (a dead or wedged engine) stops admission and is raised by the next
 `take`, inside the syncer's collective recovery; once the engine is back (its adapters' generation has
 moved on) admission resumes and what failed is drawn again.
 """
@@ -27,14 +30,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 
+from titan_lora.clients.replica_set import NoLiveReplica
 from titan_lora.rl.rollout import Sample
 from titan_lora.sync.versions import Lease, ServedVersions
 
 logger = logging.getLogger(__name__)
 POLL_S = 0.2
 """How often the admission loop looks at the published version when nothing woke it."""
+MAX_STALE_DRAWS = 3
+"""A group dropped as stale this many times is skipped: its generation outlasts S steps every time."""
 
 
 @dataclasses.dataclass
@@ -47,15 +52,17 @@ class Group:
 
 @dataclasses.dataclass
 class ProducerState:
-    """The data position: every group below `next_group` is trained, and so are `trained_ahead`."""
+    """The data position: every group below `next_group` is trained, and so are `trained_ahead`; groups
+    are numbered with `per_step` prompts a step (0: not recorded, an older checkpoint)."""
 
     next_group: int = 0
     trained_ahead: list[int] = dataclasses.field(default_factory=list)
+    per_step: int = 0
 
     @classmethod
     def at_step(cls, step: int, per_step: int) -> ProducerState:
         """The position of a run that trained steps 1..step in data order (the sync loop's)."""
-        return cls(step * per_step, [])
+        return cls(step * per_step, [], per_step)
 
 
 class BusyClock:
@@ -115,7 +122,11 @@ class RolloutProducer:
         self.max_staleness = max_staleness
         self.capacity = (max_staleness + 1) * per_step
         self._clock = clock
-        state = state or ProducerState()
+        state = state or ProducerState(per_step=per_step)
+        if state.per_step not in (0, per_step):
+            raise ValueError(f"the checkpoint's data position counts {state.per_step} prompts a step, this run "
+                             f"[grpo] prompts_per_step = {per_step}: resume with prompts_per_step = {state.per_step}, "
+                             "or start a new run ([checkpoint] folder elsewhere)")
         self._next = state.next_group  # every group below it was admitted at least once, or trained
         self._trained = set(state.trained_ahead)  # trained groups at or above the watermark
         self._watermark = state.next_group  # every group below it is trained
@@ -126,10 +137,10 @@ class RolloutProducer:
         self._fault: tuple[BaseException, int] | None = None  # (error, generation it happened in)
         self._stopped = False
         self._taken = 0  # the last step that took its groups
+        self._stale_draws: dict[int, int] = {}  # group -> times it was dropped as stale
         self._cond = threading.Condition()
-        self._pool = ThreadPoolExecutor(max_workers=self.capacity, thread_name_prefix="titan-producer")
         self._thread = threading.Thread(target=self._admit_forever, name="titan-producer", daemon=True)
-        self.counters = {"admitted": 0, "stale_dropped": 0, "redrawn": 0, "failed_groups": 0}
+        self.counters = {"admitted": 0, "stale_dropped": 0, "redrawn": 0, "failed": 0, "skipped": 0}
 
     # ---- admission (its own thread) -----------------------------------------------------------------
     def start(self) -> None:
@@ -167,17 +178,22 @@ class RolloutProducer:
                 if self._stopped:
                     return
                 index = self._next_index()
-                generation = self._versions.generation
                 self._running.add(index)
                 self.counters["admitted"] += 1
-            self._pool.submit(self._run_group, index, generation)
+                # A daemon thread per group (admission bounds them): a request hung in a dead engine never
+                # holds the process at exit, as a pool's joined workers would; started under the lock, so
+                # `close` cannot come between the admission and the start.
+                threading.Thread(target=self._run_group, args=(index, self._versions.generation),
+                                 name=f"titan-group-{index}", daemon=True).start()
 
     def _run_group(self, index: int, generation: int) -> None:
+        pinned = None
         try:
             with self._versions.lease() as lease, self._clock.busy():
+                pinned = lease.version
                 samples = self._draw(index, lease)
         except Exception as err:  # noqa: BLE001 (every failure is the trainer's to see, in `take`)
-            self._failed(index, generation, err)
+            self._failed(index, generation, pinned, err)
             return
         self._clock.add_tokens(sum(len(s.completion_ids) for s in samples))
         with self._cond:
@@ -187,13 +203,21 @@ class RolloutProducer:
             self._drop_stale(self._taken - self.max_staleness)
             self._cond.notify_all()
 
-    def _failed(self, index: int, generation: int, err: BaseException) -> None:
+    def _failed(self, index: int, generation: int, pinned: int | None, err: BaseException) -> None:
         with self._cond:
             self._running.discard(index)
             bisect.insort(self._redraw, index)
-            self.counters["failed_groups"] += 1
+            self.counters["failed"] += 1
             if self._stopped or isinstance(err, RuntimeError) and self._versions.active is None:
                 return  # closing, or the engine lost its adapters under a recovery: drawn again after it
+            active = self._versions.active
+            if isinstance(err, NoLiveReplica) and pinned is not None and active and pinned < active.version:
+                # The replicas that held the old version are gone; a redraw under the newest tells whether
+                # any engine is left, without a recovery of the whole set.
+                logger.info("rollout group %d: no live replica holds version %d (%s); drawing it again under "
+                            "version %d", index, pinned, err, active.version)
+                self._cond.notify_all()
+                return
             if generation >= self._versions.generation and not self._faulted():  # an older one is past
                 self._fault = (err, generation)
                 logger.warning("rollout group %d failed (%s: %s); the next step recovers the engine", index,
@@ -247,14 +271,25 @@ class RolloutProducer:
 
     def _drop_stale(self, oldest: int) -> None:
         for index in [i for i, g in self._done.items() if g.version < oldest]:
-            logger.info("rollout group %d was drawn under version %d, older than %d allows ([grpo] "
-                        "max_staleness); drawing it again", index, self._done[index].version, oldest)
-            del self._done[index]
-            bisect.insort(self._redraw, index)
+            version = self._done.pop(index).version
             self.counters["stale_dropped"] += 1
+            drops = self._stale_draws[index] = self._stale_draws.get(index, 0) + 1
+            if drops >= MAX_STALE_DRAWS:
+                logger.warning("rollout group %d was drawn under too old a version %d times (its generation "
+                               "takes longer than [grpo] max_staleness = %d steps); skipping it", index, drops,
+                               self.max_staleness)
+                del self._stale_draws[index]
+                self.counters["skipped"] += 1
+                self._mark_trained([index])  # the data position moves past it: never drawn again
+                continue
+            logger.info("rollout group %d was drawn under version %d, older than %d allows ([grpo] "
+                        "max_staleness); drawing it again", index, version, oldest)
+            bisect.insort(self._redraw, index)
             self.counters["redrawn"] += 1
 
     def _mark_trained(self, indices: list[int]) -> None:
+        for i in indices:
+            self._stale_draws.pop(i, None)
         self._trained.update(indices)
         while self._watermark in self._trained:
             self._trained.discard(self._watermark)
@@ -263,11 +298,10 @@ class RolloutProducer:
     def state(self) -> ProducerState:
         """The data position now: what a checkpoint saved after this step keeps."""
         with self._cond:
-            return ProducerState(self._watermark, sorted(self._trained))
+            return ProducerState(self._watermark, sorted(self._trained), self.per_step)
 
     def close(self) -> None:
-        """Stop admitting; requests in flight are left to the engine's shutdown."""
+        """Stop admitting; requests in flight are left to the engine's shutdown (their threads are daemons)."""
         with self._cond:
             self._stopped = True
             self._cond.notify_all()
-        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -108,15 +108,19 @@ class AdapterVersions:
                 raise RuntimeError("no adapter version is active yet: sync before the first rollout")
             held = Lease(self._live[self._active], self._active)
             self._leases[held.version] = self._leases.get(held.version, 0) + 1
+            generation = self._generation
         try:
             yield held
         finally:
-            with self._cond:  # forget_all() may have dropped the count meanwhile (engine restart)
-                left = self._leases.get(held.version, 0) - 1
-                if left > 0:
-                    self._leases[held.version] = left
-                else:
-                    self._leases.pop(held.version, None)
+            with self._cond:
+                # After forget_all() (engine restart) the count is gone, and a recovery may since have
+                # published the same version number again: its leases are not this one's to release.
+                if self._generation == generation:
+                    left = self._leases.get(held.version, 0) - 1
+                    if left > 0:
+                        self._leases[held.version] = left
+                    else:
+                        self._leases.pop(held.version, None)
                 self._cond.notify_all()
 
     def in_flight(self, version: int) -> int:

@@ -123,6 +123,9 @@ def _section_errors(section: str, given: dict, cls: type) -> list[str]:
     for key, value in given.items():
         if section == "weight_sync" and key in _MOVED:
             errors.append(f"[weight_sync] {key} has moved: use {_MOVED[key]}")
+        elif section == "grpo" and key == "clip_eps":
+            errors.append("[grpo] clip_eps was removed: with one update per batch the PPO ratio is 1 and the clip "
+                          "never bound; stale samples are weighed by [grpo] stale_weight_cap. Delete the line")
         elif section == "grpo" and key == "async":
             errors.append(f'[grpo] async = {toml_literal(value)}: write loop = "async" (or "sync"); async is a '
                           "Python keyword, so the key is `loop`")
@@ -255,8 +258,9 @@ _MISSING_ASSETS = _MissingAssets()
 
 def _names_key(toml: dict, argv: list[str], section: str, key: str) -> bool:
     """Whether the TOML or an override sets `[section] key`."""
-    flag = f"--{section}.{key}"
-    return key in toml.get(section, {}) or any(a == flag or a.startswith(flag + "=") for a in argv)
+    flag = f"{section}.{key}"  # tyro takes --a_b.c_d and --a-b.c-d alike
+    return key in toml.get(section, {}) or any(
+        a.startswith("--") and a[2:].split("=", 1)[0].replace("-", "_") == flag for a in argv)
 
 
 def derive_keep_versions(job_config, named: bool) -> None:  # noqa: ANN001
