@@ -28,7 +28,7 @@ def base_weights_source(model: nn.Module, sd_adapter, tied_embeddings: bool) -> 
         for name, param in model.named_parameters():
             if is_adapter_param(name):
                 continue
-            hf_name = _hf_name(sd_adapter, clean_fqn(name), param)  # same on every rank: no collective
+            hf_name = hf_name_of(sd_adapter, clean_fqn(name), param)  # same on every rank: no collective
             if hf_name is None or (tied_embeddings and hf_name == "lm_head.weight"):
                 continue  # the engine ties lm_head to the embedding itself
             full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
@@ -41,7 +41,7 @@ def base_weights_source(model: nn.Module, sd_adapter, tied_embeddings: bool) -> 
     return stream
 
 
-def _hf_name(sd_adapter, name: str, param: torch.Tensor) -> str | None:  # noqa: ANN001
+def hf_name_of(sd_adapter, name: str, param: torch.Tensor) -> str | None:  # noqa: ANN001
     """The HF name `name` maps to (None: the engine has no such weight), found on a meta tensor."""
     mapped = sd_adapter.to_hf({name: torch.empty(param.shape, device="meta")})
     return next(iter(mapped), None)

@@ -1,0 +1,89 @@
+"""The base weights' digests as the trainer holds them, computed over each rank's own shards: no weight byte
+moves, only two int64 lanes per tensor in one all-reduce.
+
+An engine digests the same tensors in HF layout (`transfer.digest.tensor_digest`); equal digests prove
+it serves the trainer's base, and a mismatch names the tensors to send (docs/design.md, "The base: verified,
+not pushed").
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+from titan_lora.export.peft import PeftLayout, hf_rope_permute
+from titan_lora.lora.layer import clean_fqn, is_adapter_param, local_part
+from titan_lora.sync.base_stream import hf_name_of
+from titan_lora.sync.gather import sends_its_part
+from titan_lora.transfer.digest import PRIME, as_matrix, fold, rows_digest
+
+
+def _hf_rows(layout: PeftLayout, name: str, rows: int) -> torch.Tensor:
+    """The HF row of each of the trainer's rows of weight `name`: the family's RoPE permutation (the one
+    its lora_B rows get) where the layout names the module, else the same row."""
+    module = re.sub(r"\d+", "{}", name.removesuffix(".weight"), count=1)
+    rope = layout.rope.get(module)
+    if rope is None:
+        return torch.arange(rows, dtype=torch.int64)
+    order = hf_rope_permute(torch.arange(rows, dtype=torch.int64).view(rows, 1), rope.n_heads, rope.head_dim)
+    hf_row = torch.empty(rows, dtype=torch.int64)
+    hf_row[order.reshape(-1)] = torch.arange(rows, dtype=torch.int64)
+    return hf_row
+
+
+def _local_index(param: torch.Tensor, full: torch.Tensor, dim: int) -> torch.Tensor:
+    """`full` (the global index along `dim`, laid out as a [n, 1] or [1, n] slab) sharded as `param` is,
+    the other dimension's placements replaced by Replicate: this rank's indices along `dim`."""
+    if not isinstance(param, DTensor):
+        return full.reshape(-1)
+    # Any placement with a `dim` shards (Shard, and FSDP2's _StridedShard under TP, which is_shard() denies).
+    placements = [Replicate() if getattr(p, "dim", dim) != dim else p for p in param.placements]
+    shard = distribute_tensor(full, param.device_mesh, placements, src_data_rank=None)
+    return shard.to_local().reshape(-1)
+
+
+def _partial(hf_name: str, titan_name: str, param: torch.Tensor, layout: PeftLayout,
+             dtype: torch.dtype) -> torch.Tensor:
+    """This rank's two lanes of `hf_name`'s digest (zeros where another rank holds the same elements)."""
+    local = as_matrix(local_part(param).detach())
+    if not sends_its_part(param, 0) or local.numel() == 0:
+        return torch.zeros(2, dtype=torch.int64, device=local.device)
+    rows = param.shape[0] if param.dim() else 1
+    width = math.prod(param.shape[1:])
+    hf_row = _hf_rows(layout, titan_name, rows) if param.dim() == 2 else torch.arange(rows)
+    device = local.device
+    row_index = _local_index(param, hf_row.view(rows, *([1] * max(param.dim() - 1, 0))).to(device), 0)
+    if param.dim() == 2:
+        col_index = _local_index(param, torch.arange(width, device=device).view(1, width), 1)
+    else:  # norms (1-D): one column; higher ranks are not sharded past dim 0 here
+        col_index = torch.arange(local.shape[1], device=device)
+    return rows_digest(hf_name, local.to(dtype), row_index, col_index, width)
+
+
+def base_digests(model: nn.Module, sd_adapter, layout: PeftLayout, tied_embeddings: bool,  # noqa: ANN001
+                 dtypes: Mapping[str, torch.dtype] | None = None) -> dict[str, str]:
+    """Collective: HF name -> digest of every base weight the engine holds (a tied `lm_head` is the
+    embedding's), each taken in `dtypes[name]` (the engine's; default the trainer's own), on every rank."""
+    names, parts = [], []
+    for name, param in model.named_parameters():
+        if is_adapter_param(name):
+            continue
+        titan_name = clean_fqn(name)
+        hf_name = hf_name_of(sd_adapter, titan_name, param)
+        if hf_name is None or (tied_embeddings and hf_name == "lm_head.weight"):
+            continue
+        dtype = (dtypes or {}).get(hf_name, param.dtype)
+        names.append(hf_name)
+        parts.append(_partial(hf_name, titan_name, param, layout, dtype))
+    if not parts:
+        return {}
+    lanes = torch.stack(parts)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(lanes)  # sums of values below PRIME: far from int64's range on any world size
+    return {name: fold(lane % PRIME) for name, lane in zip(names, lanes.cpu())}
