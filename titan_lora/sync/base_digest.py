@@ -21,7 +21,7 @@ from titan_lora.export.peft import PeftLayout, hf_rope_permute
 from titan_lora.lora.layer import clean_fqn, is_adapter_param, local_part
 from titan_lora.sync.base_stream import hf_name_of
 from titan_lora.sync.gather import sends_its_part
-from titan_lora.transfer.digest import PRIME, as_matrix, fold, rows_digest
+from titan_lora.transfer.digest import as_matrix, block_digest, fold
 
 
 def _hf_rows(layout: PeftLayout, name: str, rows: int) -> torch.Tensor:
@@ -63,7 +63,7 @@ def _partial(hf_name: str, titan_name: str, param: torch.Tensor, layout: PeftLay
         col_index = _local_index(param, torch.arange(width, device=device).view(1, width), 1)
     else:  # norms (1-D): one column; higher ranks are not sharded past dim 0 here
         col_index = torch.arange(local.shape[1], device=device)
-    return rows_digest(hf_name, local.to(dtype), row_index, col_index, width)
+    return block_digest(hf_name, local.to(dtype), row_index, col_index)
 
 
 def base_digests(model: nn.Module, sd_adapter, layout: PeftLayout, tied_embeddings: bool,  # noqa: ANN001
@@ -85,5 +85,5 @@ def base_digests(model: nn.Module, sd_adapter, layout: PeftLayout, tied_embeddin
         return {}
     lanes = torch.stack(parts)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(lanes)  # sums of values below PRIME: far from int64's range on any world size
-    return {name: fold(lane % PRIME) for name, lane in zip(names, lanes.cpu())}
+        dist.all_reduce(lanes)  # sums of values below 2^31: far from int64's range on any world size
+    return {name: fold(lane) for name, lane in zip(names, lanes.cpu())}
