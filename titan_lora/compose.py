@@ -5,6 +5,7 @@ runtime facts (the embedded engine's address and key) travel as an `Endpoint`.""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import torch
@@ -23,8 +24,10 @@ from titan_lora.config import GRPO, Engine, WeightSync, attached_urls
 from titan_lora.rl.objective import GRPOObjective
 from titan_lora.rl.producer import ProducerState
 from titan_lora.rl.rewards import get_reward
+from titan_lora.export.peft import PeftLayout
 from titan_lora.rl.task import Task, build_task, task_prompt
 from titan_lora.sync.adapter_source import AdapterSource
+from titan_lora.sync.base_digest import base_digests
 from titan_lora.sync.base_stream import base_weights_source
 from titan_lora.sync.engine_access import EngineRollouts
 from titan_lora.sync.gather import Lend
@@ -160,11 +163,12 @@ def connect_engine(engine: Engine, ws: WeightSync, hf_dir: str, device: torch.de
 
 def build_syncer(ws: WeightSync, side: EngineSide, adapter: AdapterSource, model: nn.Module,
                  sd_adapter, hf_dir: str, tied: bool, device: torch.device,  # noqa: ANN001
-                 probe_task: Task | None = None) -> WeightSyncer:
+                 probe_task: Task | None = None, layout: PeftLayout | None = None) -> WeightSyncer:
     """Collective: the syncer over `side` (rank 0's handles; empty elsewhere), engine limits checked.
 
     `tied`: the model's output head is the embedding (`BuiltModel.tied`), so the base stream leaves
-    lm_head out. The parity probe scores `probe_task`'s prompts (the default task when None)."""
+    lm_head out. The parity probe scores `probe_task`'s prompts (the default task when None). `layout`: the
+    family's RoPE rows, which the base's digests need ([weight_sync] base = "verify"; None: pushed)."""
     from transformers import AutoTokenizer
 
     probe = None
@@ -173,9 +177,11 @@ def build_syncer(ws: WeightSync, side: EngineSide, adapter: AdapterSource, model
         probe = ParityProbe(model, sequences, device, side.rollouts.score if side.rollouts else None, ws.parity_tolerance)
     versions = AdapterVersions(ws.lora_name, ws.keep_versions)
     report = side.replicas.metrics if side.replicas is not None else None
+    digests = (functools.partial(base_digests, model, sd_adapter, layout, tied)
+               if ws.base == "verify" and layout is not None else None)
     syncer = WeightSyncer(adapter, base_weights_source(model, sd_adapter, tied), side.emitter, ws, device,
                           versions=versions, engine=side.engine, probe=probe, report=report,
-                          watchdog=side.watchdog(ws))
+                          watchdog=side.watchdog(ws), base_digests=digests)
     syncer.check_engine()
     return syncer
 
@@ -194,7 +200,7 @@ def build_sync(job_config, adapter: AdapterSource, built: BuiltModel, device: to
 
     `task` is what `check_plugins` built: the parity probe scores its prompts."""
     syncer = build_syncer(job_config.weight_sync, side, adapter, built.model, built.sd_adapter, built.hf_dir,
-                          built.tied, device, task)
+                          built.tied, device, task, built.peft_layout)
     return syncer, EngineRollouts(side.rollouts, syncer.versions, syncer.with_engine)
 
 

@@ -117,6 +117,10 @@ class WeightSync:
     """The name the engine serves the adapter under (each version gets its own id)."""
     bucket_mb: int = 32
     """Size of one transfer bucket in MiB; the emitter keeps two (double-buffered)."""
+    base: str = "verify"
+    """How an engine gets the base: "verify" (an engine that loads the checkpoint itself, vLLM, has its
+    digests compared with the trainer's and only differing tensors sent; one that cannot verify gets the
+    whole base) or "push" (the whole base is sent to every engine incarnation)."""
     keep_versions: int = 2
     """Adapter versions kept live: >= [grpo] max_staleness + 1 (sync loop) or + 2 (async loop); when the
     config leaves it out, it is raised to that bound."""
@@ -433,9 +437,15 @@ def _check_replicas(cfg: Engine) -> None:
                          "past 65535; lower port, or set it to 0 to pick free ones")
 
 
+BASE_MODES = ("verify", "push")
+
+
 def validate_weight_sync(cfg: WeightSync) -> None:
     """Reject a `[weight_sync]` section that cannot work."""
     raise_range_errors("weight_sync", cfg)
+    if cfg.base not in BASE_MODES:
+        raise ValueError(f'[weight_sync] base = {cfg.base!r}: use "verify" (the engine loads the base itself and '
+                         'the trainer checks its digests) or "push" (the trainer sends it)')
 
 
 GRPO_LOOPS = ("sync", "async")

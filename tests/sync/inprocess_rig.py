@@ -55,9 +55,11 @@ class Base:
         self.starts = 0
         self.drawn = 0
 
-    def __call__(self):  # noqa: ANN204
+    def __call__(self, only=None):  # noqa: ANN001, ANN204
         self.starts += 1
         for name, t in BASE:
+            if only is not None and name not in only:
+                continue
             self.drawn += 1
             yield name, t
 
@@ -132,6 +134,27 @@ class Emitter:
 
     def close(self) -> None:
         self.calls.append("close")
+
+
+class VerifyingEmitter(Emitter):
+    """An emitter whose engine loaded a base itself: `record` is what it reports of it."""
+
+    def __init__(self, record: dict | None) -> None:
+        super().__init__()
+        self.record = record
+
+    def base_digests(self) -> dict:
+        self.calls.append("digests")
+        self._maybe_fail("digests")
+        return self.record
+
+    def adopt_base(self, version: int) -> None:
+        self.calls.append(f"adopt v{version}")
+
+    def send_base_part(self, tensors, version: int) -> Ack:  # noqa: ANN001
+        got = list(tensors)
+        self.calls.append(f"base part v{version}: {[n for n, _ in got]}")
+        return Ack(version, len(got), sum(t.numel() * t.element_size() for _, t in got))
 
 
 class Engine:

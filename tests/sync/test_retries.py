@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from titan_lora.sync.syncer import with_retries
+from titan_lora.sync.retries import with_retries
 from titan_lora.clients.frames import FrameRefused
 from titan_lora.transfer.errors import EngineDied, EngineUnreachable, EngineWeightsLost, TransferError
 

@@ -72,8 +72,8 @@ def test_a_new_syncer_holds_nothing_yet(rig) -> None:  # noqa: ANN001
     r = rig(lora_name="pol", keep_versions=3)
     s = r.syncer
     assert s.versions.lora_name == "pol" and s.versions.keep_versions == 3 and s.versions.live == []
-    assert s.counters == {"base_sends": 0, "syncs": 0, "engine_recoveries": 0, "probe_failures": 0,
-                          "parity_gated": 0}
+    assert s.counters == {"base_sends": 0, "base_verified": 0, "syncs": 0, "engine_recoveries": 0,
+                          "probe_failures": 0, "parity_gated": 0}
     assert s.last_metrics == {} and s.source is r.source and s.emitter is r.emitter
     assert s.device == torch.device("cpu") and s.base_weights is r.base and s.cfg.lora_name == "pol"
 
@@ -89,8 +89,8 @@ def test_first_sync_sends_the_base_then_the_adapter_and_publishes_it(rig) -> Non
     assert metrics == {
         "sync/transfer_ms": 2.5, "sync/version": 1.0, "sync/bytes": float(ADAPTER_BYTES), "sync/tensors": 2.0,
         "sync/published": 1.0, "sync/live_versions": 1.0, "sync/retired": 0.0, "sync/retire_failed": 0.0,
-        "sync/base_sends": 1.0, "sync/syncs": 1.0, "sync/engine_recoveries": 0.0, "sync/probe_failures": 0.0,
-        "sync/parity_gated": 0.0,
+        "sync/base_sends": 1.0, "sync/base_verified": 0.0, "sync/syncs": 1.0, "sync/engine_recoveries": 0.0,
+        "sync/probe_failures": 0.0, "sync/parity_gated": 0.0,
     }
     assert all(isinstance(v, float) and v >= 0 for v in timed.values())
     assert r.syncer.last_metrics == {**metrics, **timed}

@@ -113,6 +113,23 @@ class Emitter(Protocol):
         ...
 
 
+@runtime_checkable
+class VerifiesBase(Protocol):
+    """An emitter whose engine loads the base itself: the trainer verifies it by digest instead of pushing."""
+
+    def base_digests(self) -> dict[str, Any]:
+        """The engine's record of the base it loaded: {"dtype": str | None, "digests": {HF name: digest}}."""
+        ...
+
+    def adopt_base(self, version: int) -> None:
+        """Have the engine record the base it loaded as ours (the trainer found every digest equal)."""
+        ...
+
+    def send_base_part(self, tensors: BaseTensors, version: int) -> Ack:
+        """Send only `tensors` (those whose digests differed); the engine reads the rest from its own
+        checkpoint and loads the whole base."""
+        ...
+
 
 @dataclasses.dataclass(frozen=True)
 class Endpoint:

@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -360,15 +360,28 @@ class VLLMBucketEmitter:
                 f"but {want_tensors} / {want_bytes} were sent"
             )
 
-    def send_base(self, tensors: BaseTensors, version: int) -> Ack:
+    def send_base(self, tensors: BaseTensors, version: int, complete_from_disk: bool = False) -> Ack:
         """Stream the full base weights (packed as they arrive), then have the engine load them."""
         (count, nbytes), streamed = self._transfer(
             "base", lambda tr: self._post_streamed(tr, base_items(tensors)))
         self._check("base weights", count, nbytes, streamed)
         t0 = time.perf_counter()
-        ack = self.client.post(protocol.path(protocol.BASE), {"transfer_id": streamed.transfer_id, "version": version})
+        ack = self.client.post(protocol.path(protocol.BASE), {"transfer_id": streamed.transfer_id, "version": version,
+                                                              "complete_from_disk": complete_from_disk})
         phases = {**streamed.phases, "apply_ms": (time.perf_counter() - t0) * 1e3}
         return Ack(ack["version"], ack["tensors"], ack["bytes"], phases)
+
+    def send_base_part(self, tensors: BaseTensors, version: int) -> Ack:
+        """Stream only `tensors`; the engine reads the rest from its own checkpoint and loads the whole base."""
+        return self.send_base(tensors, version, complete_from_disk=True)
+
+    def base_digests(self) -> dict[str, Any]:
+        """The engine's record of the base it loaded (dtype, digest per HF name)."""
+        return self.client.post(protocol.path(protocol.BASE_DIGESTS))
+
+    def adopt_base(self, version: int) -> None:
+        """Have the engine record the base it loaded itself as ours."""
+        self.client.post(protocol.path(protocol.BASE_VERIFIED), {"version": version})
 
     def send_adapter(self, payload: AdapterPayload) -> Ack:
         """Stream the adapter; the last bucket asks the engine to register it under `payload.name`."""

@@ -1,5 +1,6 @@
-"""The `/titan/*` transfer routes inside vLLM's OpenAI server: INFO, BUCKET, BASE, UNLOAD, and
-ADAPTER_FROM_PATH (the `vllm-disk` baseline: vLLM's own loader reads a PEFT directory).
+"""The `/titan/*` transfer routes inside vLLM's OpenAI server: INFO, BUCKET, BASE, UNLOAD, BASE_DIGESTS and
+BASE_VERIFIED (the base is verified instead of pushed), and ADAPTER_FROM_PATH (the `vllm-disk` baseline:
+vLLM's own loader reads a PEFT directory).
 
 Same requests and acks as the receiver's. Every engine call is a `collective_rpc` to the worker
 extension (`vllm_ext`) of every worker of every data-parallel engine core (`vllm_compat.collective_rpc_all`),
@@ -126,10 +127,19 @@ class TitanService:
 
     async def base(self, req: dict) -> dict:
         """Install the staged transfer as the base weights; cached KV came from the old ones."""
-        ack = await self.rpc("titan_commit_base", req["transfer_id"])
+        ack = await self.rpc("titan_commit_base", req["transfer_id"], bool(req.get("complete_from_disk")))
         await self.engine_client.reset_prefix_cache()
         self.base_version = req["version"]
         return {**ack, "version": req["version"]}
+
+    async def base_digests(self, _: dict) -> dict:
+        """The digests of the base tensors the workers loaded, and their dtype (every worker agrees)."""
+        return await self.rpc("titan_base_digests")
+
+    async def base_verified(self, req: dict) -> dict:
+        """The trainer verified the base this engine loaded itself: it is ours from now on."""
+        self.base_version = int(req["version"])
+        return {"version": self.base_version, **protocol.incarnation_fields(self.incarnation, self.base_version)}
 
     async def unload(self, req: dict) -> dict:
         """Retire `name` once no request holds it, waiting at most `timeout_s`."""

@@ -31,7 +31,7 @@ from titan_lora.transfer.buckets import UnknownLayout
 logger = logging.getLogger("titan_lora.engine")
 MAX_BODY_BYTES = 64 * 2**20
 RELEASE_TIMEOUT_S = 20.0  # below the 30 s a launcher waits after SIGTERM before it kills
-ROUTES = (*protocol.TRANSFER_ROUTES, protocol.ADAPTER_FROM_PATH)
+ROUTES = (*protocol.TRANSFER_ROUTES, *protocol.VERIFY_ROUTES, protocol.ADAPTER_FROM_PATH)
 
 
 def _error(code: int, message: str, err_type: str = "BadRequestError", param: str | None = None) -> JSONResponse:

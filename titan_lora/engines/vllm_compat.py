@@ -28,7 +28,7 @@ import contextvars
 import importlib.metadata
 import logging
 import os
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -174,11 +174,77 @@ def lora_limits(manager: Any) -> dict:
     }
 
 
-def reload_base(worker: Any, tensors: Mapping[str, torch.Tensor]) -> None:
+def reload_base(worker: Any, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Load `tensors` (HF names) as the base weights; vLLM drops every adapter while doing so."""
+    model = worker.model_runner.get_model()
+    tied = _tied_weights(model)
     with set_current_vllm_config(worker.vllm_config):
         # reload_weights re-runs the CPU/GPU weight repacking that a plain load_weights skips.
-        worker.model_runner.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
+        worker.model_runner.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
+        _retie(tied)
+
+
+def _tied_weights(model: torch.nn.Module) -> list[tuple[torch.nn.Module, torch.nn.Module, torch.Tensor]]:
+    """(owner, alias, weight) for each module whose `weight` is another's (a tied output head)."""
+    first: dict[int, torch.nn.Module] = {}
+    pairs = []
+    for module in model.modules():
+        weight = module.__dict__.get("_parameters", {}).get("weight")
+        if weight is None:
+            continue
+        if id(weight) in first:
+            pairs.append((first[id(weight)], module, weight))
+        else:
+            first[id(weight)] = module
+    return pairs
+
+
+def _retie(tied: list[tuple[torch.nn.Module, torch.nn.Module, torch.Tensor]]) -> None:
+    """After a reload: point each alias at the weight its owner now holds, and let its quant method repack
+    it. vLLM's layer-wise reload materialises the owner's weight anew and puts the alias's old tensors
+    back (the alias loads nothing: its checkpoint name is skipped), and its CPU kernel keeps a packed copy
+    of the old values: without this a tied head would keep computing with the base before the reload."""
+    for owner, alias, old in tied:
+        weight = owner.weight if owner.weight is not old else alias.weight
+        alias.weight = owner.weight = weight
+        method = getattr(alias, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(alias)
+
+
+def model_dtype(worker: Any) -> torch.dtype:
+    """The dtype the engine holds its weights in (checkpoint tensors are cast to it as they load)."""
+    return worker.vllm_config.model_config.dtype
+
+
+def tee_checkpoint_loads(record: Callable[[str, torch.Tensor, torch.dtype], None]) -> None:
+    """Show `record` every checkpoint tensor vLLM's default loader reads (at start-up and on a reload from
+    disk) with the dtype it is cast to; the weights still load as before. A loader that reads no
+    checkpoint (`--load-format dummy`) shows nothing."""
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    read = DefaultModelLoader.get_all_weights
+    if getattr(read, "titan_tee", False):
+        return
+
+    def get_all_weights(self: Any, model_config: Any, model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in read(self, model_config, model):
+            record(name, tensor, model_config.dtype)
+            yield name, tensor
+
+    get_all_weights.titan_tee = True
+    DefaultModelLoader.get_all_weights = get_all_weights
+
+
+def own_checkpoint(worker: Any) -> Iterator[tuple[str, torch.Tensor]] | None:
+    """The tensors of the checkpoint the engine was started from, read again by its own loader; None when
+    its loader reads none (`--load-format dummy`)."""
+    from vllm.model_executor.model_loader import get_model_loader
+
+    loader = get_model_loader(worker.vllm_config.load_config)
+    if not hasattr(loader, "get_all_weights"):
+        return None
+    return loader.get_all_weights(worker.vllm_config.model_config, worker.model_runner.get_model())
 
 
 # The fast tier: fields of vLLM 0.32's LRUCacheLoRAModelManager and its CPU LoRA ops.

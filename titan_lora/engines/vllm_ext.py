@@ -20,11 +20,13 @@ docstring lists the environment variables (TITAN_LORA_FAULT_BUCKET_PAUSE_S, TITA
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import time
 
 import torch
 
+from titan_lora.engines import base_record
 from titan_lora.engines import vllm_compat as compat
 from titan_lora.engines.transfers import Slab, SlabPool, Staged, TransferStore, receive
 from titan_lora.engines.vllm_compat import LoRAModel, LoRARequest
@@ -33,6 +35,7 @@ from titan_lora.transfer.transport import BufferCache
 from titan_lora.transfer.transports.base import transport_named
 
 compat.warn_if_untested()  # runs in every worker process: the extension is imported there
+compat.tee_checkpoint_loads(base_record.record)  # imported before the worker loads its model
 if compat.FAST_PATH:  # both drive vLLM internals that only the tested versions are known to have
     from titan_lora.engines import vllm_cpu_lora, vllm_fastpath
 
@@ -161,11 +164,22 @@ class TitanLoRAWorkerExtension:
         commit = self.titan_commit_adapter(transfer_id, lora_int_id, lora_name, peft_config)
         return {**ack, "commit": {**commit, "apply_ms": (time.perf_counter() - started) * 1e3}}
 
-    def titan_commit_base(self, transfer_id: str) -> dict:
-        """Load the staged tensors (HF names) as the base weights; adapters are re-installed."""
+    def titan_commit_base(self, transfer_id: str, complete_from_disk: bool = False) -> dict:
+        """Load the staged tensors (HF names) as the base weights, with `complete_from_disk` the rest from
+        the engine's own checkpoint (the trainer sent only the tensors whose digests differed); adapters
+        are re-installed."""
         state = self._titan_state()
         staged = state.transfers.take(transfer_id)
-        compat.reload_base(self, staged.tensors)
+        weights = staged.tensors.items()
+        if complete_from_disk:
+            own = compat.own_checkpoint(self)
+            if own is None:
+                raise ValueError("this engine loaded no checkpoint of its own (--load-format dummy): it needs "
+                                 "the whole base, not the tensors whose digests differ")
+            weights = itertools.chain(weights, ((n, t) for n, t in own if n not in staged.tensors))
+        compat.reload_base(self, weights)
+        for name, tensor in staged.tensors.items():  # after the reload, whose disk reads the tee records
+            base_record.record(name, tensor, compat.model_dtype(self))
         manager = compat.lora_manager(self)
         for lora_int_id in list(state.adapters):  # reload_weights dropped every adapter
             manager.add_adapter(LoRARequest(f"id{lora_int_id}", lora_int_id, ADAPTER_SCHEME))
@@ -179,6 +193,10 @@ class TitanLoRAWorkerExtension:
         for layout, slab in stored.slabs if stored is not None else ():
             state.slabs.give(layout, slab)  # vLLM holds no view of it any more
         return removed
+
+    def titan_base_digests(self) -> dict:
+        """The digest of every base tensor this worker loaded, and their dtype (`base_record`)."""
+        return base_record.recorded()
 
     def titan_ping(self) -> bool:
         """A no-op that reaches this worker through its engine core: LIVE's proof that neither is wedged."""

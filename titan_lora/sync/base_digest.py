@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -67,9 +66,9 @@ def _partial(hf_name: str, titan_name: str, param: torch.Tensor, layout: PeftLay
 
 
 def base_digests(model: nn.Module, sd_adapter, layout: PeftLayout, tied_embeddings: bool,  # noqa: ANN001
-                 dtypes: Mapping[str, torch.dtype] | None = None) -> dict[str, str]:
+                 dtype: torch.dtype | None = None) -> dict[str, str]:
     """Collective: HF name -> digest of every base weight the engine holds (a tied `lm_head` is the
-    embedding's), each taken in `dtypes[name]` (the engine's; default the trainer's own), on every rank."""
+    embedding's), taken in `dtype` (the engine's; None: the trainer's own), on every rank."""
     names, parts = [], []
     for name, param in model.named_parameters():
         if is_adapter_param(name):
@@ -78,9 +77,8 @@ def base_digests(model: nn.Module, sd_adapter, layout: PeftLayout, tied_embeddin
         hf_name = hf_name_of(sd_adapter, titan_name, param)
         if hf_name is None or (tied_embeddings and hf_name == "lm_head.weight"):
             continue
-        dtype = (dtypes or {}).get(hf_name, param.dtype)
         names.append(hf_name)
-        parts.append(_partial(hf_name, titan_name, param, layout, dtype))
+        parts.append(_partial(hf_name, titan_name, param, layout, dtype or param.dtype))
     if not parts:
         return {}
     lanes = torch.stack(parts)

@@ -21,17 +21,17 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from titan_lora.clients.base import AdapterPayload, Emitter, verify_ack
-from titan_lora.config import BACKOFF_CAP_S, WeightSync
+from titan_lora.clients.base import AdapterPayload, Emitter, VerifiesBase, verify_ack
+from titan_lora.config import WeightSync
 from titan_lora.lora.finite import NonFiniteAdapterError
 from titan_lora.sync.adapter_source import AdapterSource
 from titan_lora.sync.base_stream import BaseStream
 from titan_lora.sync.collective import RankZeroError, on_rank0, share
 from titan_lora.sync.retire import Retirer
+from titan_lora.sync.retries import backoff, with_retries
 from titan_lora.sync.versions import AdapterVersions, Lease
 from titan_lora.sync.watchdog import Watchdog
 from titan_lora.transfer.errors import (
-    EngineDied,
     EngineHung,
     EngineUnreachable,
     EngineWeightsLost,
@@ -87,30 +87,6 @@ def check_engine_limits(limits: EngineLimits, rank: int, targets: list[str], kee
         )
 
 
-def backoff(attempt: int) -> None:
-    """Sleep before retry `attempt + 1`: 1, 2, 4, ... seconds, capped at BACKOFF_CAP_S."""
-    time.sleep(min(2.0**attempt, BACKOFF_CAP_S))
-
-
-def with_retries(fn: Callable[[], T], retries: int, what: str, alive: Callable[[], bool] | None = None) -> T:
-    """Call `fn`, retrying on TransferError with capped back-off; engine faults that a retry cannot mend
-    (weights lost, or `alive()` False: a dead or hung embedded engine) are re-raised at once."""
-    for attempt in range(retries + 1):
-        try:
-            return fn()
-        except (EngineWeightsLost, EngineDied):
-            raise
-        except TransferError as err:
-            if alive is not None and not alive():
-                raise EngineDied(f"{what}: the engine is dead or hung ({err})") from err
-            if attempt == retries:  # an engine fault stays one: the syncer recovers from those
-                kind = type(err) if isinstance(err, EngineUnreachable) else TransferError
-                raise kind(f"{what} failed after {retries + 1} attempts: {err}") from err
-            logger.warning("%s failed (%s); retrying", what, err)
-            backoff(attempt)
-    raise AssertionError("unreachable")
-
-
 class _Tally:
     """Counts what passes through the base stream (rank 0), to check the engine's ack against it."""
 
@@ -150,9 +126,12 @@ class WeightSyncer:
         probe: ParityProbe | None = None,
         report: Callable[[], dict[str, float]] | None = None,
         watchdog: Watchdog | None = None,
+        base_digests: Callable[[torch.dtype | None], dict[str, str]] | None = None,
     ) -> None:
         self.source = source
         self.base_weights = base_weights  # collective generator; yields on rank 0 only
+        self.base_digests = base_digests  # collective; None: the base is always pushed ([weight_sync] base)
+        self._our_digests: dict[str, dict[str, str]] = {}  # dtype -> the trainer's base digests (fixed)
         self.emitter = emitter  # rank 0 only
         self.cfg = cfg
         self.device = device
@@ -170,8 +149,8 @@ class WeightSyncer:
         self._current: int | None = None  # the version the engine got last: the params as they are now
         self._current_published = False  # rank 0: False when the parity gate held it back
         self._base_ms: float | None = None  # the base send of the sync in progress, if any
-        self.counters = {"base_sends": 0, "syncs": 0, "engine_recoveries": 0, "probe_failures": 0,
-                         "parity_gated": 0}
+        self.counters = {"base_sends": 0, "base_verified": 0, "syncs": 0, "engine_recoveries": 0,
+                         "probe_failures": 0, "parity_gated": 0}
         self.last_metrics: dict[str, float] = {}
 
     # ---- rank 0's view of the engine -------------------------------------------------------------
@@ -320,20 +299,60 @@ class WeightSyncer:
             raise TransferError(str(err)) from err
 
     def _ensure_base(self, version: int) -> None:
-        """Collective: send the base when this engine incarnation has not got ours."""
+        """Collective: give the base to this engine incarnation when it has not got ours."""
         # The answer rides on the outcome's broadcast: one control message, not two, every sync.
         needed = self._rank0(lambda: self._incarnation() != self._base_incarnation, "reaching the engine",
                              share_value=True)
         if needed:
-            self._send_base(version)
+            self._give_base(version)
 
-    def _send_base(self, version: int) -> None:
-        """Collective: stream the base; a failed attempt re-runs the whole stream on every rank."""
+    def _give_base(self, version: int) -> None:
+        """Collective: verify the base the engine loaded itself, sending only the tensors whose digests
+        differ, or send it whole where the engine cannot verify (`[weight_sync] base`)."""
+        record = None
+        if self.base_digests is not None:
+            record = self._rank0(lambda: self.emitter.base_digests() if isinstance(self.emitter, VerifiesBase)
+                                 else None, "reading the engine's base digests", share_value=True)
+        if not record or not record["digests"]:  # cannot verify, or loaded no checkpoint (dummy weights)
+            self._send_base(version)
+            return
+        started = time.perf_counter()
+        ours = self._digests_of(record["dtype"])
+        differ = sorted(n for n, d in ours.items() if record["digests"].get(n) != d)  # same on every rank
+        if differ:
+            logger.warning("the engine's own base differs from ours in %d of %d tensors (e.g. %s): sending those",
+                           len(differ), len(ours), ", ".join(differ[:3]))
+            self._send_base(version, only=differ if len(differ) < len(ours) else None)
+            return
+        self._rank0(lambda: self._adopt_base(version), "recording the verified base")
+        self.counters["base_verified"] += 1
+        ms = (time.perf_counter() - started) * 1e3
+        logger.info("verified the engine's own base: %d tensors, every digest equal; nothing sent (%.1f s)",
+                    len(ours), ms / 1e3)
+        self._base_ms = ms
+
+    def _digests_of(self, dtype: str | None) -> dict[str, str]:
+        """Collective: the trainer's base digests in `dtype` (the engine's), computed once per dtype."""
+        key = dtype or ""
+        if key not in self._our_digests:
+            self._our_digests[key] = self.base_digests(getattr(torch, dtype) if dtype else None)
+        return self._our_digests[key]
+
+    def _adopt_base(self, version: int) -> None:
+        """Rank 0: the engine's own base is ours: record it there and here, as a base send would."""
+        self.emitter.adopt_base(version)
+        self.versions.forget_all()  # a new incarnation holds none of our adapters
+        self._base_incarnation = self._incarnation()
+
+    def _send_base(self, version: int, only: list[str] | None = None) -> None:
+        """Collective: stream the base (or the tensors `only` names, the engine completing the rest from its own
+        checkpoint); a failed attempt re-runs the whole stream on every rank."""
         for attempt in range(self.cfg.retries + 1):
             started = time.perf_counter()
-            tally = _Tally(self.base_weights())
+            tally = _Tally(self.base_weights() if only is None else self.base_weights(set(only)))
             try:
-                send = self._watched(lambda: self.emitter.send_base(tally, version), "sending the base")
+                send = self._watched(lambda: self.emitter.send_base(tally, version) if only is None
+                                     else self.emitter.send_base_part(tally, version), "sending the base")
                 ack = self._rank0(send, "sending the base", then=tally.drain)
             except TransferError as err:  # raised on every rank alike
                 if attempt == self.cfg.retries:
@@ -392,7 +411,7 @@ class WeightSyncer:
                 "run does: \"stop\" ends it here, \"rollback\" reloads the last finite checkpoint"
             )
         if outcome == _Held.NEEDS_BASE:
-            self._send_base(version)
+            self._give_base(version)
             outcome = self._rank0(lambda: self._install(payload), what)
         return outcome or {}
 

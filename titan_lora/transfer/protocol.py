@@ -31,11 +31,21 @@ lock its transfers hold. A wedged core (a stuck kernel or collective) fails it w
 BUCKET = "bucket"
 """One bucket of a transfer (base or adapter), acked with count, bytes and checksum."""
 BASE = "base"
-"""Commit a streamed base transfer."""
+"""Commit a streamed base transfer; with `complete_from_disk` the engine reads every tensor not sent from
+its own checkpoint (the trainer sent only those whose digests differed)."""
 UNLOAD = "unload"
 """Retire one adapter once its requests drained."""
 ADAPTER_FROM_PATH = "adapter_from_path"
 """Load a PEFT directory with the engine's own loader (the disk emitter, `vllm-disk`)."""
+
+BASE_DIGESTS = "base_digests"
+"""The digest of every base tensor the engine loaded (its own checkpoint at start-up, or a base commit) and
+their dtype (`transfer.digest`); no digests when it loaded none (`--load-format dummy`)."""
+BASE_VERIFIED = "base_verified"
+"""The trainer found the engine's own base equal to its own, digest for digest: record it as ours (the
+base version INFO reports) without a transfer."""
+VERIFY_ROUTES = (BASE_DIGESTS, BASE_VERIFIED)
+"""What an engine that loads the base itself serves (vLLM), so the trainer verifies instead of pushing."""
 
 TRANSFER_ROUTES = (INFO, LIVE, BUCKET, BASE, UNLOAD)
 """What every engine that takes buckets serves."""

@@ -1,0 +1,51 @@
+"""What base this engine worker loaded: the digest of every checkpoint tensor as it went in, in the dtype
+the engine holds it.
+
+vLLM's CPU build repacks linear weights for its kernels and drops the originals, so what a worker holds
+cannot be read back as HF tensors; the record is taken as each tensor loads instead (from the engine's own
+checkpoint through `vllm_compat.tee_checkpoint_loads`, or from the trainer through a base commit). It
+proves what the engine loaded; the parity probe proves how it then computes. The trainer compares the
+record with its own digests (`sync.base_digest`) and sends only the tensors that differ.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from titan_lora.transfer.digest import tensor_digest
+
+logger = logging.getLogger("titan_lora.engine")
+_lock = threading.Lock()
+_digests: dict[str, str] = {}
+_dtype: list[torch.dtype] = []  # the dtype of the last load
+
+
+def _device() -> torch.device:
+    # The worker's GPU digests a 70B checkpoint in seconds; its CPU would take many minutes.
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def record(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+    """Record the digest of checkpoint tensor `name` as the engine holds it (cast to `dtype`)."""
+    if not tensor.is_floating_point():
+        return  # not a base weight titan_lora sends (quantisation scales, indices)
+    digest = tensor_digest(name, tensor.to(device=_device(), dtype=dtype))
+    with _lock:
+        _digests[name] = digest
+        _dtype[:] = [dtype]
+
+
+def forget() -> None:
+    """Drop the record (a base load is starting afresh)."""
+    with _lock:
+        _digests.clear()
+
+
+def recorded() -> dict:
+    """The record: the dtype and the digest of every tensor loaded so far (empty: nothing was loaded from a
+    checkpoint, e.g. `--load-format dummy`)."""
+    with _lock:
+        return {"dtype": str(_dtype[0]).removeprefix("torch.") if _dtype else None, "digests": dict(_digests)}
