@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -127,8 +128,9 @@ class TrainingRun:
         logger.error("%s; rolled back to the checkpoint of step %d (adapter, optimizer, LR) and skipped "
                      "this batch", what, restored)
 
-    def train(self) -> None:
-        """Run to `[training] steps`, logging, checkpointing and syncing along the way."""
+    def train(self) -> Path | None:
+        """Run to `[training] steps`, logging, checkpointing and syncing along the way; export the adapter
+        to `[lora] export_dir`. Returns where rank 0 wrote it (None on the other ranks, or with no export)."""
         last = self.cfg.training.steps
         if self.syncer is not None:
             self.syncer.sync(self.step)  # the engine serves the starting adapter before any rollout
@@ -156,9 +158,8 @@ class TrainingRun:
             if self.checkpointer.should_save(self.step, last):
                 self.checkpointer.save(self.step, self.objective.data_state())
         if self.cfg.lora.export_dir and self.adapter is not None:
-            path = self.adapter.export(self.cfg.lora.export_dir)
-            if path is not None:
-                logger.info("exported the PEFT adapter to %s", path)
+            return self.adapter.export(self.cfg.lora.export_dir)
+        return None
 
     def close(self) -> None:
         """Stop engines and flush logs."""
@@ -198,9 +199,9 @@ def main(argv: list[str] | None = None) -> None:
             print_config_errors(err)
         sys.exit(2)
     run = TrainingRun(job_config, task, model)
-    finished = False
+    finished, adapter = False, None
     try:
-        run.train()
+        adapter = run.train()
         finished = True
     finally:
         run.close()
@@ -212,6 +213,9 @@ def main(argv: list[str] | None = None) -> None:
                 # as failed.
                 dist.barrier()
             dist.destroy_process_group()
+    if adapter is not None:  # last, after the engine's shutdown: where the run's result is
+        logger.info("the trained adapter (PEFT: adapter_config.json, adapter_model.safetensors) is in %s",
+                    adapter.resolve())
 
 
 if __name__ == "__main__":
