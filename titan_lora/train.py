@@ -6,6 +6,7 @@ adapters) with a device-agnostic loop, so the same job runs on CPU (gloo) and GP
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -173,10 +174,22 @@ def _exit_on_signal(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def print_config_errors(err: Exception) -> None:
-    """One `titan_lora: config error: ...` line per mistake, on stderr."""
-    for line in str(err).splitlines() or [repr(err)]:
-        print(f"titan_lora: config error: {line}", file=sys.stderr)
+def report_config_errors(err: Exception) -> None:
+    """One `titan_lora: config error: ...` line per mistake: on stderr, or, when torchrun started this rank,
+    in the error file it reads, so that its failure block shows them as the root cause (and only there)."""
+    text = "\n".join(f"titan_lora: config error: {line}" for line in str(err).splitlines() or [repr(err)])
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # one per rank from torchrun; "" without a log dir
+    if error_file:
+        # The layout of torch's ErrorHandler.record_exception without "py_callstack": the block prints
+        # "message" in place of a traceback, and torchrun's @record can add the exit code to it.
+        failure = {"message": {"message": text, "extraInfo": {"timestamp": str(int(time.time()))}}}
+        try:
+            with open(error_file, "w") as f:
+                json.dump(failure, f)
+            return
+        except OSError:
+            pass  # printed is better than lost
+    print(text, file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -196,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
         task = check_plugins(job_config)
     except (ValueError, FileNotFoundError) as err:
         if rank0:  # every rank read the same config: one copy of the message is enough
-            print_config_errors(err)
+            report_config_errors(err)
         sys.exit(2)
     run = TrainingRun(job_config, task, model)
     finished, adapter = False, None
