@@ -166,6 +166,10 @@ def test_a_failure_after_the_start_ends_with_the_root_cause(tmp_path) -> None:
     last = proc.stderr.splitlines()[-1]
     assert last.startswith("titan-lora: training failed (exit code 1); root cause, rank "), last
     assert "NonFiniteAdapterError: step 1: adapter tensor" in last and "holds NaN/Inf" in last, last
+    shown = proc.stdout.splitlines()  # rank 0's lines bare, the other ranks' labelled
+    assert any(line.startswith("[titan_lora ") and "rank 0/2 on cpu" in line for line in shown), shown[:20]
+    assert not any(line.startswith("[default0]:") for line in shown), shown[:20]
+    assert any(line.startswith("[default1]:") for line in shown), shown[-40:]
 
 
 def test_root_cause_prefers_torchruns_named_rank_and_our_own_error_line() -> None:

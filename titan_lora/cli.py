@@ -108,7 +108,8 @@ def launch(config: str, overrides: list[str], nproc: int) -> int:
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
         try:
             for line in proc.stdout:
-                sys.stdout.write(line)
+                # --tee labels each line with its rank (for root_cause); rank 0's (the progress) show bare
+                sys.stdout.write(line.removeprefix("[default0]:"))
                 seen.append(line.rstrip("\n"))
                 del seen[:-5000]  # enough to hold a rank's traceback and torchrun's block, bounded
             rc = proc.wait()
