@@ -129,9 +129,30 @@ def test_plain_torchrun_prints_a_config_error_once_before_building(tmp_path) -> 
                           text=True, timeout=300, env=_torchrun_env())
     assert proc.returncode != 0
     line = "titan_lora: config error: [grpo] temperature must be > 0, got -1.0; try temperature = 1.0"
-    assert (proc.stdout + proc.stderr).count(line) == 1, proc.stderr[-3000:]  # rank 0 only
+    out = proc.stdout + proc.stderr
+    assert out.count(line) == 1, out[-3000:]  # rank 0 only, through its error file
+    root_cause = out[out.index("Root Cause (first observed failure):"):]
+    assert "  rank      : 0 (local_rank: 0)" in root_cause and f"  traceback : {line}" in root_cause, out
+    # What is left is torchrun's own: 3 log lines, its 16-line traceback and 20-line block; no rank's.
+    assert out.count("Traceback (most recent call last)") == 1 and len(out.splitlines()) <= 45, out
     assert not (tmp_path / "run").exists(), "nothing is built or written"
     print(f"torchrun, 2 ranks, config error: {time.monotonic() - started:.1f} s")
+
+
+def test_a_config_error_the_ranks_find_ends_the_launch_with_it(tmp_path, capsys, monkeypatch) -> None:
+    # `launch` without `train`'s check first: the error comes from rank 0, through torchrun's error file.
+    config = tmp_path / "job.toml"
+    config.write_text(MISTAKES["rank zero"][0] + f'[job]\ndump_folder = "{tmp_path}/run"\n')
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.chdir(REPO)
+    assert cli.launch(str(config), [], 2) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == ("titan-lora: training failed (exit code 1); root cause, rank 0: titan_lora: config "
+                       "error: [lora] rank must be a positive integer, got 0; try rank = 16"), err[-5:]
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_failure_after_the_start_ends_with_the_root_cause(tmp_path) -> None:
@@ -145,6 +166,10 @@ def test_a_failure_after_the_start_ends_with_the_root_cause(tmp_path) -> None:
     last = proc.stderr.splitlines()[-1]
     assert last.startswith("titan-lora: training failed (exit code 1); root cause, rank "), last
     assert "NonFiniteAdapterError: step 1: adapter tensor" in last and "holds NaN/Inf" in last, last
+    shown = proc.stdout.splitlines()  # rank 0's lines bare, the other ranks' labelled
+    assert any(line.startswith("[titan_lora ") and "rank 0/2 on cpu" in line for line in shown), shown[:20]
+    assert not any(line.startswith("[default0]:") for line in shown), shown[:20]
+    assert any(line.startswith("[default1]:") for line in shown), shown[-40:]
 
 
 def test_root_cause_prefers_torchruns_named_rank_and_our_own_error_line() -> None:
@@ -155,6 +180,10 @@ def test_root_cause_prefers_torchruns_named_rank_and_our_own_error_line() -> Non
     assert cli.root_cause(lines) == (0, "titan_lora: config error: [lora] rank must be a positive integer, got 0")
     assert cli.root_cause(lines[:2]) == (1, "RuntimeError: peer gone")
     assert cli.root_cause(["no rank output"]) is None
+    cause = "titan_lora: config error: [lora] rank must be a positive integer, got 0"
+    block = ["[default1]:[rank1]: SystemExit: 143", "Root Cause (first observed failure):", "[1]:",
+             "  rank      : 0 (local_rank: 0)", f"  traceback : {cause}"]
+    assert cli.root_cause(block) == (0, cause), "rank 0 printed nothing: its error file, in the block"
 
 
 def test_docs_config_md_is_what_the_generator_writes() -> None:

@@ -60,15 +60,18 @@ def check(configs: list[str], overrides: list[str], nproc: int) -> int:
 _RANK_PREFIX = re.compile(r"^\[(?P<role>[\w-]+?)(?P<rank>\d+)\]:(\[rank\d+\]: ?)?(?P<line>.*)$")
 _ROOT_CAUSE_RANK = re.compile(r"^\s*rank\s*:\s*(?P<rank>\d+)\s*\(local_rank:\s*(?P<local>\d+)\)")
 _ERROR_LINE = re.compile(r"^(titan_lora: .*error: |[\w.]*(Error|Exception|Exit|Interrupt)\b(: |$))")
+# What a rank wrote to its torchelastic error file (titan_lora.train's config errors), shown by the block.
+_ROOT_CAUSE_MESSAGE = re.compile(r"^\s*traceback\s*:\s*(?P<line>titan_lora: .*error: .*)$")
 
 
 def root_cause(lines: Iterable[str]) -> tuple[int, str] | None:
     """From torchrun's output with `--tee 3` (each rank's line prefixed `[default<local_rank>]:`): the
     local rank torchrun names as the root cause (else the first rank that printed an error) and that rank's
-    own error line (its last exception or `titan_lora: ... error:` line); None when no rank printed one."""
+    own error line (its last exception or `titan_lora: ... error:` line, printed or, for a config error, in
+    the block's root cause); None when no rank printed one."""
     errors: dict[int, str] = {}
     first: list[int] = []
-    cause = None
+    cause, cause_message = None, None
     in_root_cause = False
     for raw in lines:
         m = _RANK_PREFIX.match(raw)
@@ -86,8 +89,13 @@ def root_cause(lines: Iterable[str]) -> tuple[int, str] | None:
         rc = _ROOT_CAUSE_RANK.match(raw)
         if in_root_cause and rc and cause is None:
             cause = int(rc["local"])
+        message = _ROOT_CAUSE_MESSAGE.match(raw)
+        if in_root_cause and message and cause_message is None:
+            cause_message = message["line"]
     if cause is not None and cause in errors:
         return cause, errors[cause]
+    if cause is not None and cause_message is not None:
+        return cause, cause_message
     return (first[0], errors[first[0]]) if first else None
 
 
@@ -100,7 +108,8 @@ def launch(config: str, overrides: list[str], nproc: int) -> int:
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
         try:
             for line in proc.stdout:
-                sys.stdout.write(line)
+                # --tee labels each line with its rank (for root_cause); rank 0's (the progress) show bare
+                sys.stdout.write(line.removeprefix("[default0]:"))
                 seen.append(line.rstrip("\n"))
                 del seen[:-5000]  # enough to hold a rank's traceback and torchrun's block, bounded
             rc = proc.wait()

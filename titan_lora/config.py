@@ -30,9 +30,9 @@ class LoRA:
     replicate_adapters: bool = True
     """Keep the adapters whole on every data-parallel rank, outside FSDP, their gradients summed in one
     all-reduce per step: less host work per step than sharding 2 params more per linear."""
-    export_dir: str = ""
-    """Where to write a PEFT adapter at the end of training (and on every checkpoint); a relative path is
-    under `[job] dump_folder`, as `[checkpoint] folder` is; empty: none."""
+    export_dir: str = "adapter"
+    """Where the run writes its PEFT adapter (adapter_config.json, adapter_model.safetensors) at the end of
+    training; a relative path is under `[job] dump_folder`, as `[checkpoint] folder` is; "": no export."""
 
 
 @dataclass

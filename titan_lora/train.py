@@ -6,11 +6,13 @@ adapters) with a device-agnostic loop, so the same job runs on CPU (gloo) and GP
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -127,8 +129,9 @@ class TrainingRun:
         logger.error("%s; rolled back to the checkpoint of step %d (adapter, optimizer, LR) and skipped "
                      "this batch", what, restored)
 
-    def train(self) -> None:
-        """Run to `[training] steps`, logging, checkpointing and syncing along the way."""
+    def train(self) -> Path | None:
+        """Run to `[training] steps`, logging, checkpointing and syncing along the way; export the adapter
+        to `[lora] export_dir`. Returns where rank 0 wrote it (None on the other ranks, or with no export)."""
         last = self.cfg.training.steps
         if self.syncer is not None:
             self.syncer.sync(self.step)  # the engine serves the starting adapter before any rollout
@@ -156,9 +159,8 @@ class TrainingRun:
             if self.checkpointer.should_save(self.step, last):
                 self.checkpointer.save(self.step, self.objective.data_state())
         if self.cfg.lora.export_dir and self.adapter is not None:
-            path = self.adapter.export(self.cfg.lora.export_dir)
-            if path is not None:
-                logger.info("exported the PEFT adapter to %s", path)
+            return self.adapter.export(self.cfg.lora.export_dir)
+        return None
 
     def close(self) -> None:
         """Stop engines and flush logs."""
@@ -172,10 +174,22 @@ def _exit_on_signal(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def print_config_errors(err: Exception) -> None:
-    """One `titan_lora: config error: ...` line per mistake, on stderr."""
-    for line in str(err).splitlines() or [repr(err)]:
-        print(f"titan_lora: config error: {line}", file=sys.stderr)
+def report_config_errors(err: Exception) -> None:
+    """One `titan_lora: config error: ...` line per mistake: on stderr, or, when torchrun started this rank,
+    in the error file it reads, so that its failure block shows them as the root cause (and only there)."""
+    text = "\n".join(f"titan_lora: config error: {line}" for line in str(err).splitlines() or [repr(err)])
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # one per rank from torchrun; "" without a log dir
+    if error_file:
+        # The layout of torch's ErrorHandler.record_exception without "py_callstack": the block prints
+        # "message" in place of a traceback, and torchrun's @record can add the exit code to it.
+        failure = {"message": {"message": text, "extraInfo": {"timestamp": str(int(time.time()))}}}
+        try:
+            with open(error_file, "w") as f:
+                json.dump(failure, f)
+            return
+        except OSError:
+            pass  # printed is better than lost
+    print(text, file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -195,12 +209,12 @@ def main(argv: list[str] | None = None) -> None:
         task = check_plugins(job_config)
     except (ValueError, FileNotFoundError) as err:
         if rank0:  # every rank read the same config: one copy of the message is enough
-            print_config_errors(err)
+            report_config_errors(err)
         sys.exit(2)
     run = TrainingRun(job_config, task, model)
-    finished = False
+    finished, adapter = False, None
     try:
-        run.train()
+        adapter = run.train()
         finished = True
     finally:
         run.close()
@@ -212,6 +226,9 @@ def main(argv: list[str] | None = None) -> None:
                 # as failed.
                 dist.barrier()
             dist.destroy_process_group()
+    if adapter is not None:  # last, after the engine's shutdown: where the run's result is
+        logger.info("the trained adapter (PEFT: adapter_config.json, adapter_model.safetensors) is in %s",
+                    adapter.resolve())
 
 
 if __name__ == "__main__":

@@ -1,17 +1,19 @@
 """`[model] hf_assets_path`: any family's HF checkpoint loads with its shape read from config.json (single
 or sharded safetensors, tied or untied head), and what cannot work is refused while the config is read,
 naming the fix: another family's config.json, a tokenizer larger than the model's vocabulary, missing
-weights."""
+weights. On 2 CPU ranks a pretrained build is quiet about DTensor's per-rank random init (it is replaced)."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from model_helpers import build_from, job_config_from
+from dist_helpers import run_ranks
+from model_helpers import DEBUG_LORA, build_from, job_config_from
 from tiny_checkpoints import SMOLLM2_VOCAB, hf_model, hf_toml, tiny_llama, tiny_qwen3
 
 from titan_lora.models.llama3 import args_from_hf as llama_args
@@ -145,3 +147,22 @@ def test_tying_follows_the_model_not_a_config_json_of_another_shape(tmp_path: Pa
         "the debug flavor ties its head, whatever hf_assets_path's config.json says"
     assert not build_from(hf_toml("qwen3", untied)).tied, "loaded: config.json's tie_word_embeddings"
     assert build_from(hf_toml("llama3", tiny_llama(tmp_path / "tied", tied=True))).tied
+
+
+DTENSOR_RANDOM = "DTensor random operators may not have complete support on cpu device mesh"
+
+
+def _dtensor_random_warned(toml: str) -> bool:
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        build_from(toml)
+    return any(str(w.message) == DTENSOR_RANDOM for w in seen)
+
+
+def _builds(rank: int, world: int, pretrained: str) -> None:
+    assert not _dtensor_random_warned(pretrained), f"rank {rank}: the pretrained base's init is replaced"
+    assert _dtensor_random_warned(DEBUG_LORA), f"rank {rank}: a random base depends on the sharding"
+
+
+def test_a_pretrained_build_on_two_cpu_ranks_hides_only_the_random_init_warning(tmp_path: Path) -> None:
+    run_ranks(2, _builds, hf_toml("llama3", tiny_llama(tmp_path / "llama3")))

@@ -1,5 +1,6 @@
 """Two GRPO steps on 2 ranks with a JSONL task written here (debug model, no engine: `[grpo] rollouts =
-false`), through the CLI as a user runs it, ending in an exported PEFT adapter."""
+false`), through the CLI as a user runs it, ending in a PEFT adapter exported under the dump folder by
+default and a last line saying where."""
 
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ converters = ["lora"]
 [lora]
 rank = 4
 alpha = 8
-export_dir = "{tmp}/adapter"
 [grpo]
 enabled = true
 rollouts = false
@@ -60,7 +60,9 @@ def test_two_grpo_steps_on_a_jsonl_task_run_and_export(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    adapter = tmp_path / "adapter"
+    adapter = tmp_path / "run" / "adapter"  # [lora] export_dir left out: the default, under the dump folder
+    said = [line for line in proc.stderr.splitlines() if "the trained adapter" in line]
+    assert len(said) == 1 and said[0].endswith(f" is in {adapter}"), proc.stderr[-3000:]  # rank 0, once
     peft = json.loads((adapter / "adapter_config.json").read_text())
     assert peft["r"] == 4 and peft["lora_alpha"] == 8
     tensors = load_file(str(adapter / "adapter_model.safetensors"))

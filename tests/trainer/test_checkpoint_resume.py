@@ -70,6 +70,10 @@ def test_resume_from_step_2_reproduces_steps_3_and_4(tmp_path) -> None:
     assert full["start"] == 0 and sorted(full["losses"]) == [1, 2, 3, 4]
     saved = sorted(p.name for p in (first / "checkpoint").iterdir())
     assert saved == ["step-2", "step-4"], f"interval 2 over 4 steps should save steps 2 and 4, got {saved}"
+    # The SFT run, [lora] export_dir left out, exported its adapter under its dump folder.
+    exported = sorted(p.name for p in (first / "adapter").iterdir())
+    assert exported == ["adapter_config.json", "adapter_model.safetensors"], exported
+    assert json.loads((first / "adapter" / "adapter_config.json").read_text())["r"] == 8
     losses = full["losses"]
     assert len({round(v, 6) for v in losses.values()}) == 4, f"losses should move step to step: {losses}"
 

@@ -36,8 +36,16 @@ def test_the_reference_config_is_valid(tmp_path) -> None:
 
 
 def test_a_relative_export_dir_is_under_the_dump_folder(tmp_path) -> None:
-    cfg = job_config_from(_lora('export_dir = "adapter"'), f"--job.dump_folder={tmp_path}/run")
-    assert cfg.lora.export_dir == f"{tmp_path}/run/adapter"
+    cfg = job_config_from(_lora('export_dir = "peft"'), f"--job.dump_folder={tmp_path}/run")
+    assert cfg.lora.export_dir == f"{tmp_path}/run/peft"
+
+
+def test_the_adapter_is_exported_under_the_dump_folder_by_default_and_empty_turns_it_off(tmp_path) -> None:
+    assert "export_dir" not in DEBUG_LORA
+    run = f"--job.dump_folder={tmp_path}/run"
+    assert job_config_from(DEBUG_LORA, run).lora.export_dir == f"{tmp_path}/run/adapter"
+    assert job_config_from(_lora('export_dir = ""'), run).lora.export_dir == ""
+    assert job_config_from(DEBUG_LORA, run, "--lora.export_dir=").lora.export_dir == ""
 
 
 def test_sglang_serves_rollouts() -> None:

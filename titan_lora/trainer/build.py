@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -51,7 +52,13 @@ def build_model(job_config, parallel_dims: ParallelDims, device: torch.device,  
     build_model_converters(job_config, parallel_dims).convert(model)
     model = spec.parallelize_fn(model, parallel_dims, job_config)
     model.to_empty(device=device)
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        if resolved.load_pretrained:
+            # On a CPU mesh, DTensor draws the sharded base's random init from each rank's own RNG and
+            # warns so on every rank; harmless here: load_base_weights replaces every base weight below
+            # (or fails), and the adapters come from their own seeded generator (init_adapters).
+            warnings.filterwarnings("ignore", "DTensor random operators may not have complete support",
+                                    UserWarning)
         model.init_weights(buffer_device=None)
     add_grad_hooks(model, parallel_dims, job_config)
     sd_adapter = spec.state_dict_adapter(args, hf_dir)
