@@ -3,6 +3,7 @@ do) and in the async loop, same seed and steps, one after the other on this mach
 
     python scripts/bench_loop.py                      # the main job: 2 ranks, 40 steps, seeds 0 and 1
     python scripts/bench_loop.py --nproc 1 --steps 12 --seeds 0 --eval-every 0
+    python scripts/bench_loop.py --nproc 1 --pin ...  # trainer on core 0, the engine's kernels on core 1
     python scripts/bench_loop.py --steps 4 --seeds 0  # a smoke run
 
 Per run it prints steps per hour (over steps 2..N: step 1 includes the engine's warm-up), the held-out
@@ -32,17 +33,20 @@ CONFIG = REPO / "train_configs/smollm2_grpo_arith.toml"
 
 def run_job(loop: str, seed: int, args: argparse.Namespace, out: Path) -> dict[str, float]:
     """One run of the main job; its figures from its TensorBoard events."""
-    dump = out / f"{loop}-seed{seed}-n{args.nproc}"
+    dump = out / f"{loop}-seed{seed}-n{args.nproc}{'-pinned' if args.pin else ''}"
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", "-m", "titan_lora.train",
            "--job.config_file", str(CONFIG), f"--job.dump_folder={dump}", f"--grpo.loop={loop}",
            f"--grpo.seed={seed}", f"--training.steps={args.steps}", "--checkpoint.no-enable",
            f"--grpo.eval_every={args.eval_every}", "--lora.export_dir="]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if args.pin:  # the trainer's ranks one core each (0..N-1), the engine's kernels the next core
+        cmd = ["taskset", "-c", f"0-{args.nproc - 1}", *cmd]
+        env |= {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": str(args.nproc)}
     started = time.monotonic()
     with open(out / f"{dump.name}.log", "w") as log:
-        print(f"  {loop} loop, seed {seed}, {args.nproc} rank(s), {args.steps} steps: {' '.join(cmd[2:])}",
-              flush=True)
-        rc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+        print(f"  {loop} loop, seed {seed}, {args.nproc} rank(s), {args.steps} steps{', pinned' if args.pin else ''}:"
+              f" {' '.join(cmd)}", flush=True)
+        rc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
     if rc:
         sys.exit(f"the {loop} run failed (rc {rc}); see {out / f'{dump.name}.log'}")
     tags = {tag: dict(points) for tag, points in read_scalars(str(dump / "tb")).items()}
@@ -87,6 +91,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--eval-every", type=int, default=10, help="held-out eval period (0: never)")
+    parser.add_argument("--pin", action="store_true",
+                        help="one core per trainer rank and the next one for the engine's kernels (taskset, "
+                             "OMP_NUM_THREADS=1, VLLM_CPU_OMP_THREADS_BIND); needs nproc + 1 cores")
     parser.add_argument("--out", type=Path, default=REPO / "outputs/bench_loop")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -17,9 +17,10 @@ SHIPPED_GRPO = REPO / "train_configs/smollm2_grpo_arith.toml"
 
 
 def shipped_config(tmp: Path, name: str, **keys: object) -> Path:
-    """The shipped GRPO config writing under `tmp`, with each `key = value` line given in `keys` replaced."""
+    """The shipped GRPO config writing under `tmp/run` (its adapter under `tmp/run/adapter`, the default), with
+    each `key = value` line given in `keys` replaced."""
     text = SHIPPED_GRPO.read_text()
-    for key, value in {"dump_folder": f'"{tmp}/run"', "export_dir": f'"{tmp}/adapter"', **keys}.items():
+    for key, value in {"dump_folder": f'"{tmp}/run"', **keys}.items():
         text, n = re.subn(rf"^{key} = .*$", f"{key} = {value}", text, flags=re.M)
         assert n == 1, f"{key} not found once in the shipped config"
     path = tmp / name

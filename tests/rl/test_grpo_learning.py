@@ -98,6 +98,8 @@ def test_default_grpo_job_learns(uninterrupted):
     assert not missing, f"TensorBoard lacks documented tags {sorted(missing)}"
     assert_one_version_per_step(tags, range(1, STEPS + 1))
     assert max(tags["sync/parity_max_abs"].values()) < 1e-3
+    # The engine loaded the same SmolLM2 checkpoint: its base is verified by digest, never sent.
+    assert max(tags["sync/base_verified"].values()) == 1 and max(tags["sync/base_sends"].values()) == 0
 
 
 @pytest.mark.slow
@@ -131,7 +133,7 @@ def test_killed_and_resumed_runs_repeat_the_uninterrupted_rewards_exactly(uninte
     # Beyond the README's claim, and what the rewards alone could miss (seeded sampling often draws the
     # same tokens from slightly different weights): the adapter, optimizer and LR state came back exactly.
     assert compared(got, TRAINER_TAGS) == compared(ref, TRAINER_TAGS)
-    assert (tmp_path / "adapter/adapter_model.safetensors").exists()
+    assert (tmp_path / "run/adapter/adapter_model.safetensors").exists()
 
 
 def test_heldout_answers_are_the_arithmetic_of_their_questions():
