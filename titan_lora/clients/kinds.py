@@ -60,6 +60,8 @@ class EngineKind:
     """The engine-side rank that holds a LoRA rank; raises when the engine cannot serve it."""
     check_targets: Callable[[set[str]], None] | None = None
     """Raises when the engine cannot serve an adapter on these HF leaf names (e.g. q_proj)."""
+    check_host: Callable[[], None] | None = None
+    """Raises ValueError when this host cannot run the engine `launch` starts (e.g. an untested vLLM)."""
 
 
 BUILT_IN_KINDS = {

@@ -10,6 +10,7 @@ from titan_lora.clients.kinds import EngineKind, LaunchPlan, LaunchRequest
 from titan_lora.clients.launch import engine_lora_rank
 from titan_lora.clients.openai_rollout import openai_rollouts
 from titan_lora.clients.vllm import build_vllm_emitter
+from titan_lora.transfer import vllm_release
 
 
 def vllm_openai_launch(req: LaunchRequest) -> LaunchPlan:
@@ -25,7 +26,15 @@ def vllm_openai_launch(req: LaunchRequest) -> LaunchPlan:
     ])
 
 
+def check_installed_vllm() -> None:
+    """Refuse to start the engine on this host's vLLM when titan_lora was not tested with it (the engine
+    would refuse too, after the trainer built its model)."""
+    refusal = vllm_release.refusal(vllm_release.installed_version())
+    if refusal is not None:
+        raise ValueError(refusal)
+
+
 VLLM_OPENAI = EngineKind("vllm-openai", build_vllm_emitter, openai_rollouts, vllm_openai_launch,
-                         shm_buckets=True, max_lora_rank=engine_lora_rank)
+                         shm_buckets=True, max_lora_rank=engine_lora_rank, check_host=check_installed_vllm)
 VLLM = dataclasses.replace(VLLM_OPENAI, name="vllm")
 """The default engine kind."""

@@ -4,20 +4,34 @@ vLLM (0.32, 0.33 too) has no public API to install a LoRA adapter from in-memory
 engine side reaches into vLLM's internals, as every framework that does this must. Those internals
 change between releases; this module is the one place that names them, in two tiers and fixes:
 
-- the builder tier, used on any version: vLLM's own adapter builder (`LoRAModel.from_lora_tensors`
-  with a `PEFTHelper`), the worker LoRA manager's loader (shadowed by our in-memory store) and its
-  inner model manager, `parse_fine_tuned_lora_name`, and the model runner's `reload_weights`.
+- the builder tier, used on every version the engine starts on: vLLM's own adapter builder
+  (`LoRAModel.from_lora_tensors` with a `PEFTHelper`), the worker LoRA manager's loader (shadowed by
+  our in-memory store) and its inner model manager, `parse_fine_tuned_lora_name`, and the model
+  runner's `reload_weights`.
   With these alone every adapter is built, packed and activated by vLLM itself: correct, slower.
 - the fast tier, only on the versions in TESTED_SERIES: `vllm_fastpath` (recorded plans, batched
   slot writes into the LRU manager's slots) and `vllm_cpu_lora` (grouped CPU LoRA kernels). They
   depend on layer classes, weight containers, LRU-manager fields and kernel signatures that a release
-  may change without notice, so on any other version they are off, and this module says so once.
+  may change without notice, so on any other version (run only with the opt-in below) they are off,
+  and each worker says so once.
 - the fixes of vLLM bugs titan_lora's users meet (`score_prompt_rows_under_their_adapter`): on any
   version that has the names they patch, since without them the engine fails; each acts only where the
   inputs are laid out as the fix expects, and leaves vLLM's behaviour otherwise.
 
-TITAN_LORA_FAKE_VLLM_VERSION=<version> makes the check see that version instead of the installed
-one (tests use it to exercise the fallback on the vLLM that is installed).
+The version check (TESTED_SERIES, the pins scripts/setup.sh installs, the refusal of any other release
+and its opt-in TITAN_LORA_ALLOW_UNTESTED_VLLM=1) is `titan_lora.transfer.vllm_release`; the trainer's
+preflight runs it too. What vLLM 0.33.0 would need (read from its wheel; details in docs/gpu.md):
+- the OpenAI tier: `make_arg_parser` and `validate_parsed_serve_args` moved to
+  entrypoints/common/cli_args.py:431,531 and `cli_env_setup` to entrypoints/common/startup.py:131
+  (0.33 cannot even parse the engine's flags without them);
+- the fast tier: `BaseClassificationHeadWithLoRA` (lora/layers/classifier.py:14) is the class to send
+  through vLLM's own activation (a new token-level head beside ours); `activate_adapter` claims its slot
+  after the writes (lora/model_manager.py:410-411); the CPU ops now skip index -1 and leave those rows
+  untouched (lora/ops/torch_ops/lora_ops.py:31-57, 84-92, 133-150), which the grouped kernels must match;
+- the adapter drop is not new: a base reload (`reload_weights`, v1/worker/gpu_model_runner.py:5241) or a
+  weight-transfer update (v1/worker/gpu_worker.py:1654) calls `reset_lora_state`, as 0.32 does (:5302,
+  :1604); `reload_base`'s caller re-adds every stored adapter, from memory.
+Every other name here is unchanged in 0.33.0.
 """
 
 from __future__ import annotations
@@ -25,59 +39,55 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import importlib.metadata
 import logging
-import os
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
-from packaging.version import InvalidVersion, Version
+
+from titan_lora.transfer.vllm_release import (
+    PINS,
+    TESTED_SERIES,
+    TORCH_PIN,
+    installed_version,
+    is_tested,
+    refusal,
+)
 
 logger = logging.getLogger("titan_lora.engine")
-
-TESTED_SERIES = ("0.32",)
-"""The vLLM release series (major.minor) the fast tier was written and tested against."""
-FAKE_VERSION_ENV = "TITAN_LORA_FAKE_VLLM_VERSION"
-_DISTRIBUTIONS = ("vllm", "vllm-cpu")  # the CPU build installs under its own distribution name
-
-
-def installed_version() -> str:
-    """The vLLM version this process runs (or the one TITAN_LORA_FAKE_VLLM_VERSION names)."""
-    fake = os.environ.get(FAKE_VERSION_ENV)
-    if fake:
-        return fake
-    for dist in _DISTRIBUTIONS:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return "unknown"
-
-
-def is_tested(version: str) -> bool:
-    """True when `version` is in one of TESTED_SERIES (local and patch parts do not matter)."""
-    try:
-        release = Version(version).release
-    except InvalidVersion:
-        return False
-    return ".".join(map(str, release[:2])) in TESTED_SERIES
-
 
 VERSION = installed_version()
 FAST_PATH = is_tested(VERSION)
 """Whether the fast tier (fast adapter install, grouped CPU kernels) may run on this vLLM."""
 
 
-def warn_if_untested() -> None:
-    """Say what an untested vLLM turns off; called once by each worker, the process that installs
-    adapters (the API server and the engine core import this module too, and stay quiet)."""
+def version_refusal() -> str | None:
+    """Why this engine must not start on the installed vLLM (naming the supported releases and the fix),
+    or None: a tested release, or an untested one the user allowed."""
+    return refusal(VERSION)
+
+
+def check_version_in_worker() -> None:
+    """Refuse an untested vLLM that was not allowed (an engine started by `vllm serve` itself, not by
+    `engines.vllm_openai`, which refuses before vLLM starts); on an allowed one say once what it turns
+    off. Called by each worker, the process that installs adapters (the API server and the engine core
+    import this module too, and stay quiet)."""
+    why = version_refusal()
+    if why is not None:
+        raise RuntimeError(why)
     if not FAST_PATH:
         logger.warning(
             "vLLM %s is not a version titan_lora was tested with (%s): the fast adapter install "
             "(recorded plans, batched slot writes) and the grouped CPU LoRA kernels are disabled; every "
             "adapter goes through vLLM's own builder and activation (same log-probs, slower). Install "
             "one of the tested versions to get them back.", VERSION, " or ".join(s + ".x" for s in TESTED_SERIES))
+
+
+def _lacks(err: ImportError) -> ImportError:
+    """The error for a vLLM that lacks a name titan_lora imports (an untested release), with the fix."""
+    return ImportError(f"vLLM {VERSION} lacks a name titan_lora's engine needs ({err}); install the tested "
+                       f"release: `pip install {TORCH_PIN} {PINS['gpu']}` (CUDA) or "
+                       f"`pip install {PINS['cpu']}` (CPU)")
 
 
 try:  # the builder tier
@@ -88,16 +98,13 @@ try:  # the builder tier
     from vllm.lora.utils import parse_fine_tuned_lora_name
     from vllm.platforms import current_platform
 except ImportError as err:
-    raise ImportError(
-        f"vLLM {VERSION} lacks a name titan_lora's in-memory adapter path needs ({err}); install vLLM "
-        f"{TESTED_SERIES[-1]}.x, or load adapters from disk with [engine] kind = \"vllm-disk\"") from err
+    raise _lacks(err) from err
 
 if FAST_PATH:  # the fast tier's classes, for vllm_fastpath; a vLLM we did not test may have moved them
     from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
     from vllm.lora.layers.classifier import ClassificationHeadWithLoRA
     from vllm.lora.layers.column_parallel_linear import MergedColumnParallelLinearWithLoRA
     from vllm.lora.lora_weights import LoRALayerWeights, PackedLoRALayerWeights
-
 
 
 # The builder tier.
@@ -384,8 +391,11 @@ MEMORY_SCHEME = "titan-mem://"
 
 def serve_parser(description: str) -> Any:
     """`vllm serve`'s own argument parser: every flag it takes, and the model as a positional."""
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    try:  # vLLM 0.33 moved both (docs/gpu.md, "vLLM versions")
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+        from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    except ImportError as err:
+        raise _lacks(err) from err
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     cli_env_setup()  # spawn for vLLM's processes, as `vllm serve` sets it before parsing

@@ -8,11 +8,11 @@ over the trainer's nccl group, which every worker joins) that each worker copies
 vLLM 0.32 has no LoRA-from-tensors API. The first adapter of a run is built with vLLM's own
 `LoRAModel.from_lora_tensors`; later ones with the same tensor names reuse what that build resolved
 (`vllm_fastpath`), on the vLLM versions that `vllm_compat` (the one module naming vLLM internals) was
-tested with; on others every adapter goes through vLLM's builder and activation. Built adapters
-stay in an in-memory store that the worker's LoRA manager consults instead of the disk, so an LRU
-eviction or a base reload re-adds them (a disk lookup for an unknown id kills the engine). Adapter
-bytes land in reusable host slabs: a fresh multi-MB allocation page-faults on every first touch,
-which cost more than the copy itself. Staging (bounded per kind), the checksum
+tested with; on others (run only with TITAN_LORA_ALLOW_UNTESTED_VLLM=1) every adapter goes through
+vLLM's builder and activation. Built adapters stay in an in-memory store that the worker's LoRA
+manager consults instead of the disk, so an LRU eviction or a base reload re-adds them (a disk lookup
+for an unknown id kills the engine). Adapter bytes land in reusable host slabs: a fresh multi-MB
+allocation page-faults on every first touch, which cost more than the copy itself. Staging (bounded per kind), the checksum
 check of every bucket and the fault-injection hook live in `titan_lora.engines.transfers`, whose
 docstring lists the environment variables (TITAN_LORA_FAULT_BUCKET_PAUSE_S, TITAN_LORA_FAULT_MARKER).
 """
@@ -34,7 +34,7 @@ from titan_lora.transfer.buckets import LayoutCache
 from titan_lora.transfer.transport import BufferCache
 from titan_lora.transfer.transports.base import transport_named
 
-compat.warn_if_untested()  # runs in every worker process: the extension is imported there
+compat.check_version_in_worker()  # runs in every worker process: the extension is imported there
 compat.tee_checkpoint_loads(base_record.record)  # imported before the worker loads its model
 if compat.FAST_PATH:  # both drive vLLM internals that only the tested versions are known to have
     from titan_lora.engines import vllm_cpu_lora, vllm_fastpath

@@ -11,6 +11,9 @@ adapter version (`model="<lora_name>-v<step>"`, or `model="<lora_name>"` for the
 Secrets come by environment, never argv (`ps` shows argv): TITAN_LORA_API_KEY becomes vLLM's
 `--api-key`, which then guards `/v1/*` and `/titan/*` alike; TITAN_LORA_ENGINE_NONCE is echoed by
 `/titan/info`. The fault-injection variables of `titan_lora.engines.transfers` apply as well.
+
+It refuses to start, before vLLM parses its flags or loads a model, on a vLLM release titan_lora was not
+tested with, unless TITAN_LORA_ALLOW_UNTESTED_VLLM=1 (`titan_lora.transfer.vllm_release`).
 """
 
 from __future__ import annotations
@@ -108,6 +111,9 @@ def _log_titan_lines() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Serve until SIGTERM (or Ctrl-C); every worker unmaps the trainer's buffers on the way out."""
+    refusal = compat.version_refusal()
+    if refusal is not None:
+        raise SystemExit(refusal)
     _log_titan_lines()
     args = parse_args(argv)
     keep_cpu_worker_in_engine_core(args, os.environ)  # read by the engine core vLLM spawns

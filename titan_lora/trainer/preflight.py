@@ -94,6 +94,12 @@ def check_engine(job_config, targets: list[str] | None) -> None:  # noqa: ANN001
     if job_config.grpo.enabled and job_config.grpo.rollouts and kind.rollouts is None:
         raise ValueError(f"[engine] kind = {engine.kind!r} runs no rollouts for titan_lora: set [grpo] "
                          'rollouts = false, or use a kind that does (vllm, sglang)')
+    if kind.launch is not None and kind.check_host is not None and not attached_urls(engine):
+        try:  # titan_lora starts this engine here: refuse now rather than after the model is built
+            kind.check_host()
+        except ValueError as err:
+            raise ValueError(f"[engine] kind = {engine.kind!r} starts its engine on this host: {err}"
+                             ) from None
     transport = check_transport(engine, kind)
     if kind.shm_buckets and (transport == "shm" or (transport is None and not torch.cuda.is_available())):
         check_shared_memory(ws.bucket_mb)
