@@ -151,6 +151,9 @@ class VerifyingEmitter(Emitter):
     def adopt_base(self, version: int) -> None:
         self.calls.append(f"adopt v{version}")
 
+    def remember_base_digests(self, ours: dict, version: int) -> None:
+        self.remembered = ours
+
     def send_base_part(self, tensors, version: int) -> Ack:  # noqa: ANN001
         got = list(tensors)
         self.calls.append(f"base part v{version}: {[n for n, _ in got]}")

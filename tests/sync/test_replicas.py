@@ -1,6 +1,7 @@
 """N replicas behind one WeightSyncer (fan-out emitter, replica set, router), on the recording fakes of
 inprocess_rig.py: every version to every live replica, quarantine of a failed or hung one with training
-going on, its revival (base from the host copy, then the newest version) and rejoin, and the router's
+going on, its revival (its own base verified by digest, or the base sent by the next sync: rank 0 keeps no
+copy), the newest version and rejoin, the base streamed to several replicas at once, and the router's
 spread and pinning. The oracle is each fake's call log and the figures the fakes were given."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import time
 
 import pytest
 import torch
-from inprocess_rig import BASE, BASE_BYTES, Base, Emitter, Engine, Source, cfg
+from inprocess_rig import BASE, Base, Emitter, Engine, Source, VerifyingEmitter, cfg
 from syncer_helpers import shim_on_path
 from wait_helpers import waited
 
@@ -111,13 +112,15 @@ def test_a_failed_replica_is_quarantined_then_rejoins_with_base_and_newest_versi
     syncer.sync(3)  # training does not wait for the revival
     assert "adapter policy-v3" not in bad.emitter.calls
     gate.set()
-    wait_until(lambda: bad.live, "rejoin")
-    assert "restart" in bad.engine.events
-    # base from rank 0's host copy (still one base send by the syncer), then only the newest version
-    assert adapters(bad) == ["base v1", "adapter policy-v1", "adapter policy-v2", "base v1", "adapter policy-v3"]
-    assert bad.held == {3: "policy-v3"} and bad.rejoins == 1
-    assert syncer.counters["base_sends"] == 1
-    syncer.sync(4)
+    wait_until(lambda: bad.awaiting_base, "the revival")  # its base cannot be verified (a plain emitter)
+    assert "restart" in bad.engine.events and not bad.live
+    syncer.sync(4)  # the next sync streams the base to it (rank 0 kept no copy), then it rejoins
+    assert bad.live and not bad.awaiting_base and bad.rejoins == 1
+    # the base, then the newest version it missed (v3, the revival's copy), then this sync's v4
+    assert adapters(bad) == ["base v1", "adapter policy-v1", "adapter policy-v2", "base v4", "adapter policy-v3",
+                             "adapter policy-v4"]
+    assert syncer.counters["base_sends"] == 2
+    assert adapters(rs.replicas[0])[-1] == "adapter policy-v4" and "base v4" not in rs.replicas[0].emitter.calls
     assert bad.held == {3: "policy-v3", 4: "policy-v4"} and rs.replicas[0].held.keys() >= {3, 4}
 
 
@@ -189,10 +192,55 @@ def test_a_failed_request_quarantines_its_replica_and_goes_to_another():
     rs.close()
 
 
-def test_the_host_copy_of_the_base_is_what_was_streamed():
-    rs = replica_set(1)
-    kept, count, nbytes = rs.keep_base(iter(BASE), 0)
-    assert (count, nbytes) == (2, BASE_BYTES) and [n for n, _ in kept] == [n for n, _ in BASE]
+def test_the_base_is_streamed_to_every_replica_at_once_and_no_copy_is_kept(syncer_over):
+    rs = replica_set(3)
+    base = Base()
+    drawn_while_sending: list[int] = []
+    for r in rs.replicas:  # each replica's emitter reads its queue as the stream goes; record how far it is
+        original = r.emitter.send_base
+
+        def send(tensors, version, original=original):  # noqa: ANN001, ANN202
+            got = []
+            for item in tensors:
+                drawn_while_sending.append(base.drawn - len(got))  # items drawn but not yet read by it
+                got.append(item)
+            return original(iter(got), version)
+
+        r.emitter.send_base = send
+    syncer = WeightSyncer(Source(), base, FanoutEmitter(rs), rs.cfg, torch.device("cpu"),
+                          versions=AdapterVersions("policy", 2), report=rs.metrics)
+    syncer.sync(1)
+    assert base.starts == 1 and base.drawn == len(BASE), "one collective stream for all replicas"
+    assert all(adapters(r)[0] == "base v1" for r in rs.replicas)
+    assert max(drawn_while_sending) <= 3, "at most the queue's two tensors wait for a replica, plus its own"
+    assert not hasattr(rs, "_base"), "rank 0 keeps no copy of the base"
+    syncer.close()
+
+
+def test_a_revived_replica_whose_own_base_has_our_digests_rejoins_without_a_base_send(syncer_over):
+    record = {"dtype": "float32", "digests": {"model.embed_tokens.weight": "e", "model.norm.weight": "n"}}
+    replicas = [Replica(i, Endpoint(f"http://127.0.0.1:{8000 + i}"), VerifyingEmitter(dict(record)), Rollouts(i),
+                        Engine()) for i in range(2)]
+    rs = ReplicaSet(replicas, cfg(timeout_s=5.0))
+    syncer = WeightSyncer(Source(), Base(), FanoutEmitter(rs), rs.cfg, torch.device("cpu"),
+                          versions=AdapterVersions("policy", 2), report=rs.metrics,
+                          base_digests=lambda dtype: dict(record["digests"]))
+    syncer.sync(1)
+    assert syncer.counters["base_verified"] == 1 and syncer.counters["base_sends"] == 0
+    bad = rs.replicas[1]
+    bad.emitter.fail["adapter"] = [EngineDied("connection reset")]
+    bad.emitter.incarnation = "inc-2"  # restarted: it loaded the checkpoint again
+    syncer.sync(2)
+    wait_until(lambda: bad.live, "rejoin")  # verified by its revival alone: no sync needed
+    assert [c for c in bad.emitter.calls if c.startswith(("adopt", "base", "adapter"))] == [
+        "adopt v1", "adapter policy-v1", "adapter policy-v2", "adopt v1", "adapter policy-v2"]  # v2 failed once
+    assert syncer.counters["base_sends"] == 0 and not bad.awaiting_base
+    bad.emitter.incarnation, bad.emitter.record = "inc-3", {"dtype": "float32", "digests": {}}  # dummy weights
+    rs.quarantine(bad, "killed again")
+    wait_until(lambda: bad.awaiting_base, "the revival")
+    syncer.sync(3)  # the next sync streams the whole base to it alone
+    assert bad.live and "base v3" in bad.emitter.calls and "base v3" not in rs.replicas[0].emitter.calls
+    syncer.close()
 
 
 def test_engines_started_from_short_lived_threads_outlive_them(tmp_path):
@@ -265,16 +313,3 @@ def test_a_base_send_longer_than_one_request_timeout_quarantines_no_replica(sync
     syncer.sync(1)
     assert [r.live for r in rs.replicas] == [True, True] and [r.quarantines for r in rs.replicas] == [0, 0]
     assert syncer.versions.active.version == 1
-
-
-def test_the_host_copy_of_the_base_is_made_once_and_reused():
-    rs = replica_set(1)
-    rs.keep_base(iter(BASE), 0)
-
-    def not_drawn():  # noqa: ANN202
-        raise AssertionError("a second host copy of the base was made")
-        yield
-
-    kept, count, nbytes = rs.keep_base(not_drawn(), 3)
-    assert (count, nbytes) == (2, BASE_BYTES) and rs._base_version == 3
-    rs.close()

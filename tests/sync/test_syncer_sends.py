@@ -15,12 +15,8 @@ import torch
 from inprocess_rig import ADAPTER_BYTES, BASE_BYTES, Base
 
 from titan_lora.sync import syncer as syncer_mod
-from titan_lora.sync.syncer import (
-    EngineFailed,
-    NonFiniteAdapterError,
-    _Tally,
-    check_engine_limits,
-)
+from titan_lora.sync.base_giving import _Tally
+from titan_lora.sync.syncer import EngineFailed, NonFiniteAdapterError, check_engine_limits
 from titan_lora.transfer.errors import EngineWeightsLost, TransferError
 from titan_lora.transfer.protocol import Ack, EngineLimits
 

@@ -130,6 +130,20 @@ class VerifiesBase(Protocol):
         checkpoint and loads the whole base."""
         ...
 
+    def remember_base_digests(self, ours: dict[str, Any], version: int) -> None:
+        """The trainer's digests ({"dtype", "digests"}), for engines that come back on their own later (a
+        replica's revival verifies its base with them); one engine comes back through the syncer."""
+        ...
+
+
+@runtime_checkable
+class HasReplicas(Protocol):
+    """An emitter over several engines, some of which may come back on their own and wait for the base."""
+
+    def waiting_for_base(self) -> bool:
+        """Whether a revived engine waits for the base from the next sync (rank 0, no request)."""
+        ...
+
 
 @dataclasses.dataclass(frozen=True)
 class Endpoint:

@@ -10,21 +10,26 @@ it is published when every live replica holds it. Only when no replica is left d
 
 All replicas read the gather's buffer in place when they share its transport (the same shared-memory
 segment, or the same tcp server); a replica on another transport gets the payload packed into its own
-emitter's buffers.
+emitter's buffers. The base is streamed to every replica that needs it at once, each taking the tensors from
+a queue of two: rank 0 holds no copy of it (`_stream`). Replicas that load the checkpoint themselves are
+verified by digest instead (`base_digests`, `adopt_base`, `send_base_part`: the syncer's `_give_base`), and
+so is a revived one (`ReplicaSet`); one whose base differs waits for the next sync, which sends it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import queue
 import time
 import uuid
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from typing import Any
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 
 import torch
 
-from titan_lora.clients.base import AdapterPayload, BaseTensors, verify_ack
+from titan_lora.clients.base import AdapterPayload, BaseTensors, VerifiesBase, base_items, verify_ack
 from titan_lora.clients.replica_set import NoLiveReplica, Replica, ReplicaSet
 from titan_lora.transfer.errors import TransferError
 from titan_lora.transfer.protocol import Ack, EngineLimits
@@ -47,6 +52,26 @@ def slowest(acks: list[Ack]) -> dict[str, float]:
     return phases
 
 
+class _Feed:
+    """One replica's share of a streamed base: a queue of at most two tensors, ended by None."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue = queue.Queue(maxsize=2)
+
+    def put(self, item: tuple | None, call: Future) -> None:
+        """Queue `item` unless the replica's call ended (it failed: nobody reads any more)."""
+        while not call.done():
+            try:
+                self._queue.put(item, timeout=0.05)
+                return
+            except queue.Full:
+                continue
+
+    def __iter__(self) -> Iterator:
+        while (item := self._queue.get()) is not None:
+            yield item
+
+
 class FanoutEmitter:
     """An `Emitter` that sends to every live replica of `replicas` concurrently (rank 0)."""
 
@@ -63,7 +88,7 @@ class FanoutEmitter:
 
     def engine_incarnation(self) -> str:
         """One id for the whole set while any replica is live: a replica's own restart is its revival's
-        business (it re-feeds the base from the host copy), not the syncer's."""
+        business (it verifies its base, or waits for the next sync: `waiting_for_base`), not the syncer's."""
         if not self.replicas.live():
             raise NoLiveReplica(f"none of the {len(self.replicas.replicas)} replicas is live; their revivals "
                                 "run in the background")
@@ -89,11 +114,12 @@ class FanoutEmitter:
         return dataclasses.replace(payload, home=None)
 
     def _fan(self, targets: list[Replica], call: Callable[[Replica], Ack], check: Callable[[Ack], None],
-             what: str) -> list[tuple[Replica, Ack]]:
+             what: str, pump: Callable[[dict], None] | None = None) -> list[tuple[Replica, Ack]]:
         """`call` on every target at once; the ones that fail or fail `check` are quarantined. No bound on
         the whole call: each request has its own (`timeout_s`), and a replica that hangs meanwhile is
-        quarantined by the replica set's watch, which ends its requests. Raises NoLiveReplica when
-        targets were given and none acknowledged."""
+        quarantined by the replica set's watch, which ends its requests. `pump(futures)` runs in this
+        thread meanwhile (feeding a stream). Raises NoLiveReplica when targets were given and none
+        acknowledged."""
         def timed(replica: Replica) -> tuple[Ack, float]:
             started = time.perf_counter()
             return call(replica), (time.perf_counter() - started) * 1e3
@@ -101,6 +127,8 @@ class FanoutEmitter:
         futures = {}
         for replica in targets:
             replica.busy = futures[replica] = self._pool.submit(timed, replica)
+        if pump is not None:
+            pump(futures)
         futures_wait(list(futures.values()))
         acked, failures = [], []
         for replica, future in futures.items():
@@ -113,7 +141,7 @@ class FanoutEmitter:
                 continue
             replica.phases = {**ack.phases_ms, "total_ms": total_ms}
             acked.append((replica, ack))
-        if targets and not acked:
+        if any(r.live for r in targets) and not acked:  # a revived replica's failure is its own
             raise NoLiveReplica(f"{what}: no replica acknowledged it; " + "; ".join(failures))
         return acked
 
@@ -133,25 +161,86 @@ class FanoutEmitter:
             self.replicas.quarantine(replica, f"it did not answer before the base: {err}")
             return False
 
+    # ---- the base ----------------------------------------------------------------------------------
+    def waiting_for_base(self) -> bool:
+        """Whether a revived replica waits for the base from the next sync (rank 0, no request)."""
+        return bool(self.replicas.awaiting())
+
+    def _base_targets(self, what: str) -> list[Replica]:
+        """The replicas that lack our base: the revived ones waiting for it, and live ones of a new
+        incarnation (at start-up: all)."""
+        waiting = self.replicas.awaiting()
+        live = self._live_or_raise(what) if not waiting else self.replicas.live()
+        return waiting + [r for r in live if self._lacks_base(r)]
+
+    def base_digests(self) -> dict[str, Any]:
+        """The record common to the replicas that lack our base: a digest where they all agree (others
+        count as differing); no digests when one loaded no checkpoint or they hold other dtypes."""
+        targets = self._base_targets("reading the replicas' base digests")
+        records = [r.emitter.base_digests() if isinstance(r.emitter, VerifiesBase) else {"dtype": None, "digests": {}}
+                   for r in targets]
+        if not records or any(not rec["digests"] or rec["dtype"] != records[0]["dtype"] for rec in records):
+            return {"dtype": None, "digests": {}}
+        first = records[0]["digests"]
+        return {"dtype": records[0]["dtype"],
+                "digests": {n: d for n, d in first.items() if all(rec["digests"].get(n) == d for rec in records)}}
+
+    def remember_base_digests(self, ours: dict[str, Any], version: int) -> None:
+        """Keep the trainer's digests: a revived replica's own base is verified with them."""
+        self.replicas.remember_base(ours, version)
+
+    def adopt_base(self, version: int) -> None:
+        """Every replica lacking our base holds it (the syncer compared their digests): record it."""
+        targets = self._base_targets("recording the verified base")
+
+        def adopt(replica: Replica) -> Ack:
+            replica.emitter.adopt_base(version)
+            self.replicas.based(replica, replica.emitter.engine_incarnation())
+            return Ack(version, 0, 0)
+
+        acked = self._fan(targets, adopt, lambda _: None, "recording the verified base")
+        self._based(targets, [r for r, _ in acked], "the verified base")
+
     def send_base(self, tensors: BaseTensors, version: int) -> Ack:
-        """Keep a host copy of the base, then send it to every live replica whose incarnation lacks it."""
-        kept, count, nbytes = self.replicas.keep_base(tensors, version)
-        targets = [r for r in self._live_or_raise("sending the base") if self._lacks_base(r)]
+        """Stream the whole base to every replica that lacks it at once; rank 0 keeps no copy."""
+        return self._send(tensors, version, lambda r, items: r.emitter.send_base(items, version))
 
-        def check(ack: Ack) -> None:
-            verify_ack(ack, version, count, nbytes, "base weights")
+    def send_base_part(self, tensors: BaseTensors, version: int) -> Ack:
+        """Stream the tensors whose digests differed to every replica that lacks our base; each reads the
+        rest from its own checkpoint."""
+        return self._send(tensors, version, lambda r, items: r.emitter.send_base_part(items, version))
 
+    def _send(self, tensors: BaseTensors, version: int, send: Callable[[Replica, Iterator], Ack]) -> Ack:
+        targets = self._base_targets("sending the base")
+        feeds = {r: _Feed() for r in targets}
+        sent = {"tensors": 0, "bytes": 0}
         incarnations: dict[int, str] = {}
 
-        def send(replica: Replica) -> Ack:
-            ack = replica.emitter.send_base(kept, version)
+        def call(replica: Replica) -> Ack:
+            ack = send(replica, iter(feeds[replica]))
             incarnations[replica.index] = replica.emitter.engine_incarnation()
             return ack
 
-        acked = self._fan(targets, send, check, "sending the base")
+        def check(ack: Ack) -> None:
+            verify_ack(ack, version, sent["tensors"], sent["bytes"], "base weights")
+
+        acked = self._fan(targets, call, check, "sending the base",
+                          pump=lambda futures: _stream(base_items(tensors), feeds, futures, sent))
         for replica, _ in acked:
             self.replicas.based(replica, incarnations[replica.index])
-        return Ack(version, count, nbytes, slowest([ack for _, ack in acked]))
+        self._based(targets, [r for r, _ in acked], "the base")
+        return Ack(version, sent["tensors"], sent["bytes"], slowest([ack for _, ack in acked]))
+
+    def _based(self, targets: list[Replica], acked: list[Replica], what: str) -> None:
+        """A revived replica that now holds our base rejoins with the newest adapter version; one that
+        failed to take it is revived again (the sync goes on with the others)."""
+        for replica in targets:
+            if not replica.awaiting_base:
+                continue
+            if replica in acked:
+                self.replicas.rejoin(replica)
+            else:
+                self.replicas.revive_again(replica, f"it did not take {what}")
 
     def send_adapter(self, payload: AdapterPayload) -> Ack:
         """Send `payload` to every live replica that lacks it, at once; quarantine the ones that fail."""
@@ -187,3 +276,16 @@ class FanoutEmitter:
         """Stop the replicas (revivals, engines, emitters), then the fan-out threads."""
         self.replicas.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _stream(items: Iterator, feeds: dict[Replica, _Feed], futures: dict[Replica, Future], sent: dict) -> None:
+    """Feed every tensor of `items` to each target's queue (at most two waiting in each: no copy of the
+    base is held); a target whose call ended (failed) is skipped. Every item is drawn: the stream is
+    collective on the trainer's side."""
+    for name, tensor in items:
+        sent["tensors"] += 1
+        sent["bytes"] += tensor.numel() * tensor.element_size()
+        for replica, feed in feeds.items():
+            feed.put((name, tensor), futures[replica])
+    for replica, feed in feeds.items():
+        feed.put(None, futures[replica])

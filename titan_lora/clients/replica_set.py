@@ -7,9 +7,12 @@ in flight (rollouts, or a fan-out call), a watch thread asks its LIVE route (a n
 core) every `health_timeout_s / 2`; a replica that does not answer within `health_timeout_s` is
 quarantined, so a frozen replica costs the step at most 1.5 x `health_timeout_s`. A
 daemon thread brings it back (an embedded engine is restarted if it is dead or hung; an attached one is
-probed until it answers, bounded by `[weight_sync] engine_start_timeout_s`), re-feeds it (the base from
-rank 0's host copy when its incarnation lacks ours, then the newest adapter version, again until no newer
-one came meanwhile) and only then marks it live. Training never waits on it. After
+probed until it answers, bounded by `[weight_sync] engine_start_timeout_s`), checks its base (when its
+incarnation lacks ours: the base it loaded itself is verified by digest against the trainer's, and made
+ours at once when every digest matches; otherwise it waits, out of rollouts, for the syncer's next sync,
+whose collective stream sends it what differs: rank 0 keeps no copy of the base), then re-feeds the newest
+adapter version, again until no newer one came meanwhile, and only then marks it live. Training never
+waits on it. After
 `[weight_sync] engine_restarts + 1` failed revivals it stays out, and the job goes on with the others.
 """
 
@@ -23,9 +26,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 
-import torch
-
-from titan_lora.clients.base import AdapterPayload, BaseTensors, Emitter, Endpoint, base_items, verify_ack
+from titan_lora.clients.base import AdapterPayload, Emitter, Endpoint, VerifiesBase, verify_ack
 from titan_lora.clients.launch import EmbeddedEngine
 from titan_lora.clients.rollout import RolloutClient
 from titan_lora.config import BACKOFF_CAP_S, WeightSync
@@ -61,6 +62,8 @@ class Replica:
     """Samples generated on it since the last report."""
     quarantines: int = 0
     rejoins: int = 0
+    awaiting_base: bool = False
+    """Back after a revival, but its base is not verified as ours: the next sync sends it (collective)."""
     busy: Future | None = None
     """The last fan-out call on its emitter, which a revival lets finish before it reuses the emitter."""
     phases: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -89,7 +92,7 @@ class ReplicaSet:
         self.replicas = replicas
         self.cfg = ws
         self._lock = threading.Lock()
-        self._base: list[tuple[str, torch.Tensor]] | None = None
+        self._ours: dict | None = None  # the trainer's base digests ({"dtype", "digests"}), once known
         self._base_version = 0
         self._latest: AdapterPayload | None = None
         self._revivals: dict[int, threading.Thread] = {}
@@ -116,6 +119,18 @@ class ReplicaSet:
             self._revivals[replica.index] = thread
         logger.warning("%s quarantined: %s; reviving it in the background", replica, reason)
         replica.interrupt(f"{replica} quarantined: {reason}")
+        thread.start()
+
+    def revive_again(self, replica: Replica, reason: str) -> None:
+        """Start another revival of a replica that came back but failed to take our base."""
+        with self._lock:
+            if self._closing.is_set():
+                return
+            replica.awaiting_base = False
+            thread = threading.Thread(target=self._revive, args=(replica,), daemon=True,
+                                      name=f"titan-replica-{replica.index}-revival")
+            self._revivals[replica.index] = thread
+        logger.warning("%s: %s; reviving it again", replica, reason)
         thread.start()
 
     def _watch_live(self) -> None:
@@ -171,17 +186,15 @@ class ReplicaSet:
             replica.held[payload.version] = payload.name
 
     # ---- what a revival re-feeds -------------------------------------------------------------------
-    def keep_base(self, tensors: BaseTensors, version: int) -> tuple[list[tuple[str, torch.Tensor]], int, int]:
-        """Keep a host copy of the base for later revivals (the stream is collective, a revival is not);
-        returns it with its tensor count and bytes. The base is frozen under LoRA: the copy is made once
-        per run, and a later send (a retry, a recovery) reuses it, leaving `tensors` to the caller's drain."""
+    def remember_base(self, ours: dict, version: int) -> None:
+        """The trainer's base digests ({"dtype", "digests"}), for revivals to verify a replica's own base."""
         with self._lock:
-            kept = self._base
-        if kept is None:
-            kept = [(name, t.detach().cpu()) for name, t in base_items(tensors)]
+            self._ours, self._base_version = ours, version
+
+    def awaiting(self) -> list[Replica]:
+        """The revived replicas whose base the next sync must send."""
         with self._lock:
-            self._base, self._base_version = kept, version
-        return kept, len(kept), sum(t.numel() * t.element_size() for _, t in kept)
+            return [r for r in self.replicas if r.awaiting_base]
 
     def keep_latest(self, payload: AdapterPayload) -> None:
         """Keep a private copy of the newest version (the gather rewrites its buffer at the next step): a
@@ -230,22 +243,41 @@ class ReplicaSet:
                 self._closing.wait(min(self.cfg.health_timeout_s, 2.0))
 
     def _refeed(self, replica: Replica) -> None:
-        """The base (if its incarnation lacks ours), then the newest version until no newer one came; live."""
+        """Its base verified (or left to the next sync), then the newest version until no newer one came; live."""
         if replica.emitter.engine_incarnation() != replica.base_incarnation:
             with self._lock:
                 replica.held.clear()
-                base, version = self._base, self._base_version
-            if base is not None:
-                ack = replica.emitter.send_base(base, version)
-                verify_ack(ack, version, len(base), sum(t.numel() * t.element_size() for _, t in base),
-                           f"base weights on {replica}")
-                self.based(replica, replica.emitter.engine_incarnation())
+            if not self._verify_base(replica):
+                with self._lock:
+                    replica.awaiting_base = True
+                logger.warning("%s is back without our base (its own differs or cannot be verified): the next "
+                               "sync sends it", replica)
+                return
+        self.rejoin(replica)
+
+    def _verify_base(self, replica: Replica) -> bool:
+        """Whether the base `replica` loaded itself has every digest of ours; then it is recorded as ours."""
+        with self._lock:
+            ours, version = self._ours, self._base_version
+        if ours is None or not isinstance(replica.emitter, VerifiesBase):
+            return False
+        record = replica.emitter.base_digests()
+        if record["dtype"] != ours["dtype"] or any(record["digests"].get(n) != d for n, d in ours["digests"].items()):
+            return False
+        replica.emitter.adopt_base(version)
+        self.based(replica, replica.emitter.engine_incarnation())
+        logger.info("%s: its own base has every digest of ours: verified, nothing sent", replica)
+        return True
+
+    def rejoin(self, replica: Replica) -> None:
+        """`replica` holds our base: install the newest adapter version until no newer one came, then live."""
         while True:
             with self._lock:
                 latest = self._latest
                 if latest is None or max(replica.held, default=-1) >= latest.version:
                     newest = max(replica.held, default=None)
                     stale = {v: n for v, n in replica.held.items() if v != newest}
+                    replica.awaiting_base = False
                     replica.live = True
                     replica.rejoins += 1
                     break

@@ -366,8 +366,10 @@ class VLLMBucketEmitter:
             "base", lambda tr: self._post_streamed(tr, base_items(tensors)))
         self._check("base weights", count, nbytes, streamed)
         t0 = time.perf_counter()
-        ack = self.client.post(protocol.path(protocol.BASE), {"transfer_id": streamed.transfer_id, "version": version,
-                                                              "complete_from_disk": complete_from_disk})
+        commit = {"transfer_id": streamed.transfer_id, "version": version}
+        if complete_from_disk:
+            commit["complete_from_disk"] = True
+        ack = self.client.post(protocol.path(protocol.BASE), commit)
         phases = {**streamed.phases, "apply_ms": (time.perf_counter() - t0) * 1e3}
         return Ack(ack["version"], ack["tensors"], ack["bytes"], phases)
 
@@ -382,6 +384,9 @@ class VLLMBucketEmitter:
     def adopt_base(self, version: int) -> None:
         """Have the engine record the base it loaded itself as ours."""
         self.client.post(protocol.path(protocol.BASE_VERIFIED), {"version": version})
+
+    def remember_base_digests(self, ours: dict[str, Any], version: int) -> None:
+        """Nothing to keep: this engine's revival goes through the syncer, which holds the digests."""
 
     def send_adapter(self, payload: AdapterPayload) -> Ack:
         """Stream the adapter; the last bucket asks the engine to register it under `payload.name`."""

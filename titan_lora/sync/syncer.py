@@ -16,19 +16,20 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from titan_lora.clients.base import AdapterPayload, Emitter, VerifiesBase, verify_ack
+from titan_lora.clients.base import AdapterPayload, Emitter, HasReplicas, verify_ack
 from titan_lora.config import WeightSync
 from titan_lora.lora.finite import NonFiniteAdapterError
 from titan_lora.sync.adapter_source import AdapterSource
+from titan_lora.sync.base_giving import BaseGiving
 from titan_lora.sync.base_stream import BaseStream
 from titan_lora.sync.collective import RankZeroError, on_rank0, share
 from titan_lora.sync.retire import Retirer
-from titan_lora.sync.retries import backoff, with_retries
+from titan_lora.sync.retries import with_retries
 from titan_lora.sync.versions import AdapterVersions, Lease
 from titan_lora.sync.watchdog import Watchdog
 from titan_lora.transfer.errors import (
@@ -37,7 +38,7 @@ from titan_lora.transfer.errors import (
     EngineWeightsLost,
     TransferError,
 )
-from titan_lora.transfer.protocol import Ack, EngineLimits
+from titan_lora.transfer.protocol import EngineLimits
 
 if TYPE_CHECKING:
     from titan_lora.clients.launch import EmbeddedEngine
@@ -60,6 +61,7 @@ class _Held(str, enum.Enum):
 
     NONFINITE = "nonfinite"
     NEEDS_BASE = "needs-base"
+    REPLICAS_NEED_BASE = "replicas-need-base"  # revived replicas wait for the base; the others hold it
 
 
 def _engine_fault(err: BaseException) -> bool:
@@ -87,30 +89,7 @@ def check_engine_limits(limits: EngineLimits, rank: int, targets: list[str], kee
         )
 
 
-class _Tally:
-    """Counts what passes through the base stream (rank 0), to check the engine's ack against it."""
-
-    def __init__(self, stream: Iterator[tuple[str, torch.Tensor]]) -> None:
-        self._stream = stream
-        self.tensors = 0
-        self.nbytes = 0
-
-    def __iter__(self) -> _Tally:
-        return self
-
-    def __next__(self) -> tuple[str, torch.Tensor]:
-        name, tensor = next(self._stream)
-        self.tensors += 1
-        self.nbytes += tensor.numel() * tensor.element_size()
-        return name, tensor
-
-    def drain(self) -> None:
-        """Run the rest of the stream: every `next()` is a collective the other ranks take part in."""
-        for _ in self:
-            pass
-
-
-class WeightSyncer:
+class WeightSyncer(BaseGiving):
     """Keeps one engine on the newest adapter version."""
 
     def __init__(
@@ -132,6 +111,7 @@ class WeightSyncer:
         self.base_weights = base_weights  # collective generator; yields on rank 0 only
         self.base_digests = base_digests  # collective; None: the base is always pushed ([weight_sync] base)
         self._our_digests: dict[str, dict[str, str]] = {}  # dtype -> the trainer's base digests (fixed)
+        self._remember: dict | None = None  # rank 0: the digests a replica's revival verifies with
         self.emitter = emitter  # rank 0 only
         self.cfg = cfg
         self.device = device
@@ -298,85 +278,6 @@ class WeightSyncer:
         except _EngineDown as err:  # at start-up there is nothing to recover: say what failed
             raise TransferError(str(err)) from err
 
-    def _ensure_base(self, version: int) -> None:
-        """Collective: give the base to this engine incarnation when it has not got ours."""
-        # The answer rides on the outcome's broadcast: one control message, not two, every sync.
-        needed = self._rank0(lambda: self._incarnation() != self._base_incarnation, "reaching the engine",
-                             share_value=True)
-        if needed:
-            self._give_base(version)
-
-    def _give_base(self, version: int) -> None:
-        """Collective: verify the base the engine loaded itself, sending only the tensors whose digests
-        differ, or send it whole where the engine cannot verify (`[weight_sync] base`)."""
-        record = None
-        if self.base_digests is not None:
-            record = self._rank0(lambda: self.emitter.base_digests() if isinstance(self.emitter, VerifiesBase)
-                                 else None, "reading the engine's base digests", share_value=True)
-        if not record or not record["digests"]:  # cannot verify, or loaded no checkpoint (dummy weights)
-            self._send_base(version)
-            return
-        started = time.perf_counter()
-        ours = self._digests_of(record["dtype"])
-        differ = sorted(n for n, d in ours.items() if record["digests"].get(n) != d)  # same on every rank
-        if differ:
-            logger.warning("the engine's own base differs from ours in %d of %d tensors (e.g. %s): sending those",
-                           len(differ), len(ours), ", ".join(differ[:3]))
-            self._send_base(version, only=differ if len(differ) < len(ours) else None)
-            return
-        self._rank0(lambda: self._adopt_base(version), "recording the verified base")
-        self.counters["base_verified"] += 1
-        ms = (time.perf_counter() - started) * 1e3
-        logger.info("verified the engine's own base: %d tensors, every digest equal; nothing sent (%.1f s)",
-                    len(ours), ms / 1e3)
-        self._base_ms = ms
-
-    def _digests_of(self, dtype: str | None) -> dict[str, str]:
-        """Collective: the trainer's base digests in `dtype` (the engine's), computed once per dtype."""
-        key = dtype or ""
-        if key not in self._our_digests:
-            self._our_digests[key] = self.base_digests(getattr(torch, dtype) if dtype else None)
-        return self._our_digests[key]
-
-    def _adopt_base(self, version: int) -> None:
-        """Rank 0: the engine's own base is ours: record it there and here, as a base send would."""
-        self.emitter.adopt_base(version)
-        self.versions.forget_all()  # a new incarnation holds none of our adapters
-        self._base_incarnation = self._incarnation()
-
-    def _send_base(self, version: int, only: list[str] | None = None) -> None:
-        """Collective: stream the base (or the tensors `only` names, the engine completing the rest from its own
-        checkpoint); a failed attempt re-runs the whole stream on every rank."""
-        for attempt in range(self.cfg.retries + 1):
-            started = time.perf_counter()
-            tally = _Tally(self.base_weights() if only is None else self.base_weights(set(only)))
-            try:
-                send = self._watched(lambda: self.emitter.send_base(tally, version) if only is None
-                                     else self.emitter.send_base_part(tally, version), "sending the base")
-                ack = self._rank0(send, "sending the base", then=tally.drain)
-            except TransferError as err:  # raised on every rank alike
-                if attempt == self.cfg.retries:
-                    raise TransferError(f"sending the base failed after {attempt + 1} attempts: {err}") \
-                        from err
-                logger.warning("sending the base failed (%s); retrying", err)
-                backoff(attempt)
-                continue
-            self._after_base(ack, tally, version, started)
-            return
-        raise AssertionError("unreachable")
-
-    def _after_base(self, ack: Ack | None, tally: _Tally, version: int, started: float) -> None:
-        def verify() -> None:
-            verify_ack(ack, version, tally.tensors, tally.nbytes, "base weights")
-            self.versions.forget_all()  # a new incarnation holds none of our adapters
-            self._base_incarnation = self._incarnation()
-
-        self._rank0(verify, "checking the base's acknowledgement")
-        self.counters["base_sends"] += 1
-        ms = (time.perf_counter() - started) * 1e3
-        logger.info("sent the base weights (%d tensors) in %.1f s", tally.tensors, ms / 1e3)
-        self._base_ms = ms  # reported by the sync it belongs to, also when a recovery sent it
-
     # ---- adapter -----------------------------------------------------------------------------------
     def sync(self, version: int) -> dict[str, float]:
         """Collective: bring the engine to adapter `version` (the training step)."""
@@ -410,8 +311,8 @@ class WeightSyncer:
                 f"{active.name if active else 'the base'}). [training] on_nonfinite decides what the "
                 "run does: \"stop\" ends it here, \"rollback\" reloads the last finite checkpoint"
             )
-        if outcome == _Held.NEEDS_BASE:
-            self._give_base(version)
+        if outcome in (_Held.NEEDS_BASE, _Held.REPLICAS_NEED_BASE):
+            self._give_base(version, whole=outcome == _Held.NEEDS_BASE)
             outcome = self._rank0(lambda: self._install(payload), what)
         return outcome or {}
 
@@ -423,6 +324,8 @@ class WeightSyncer:
         if (self._base_incarnation is None or not self._acks_name_incarnation) \
                 and self._incarnation() != self._base_incarnation:
             return _Held.NEEDS_BASE
+        if isinstance(self.emitter, HasReplicas) and self.emitter.waiting_for_base():
+            return _Held.REPLICAS_NEED_BASE
         return self._install(payload)
 
     def _install(self, payload: AdapterPayload) -> dict[str, float]:
