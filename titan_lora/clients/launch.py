@@ -98,7 +98,7 @@ class EmbeddedEngine:
         self.health_timeout_s = health_timeout_s
         self._reservation: socket.socket | None = reserve_port(port)
         self.port = self._reservation.getsockname()[1]
-        self.url = f"http://{host}:{self.port}"
+        self.url = f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
         self.nonce = ""
         self.proc: subprocess.Popen | None = None
         self.starts = 0
