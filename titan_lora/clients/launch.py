@@ -77,11 +77,18 @@ def _die_with_parent() -> None:
 
 
 class EmbeddedEngine:
-    """An engine child process (`python -m <module> --port N ...`); restarted if it dies or hangs."""
+    """An engine child process (`python -m <module> --port N ...`); restarted if it dies or hangs.
+
+    `prefix` is a command the engine runs under (e.g. `ip netns exec NS`: the tests' engine in its own
+    network namespace), `host` the address it is reached at (its `--host` in `args` must serve it). The
+    port is reserved on this host's loopback: an engine under a prefix that changes its network stack
+    relies on the nonce alone to prove it is ours."""
 
     def __init__(self, module: str, port: int, args: list[str], log_path: str, start_timeout_s: float = 600.0,
-                 api_key: str = "", health_timeout_s: float = 10.0) -> None:
+                 api_key: str = "", health_timeout_s: float = 10.0, prefix: tuple[str, ...] = (),
+                 host: str = "127.0.0.1") -> None:
         self.module = module
+        self.prefix = prefix
         # An open engine API is anyone's to rewrite. Clients read `key`: a fresh one at every start.
         self._fixed_key = api_key
         self.key = ApiKey(api_key or secrets.token_urlsafe(32))
@@ -91,7 +98,7 @@ class EmbeddedEngine:
         self.health_timeout_s = health_timeout_s
         self._reservation: socket.socket | None = reserve_port(port)
         self.port = self._reservation.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
         self.nonce = ""
         self.proc: subprocess.Popen | None = None
         self.starts = 0
@@ -105,7 +112,7 @@ class EmbeddedEngine:
         # A fresh key per incarnation ([engine] api_key fixes one): a process that took a dead engine's port
         # and read the key a client sent it cannot use it on the next engine.
         self.key.value = self._fixed_key or secrets.token_urlsafe(32)
-        cmd = [sys.executable, "-m", self.module, "--port", str(self.port), *self.args]
+        cmd = [*self.prefix, sys.executable, "-m", self.module, "--port", str(self.port), *self.args]
         env = {**os.environ, protocol.API_KEY_ENV: self.api_key, protocol.NONCE_ENV: self.nonce}
         logger.info("starting %s (log: %s)", self.module, self.log_path)
         with open(self.log_path, "ab") as log:
