@@ -30,11 +30,12 @@ def _save(model, out: Path, tokenizer_from: Path | None, shard_mb: float | None)
 
 
 def _tiny(config_cls, model_cls, out: Path, vocab: int, tied: bool,  # noqa: ANN001
-          tokenizer_from: Path | None, shard_mb: float | None, seed: int, **shape: object) -> Path:
-    """2 layers, 4 query and 2 KV heads, eos 2, random norms: `model_cls(config_cls(**shape, ...))`,
+          tokenizer_from: Path | None, shard_mb: float | None, seed: int, kv_heads: int = 2,
+          **shape: object) -> Path:
+    """2 layers, 4 query and `kv_heads` KV heads, eos 2, random norms: `model_cls(config_cls(**shape, ...))`,
     saved to `out`."""
     config = config_cls(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=tied,
+                        num_key_value_heads=kv_heads, max_position_embeddings=256, tie_word_embeddings=tied,
                         eos_token_id=2, **shape)
     torch.manual_seed(seed)
     model = model_cls(config).float().eval()
@@ -43,21 +44,22 @@ def _tiny(config_cls, model_cls, out: Path, vocab: int, tied: bool,  # noqa: ANN
 
 
 def tiny_llama(out: Path, vocab: int = 256, tied: bool = True, tokenizer_from: Path | None = None,
-               shard_mb: float | None = None, seed: int = 0) -> Path:
-    """A Llama with GQA (4 query heads, 2 KV heads of 16), saved to `out` (sharded with `shard_mb`)."""
+               shard_mb: float | None = None, seed: int = 0, kv_heads: int = 2) -> Path:
+    """A Llama with GQA (4 query heads, `kv_heads` KV heads of 16), saved to `out` (sharded: `shard_mb`)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return _tiny(LlamaConfig, LlamaForCausalLM, out, vocab, tied, tokenizer_from, shard_mb, seed,
+    return _tiny(LlamaConfig, LlamaForCausalLM, out, vocab, tied, tokenizer_from, shard_mb, seed, kv_heads,
                  intermediate_size=160, rms_norm_eps=1e-5,
                  rope_parameters={"rope_type": "default", "rope_theta": 1e4})
 
 
 def tiny_qwen3(out: Path, vocab: int = 256, tied: bool = False, tokenizer_from: Path | None = None,
-               shard_mb: float | None = None, seed: int = 0) -> Path:
-    """A Qwen3 with q/k norms and head_dim 32 != hidden / heads = 16 (4 query, 2 KV heads), saved to `out`."""
+               shard_mb: float | None = None, seed: int = 0, kv_heads: int = 2) -> Path:
+    """A Qwen3 with q/k norms and head_dim 32 != hidden / heads = 16 (4 query, `kv_heads` KV heads), saved
+    to `out`."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    return _tiny(Qwen3Config, Qwen3ForCausalLM, out, vocab, tied, tokenizer_from, shard_mb, seed,
+    return _tiny(Qwen3Config, Qwen3ForCausalLM, out, vocab, tied, tokenizer_from, shard_mb, seed, kv_heads,
                  intermediate_size=128, head_dim=32, rms_norm_eps=1e-6,
                  rope_parameters={"rope_type": "default", "rope_theta": 1e6})
 

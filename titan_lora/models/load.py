@@ -1,4 +1,7 @@
-"""Load an HF safetensors checkpoint into a (sharded) torchtitan model through its state-dict adapter.
+"""Load an HF safetensors checkpoint into a (sharded) torchtitan model through its state-dict adapter's names.
+
+Each rank reads only the slices of its own shards (`titan_lora.models.slices`), tensor by tensor, so its
+peak host memory is its share of the checkpoint, not the whole.
 
 `check_weights` runs the same mapping on the checkpoint's headers against a meta-device model, so a
 missing, unknown or misshapen weight is refused while the config is read, before any model is built.
@@ -12,10 +15,13 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import DTensor
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
 from titan_lora.lora.layer import clean_fqn, is_adapter_param
-from titan_lora.models.checkpoint import NO_WEIGHTS_FIX, read_hf_state_dict, weight_shapes
+from titan_lora.models.checkpoint import NO_WEIGHTS_FIX, read_hf_state_dict, weight_files, weight_shapes
+from titan_lora.models.row_maps import abstract_name, row_maps
+from titan_lora.models.slices import SliceReader, local_box
 
 
 def _known(sd_adapter: StateDictAdapter, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -35,6 +41,13 @@ def _known(sd_adapter: StateDictAdapter, hf_state: dict[str, torch.Tensor]) -> d
     return kept
 
 
+def _with_tied_head(hf: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
+    """`hf` with `lm_head.weight` = the embedding where `tied` (tied embeddings are saved once)."""
+    if tied and "lm_head.weight" not in hf and "model.embed_tokens.weight" in hf:
+        hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
+    return hf
+
+
 def _base_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     # named_parameters lists a tied output head once, under the embedding's name.
     return {clean_fqn(n): tuple(p.shape) for n, p in model.named_parameters() if not is_adapter_param(n)}
@@ -42,10 +55,7 @@ def _base_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
 
 def check_weights(model: nn.Module, hf_dir: str | Path, sd_adapter: StateDictAdapter, tied: bool) -> None:
     """Refuse a checkpoint that lacks a base weight of `model` (meta device is enough) or misshapes one."""
-    hf = weight_shapes(hf_dir)
-    if tied and "lm_head.weight" not in hf and "model.embed_tokens.weight" in hf:
-        hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
-    titan = sd_adapter.from_hf(_known(sd_adapter, hf))
+    titan = sd_adapter.from_hf(_known(sd_adapter, _with_tied_head(weight_shapes(hf_dir), tied)))
     expected = _base_shapes(model)
     missing = sorted(set(expected) - set(titan))
     if missing:
@@ -60,14 +70,53 @@ def check_weights(model: nn.Module, hf_dir: str | Path, sd_adapter: StateDictAda
                          f"{'; '.join(wrong[:3])}; check config.json against the weights")
 
 
+def _hf_names(sd_adapter: StateDictAdapter, titan_names: list[str], hf_names: set[str],
+              tied: bool) -> dict[str, str]:
+    """torchtitan weight -> the HF weight it is read from: the adapter's `from_hf_map` read backwards."""
+    to_hf = {titan: hf for hf, titan in sd_adapter.from_hf_map.items() if titan is not None}
+    out = {}
+    for name in titan_names:
+        hf = to_hf.get(abstract_name(name))
+        hf = hf.format(*re.findall(r"\d+", name)[:1]) if hf else None
+        if tied and hf == "lm_head.weight" and hf not in hf_names:  # tied embeddings are saved once
+            hf = "model.embed_tokens.weight"
+        if hf in hf_names:
+            out[name] = hf
+    return out
+
+
 @torch.no_grad()
-def load_base_weights(model: nn.Module, hf_dir: str | Path, sd_adapter: StateDictAdapter, tied: bool) -> None:
-    """Copy the base weights into `model` (any sharding); adapters are left as initialised."""
-    titan_state = sd_adapter.from_hf(_known(sd_adapter, read_hf_state_dict(hf_dir, tied)))
-    missing = sorted(set(_base_shapes(model)) - set(titan_state))
+def load_base_weights(model: nn.Module, hf_dir: str | Path, sd_adapter: StateDictAdapter,
+                      tied: bool) -> SliceReader:
+    """Copy the base weights into `model` (any sharding), each rank reading only its shards' slices;
+    adapters stay as initialised. Returns the reader (its byte count)."""
+    files = weight_files(hf_dir)
+    shapes = {n: tuple(t.shape) for n, t in _with_tied_head(weight_shapes(hf_dir), tied).items()}
+    maps = row_maps(lambda hf: sd_adapter.from_hf(_known(sd_adapter, hf)), shapes)
+    params = {clean_fqn(n): p for n, p in model.named_parameters() if not is_adapter_param(n)}
+    hf_names = _hf_names(sd_adapter, list(params), set(files), tied)
+    missing = sorted(set(params) - set(hf_names))
     if missing:
-        raise ValueError(f"checkpoint {hf_dir} lacks {len(missing)} base weights, e.g. {missing[:3]}")
+        raise ValueError(f"checkpoint {hf_dir} lacks {len(missing)} base weights, e.g. {missing[:3]}; "
+                         f"{NO_WEIGHTS_FIX}")
+    reader = SliceReader(files)
+    for name, param in params.items():
+        part = reader.read_rows(hf_names[name], local_box(param), maps.get(abstract_name(name)))
+        # A DTensor's local tensor is a view of the sharded storage (FSDP2's padded one too): copied in place.
+        local = param.to_local() if isinstance(param, DTensor) else param
+        if part.shape != local.shape:  # copy_ would broadcast a misshapen slice silently
+            raise ValueError(f"{hf_names[name]} in {hf_dir} gives a {tuple(part.shape)} slice for {name}'s "
+                             f"{tuple(local.shape)} shard; check config.json against the weights")
+        local.copy_(part)
+        del part  # one slice in host memory at a time
+    return reader
+
+
+@torch.no_grad()
+def load_base_weights_full(model: nn.Module, hf_dir: str | Path, sd_adapter: StateDictAdapter,
+                           tied: bool) -> None:
+    """The former load, every rank reading every tensor whole and keeping its shard: the reference that
+    tests and scripts/bench_load.py hold `load_base_weights` to (the trainer never takes this path)."""
+    titan_state = sd_adapter.from_hf(_known(sd_adapter, read_hf_state_dict(hf_dir, tied)))
     # full_state_dict: every rank holds the full tensors and keeps its own shard, no broadcast.
-    set_model_state_dict(
-        model, titan_state, options=StateDictOptions(full_state_dict=True, strict=False)
-    )
+    set_model_state_dict(model, titan_state, options=StateDictOptions(full_state_dict=True, strict=False))
