@@ -111,10 +111,10 @@ class _FakeSyncer:
     made: list[_FakeSyncer] = []
 
     def __init__(self, source, base, emitter, cfg, device, *, versions, engine=None, probe=None,  # noqa: ANN001
-                 report=None, watchdog=None) -> None:  # noqa: ANN001
+                 report=None, watchdog=None, base_digests=None) -> None:  # noqa: ANN001
         self.source, self.base, self.emitter, self.cfg, self.device = source, base, emitter, cfg, device
         self.engine, self.probe, self.versions, self.report = engine, probe, versions, report
-        self.watchdog = watchdog
+        self.watchdog, self.base_digests = watchdog, base_digests
         self.checked = False
         _FakeSyncer.made.append(self)
 
@@ -167,7 +167,7 @@ def _wire(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, rank: int = 0, tied: 
                                        job=types.SimpleNamespace(dump_folder=str(tmp_path)),
                                        lora=types.SimpleNamespace(rank=8), grpo=GRPO(), task={})
     built = types.SimpleNamespace(hf_dir=str(tmp_path / "hf"), model=StubBaseModel(),
-                                  sd_adapter=StubSdAdapter(), tied=bool(tied))
+                                  sd_adapter=StubSdAdapter(), tied=bool(tied), peft_layout=None)
     adapter, device = object(), torch.device("cpu")
     _FakeSyncer.made.clear()
     side = compose.engine_side(job_config, built, device)

@@ -90,8 +90,9 @@ def test_two_grpo_steps_on_each_family_run_sync_and_export(tmp_path: Path, smoll
     assert proc.returncode == 0, log[-4000:]
     steps = re.findall(r"^step +\d+/2 .*$", log, re.M)
     assert len(steps) == 2, log[-4000:]
-    if live:  # the base went once, and each step's adapter was synced before the next rollouts
-        assert log.count("sent the base weights") == 1, log[-4000:]
+    if live:  # the engine loaded the same checkpoint: its base verified once, none sent; each step synced
+        assert log.count("verified the engine's own base") == 1, log[-4000:]
+        assert "sent the base weights" not in log, log[-4000:]
         assert all("sync_ms=" in line for line in steps), steps
 
     from peft import PeftModel

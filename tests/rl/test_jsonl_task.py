@@ -239,7 +239,7 @@ def _fake_sync(monkeypatch: pytest.MonkeyPatch) -> list[list[list[int]]]:
     probed: list[list[list[int]]] = []
 
     class Syncer:
-        def __init__(self, *args, versions, engine, probe, report, watchdog) -> None:  # noqa: ANN002
+        def __init__(self, *args, versions, engine, probe, report, watchdog, base_digests) -> None:  # noqa: ANN002
             self.versions, self.with_engine = versions, None
 
         def check_engine(self) -> None:
@@ -264,7 +264,7 @@ def test_the_parity_probe_scores_the_configured_tasks_prompts(tmp_path: Path, mo
     cfg = job_config_from(DEBUG_LORA + GRPO_JSONL + f'[task]\npath = "{path}"\n' + PROBED_JSONL)
     (tmp_path / "config.json").write_text("{}")
     probed = _fake_sync(monkeypatch)
-    built = types.SimpleNamespace(hf_dir=str(tmp_path), model=None, sd_adapter=None, tied=True)
+    built = types.SimpleNamespace(hf_dir=str(tmp_path), model=None, sd_adapter=None, tied=True, peft_layout=None)
     compose.build_sync(cfg, None, built, torch.device("cpu"), compose.EngineSide(), check_plugins(cfg))
     texts = ["".join(map(chr, s)) for s in probed[0]]
     task = configured_task(cfg)
@@ -304,7 +304,7 @@ def test_the_file_is_read_once_for_the_objective_and_the_probe(tmp_path: Path, m
     assert isinstance(task, JsonlTask) and reads == [str(path)], "checked before the run, and handed to it"
     probed = _fake_sync(monkeypatch)
     monkeypatch.setattr(compose, "GRPOObjective", lambda grpo, task, *args: task)
-    built = types.SimpleNamespace(hf_dir=str(tmp_path), model=None, sd_adapter=None, tied=True)
+    built = types.SimpleNamespace(hf_dir=str(tmp_path), model=None, sd_adapter=None, tied=True, peft_layout=None)
     compose.build_sync(cfg, None, built, torch.device("cpu"), compose.EngineSide(), task)
     dims = types.SimpleNamespace(get_optional_mesh=lambda name: None)
     assert compose.build_objective(cfg, str(tmp_path), dims, torch.device("cpu"), None, None, task) is task

@@ -92,6 +92,10 @@ class ReceiverService:
                 "max_lora_rank": self.max_lora_rank, "max_loras": self.max_loras, "target_modules": None,
                 "adapters": sorted(self.adapters), **frames}
 
+    def base_digests(self, _: dict) -> dict:
+        """No record: the receiver loads no checkpoint of its own, so the trainer sends it the whole base."""
+        return {"dtype": None, "digests": {}}
+
     def live(self, req: dict) -> dict:
         """A no-op on the transfer path: answers once no transfer holds it, or 504 after `timeout_s`."""
         timeout_s = float(req.get("timeout_s", DEFAULT_LIVE_TIMEOUT_S))
@@ -193,7 +197,8 @@ def build_server(argv: list[str] | None = None, frames: bool = False,
             torch.cuda.set_device(device)
         device = torch.device("cuda", torch.cuda.current_device())
     service = ReceiverService(args.max_lora_rank, args.max_loras, device)
-    routes = {op: _on_device(getattr(service, op), device) for op in protocol.TRANSFER_ROUTES}
+    served = (*protocol.TRANSFER_ROUTES, protocol.BASE_DIGESTS)  # digests: none (it loads no checkpoint)
+    routes = {op: _on_device(getattr(service, op), device) for op in served}
     handler = make_handler(routes, args.api_key, args.max_body_mb * 2**20, args.peer_deadline_s,
                            args.idle_timeout_s)
     server = FrontServer((args.host, args.port), handler, args.max_connections)

@@ -45,7 +45,8 @@ BASE_VERIFIED = "base_verified"
 """The trainer found the engine's own base equal to its own, digest for digest: record it as ours (the
 base version INFO reports) without a transfer."""
 VERIFY_ROUTES = (BASE_DIGESTS, BASE_VERIFIED)
-"""What an engine that loads the base itself serves (vLLM), so the trainer verifies instead of pushing."""
+"""What an engine that loads the base itself serves (vLLM), so the trainer verifies instead of pushing; the
+receiver serves BASE_DIGESTS alone, with no digests (it loads no checkpoint: it gets the whole base)."""
 
 TRANSFER_ROUTES = (INFO, LIVE, BUCKET, BASE, UNLOAD)
 """What every engine that takes buckets serves."""
