@@ -20,7 +20,7 @@ from titan_lora.transfer.digest import tensor_digest
 logger = logging.getLogger("titan_lora.engine")
 _lock = threading.Lock()
 _digests: dict[str, str] = {}
-_dtype: list[torch.dtype] = []  # the dtype of the last load
+_loaded_dtype: torch.dtype | None = None  # the dtype of the last load
 
 
 def _device() -> torch.device:
@@ -33,19 +33,15 @@ def record(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
     if not tensor.is_floating_point():
         return  # not a base weight titan_lora sends (quantisation scales, indices)
     digest = tensor_digest(name, tensor.to(device=_device(), dtype=dtype))
+    global _loaded_dtype
     with _lock:
         _digests[name] = digest
-        _dtype[:] = [dtype]
-
-
-def forget() -> None:
-    """Drop the record (a base load is starting afresh)."""
-    with _lock:
-        _digests.clear()
+        _loaded_dtype = dtype
 
 
 def recorded() -> dict:
     """The record: the dtype and the digest of every tensor loaded so far (empty: nothing was loaded from a
     checkpoint, e.g. `--load-format dummy`)."""
     with _lock:
-        return {"dtype": str(_dtype[0]).removeprefix("torch.") if _dtype else None, "digests": dict(_digests)}
+        dtype = None if _loaded_dtype is None else str(_loaded_dtype).removeprefix("torch.")
+        return {"dtype": dtype, "digests": dict(_digests)}
