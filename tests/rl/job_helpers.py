@@ -35,12 +35,14 @@ def short_config(tmp: Path, steps: int) -> Path:
                           eval_size=6, eval_every=2, parity_every=1, steps=steps, enable="false")
 
 
-def launch(config: Path, log: Path) -> subprocess.Popen:
-    """torchrun the job in its own process group (so a kill takes the engine down too)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "titan_lora.train",
+def launch(config: Path, log: Path, entry: tuple[str, ...] = ("-m", "titan_lora.train"),
+           env: dict[str, str] | None = None) -> subprocess.Popen:
+    """torchrun the job (`entry`: the module, or a script wrapping it) in its own process group (so a kill
+    takes the engine down too), with `env` added to the environment."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", *entry,
            "--job.config_file", str(config)]
     return subprocess.Popen(cmd, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
 
 
 def kill_tree(pid: int) -> None:
