@@ -3,7 +3,7 @@ do) and in the async loop, same seed and steps, one after the other on this mach
 
     python scripts/bench_loop.py                      # the main job: 2 ranks, 40 steps, seeds 0 and 1
     python scripts/bench_loop.py --nproc 1 --steps 12 --seeds 0 --eval-every 0
-    python scripts/bench_loop.py --nproc 1 --pin ...  # trainer on core 0, the engine's kernels on core 1
+    python scripts/bench_loop.py --nproc 1 --pin ...  # trainer on core 0, the engine's processes on core 1
     python scripts/bench_loop.py --steps 4 --seeds 0  # a smoke run
 
 Per run it prints steps per hour (over steps 2..N: step 1 includes the engine's warm-up), the held-out
@@ -22,6 +22,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -29,6 +30,49 @@ from plot_run import read_scalars
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "train_configs/smollm2_grpo_arith.toml"
+
+
+class CorePinner:
+    """Keeps every thread of the job on its side's cores until stopped: the trainer's ranks (and their
+    threads: rank 0's producer too) on cores 0..N-1, the whole engine process tree (API server, engine core,
+    its kernels) on core N. A `taskset` of the job alone would leave the engine's processes, which inherit
+    rank 0's mask, on the trainer's core, and vLLM binds only its kernel threads."""
+
+    def __init__(self, root: int, nproc: int) -> None:
+        self.root, self.trainer, self.engine = root, set(range(nproc)), {nproc}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _cores(self, proc) -> set[int]:  # noqa: ANN001 (a psutil.Process)
+        for p in [proc, *proc.parents()]:
+            if p.pid == self.root:
+                return self.trainer
+            if "titan_lora.engines" in " ".join(p.cmdline()):
+                return self.engine
+        return self.trainer
+
+    def _run(self) -> None:
+        import psutil  # noqa: PLC0415
+
+        while not self._stop.wait(0.25):
+            try:
+                procs = psutil.Process(self.root).children(recursive=True)
+            except psutil.NoSuchProcess:
+                return
+            for proc in procs:
+                try:
+                    cores = self._cores(proc)
+                    for thread in proc.threads():
+                        if os.sched_getaffinity(thread.id) != cores:
+                            os.sched_setaffinity(thread.id, cores)
+                except (psutil.Error, OSError):
+                    continue  # it ended meanwhile
+
+    def stop(self) -> None:
+        """Stop pinning (the job has ended)."""
+        self._stop.set()
+        self._thread.join()
 
 
 def run_job(loop: str, seed: int, args: argparse.Namespace, out: Path) -> dict[str, float]:
@@ -40,13 +84,16 @@ def run_job(loop: str, seed: int, args: argparse.Namespace, out: Path) -> dict[s
            f"--grpo.eval_every={args.eval_every}", "--lora.export_dir="]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if args.pin:  # the trainer's ranks one core each (0..N-1), the engine's kernels the next core
-        cmd = ["taskset", "-c", f"0-{args.nproc - 1}", *cmd]
         env |= {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": str(args.nproc)}
     started = time.monotonic()
     with open(out / f"{dump.name}.log", "w") as log:
         print(f"  {loop} loop, seed {seed}, {args.nproc} rank(s), {args.steps} steps{', pinned' if args.pin else ''}:"
               f" {' '.join(cmd)}", flush=True)
-        rc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+        job = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+        pinner = CorePinner(job.pid, args.nproc) if args.pin else None
+        rc = job.wait()
+        if pinner is not None:
+            pinner.stop()
     if rc:
         sys.exit(f"the {loop} run failed (rc {rc}); see {out / f'{dump.name}.log'}")
     tags = {tag: dict(points) for tag, points in read_scalars(str(dump / "tb")).items()}
@@ -92,8 +139,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--eval-every", type=int, default=10, help="held-out eval period (0: never)")
     parser.add_argument("--pin", action="store_true",
-                        help="one core per trainer rank and the next one for the engine's kernels (taskset, "
-                             "OMP_NUM_THREADS=1, VLLM_CPU_OMP_THREADS_BIND); needs nproc + 1 cores")
+                        help="one core per trainer rank and the next one for the engine's processes (every thread "
+                             "pinned as it appears, OMP_NUM_THREADS=1, VLLM_CPU_OMP_THREADS_BIND); needs nproc + 1 cores")
     parser.add_argument("--out", type=Path, default=REPO / "outputs/bench_loop")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
