@@ -37,11 +37,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_load import SHAPES, job_toml, write_checkpoint  # noqa: E402
+from bench_load import SHAPES, job_toml, model_on_rank, reset_peak_rss, status_bytes, write_checkpoint  # noqa: E402
 from plot_run import read_scalars  # noqa: E402
+
+from titan_lora.models.load import load_base_weights  # noqa: E402
+from titan_lora.models.smollm2 import pretrained_dir  # noqa: E402
 
 GiB = 1 << 30
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
@@ -50,8 +54,6 @@ PROCESSES = {"titan_lora.train": "rank", "titan_lora.engines.receiver": "receive
 
 def tokenizer_dir() -> Path:
     """SmolLM2's tokenizer (its ids fit any Llama-3 vocabulary): the GRPO task's prompts need one."""
-    from titan_lora.models.smollm2 import pretrained_dir  # noqa: PLC0415 (after sys.path is set)
-
     return pretrained_dir(need_weights=False)
 
 
@@ -156,25 +158,7 @@ def run_job(args: argparse.Namespace, hf_dir: Path, out: Path) -> dict:
 
 def _baseline_rank(rank: int, world: int, port: int, hf_dir: Path, device_type: str, out: Path) -> None:
     """The old way's host copy of the base on rank 0, and the link floor, on fresh ranks."""
-    import dataclasses  # noqa: PLC0415
-
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: PLC0415
-
-    from titan_lora.models.load import load_base_weights  # noqa: PLC0415
-    from titan_lora.trainer.build import build_model  # noqa: PLC0415
-    from titan_lora.trainer.distributed import build_parallel_dims  # noqa: PLC0415
-    from titan_lora.trainer.job_config import job_from_toml  # noqa: PLC0415
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world))
-    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
-                            device_id=device if device.type == "cuda" else None)
-    cfg, resolved = job_from_toml(job_toml(hf_dir, 1))
-    built = build_model(cfg, build_parallel_dims(cfg.parallelism, world, device), device,
-                        dataclasses.replace(resolved, load_pretrained=False))
+    built, device = model_on_rank(rank, world, port, hf_dir, device_type, tp=1)
     load_base_weights(built.model, hf_dir, built.sd_adapter, built.tied)
     base_bytes = sum(p.numel() * 2 for n, p in built.model.named_parameters() if "lora_" not in n)  # bf16
     flat = torch.empty(base_bytes // 2 // world, dtype=torch.bfloat16, device=device)
@@ -186,8 +170,8 @@ def _baseline_rank(rank: int, world: int, port: int, hf_dir: Path, device_type: 
         torch.cuda.synchronize(device)
     floor_s = time.perf_counter() - t0
     del whole, flat
-    before = _vm("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")
+    before = status_bytes("VmRSS")
+    reset_peak_rss()
     dist.barrier()
     t0 = time.perf_counter()
     state = get_model_state_dict(built.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -195,14 +179,9 @@ def _baseline_rank(rank: int, world: int, port: int, hf_dir: Path, device_type: 
     state = {k: v for k, v in state.items() if "lora_" not in k}
     held = sum(v.numel() * v.element_size() for v in state.values())
     (out / f"baseline-{rank}.json").write_text(json.dumps({"floor_s": floor_s, "copy_s": copy_s, "held": held,
-                                                           "peak": _vm("VmHWM"), "before": before}))
+                                                           "peak": status_bytes("VmHWM"), "before": before}))
     dist.barrier()
     dist.destroy_process_group()
-
-
-def _vm(field: str) -> int:
-    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field + ":"))
-    return int(line.split()[1]) * 1024
 
 
 def run_baseline(args: argparse.Namespace, hf_dir: Path, out: Path) -> dict:

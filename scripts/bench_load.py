@@ -131,12 +131,12 @@ disable_loss_parallel = {str(tp > 1).lower()}
 """
 
 
-def _status_bytes(field: str) -> int:
+def status_bytes(field: str) -> int:
     line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field + ":"))
     return int(line.split()[1]) * 1024  # kB
 
 
-def _reset_peak_rss() -> bool:
+def reset_peak_rss() -> bool:
     """Reset this process's peak RSS (VmHWM) to its RSS now (Linux >= 4.0); False where refused."""
     try:
         Path("/proc/self/clear_refs").write_text("5")
@@ -145,8 +145,9 @@ def _reset_peak_rss() -> bool:
     return True
 
 
-def _rank(rank: int, world: int, port: int, hf_dir: Path, path: str, device_type: str, tp: int,
-          out: Path) -> None:
+def model_on_rank(rank: int, world: int, port: int, hf_dir: Path, device_type: str, tp: int):  # noqa: ANN201
+    """Join the process group as `rank` and build the job's model on the checkpoint's shape, weights not
+    loaded; (the built model, its device)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world))
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
@@ -156,9 +157,14 @@ def _rank(rank: int, world: int, port: int, hf_dir: Path, path: str, device_type
                             device_id=device if device.type == "cuda" else None)
     cfg, resolved = job_from_toml(job_toml(hf_dir, tp))
     dims = build_parallel_dims(cfg.parallelism, world, device)
-    built = build_model(cfg, dims, device, dataclasses.replace(resolved, load_pretrained=False))
-    before = _status_bytes("VmRSS")
-    reset = _reset_peak_rss()
+    return build_model(cfg, dims, device, dataclasses.replace(resolved, load_pretrained=False)), device
+
+
+def _rank(rank: int, world: int, port: int, hf_dir: Path, path: str, device_type: str, tp: int,
+          out: Path) -> None:
+    built, device = model_on_rank(rank, world, port, hf_dir, device_type, tp)
+    before = status_bytes("VmRSS")
+    reset = reset_peak_rss()
     dist.barrier()
     t0 = time.perf_counter()
     if path == "old":
@@ -168,7 +174,7 @@ def _rank(rank: int, world: int, port: int, hf_dir: Path, path: str, device_type
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
-    peak = _status_bytes("VmHWM")  # since the reset: the load's own peak (else since the process began)
+    peak = status_bytes("VmHWM")  # since the reset: the load's own peak (else since the process began)
     (out / f"{path}-{rank}.json").write_text(json.dumps({"seconds": seconds, "peak": peak, "before": before,
                                                          "reset": reset}))
     dist.barrier()  # leave together (a rank tearing gloo down early aborts its peer)
