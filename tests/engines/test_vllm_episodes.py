@@ -3,7 +3,8 @@ the real `openai` client and an in-process trainer's syncer.
 
 One engine serves the module, started with a bound of MAX_EPISODES episodes; the tests run in file order:
 a 3-turn calculator episode with tool messages between the turns and a version published after its first
-turn; a turn whose prompt does not extend the episode; an episode nobody fetches, freed by the bound.
+turn; a turn whose prompt does not extend the episode; a turn after the episode's version was retired; an
+episode nobody fetches, freed by the bound.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import openai
 import pytest
 from model_helpers import SMOLLM2_LORA, build_from, job_config_from, randomize_adapters
 from vllm_helpers import CPU, PARITY_TOL, syncer_into, vllm_engine
+from wait_helpers import waited
 
 from titan_lora.clients.episodes import delete_episode, episode_headers, fetch_episode, new_episode_id
 from titan_lora.clients.http import JsonClient
@@ -154,6 +156,25 @@ def test_a_turn_whose_prompt_does_not_extend_the_episode_starts_a_new_segment(ct
     assert_mask_marks_exactly_the_sampled_tokens(record)
     with pytest.raises(UnknownEpisode, match="it was deleted"):
         fetch_episode(ctx.titan, episode)
+
+
+def test_a_turn_after_its_version_was_retired_gets_the_404_naming_the_live_ones(ctx: Ctx) -> None:
+    """Nothing holds an episode's version between its turns: once it falls out of the trainer's window,
+    the next turn gets the 404 of any retired version (the loop's straggler case), not a newer version."""
+    episode = new_episode_id()
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    first = ctx.turn(episode, "policy", messages, max_tokens=4)
+    assert first.model == "policy-v2"
+    ctx.sync(3)
+    ctx.sync(4)  # keep_versions = 2: v2 is retired
+    live = lambda: sorted(ctx.titan.post("/titan/info")["adapters"])  # noqa: E731
+    assert waited(lambda: live() == ["policy-v3", "policy-v4"], 60), live()
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "tool", "tool_call_id": "call0", "content": "4"}]
+    with pytest.raises(openai.NotFoundError, match="'policy-v2' is not live"):
+        ctx.turn(episode, "policy", messages)
+    record = ctx.fetched(episode)
+    assert (record.model, len(record.turns), record.notes) == ("policy-v2", 1, ())
 
 
 def test_an_episode_nobody_fetches_is_freed_by_the_bound_and_counted(ctx: Ctx) -> None:
