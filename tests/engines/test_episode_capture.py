@@ -9,7 +9,7 @@ import json
 import pytest
 
 from titan_lora.engines.episode_capture import (
-    CHAT_PATH, EpisodeRefused, episode_of, prepare_turn, recording_send, turn_of)
+    CHAT_PATH, EpisodeRefused, episode_of, merged_stream, prepare_turn, recording_send, turn_of)
 from titan_lora.engines.episode_log import EpisodeLog, Pin
 from titan_lora.engines.episode_store import EpisodeStore
 from titan_lora.transfer import protocol
@@ -66,7 +66,6 @@ def test_a_later_turn_that_asks_for_another_model_is_refused() -> None:
 
 @pytest.mark.parametrize(("path", "body", "why"), [
     ("/v1/completions", {"model": "m"}, "captured on /v1/chat/completions only"),
-    (CHAT_PATH, {"model": "m", "stream": True}, "send stream=false"),
     (CHAT_PATH, {"model": "m", "n": 4}, "n must be 1 \\(got 4\\)"),
 ])
 def test_turns_that_cannot_be_captured_are_refused(path: str, body: dict, why: str) -> None:
@@ -86,7 +85,33 @@ def test_the_turn_a_response_carries() -> None:
         turn_of(json.dumps(hidden).encode())
 
 
-def run_send(status: int, chunks: list[bytes], store: EpisodeStore) -> list[tuple[str, int]]:
+def sse(events: list[dict]) -> bytes:
+    """Events as vLLM streams them."""
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+
+
+def streamed_reply() -> bytes:
+    """`vllm_reply()` as vLLM streams it: the prompt ids on the first chunk, ids and log-probs in deltas,
+    a usage chunk with no choices."""
+    def delta(ids: list[int], lps: list[float], finish: str | None = None) -> dict:
+        return {"index": 0, "delta": {"content": "h"}, "token_ids": ids, "finish_reason": finish,
+                "logprobs": {"content": [{"token": "x", "logprob": lp} for lp in lps]}}
+    return sse([{"model": "policy-v3", "prompt_token_ids": [1, 2, 3], "choices": [delta([], [])]},
+                {"model": "policy-v3", "choices": [delta([7], [-0.25])]},
+                {"model": "policy-v3", "choices": [delta([8, 2], [-0.5, -0.75], "stop")]},
+                {"model": "policy-v3", "choices": [], "usage": {"completion_tokens": 3}}])
+
+
+def test_a_streamed_turn_is_read_from_its_events() -> None:
+    assert turn_of(streamed_reply(), streamed=True) == turn_of(json.dumps(vllm_reply()).encode())
+    with pytest.raises(ValueError, match="the stream ended in an error: .*engine died"):
+        merged_stream(sse([{"model": "m", "choices": []}, {"error": {"message": "engine died"}}]))
+    with pytest.raises(ValueError, match="no events"):
+        merged_stream(b"data: [DONE]\n\n")
+
+
+def run_send(status: int, chunks: list[bytes], store: EpisodeStore,
+             content_type: bytes = b"application/json") -> list[tuple[str, int]]:
     """Send a response through `recording_send`; for each message sent on, its type and the turns the
     episode had when it went out."""
     seen: list[tuple[str, int]] = []
@@ -97,7 +122,8 @@ def run_send(status: int, chunks: list[bytes], store: EpisodeStore) -> list[tupl
 
     async def respond() -> None:
         wrapped = recording_send(send, store, "e", V3)
-        await wrapped({"type": "http.response.start", "status": status, "headers": []})
+        await wrapped({"type": "http.response.start", "status": status,
+                       "headers": [(b"content-type", content_type)]})
         for i, chunk in enumerate(chunks):
             await wrapped({"type": "http.response.body", "body": chunk, "more_body": i < len(chunks) - 1})
 
@@ -111,6 +137,13 @@ def test_the_turn_is_recorded_before_the_last_chunk_reaches_the_client() -> None
     seen = run_send(200, [raw[:10], raw[10:]], store)
     assert seen == [("http.response.start", 0), ("http.response.body", 0), ("http.response.body", 1)]
     assert store.fetch("e").model == "policy-v3" and store.fetch("e").sampled_ids(0) == [7, 8, 2]
+
+
+def test_a_streamed_response_is_recorded_from_its_events() -> None:
+    store = EpisodeStore()
+    raw = streamed_reply()
+    run_send(200, [raw[:40], raw[40:90], raw[90:]], store, b"text/event-stream; charset=utf-8")
+    assert store.fetch("e").sampled_logprobs(0) == [-0.25, -0.5, -0.75]
 
 
 def test_an_error_response_is_not_a_turn_and_an_unreadable_one_is_noted() -> None:

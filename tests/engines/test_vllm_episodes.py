@@ -3,8 +3,8 @@ the real `openai` client and an in-process trainer's syncer.
 
 One engine serves the module, started with a bound of MAX_EPISODES episodes; the tests run in file order:
 a 3-turn calculator episode with tool messages between the turns and a version published after its first
-turn; a turn whose prompt does not extend the episode; a turn after the episode's version was retired; an
-episode nobody fetches, freed by the bound.
+turn; a turn whose prompt does not extend the episode; a streamed turn; a turn after the episode's
+version was retired; an episode nobody fetches, freed by the bound.
 """
 
 from __future__ import annotations
@@ -156,6 +156,28 @@ def test_a_turn_whose_prompt_does_not_extend_the_episode_starts_a_new_segment(ct
     assert_mask_marks_exactly_the_sampled_tokens(record)
     with pytest.raises(UnknownEpisode, match="it was deleted"):
         fetch_episode(ctx.titan, episode)
+
+
+def test_a_streamed_turn_is_captured_like_any_other(ctx: Ctx) -> None:
+    episode = new_episode_id()
+    messages = first_messages(Problem("What is 31 * 3?", 93))
+    stream = ctx.api.chat.completions.create(model="policy", messages=messages, max_tokens=12, temperature=0,
+                                             stream=True, extra_headers=episode_headers(episode))
+    text, ids, logprobs, served = "", [], [], set()
+    for chunk in stream:
+        served.add(chunk.model)
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            ids += getattr(choice, "token_ids", None) or []  # vLLM's field; absent on the role chunk
+            logprobs += [c.logprob for c in (choice.logprobs.content if choice.logprobs else None) or []]
+    messages += [{"role": "assistant", "content": text},
+                 {"role": "tool", "tool_call_id": "call0", "content": "Calculator result: 93"}]
+    second = ctx.turn(episode, "policy", messages, max_tokens=8)
+    record = ctx.fetched(episode)
+    assert served == {second.model, record.model} and len(record.segments) == 1
+    assert record.sampled_ids(0) == ids and record.sampled_logprobs(0) == pytest.approx(logprobs)
+    assert record.prompt_ids(1) == ctx.rendered(record.model, messages) == second.prompt_token_ids
+    assert_mask_marks_exactly_the_sampled_tokens(record)
 
 
 def test_a_turn_after_its_version_was_retired_gets_the_404_naming_the_live_ones(ctx: Ctx) -> None:
