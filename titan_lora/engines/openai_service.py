@@ -1,6 +1,7 @@
 """The `/titan/*` transfer routes inside vLLM's OpenAI server: INFO, BUCKET, BASE, UNLOAD, BASE_DIGESTS and
-BASE_VERIFIED (the base is verified instead of pushed), and ADAPTER_FROM_PATH (the `vllm-disk` baseline:
-vLLM's own loader reads a PEFT directory).
+BASE_VERIFIED (the base is verified instead of pushed), ADAPTER_FROM_PATH (the `vllm-disk` baseline:
+vLLM's own loader reads a PEFT directory), and EPISODE and DELETE_EPISODE (the episodes `episode_capture`
+records, kept in `episodes`).
 
 Same requests and acks as the receiver's. Every engine call is a `collective_rpc` to the worker
 extension (`vllm_ext`) of every worker of every data-parallel engine core (`vllm_compat.collective_rpc_all`),
@@ -21,8 +22,10 @@ from typing import Any
 
 from titan_lora.engines import vllm_compat as compat
 from titan_lora.engines.adapter_table import AdapterTable
+from titan_lora.engines.episode_store import EpisodeLimits, EpisodeStore
 from titan_lora.transfer import protocol
 from titan_lora.transfer.buckets import LayoutCache
+from titan_lora.transfer.episodes import check_episode_id
 from titan_lora.transfer.errors import check_name
 
 REPLACE_TIMEOUT_S = 30.0
@@ -41,6 +44,7 @@ class TitanService:
         self.nonce = os.environ.get(protocol.NONCE_ENV, "")
         self.base_version: int | None = None
         self.table = AdapterTable()
+        self.episodes = EpisodeStore(EpisodeLimits.from_env(os.environ))
         # The bucket layouts the workers hold, kept as each worker's `LayoutCache` keeps them (same checks,
         # same bound, same requests in the same order), so that one they dropped is answered 409 here.
         self._layouts = LayoutCache()
@@ -60,7 +64,8 @@ class TitanService:
         """Identity, base state, live adapters, the alias of each, requests in flight and LoRA limits."""
         return {**protocol.incarnation_fields(self.incarnation, self.base_version), "nonce": self.nonce,
                 "model": self.model, "adapters": self.table.names(),
-                "aliases": self.table.aliases(), "in_flight": self.table.in_flight(), **self.limits}
+                "aliases": self.table.aliases(), "in_flight": self.table.in_flight(),
+                "episodes": self.episodes.stats(), **self.limits}
 
     async def live(self, req: dict) -> dict:
         """A no-op `collective_rpc` to every worker of every engine core, within `timeout_s` (504 past it):
@@ -124,6 +129,14 @@ class TitanService:
         self.table.add(name, version, lora_id)
         compat.serve_adapter(self.models, name, lora_id, path)
         return {**describe_safetensors(weights), "name": name, "version": version}
+
+    async def episode(self, req: dict) -> dict:
+        """The record of episode `episode_id` (404 when not held: `UnknownEpisode` says why)."""
+        return self.episodes.fetch(check_episode_id(req.get("episode_id"))).to_json()
+
+    async def delete_episode(self, req: dict) -> dict:
+        """Drop episode `episode_id`; whether it was held."""
+        return {"deleted": self.episodes.delete(check_episode_id(req.get("episode_id")))}
 
     async def base(self, req: dict) -> dict:
         """Install the staged transfer as the base weights; cached KV came from the old ones."""

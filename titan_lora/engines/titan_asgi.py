@@ -7,6 +7,8 @@
   versioned name of the newest version, resolved now, and the request holds a lease on the version it
   runs on until its response (streamed or not) is over; a version that is no longer live gets a 404
   that says which ones are. Names that are not ours go to vLLM untouched.
+- a chat completion that names an episode (`protocol.EPISODE_HEADER`) is a turn of it, pinned to the
+  episode's version and recorded token by token (`episode_capture`).
 - at shutdown (SIGTERM, SIGINT), before vLLM stops its engine, every worker unmaps the trainer's buffers
   (`vllm_compat.run_before_shutdown`: vLLM stops the engine before the ASGI lifespan ends).
 """
@@ -23,15 +25,19 @@ from typing import Any
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 
+from titan_lora.engines import episode_capture
 from titan_lora.engines import vllm_compat as compat
+from titan_lora.engines.episode_log import Pin
 from titan_lora.engines.openai_service import TitanService
 from titan_lora.transfer import protocol
 from titan_lora.transfer.buckets import UnknownLayout
+from titan_lora.transfer.episodes import UnknownEpisode
 
 logger = logging.getLogger("titan_lora.engine")
 MAX_BODY_BYTES = 64 * 2**20
 RELEASE_TIMEOUT_S = 20.0  # below the 30 s a launcher waits after SIGTERM before it kills
-ROUTES = (*protocol.TRANSFER_ROUTES, *protocol.VERIFY_ROUTES, protocol.ADAPTER_FROM_PATH)
+ROUTES = (*protocol.TRANSFER_ROUTES, *protocol.VERIFY_ROUTES, protocol.ADAPTER_FROM_PATH,
+          *protocol.EPISODE_ROUTES)
 
 
 def _error(code: int, message: str, err_type: str = "BadRequestError", param: str | None = None) -> JSONResponse:
@@ -156,6 +162,8 @@ class TitanRoutes:
             return JSONResponse(await getattr(service, route)(body))
         except UnknownLayout as err:
             return JSONResponse({"error": f"UnknownLayout: {err}"}, status_code=409)
+        except UnknownEpisode as err:
+            return JSONResponse({"error": f"UnknownEpisode: {err}"}, status_code=404)
         except TimeoutError as err:
             return JSONResponse({"error": f"TimeoutError: {err}"}, status_code=504)
         except (KeyError, ValueError) as err:
@@ -177,17 +185,37 @@ class TitanRoutes:
         except ValueError:
             body = None
         model = body.get("model") if isinstance(body, dict) else None
-        service = await self._get_service(scope) if isinstance(model, str) else None
-        served = service.table.resolve(model) if service is not None else None
-        if served is None:
-            why = service.table.not_served(model) if service is not None else None
-            if why is not None:
-                return await _error(404, why, "NotFoundError", "model")(scope, receive, send)
+        try:
+            episode = episode_capture.episode_of(scope)
+            if episode is not None and not isinstance(model, str):
+                raise episode_capture.EpisodeRefused(
+                    400, "a turn of an episode is a JSON object that names its model")
+        except episode_capture.EpisodeRefused as err:
+            return await _error(err.code, str(err))(scope, receive, send)
+        if not isinstance(model, str):
             return await self.app(scope, _replay(raw, receive), send)
-        if served.name != model:
-            raw = json.dumps({**body, "model": served.name}).encode()
+        service = await self._get_service(scope)
+        if episode is not None:
+            try:  # from the pin's lookup to the lease below there is no await: no sync moves it between
+                body = episode_capture.prepare_turn(scope["path"].removeprefix(scope.get("root_path", "")),
+                                                    body, service.episodes.get(episode))
+            except episode_capture.EpisodeRefused as err:
+                return await _error(err.code, str(err))(scope, receive, send)
+            model = body["model"]
+        served = service.table.resolve(model)
+        why = service.table.not_served(model) if served is None else None
+        if why is not None:
+            return await _error(404, why, "NotFoundError", "model")(scope, receive, send)
+        name = served.name if served is not None else model  # not ours (the base model): vLLM decides
+        if episode is not None:
+            pin = Pin(name, served.alias, served.version) if served is not None else Pin(name, None, None)
+            send = episode_capture.recording_send(send, service.episodes, episode, pin)
+        if name != body["model"] or episode is not None:
+            raw = json.dumps({**body, "model": name}).encode()
             headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
             scope = {**scope, "headers": [*headers, (b"content-length", str(len(raw)).encode())]}
+        if served is None:
+            return await self.app(scope, _replay(raw, receive), send)
         async with service.table.lease(served.name):  # taken with no await after the lookup
             await self.app(scope, _replay(raw, receive), send)
 

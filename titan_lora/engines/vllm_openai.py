@@ -10,7 +10,8 @@ adapter version (`model="<lora_name>-v<step>"`, or `model="<lora_name>"` for the
 
 Secrets come by environment, never argv (`ps` shows argv): TITAN_LORA_API_KEY becomes vLLM's
 `--api-key`, which then guards `/v1/*` and `/titan/*` alike; TITAN_LORA_ENGINE_NONCE is echoed by
-`/titan/info`. The fault-injection variables of `titan_lora.engines.transfers` apply as well.
+`/titan/info`. The fault-injection variables of `titan_lora.engines.transfers` apply as well, and the
+episode bounds of `titan_lora.engines.episode_store`.
 
 It refuses to start, before vLLM parses its flags or loads a model, on a vLLM release titan_lora was not
 tested with, unless TITAN_LORA_ALLOW_UNTESTED_VLLM=1 (`titan_lora.transfer.vllm_release`).
@@ -24,6 +25,7 @@ import os
 from collections.abc import MutableMapping
 
 from titan_lora.engines import vllm_compat as compat
+from titan_lora.engines.episode_store import EpisodeLimits
 from titan_lora.engines.lifetime import die_with_spawning_parent
 from titan_lora.transfer import protocol
 
@@ -114,6 +116,10 @@ def main(argv: list[str] | None = None) -> None:
     refusal = compat.version_refusal()
     if refusal is not None:
         raise SystemExit(refusal)
+    try:
+        EpisodeLimits.from_env(os.environ)  # refused now, not at the first request that needs them
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
     _log_titan_lines()
     args = parse_args(argv)
     keep_cpu_worker_in_engine_core(args, os.environ)  # read by the engine core vLLM spawns

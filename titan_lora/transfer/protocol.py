@@ -48,6 +48,16 @@ VERIFY_ROUTES = (BASE_DIGESTS, BASE_VERIFIED)
 """What an engine that loads the base itself serves (vLLM), so the trainer verifies instead of pushing; the
 receiver serves BASE_DIGESTS alone, with no digests (it loads no checkpoint: it gets the whole base)."""
 
+EPISODE_HEADER = "X-Titan-Episode"
+"""A chat completion with this header (an id, `episodes.check_episode_id`) is a turn of that episode: the
+engine records its token ids and log-probs and runs it on the episode's version (`transfer.episodes`)."""
+EPISODE = "episode"
+"""The record of one episode, {episode_id} -> `EpisodeRecord.to_json()`; 404 when the engine holds none."""
+DELETE_EPISODE = "delete_episode"
+"""Drop one episode the trainer has fetched, {episode_id} -> {deleted: bool}."""
+EPISODE_ROUTES = (EPISODE, DELETE_EPISODE)
+"""What an engine that serves the OpenAI chat API itself serves (vLLM); INFO then reports `episodes`."""
+
 TRANSFER_ROUTES = (INFO, LIVE, BUCKET, BASE, UNLOAD)
 """What every engine that takes buckets serves."""
 FRAMED_ROUTES = (BUCKET, BASE, UNLOAD)
