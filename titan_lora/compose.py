@@ -21,6 +21,8 @@ from titan_lora.clients.replica_set import Replica, ReplicaSet
 from titan_lora.clients.rollout import RolloutClient
 from titan_lora.clients.router import RolloutRouter
 from titan_lora.config import GRPO, Engine, WeightSync, attached_urls
+from titan_lora.rl.agent_objective import AgentObjective, check_agent_config
+from titan_lora.rl.agent_task import is_agent_task
 from titan_lora.rl.objective import GRPOObjective
 from titan_lora.rl.producer import ProducerState
 from titan_lora.rl.rewards import get_reward
@@ -224,6 +226,8 @@ def check_plugins(job_config) -> Task | None:  # noqa: ANN001
         return None
     task = configured_task(job_config)
     task.problems(1, 0)
+    if job_config.grpo.enabled and is_agent_task(task):
+        check_agent_config(job_config.grpo)
     if job_config.grpo.enabled and job_config.grpo.reward:
         get_reward(job_config.grpo.reward)
     return task
@@ -240,6 +244,9 @@ def build_objective(job_config, hf_dir: str, dims, device: torch.device, metrics
     if job_config.grpo.enabled:
         resume = ProducerState(**data_state) if data_state else None
         record = os.path.join(job_config.job.dump_folder, "rollouts.jsonl")
+        if is_agent_task(task):
+            return AgentObjective(job_config.grpo, task, tokenizer, engine, dp, device, metrics,
+                                  job_config.training.seq_len, record)
         return GRPOObjective(job_config.grpo, task, tokenizer, engine, dp, device, metrics, resume, record)
     training = job_config.training
     global_batch = training.global_batch_size

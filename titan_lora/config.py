@@ -157,7 +157,7 @@ class GRPO:
     group_size: int = 8
     """Samples per prompt; advantages are normalised within each group."""
     max_new_tokens: int = 8
-    """Longest completion sampled per rollout, in tokens."""
+    """Longest completion sampled per rollout, in tokens (calculator_agent: per turn)."""
     temperature: float = 1.0
     """Sampling temperature of the rollouts (1.0: the policy as trained)."""
     kl_coef: float = 0.0
@@ -172,8 +172,8 @@ class GRPO:
     """Cap of the importance weight pi_current / pi_behaviour (the engine's log-probs) that corrects a sample
     drawn under an older version (decoupled PPO with truncated importance sampling)."""
     task: str = "arith"
-    """A registered task (arith, reverse, jsonl, word_problems) or `package.module:factory`; its options
-    are the `[task]` section (docs/extending.md)."""
+    """A registered task (arith, reverse, jsonl, word_problems, calculator_agent) or `package.module:factory`;
+    its options are the `[task]` section (docs/extending.md). An agent task (docs/agents.md) runs episodes."""
     reward: str = ""
     """Empty: the task's own reward; else a registered reward name or `package.module:function`."""
     task_digits: int = 1

@@ -49,8 +49,8 @@ def test_a_registered_task_and_a_task_by_path(monkeypatch: pytest.MonkeyPatch) -
 def test_an_unknown_task_names_the_known_ones() -> None:
     with pytest.raises(ValueError) as err:
         build_task(GRPO(task="arithmetic"))
-    assert str(err.value) == ("[grpo] task = 'arithmetic' is not registered; known: arith, jsonl, reverse, "
-                              "word_problems (or `package.module:attribute` for a plug-in)")
+    assert str(err.value) == ("[grpo] task = 'arithmetic' is not registered; known: arith, calculator_agent, "
+                              "jsonl, reverse, word_problems (or `package.module:attribute` for a plug-in)")
 
 
 class ChatTokenizer:

@@ -24,7 +24,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from titan_lora.clients.base import Endpoint
-from titan_lora.clients.http import ApiKey
+from titan_lora.clients.http import ApiKey, JsonClient
 from titan_lora.clients.rollout import Completion
 from titan_lora.config import WeightSync
 from titan_lora.transfer.errors import EngineHung, EngineUnreachable, TransferError
@@ -85,6 +85,10 @@ class OpenAIRolloutClient:
         engine gets a new one at each start)."""
         self._client.api_key = self._key.value or "none"
         return self._client
+
+    def episode_routes(self) -> JsonClient:
+        """A client of the engine's `/titan` routes (episode records), with this client's key and timeout."""
+        return JsonClient(self._url.removesuffix("/v1"), self._key, self.timeout_s)
 
     def interrupt(self, reason: str) -> None:
         """Fail every call waiting now with EngineHung (`reason`: the engine was found wedged). Their

@@ -33,7 +33,8 @@ logger = logging.getLogger(__name__)
 
 
 def completion_batch(samples: list[Sample], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(inputs [N, T], labels [N, T], mask [N, T]) with mask 1 where a label is a completion token."""
+    """(inputs [N, T], labels [N, T], mask [N, T]) with mask 1 where a label is a completion token the
+    policy sampled (`Sample.completion_mask`: an episode's tool and template tokens are 0)."""
     seqs = [s.prompt_ids + s.completion_ids for s in samples]
     width = max(len(q) for q in seqs) - 1
     inputs = torch.full((len(seqs), width), pad_id, dtype=torch.long)
@@ -42,7 +43,8 @@ def completion_batch(samples: list[Sample], pad_id: int) -> tuple[torch.Tensor, 
     for i, (q, s) in enumerate(zip(seqs, samples)):
         inputs[i, : len(q) - 1] = torch.tensor(q[:-1])
         labels[i, : len(q) - 1] = torch.tensor(q[1:])
-        mask[i, len(s.prompt_ids) - 1 : len(q) - 1] = 1.0
+        sampled = s.completion_mask if s.completion_mask is not None else [1] * len(s.completion_ids)
+        mask[i, len(s.prompt_ids) - 1 : len(q) - 1] = torch.tensor(sampled, dtype=mask.dtype)
     return inputs, labels, mask
 
 
@@ -102,11 +104,9 @@ class GRPOObjective:
         self.dp = dp
         self.device = device
         self.metrics_logger = metrics_logger
-        self.reward = get_reward(cfg.reward) if cfg.reward else task.reward
         self.train_problems, self.heldout = train_and_heldout(task, cfg.train_size, cfg.eval_size, cfg.seed)
         self._tokenizing = threading.Lock()  # producer threads encode at once; a fast tokenizer is not reentrant
-        self.encode = lambda p: self._encode(lambda: task_prompt(tokenizer, task, p.question, p.system))
-        self.heldout_ids = [self.encode(p) for p in self.heldout]
+        self._bind_task(task)
         self.stop_ids = [tokenizer.eos_token_id]
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.dropped_stale = 0
@@ -120,6 +120,12 @@ class GRPOObjective:
         if not cfg.rollouts:
             logger.warning("[grpo] rollouts = false: this job runs NO rollouts; samples are the data's own "
                            "answers and scrambled ones, for timing the train + sync step only")
+
+    def _bind_task(self, task: Task) -> None:
+        """The reward and the prompts of a task whose samples are completions of one prompt."""
+        self.reward = get_reward(self.cfg.reward) if self.cfg.reward else task.reward
+        self.encode = lambda p: self._encode(lambda: task_prompt(self.tokenizer, task, p.question, p.system))
+        self.heldout_ids = [self.encode(p) for p in self.heldout]
 
     def _encode(self, prompt: Callable[[], str]) -> list[int]:
         with self._tokenizing:
@@ -198,18 +204,24 @@ class GRPOObjective:
 
         def rollouts() -> list[Sample]:  # runs on rank 0 only
             with self.clock.busy():
-                samples = sample_groups(
-                    self.engine.client, self.engine.versions, problems, [self.encode(p) for p in problems],
-                    self.cfg.group_size, self.cfg.max_new_tokens, self.cfg.temperature, self._seed(step),
-                    self.stop_ids, self.reward)
+                samples = self._draw_step(problems, step)
             self.clock.add_tokens(sum(len(s.completion_ids) for s in samples))
             first = (step - 1) * self.cfg.prompts_per_step
-            for i, s in enumerate(samples):
-                s.group, s.trained_at = first + i // self.cfg.group_size, step
+            for s in samples:
+                s.group, s.trained_at = first + s.group, step
             return samples
 
         # Every rank calls it: a dead engine is restarted and re-synced collectively; failure raises.
         return share(self.engine.call(rollouts, f"rollouts of step {step}"))
+
+    def _draw_step(self, problems: list, step: int) -> list[Sample]:
+        """Rank 0, sync loop: the step's groups, group after group (`Sample.group`: the problem's index)."""
+        samples = sample_groups(self.engine.client, self.engine.versions, problems,
+                                [self.encode(p) for p in problems], self.cfg.group_size, self.cfg.max_new_tokens,
+                                self.cfg.temperature, self._seed(step), self.stop_ids, self.reward)
+        for i, s in enumerate(samples):
+            s.group = i // self.cfg.group_size
+        return samples
 
     def _offline_samples(self, problems: list, step: int) -> list[Sample]:
         out = []
@@ -275,7 +287,7 @@ class GRPOObjective:
         return loss, {
             "loss": float(sums[1]) / tokens, "rl/reward_mean": float(rewards.mean()),
             "rl/reward_std": float(rewards.std(unbiased=False)), "rl/kl": float(sums[2]) / tokens,
-            "rl/response_len": sum(len(s.completion_ids) for s in fresh) / max(len(fresh), 1),
+            "rl/response_len": sum(s.sampled_len for s in fresh) / max(len(fresh), 1),
             "rl/logprob_gap_mean": float(sums[3]) / max(float(sums[5]), 1.0), "rl/logprob_gap_max": float(sums[4]),
             # samples in both loops (the producer counts groups of group_size)
             "rl/dropped_stale": self.dropped_stale + self._producer_count("stale_dropped") * self.cfg.group_size,

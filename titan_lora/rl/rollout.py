@@ -42,6 +42,14 @@ class Sample:
     """The group's place in data order (prompt g % B of step g // B + 1); -1: not from the GRPO loop."""
     trained_at: int | None = None
     """The step that trains it (set when a step takes it)."""
+    completion_mask: list[int] | None = None
+    """1 where the policy sampled the completion token, 0 for context inside it (an episode's tool and template
+    tokens); None: every completion token was sampled."""
+
+    @property
+    def sampled_len(self) -> int:
+        """How many of the completion's tokens the policy sampled (the tokens the loss covers)."""
+        return len(self.completion_ids) if self.completion_mask is None else sum(self.completion_mask)
 
 
 def _cut(text: str) -> str:

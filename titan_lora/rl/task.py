@@ -50,12 +50,13 @@ class Task(Protocol):
 
 
 TaskFactory = Callable[..., Task]
-"""`factory(grpo_section, **task_section) -> Task`."""
+"""`factory(grpo_section, **task_section) -> Task` (or an `agent_task.AgentTask`)."""
 _TASKS: Registry[TaskFactory] = Registry("[grpo] task", "task", {
     "arith": "titan_lora.rl.tasks:arith_task",
     "reverse": "titan_lora.rl.reverse:reverse_task",
     "jsonl": "titan_lora.rl.jsonl:jsonl_task",
     "word_problems": "titan_lora.rl.word:word_problems_task",
+    "calculator_agent": "titan_lora.rl.calculator_agent:calculator_agent_task",
 })
 
 
@@ -117,7 +118,8 @@ def build_task(cfg: GRPO, options: dict[str, Any] | None = None) -> Task:
 
 def task_prompt(tokenizer, task: Task, question: str, system: str = "") -> str:  # noqa: ANN001
     """The question and the task's instruction (and `system`, when given), in the model's chat template."""
-    return chat_prompt(tokenizer, f"{question} {task.instruction}" if task.instruction else question, system)
+    instruction = getattr(task, "instruction", "")  # an agent task has none: its episodes write their own prompts
+    return chat_prompt(tokenizer, f"{question} {instruction}" if instruction else question, system)
 
 
 def train_and_heldout(task: Task, n_train: int, n_heldout: int, seed: int) -> tuple[list[Problem], list[Problem]]:

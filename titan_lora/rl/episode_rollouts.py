@@ -1,0 +1,111 @@
+"""Rank 0, sync loop: the step's groups of agent episodes, run concurrently under one leased version,
+each episode's record fetched from the engine and deleted, scored and turned into samples.
+
+An agent that raises scores 0 (like a failing reward, `Sample.reward_error`) and the turns captured before
+the error are trained; an agent that loses the engine (the `openai` client's connection or timeout errors)
+raises EngineUnreachable or EngineHung instead, so the loop's engine recovery runs and the step is drawn again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from titan_lora.clients.episodes import delete_episode, episode_headers, fetch_episode, new_episode_id
+from titan_lora.clients.http import JsonClient
+from titan_lora.rl.agent_task import AgentTask
+from titan_lora.rl.episode_samples import EpisodeCounts, episode_samples
+from titan_lora.rl.grpo import group_advantages
+from titan_lora.rl.rollout import Sample
+from titan_lora.rl.task import Problem
+from titan_lora.sync.versions import Lease
+from titan_lora.transfer.episodes import EpisodeRecord, UnknownEpisode
+from titan_lora.transfer.errors import EngineHung, EngineUnreachable
+
+logger = logging.getLogger(__name__)
+MAX_EPISODES_AT_ONCE = 32
+"""Episodes in flight at once: each holds one request at a time, and the engine batches them."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """One finished episode: its record (no segments when nothing was captured), reward and whether the
+    agent raised."""
+
+    record: EpisodeRecord
+    reward: float
+    error: bool
+
+
+def _engine_errors(err: Exception) -> Exception | None:
+    """The transfer error the loop recovers from, when `err` is the `openai` client losing the engine."""
+    import openai  # vLLM installs it; an agent task cannot run without it
+
+    if isinstance(err, openai.APITimeoutError):
+        return EngineHung(f"an agent's request got no answer in time: {err}")
+    if isinstance(err, openai.APIConnectionError):
+        return EngineUnreachable(f"an agent lost the engine: {err}")
+    return None
+
+
+def _reward(agent: AgentTask, api: Any, lease: Lease, episode: str, problem: Problem) -> tuple[float, bool]:
+    """(reward, whether the agent failed) of one episode; a lost engine raises."""
+    try:
+        reward = float(agent.run_episode(api, lease.name, episode_headers(episode), problem))
+        if not math.isfinite(reward):
+            raise ValueError(f"run_episode returned {reward}, not a finite number")
+        return reward, False
+    except Exception as err:  # a user's tool loop: one episode must not end the run, a lost engine must recover
+        lost = _engine_errors(err)
+        if lost is not None:
+            raise lost from err
+        logger.warning("episode %s (question %r) failed with %s: %s; it scores 0 and its captured turns are "
+                       "trained", episode, problem.question, type(err).__name__, err, exc_info=True)
+        return 0.0, True
+
+
+def run_one(agent: AgentTask, api: Any, routes: JsonClient, lease: Lease, problem: Problem) -> Outcome:
+    """Run one episode under `lease`, then fetch and delete its record."""
+    episode = new_episode_id()
+    try:
+        reward, error = _reward(agent, api, lease, episode, problem)
+        try:
+            record = fetch_episode(routes, episode)
+        except UnknownEpisode as err:  # no turn carried the headers, or the engine's bounds freed it
+            logger.warning("episode %s has no record on the engine (%s); nothing of it is trained", episode, err)
+            record = EpisodeRecord(episode, None, None, (), ())
+    finally:
+        delete_episode(routes, episode)
+    if record.segments and record.version != lease.version:
+        raise RuntimeError(f"episode {episode} ran on {record.model!r}, not on {lease.name!r}: an agent's turns "
+                           "must ask for the model run_episode is given")
+    return Outcome(record, reward, error)
+
+
+def run_all(agent: AgentTask, api: Any, routes: JsonClient, lease: Lease, problems: Sequence[Problem]) -> list[Outcome]:
+    """One episode per problem under `lease`, concurrently, in the order of `problems`."""
+    with ThreadPoolExecutor(max_workers=max(1, min(len(problems), MAX_EPISODES_AT_ONCE)),
+                            thread_name_prefix="titan-episode") as pool:
+        return list(pool.map(lambda p: run_one(agent, api, routes, lease, p), problems))
+
+
+def run_episode_groups(agent: AgentTask, api: Any, routes: JsonClient, lease: Lease, problems: Sequence[Problem],
+                       group_size: int, seq_len: int) -> tuple[list[Sample], EpisodeCounts]:
+    """`group_size` episodes per problem under `lease`, concurrently; the samples (`Sample.group`: the
+    problem's index in `problems`) and what building them counted."""
+    outcomes = run_all(agent, api, routes, lease, [p for p in problems for _ in range(group_size)])
+    rewards = [o.reward for o in outcomes]
+    advantages = group_advantages(torch.tensor(rewards), group_size).tolist()
+    counts = EpisodeCounts(agent_errors=sum(o.error for o in outcomes), reward_sum=sum(rewards))
+    samples = []
+    for i, (outcome, advantage) in enumerate(zip(outcomes, advantages)):
+        for s in episode_samples(outcome.record, outcome.reward, advantage, seq_len, counts):
+            s.group, s.reward_error = i // group_size, outcome.error
+            samples.append(s)
+    return samples, counts
