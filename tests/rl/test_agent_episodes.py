@@ -1,0 +1,207 @@
+"""Agent tasks without an engine: hand-built episode records into samples (mask, segments, seq_len), the
+GRPO loss over exactly their mask-1 tokens and its staleness weights (hand-derived numbers, the logit-table
+model of test_grpo_objective.py), and a step's episode groups against a scripted agent and engine routes."""
+
+from __future__ import annotations
+
+import math
+import types
+
+import httpx
+import openai
+import pytest
+import torch
+from test_grpo_objective import VOCAB, LogitTable
+
+from titan_lora.clients.http import HTTPStatusError
+from titan_lora.config import GRPO
+from titan_lora.rl.agent_objective import AgentObjective, check_agent_config
+from titan_lora.rl.agent_task import is_agent_task
+from titan_lora.rl.calculator_agent import CalculatorAgentTask, calculator_agent_task, multiplication_problems
+from titan_lora.rl.episode_rollouts import run_episode_groups
+from titan_lora.rl.episode_samples import EpisodeCounts, episode_samples
+from titan_lora.rl.task import Problem, build_task
+from titan_lora.sync.versions import Lease
+from titan_lora.trainer.parallel import DataParallelInfo
+from titan_lora.transfer import protocol
+from titan_lora.transfer.episodes import EpisodeRecord, Segment
+from titan_lora.transfer.errors import EngineUnreachable
+
+STEP = 5  # the engine serves version STEP - 1 = 4; max_staleness 1 keeps versions >= 3
+UNIFORM = -math.log(VOCAB)  # the zero table's log-prob of every token: the policy that drew them
+
+
+def segment(ids: list[int], mask: list[int], behaviour: float = UNIFORM, why_new: str | None = None) -> Segment:
+    """A segment whose sampled tokens the engine gave log-prob `behaviour` (context tokens: 0.0)."""
+    return Segment(tuple(ids), tuple(mask), tuple(behaviour if m else 0.0 for m in mask), why_new)
+
+
+def record(*segments: Segment, version: int = 4, episode: str = "e") -> EpisodeRecord:
+    return EpisodeRecord(episode, f"policy-v{version}", version, segments, ())
+
+
+def samples_of(rec: EpisodeRecord, advantage: float, seq_len: int = 64, counts: EpisodeCounts | None = None):  # noqa: ANN201
+    return episode_samples(rec, 1.0 + advantage, advantage, seq_len, counts or EpisodeCounts())
+
+
+def objective(**overrides) -> AgentObjective:  # noqa: ANN003
+    cfg = GRPO(**(dict(enabled=True, task="calculator_agent", train_size=10, eval_size=2, max_staleness=1) | overrides))
+    tokenizer = types.SimpleNamespace(eos_token_id=0, pad_token_id=None)
+    return AgentObjective(cfg, build_task(cfg), tokenizer, None, DataParallelInfo(0, 1, None),
+                          torch.device("cpu"), None, seq_len=64)
+
+
+def loss_of(samples: list, model: LogitTable, **overrides) -> tuple[torch.Tensor, dict]:  # noqa: ANN003
+    obj = objective(**overrides)
+    obj._samples = lambda step: samples  # type: ignore[method-assign]
+    return obj.loss(model, STEP)
+
+
+def dlogp(grad: torch.Tensor, input_tok: int, label: int) -> float:
+    """d loss / d logp at the position fed `input_tok` (test_grpo_objective.py's module docstring)."""
+    other = next(v for v in range(VOCAB) if v != label)
+    return float(grad[input_tok, label] - grad[input_tok, other])
+
+
+# Episode A: prompt 1 2 3 | sampled 4 5 | tool 6 7 | sampled 8. Episode B: prompt 20 21 | sampled 22 |
+# tool 23 24 | sampled 25. Every token is distinct, so each position has its own table row.
+EPISODE_A = segment([1, 2, 3, 4, 5, 6, 7, 8], [0, 0, 0, 1, 1, 0, 0, 1])
+EPISODE_B = segment([20, 21, 22, 23, 24, 25], [0, 0, 1, 0, 0, 1])
+
+
+def test_a_segment_is_its_prompt_then_a_completion_carrying_the_mask_and_the_engine_logprobs() -> None:
+    (s,) = samples_of(record(EPISODE_A, version=3), advantage=1.5)
+    assert s.prompt_ids == [1, 2, 3] and s.completion_ids == [4, 5, 6, 7, 8]
+    assert s.completion_mask == [1, 1, 0, 0, 1] and s.sampled_len == 3
+    assert s.engine_logprobs == [UNIFORM, UNIFORM, 0.0, 0.0, UNIFORM]
+    assert (s.version, s.reward, s.advantage) == (3, 2.5, 1.5)
+
+
+def test_the_loss_covers_exactly_the_mask_1_tokens() -> None:
+    samples = samples_of(record(EPISODE_A), 1.5) + samples_of(record(EPISODE_B), -0.5)
+    model = LogitTable()
+    loss, metrics = loss_of(samples, model)
+    loss.backward()
+    # On-policy, loss = sum(-adv x mask) / tokens over the 3 + 2 = 5 sampled tokens: (-1.5 x 3 + 0.5 x 2) / 5.
+    assert float(loss.detach()) == pytest.approx(-0.7)
+    # d loss / d logp = -adv / 5 where the label was sampled: -0.3 (A), +0.1 (B); 0 on prompt and tool labels.
+    expected = {1: 0.0, 2: 0.0, 3: -0.3, 4: -0.3, 5: 0.0, 6: 0.0, 7: -0.3,
+                20: 0.0, 21: 0.1, 22: 0.0, 23: 0.0, 24: 0.1}
+    for ids in (EPISODE_A.ids, EPISODE_B.ids):
+        for tok, label in zip(ids, ids[1:]):
+            assert dlogp(model.table.grad, tok, label) == pytest.approx(expected[tok], abs=1e-6), tok
+    # The engine-gap check reads the sampled tokens only: the tool tokens' 0.0 log-probs would be 4.16 off.
+    assert metrics["rl/logprob_gap_max"] == pytest.approx(0.0, abs=1e-6)
+    assert metrics["rl/response_len"] == 2.5  # sampled tokens per sample
+
+
+def test_an_episode_of_an_older_version_is_weighed_by_the_staleness_rule_and_a_too_old_one_dropped() -> None:
+    # Episode A at version 3 (staleness 1): the engine gave its sampled tokens log(1/128), half the current
+    # policy's 1/64, so their weight is pi_current / pi_behaviour = 2 (the cap). B at version 2 is dropped.
+    stale = segment(list(EPISODE_A.ids), list(EPISODE_A.mask), behaviour=UNIFORM - math.log(2))
+    samples = samples_of(record(stale, version=3), 1.5) + samples_of(record(EPISODE_B, version=2), -0.5)
+    model = LogitTable()
+    loss, metrics = loss_of(samples, model)
+    loss.backward()
+    assert metrics["rl/samples"] == 1 and metrics["rl/dropped_stale"] == 1 and metrics["rl/staleness_max"] == 1
+    # d loss / d logp = -adv x weight / tokens = -1.5 x 2 / 3 on A's sampled labels; 0 on its tool labels.
+    for tok, label in zip(EPISODE_A.ids, EPISODE_A.ids[1:]):
+        want = -1.0 if tok in (3, 4, 7) else 0.0
+        assert dlogp(model.table.grad, tok, label) == pytest.approx(want, abs=1e-6), tok
+    assert torch.count_nonzero(model.table.grad[list(EPISODE_B.ids)]) == 0
+
+
+def test_each_segment_of_a_multi_segment_episode_is_its_own_sample_and_context_only_ones_are_skipped() -> None:
+    counts = EpisodeCounts()
+    rec = record(EPISODE_A, segment([1, 2, 9, 10], [0, 0, 0, 1], why_new="differs at 2"),
+                 segment([1, 2, 11], [0, 0, 0], why_new="differs at 2"))
+    first, second = samples_of(rec, -1.0, counts=counts)
+    assert second.prompt_ids == [1, 2, 9] and second.completion_ids == [10] and second.completion_mask == [1]
+    assert first.advantage == second.advantage == -1.0 and first.version == second.version == 4
+    assert (counts.episodes, counts.segments, counts.multi_segment, counts.empty) == (1, 2, 1, 0)
+
+
+def test_a_segment_past_seq_len_is_cut_there_and_the_sampled_tokens_cut_off_counted() -> None:
+    counts = EpisodeCounts()
+    (s,) = samples_of(record(EPISODE_A), 1.0, seq_len=6, counts=counts)
+    assert s.prompt_ids + s.completion_ids == [1, 2, 3, 4, 5, 6] and s.completion_mask == [1, 1, 0]
+    assert counts.truncated_tokens == 1
+    assert samples_of(record(EPISODE_A), 1.0, seq_len=3, counts=counts) == []  # no sampled token fits
+    assert counts.truncated_tokens == 4 and counts.empty == 1
+    assert samples_of(record(), 1.0, counts=counts) == [] and counts.empty == 2  # nothing was captured
+
+
+def test_a_segment_that_starts_sampled_is_refused() -> None:
+    with pytest.raises(ValueError, match="starts with a sampled token"):
+        samples_of(record(segment([1, 2], [1, 1])), 1.0)
+
+
+class Engine:
+    """The engine's episode routes over a dict, and a scripted agent that 'captures' into it."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, EpisodeRecord] = {}
+
+    def post(self, path: str, body: dict) -> dict:
+        eid = body["episode_id"]
+        if path == protocol.path(protocol.DELETE_EPISODE):
+            return {"deleted": self.records.pop(eid, None) is not None}
+        if eid not in self.records:
+            raise HTTPStatusError(f"no episode {eid}", 404)
+        return self.records[eid].to_json()
+
+    def run_episode(self, client: object, model: str, headers: dict[str, str], problem: Problem) -> float:
+        eid = headers[protocol.EPISODE_HEADER]
+        if problem.question != "silent":  # an agent that forgot the headers: nothing captured
+            version = 9 if problem.question == "wrong model" else int(model.rsplit("-v", 1)[1])
+            self.records[eid] = record(EPISODE_A, version=version, episode=eid)
+        if problem.question == "boom":
+            raise KeyError("the tool broke")
+        if problem.question == "lost":
+            raise openai.APIConnectionError(request=httpx.Request("POST", "http://engine/v1/chat/completions"))
+        return float(problem.answer)
+
+
+def test_a_step_runs_its_groups_fetches_and_deletes_every_record_and_scores_a_failing_agent_0() -> None:
+    engine = Engine()
+    problems = [Problem("a", 1), Problem("boom", 1), Problem("silent", 0), Problem("b", 0)]
+    samples, counts = run_episode_groups(engine, None, engine, Lease("policy-v4", 4), problems, 2, 64)
+    assert engine.records == {}, "every episode is deleted once fetched"
+    # Rewards by episode: 1 1 | 0 0 (raised) | 0 0 (silent, nothing to train) | 0 0.
+    assert [s.group for s in samples] == [0, 0, 1, 1, 3, 3]
+    assert [s.reward_error for s in samples] == [False, False, True, True, False, False]
+    assert all(s.version == 4 and s.advantage == 0.0 for s in samples)  # no group has a reward spread
+    assert (counts.episodes, counts.empty, counts.agent_errors, counts.reward_sum) == (8, 2, 2, 2.0)
+    assert counts.metrics()["rl/episode_reward_mean"] == 0.25
+
+
+def test_an_agent_that_loses_the_engine_raises_for_the_loops_recovery_and_one_off_its_model_is_refused() -> None:
+    engine = Engine()
+    with pytest.raises(EngineUnreachable, match="an agent lost the engine"):
+        run_episode_groups(engine, None, engine, Lease("policy-v4", 4), [Problem("lost", 1)], 1, 64)
+    with pytest.raises(RuntimeError, match="ran on 'policy-v9', not on 'policy-v4'"):
+        run_episode_groups(engine, None, engine, Lease("policy-v4", 4), [Problem("wrong model", 1)], 1, 64)
+    assert engine.records == {}
+
+
+@pytest.mark.parametrize(("overrides", "why"), [
+    (dict(loop="async"), r"loop = 'async' does not run agent tasks yet"),
+    (dict(rollouts=False), "rollouts = false leaves an agent task no episodes"),
+    (dict(reward="exact_match"), "remove \\[grpo\\] reward"),
+])
+def test_settings_an_agent_task_does_not_run_under_are_refused(overrides: dict, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        check_agent_config(GRPO(enabled=True, task="calculator_agent", **overrides))
+
+
+def test_the_calculator_agent_task_multiplies_3_digit_numbers() -> None:
+    task = build_task(GRPO(task="calculator_agent", max_new_tokens=24, temperature=0.7))
+    assert is_agent_task(task) and not is_agent_task(build_task(GRPO()))
+    assert task == CalculatorAgentTask(3, 24, 0.7)
+    problems = task.problems(50, seed=1)
+    assert problems == multiplication_problems(50, 1)
+    for p in problems:
+        a, b = (int(x) for x in p.question.removeprefix("What is ").rstrip("?").split(" * "))
+        assert 100 <= a <= 999 and 100 <= b <= 999 and p.answer == a * b
+    with pytest.raises(ValueError, match="digits = 12 must be 1 to 9"):
+        calculator_agent_task(GRPO(), digits=12)
