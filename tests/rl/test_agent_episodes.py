@@ -20,7 +20,9 @@ from titan_lora.rl.agent_task import is_agent_task
 from titan_lora.rl.calculator_agent import CalculatorAgentTask, calculator_agent_task, multiplication_problems
 from titan_lora.rl.episode_rollouts import run_episode_groups
 from titan_lora.rl.episode_samples import EpisodeCounts, episode_samples
+from titan_lora.rl.rollout import Sample
 from titan_lora.rl.task import Problem, build_task
+from titan_lora.sync.engine_access import EngineRollouts
 from titan_lora.sync.versions import Lease
 from titan_lora.trainer.parallel import DataParallelInfo
 from titan_lora.transfer import protocol
@@ -29,6 +31,7 @@ from titan_lora.transfer.errors import EngineUnreachable
 
 STEP = 5  # the engine serves version STEP - 1 = 4; max_staleness 1 keeps versions >= 3
 UNIFORM = -math.log(VOCAB)  # the zero table's log-prob of every token: the policy that drew them
+TOKENIZER = types.SimpleNamespace(eos_token_id=0, pad_token_id=None)  # all AgentObjective reads of one
 
 
 def segment(ids: list[int], mask: list[int], behaviour: float = UNIFORM, why_new: str | None = None) -> Segment:
@@ -40,14 +43,15 @@ def record(*segments: Segment, version: int = 4, episode: str = "e") -> EpisodeR
     return EpisodeRecord(episode, f"policy-v{version}", version, segments, ())
 
 
-def samples_of(rec: EpisodeRecord, advantage: float, seq_len: int = 64, counts: EpisodeCounts | None = None):  # noqa: ANN201
+def samples_of(rec: EpisodeRecord, advantage: float, seq_len: int = 64,
+               counts: EpisodeCounts | None = None) -> list[Sample]:
     return episode_samples(rec, 1.0 + advantage, advantage, seq_len, counts or EpisodeCounts())
 
 
 def objective(**overrides) -> AgentObjective:  # noqa: ANN003
-    cfg = GRPO(**(dict(enabled=True, task="calculator_agent", train_size=10, eval_size=2, max_staleness=1) | overrides))
-    tokenizer = types.SimpleNamespace(eos_token_id=0, pad_token_id=None)
-    return AgentObjective(cfg, build_task(cfg), tokenizer, None, DataParallelInfo(0, 1, None),
+    settings = dict(enabled=True, task="calculator_agent", train_size=10, eval_size=2, max_staleness=1)
+    cfg = GRPO(**(settings | overrides))
+    return AgentObjective(cfg, build_task(cfg), TOKENIZER, None, DataParallelInfo(0, 1, None),
                           torch.device("cpu"), None, seq_len=64)
 
 
@@ -192,6 +196,16 @@ def test_an_agent_that_loses_the_engine_raises_for_the_loops_recovery_and_one_of
 def test_settings_an_agent_task_does_not_run_under_are_refused(overrides: dict, why: str) -> None:
     with pytest.raises(ValueError, match=why):
         check_agent_config(GRPO(enabled=True, task="calculator_agent", **overrides))
+
+
+def test_an_engine_that_does_not_capture_episodes_is_refused_at_start() -> None:
+    cfg = GRPO(enabled=True, task="calculator_agent", train_size=10, eval_size=2)
+    router = types.SimpleNamespace(generate=None)  # a rollout client without episode routes (replicas' router)
+    engine = EngineRollouts(router, None, lambda fn, what: fn())
+    with pytest.raises(ValueError, match=r'needs an engine that captures episodes: \[engine\] kind = "vllm" with '
+                                         "one replica \\(this rollout client is a SimpleNamespace\\)"):
+        AgentObjective(cfg, build_task(cfg), TOKENIZER, engine,
+                       DataParallelInfo(0, 1, None), torch.device("cpu"), None, seq_len=64)
 
 
 def test_the_calculator_agent_task_multiplies_3_digit_numbers() -> None:

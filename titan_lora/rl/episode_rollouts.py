@@ -88,7 +88,8 @@ def run_one(agent: AgentTask, api: Any, routes: JsonClient, lease: Lease, proble
     return Outcome(record, reward, error)
 
 
-def run_all(agent: AgentTask, api: Any, routes: JsonClient, lease: Lease, problems: Sequence[Problem]) -> list[Outcome]:
+def run_all(agent: AgentTask, api: Any, routes: JsonClient, lease: Lease,
+            problems: Sequence[Problem]) -> list[Outcome]:
     """One episode per problem under `lease`, concurrently, in the order of `problems`."""
     with ThreadPoolExecutor(max_workers=max(1, min(len(problems), MAX_EPISODES_AT_ONCE)),
                             thread_name_prefix="titan-episode") as pool:
