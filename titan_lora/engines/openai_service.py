@@ -75,7 +75,9 @@ class TitanService:
             await asyncio.wait_for(self.rpc("titan_ping", timeout_s=timeout_s), timeout_s)
         except asyncio.TimeoutError:
             raise TimeoutError(f"the engine core or a worker did not answer a no-op collective_rpc within "
-                               f"{timeout_s:g} s: it is wedged (the API server is up)") from None
+                               f"{timeout_s:g} s: it is wedged (the API server is up), or one engine step "
+                               "outlasts that bound (long prefills on a CPU core): then raise [weight_sync] "
+                               "health_timeout_s") from None
         return {"live": True, "incarnation": self.incarnation}
 
     async def bucket(self, req: dict) -> dict:
