@@ -15,34 +15,14 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torchtitan.config.job_config import Model as TitanModelSection
-from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
 from titan_lora.models.checkpoint import has_tokenizer, read_hf_config, tied_embeddings, tokenizer_size
 from titan_lora.models.family import ModelFamily, families_for_model_type, model_family
 from titan_lora.models.load import check_weights
+from titan_lora.titan.configs import TITAN_DEFAULT_ASSETS
+from titan_lora.titan.models import StateDictAdapter
 
 logger = logging.getLogger(__name__)
-TITAN_DEFAULT_ASSETS = TitanModelSection().hf_assets_path
-
-
-class _TorchtitanAssetNoise(logging.Filter):
-    """Drops two torchtitan warnings that mislead here: its default `hf_assets_path` missing (a titan_lora
-    family finds its own assets, or `resolve_model` names the fix when `[model] hf_assets_path` is needed),
-    and a checkpoint without model.safetensors.index.json (a single-file checkpoint, which loads as it is)."""
-
-    NOISE = (f"HF assets path {TITAN_DEFAULT_ASSETS} does not exist", "model.safetensors.index.json not found")
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(self.NOISE)
-
-
-_ASSET_NOISE = _TorchtitanAssetNoise()
-
-
-def quiet_torchtitan_asset_warnings() -> None:
-    """Filter those two warnings out of torchtitan's logger (the root logger), once per process."""
-    logging.getLogger().addFilter(_ASSET_NOISE)  # adding the same filter twice keeps one
 
 
 @dataclasses.dataclass(frozen=True)
