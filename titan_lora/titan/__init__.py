@@ -7,7 +7,7 @@ TP plans, is the next step (`../shared/research/torchtitan-0.3.md`, issue 34). T
 layer: it imports no other titan_lora package, and titan_lora objects come in as arguments.
 
 One concern a module: `configs` (JobConfig, TOML and overrides), `converters` (the model-converter hook
-into the build), `models` (train specs, state-dict adapters), `llama3` and `qwen3` (each family's args,
+into the build), `models` (train specs, meta-device builds, state-dict adapters), `llama3` and `qwen3` (each family's args,
 flavors, names and TP plan), `parallel` (ParallelDims, meshes, activation checkpointing, compile) and
 `optim` (optimizers, LR schedules, gradient clipping).
 """

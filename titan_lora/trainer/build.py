@@ -18,7 +18,13 @@ from titan_lora.models.family import FamilyLoRAConverter  # noqa: F401 (register
 from titan_lora.models.load import load_base_weights
 from titan_lora.models.resolve import ResolvedModel, resolve_model
 from titan_lora.titan.converters import convert_model
-from titan_lora.titan.models import StateDictAdapter, TrainSpec
+from titan_lora.titan.models import (
+    StateDictAdapter,
+    TrainSpec,
+    job_model_args,
+    meta_model,
+    state_dict_adapter,
+)
 from titan_lora.titan.parallel import ParallelDims, build_parallel_dims
 
 logger = logging.getLogger(__name__)
@@ -46,10 +52,8 @@ def build_model(job_config, parallel_dims: ParallelDims, device: torch.device,  
     `resolved` is `[model]` as `load_job` resolved and checked it (None: resolved here)."""
     resolved = resolved or resolve_model(job_config.model)
     family, spec, hf_dir = resolved.family, resolved.family.train_spec, resolved.hf_dir
-    args = dataclasses.replace(resolved.args)  # update_from_config changes it; the resolved args stay as read
-    args.update_from_config(job_config)
-    with torch.device("meta"):
-        model = spec.model_cls(args)
+    args = job_model_args(resolved.args, job_config)  # a copy: the resolved args stay as read
+    model = meta_model(spec, args)
     convert_model(model, job_config, parallel_dims)
     model = spec.parallelize_fn(model, parallel_dims, job_config)
     model.to_empty(device=device)
@@ -62,7 +66,7 @@ def build_model(job_config, parallel_dims: ParallelDims, device: torch.device,  
                                     UserWarning)
         model.init_weights(buffer_device=None)
     add_grad_hooks(model, parallel_dims, job_config)
-    sd_adapter = spec.state_dict_adapter(args, hf_dir)
+    sd_adapter = state_dict_adapter(spec, args, hf_dir)
     if resolved.load_pretrained:
         load_base_weights(model, hf_dir, sd_adapter, resolved.tied)
         logger.info("loaded pretrained weights from %s", hf_dir)
