@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_base_send import llama3_shapes  # noqa: E402
 
 from titan_lora.models.load import load_base_weights, load_base_weights_full  # noqa: E402
+from titan_lora.titan.parallel import build_parallel_dims  # noqa: E402
 from titan_lora.trainer.build import build_model  # noqa: E402
-from titan_lora.trainer.distributed import build_parallel_dims  # noqa: E402
 from titan_lora.trainer.job_config import job_from_toml  # noqa: E402
 
 GiB = 1 << 30

@@ -41,8 +41,10 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan_lora.lora.parallelize import shard_model  # noqa: E402
+from titan_lora.titan.optim import build_optimizers, clip_grad_norm_  # noqa: E402
+from titan_lora.titan.parallel import build_parallel_dims  # noqa: E402
 from titan_lora.trainer.build import build_model  # noqa: E402
-from titan_lora.trainer.distributed import build_parallel_dims, device_for_rank, init_distributed  # noqa: E402
+from titan_lora.trainer.distributed import device_for_rank, init_distributed  # noqa: E402
 from titan_lora.trainer.job_config import job_from_toml  # noqa: E402
 
 # Issue 14's step probe: 2 x H200, Llama-3-8B (32 layers), seq 2048, batch 1 per GPU.
@@ -140,14 +142,12 @@ def build(args: argparse.Namespace, variant: str, device: torch.device, dims):  
 
 def step_fn(cfg, built, variant: str, tokens: torch.Tensor, labels: torch.Tensor, dims) -> Callable[[], None]:  # noqa: ANN001
     """One training step of `variant` (the floor: forward + backward only)."""
-    from torchtitan.distributed.utils import clip_grad_norm_
-
     model, spec = built.model, built.train_spec
     loss_fn = spec.build_loss_fn(cfg)
     n_tokens = labels.numel()
     if variant == "floor":
         return lambda: (loss_fn(model(tokens), labels) / n_tokens).backward()
-    optimizers = spec.build_optimizers_fn([model], cfg.optimizer, dims)
+    optimizers = build_optimizers(spec, model, cfg, dims)
     trainable = [p for p in model.parameters() if p.requires_grad]
 
     def step(marks: list[float] | None = None) -> None:

@@ -150,7 +150,7 @@ def _shape_args(shape: str, layers: int | None):  # noqa: ANN202
     """torchtitan model args of `shape` (with `layers` layers if given) and the layers the full model has."""
     import dataclasses
 
-    from torchtitan.models.llama3 import llama3_args
+    from titan_lora.titan.llama3 import llama3_args
 
     flavor, changes = SHAPES[shape]
     args = dataclasses.replace(llama3_args[flavor], **changes)
@@ -177,8 +177,9 @@ def gpu_bench(iters: int, shape: str, layers: int | None, rank_: int | None, dev
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     from titan_lora.sync.gather import ShardGatherer
+    from titan_lora.titan.parallel import build_parallel_dims
     from titan_lora.trainer.build import build_model
-    from titan_lora.trainer.distributed import build_parallel_dims, device_for_rank, init_distributed
+    from titan_lora.trainer.distributed import device_for_rank, init_distributed
     from titan_lora.transfer.buckets import bucket_checksum
 
     device = device_for_rank() if device_kind == "cuda" else torch.device("cpu")

@@ -37,10 +37,10 @@ from titan_lora.sync.parity import ParityProbe
 from titan_lora.sync.syncer import WeightSyncer
 from titan_lora.sync.versions import AdapterVersions
 from titan_lora.sync.watchdog import Watchdog
+from titan_lora.titan.parallel import data_parallel_info
 from titan_lora.trainer.build import BuiltModel
 from titan_lora.trainer.metrics import MetricsLogger
 from titan_lora.trainer.objective import Objective
-from titan_lora.trainer.parallel import data_parallel_info
 from titan_lora.trainer.sft import SFTObjective
 from titan_lora.trainer.sft_data import SFTData
 from titan_lora.transfer.placement import choose_transport

@@ -1,7 +1,8 @@
 """Entry point: `torchrun --nproc_per_node=N -m titan_lora.train --job.config_file train_configs/x.toml`.
 
 Reuses torchtitan's parts (TrainSpec, ParallelDims, parallelize, optimizers, LR schedules, state-dict
-adapters) with a device-agnostic loop, so the same job runs on CPU (gloo) and GPU (NCCL).
+adapters), all through the seam `titan_lora.titan`, with a device-agnostic loop, so the same job runs on
+CPU (gloo) and GPU (NCCL).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torchtitan.distributed.utils import clip_grad_norm_
 
 from titan_lora.compose import EngineSide, build_objective, build_sync, check_plugins, engine_side
 from titan_lora.config import process_group_timeout_s
@@ -24,9 +24,11 @@ from titan_lora.lora.finite import NonFiniteAdapterError, first_nonfinite_adapte
 from titan_lora.models.resolve import ResolvedModel
 from titan_lora.rl.task import Task
 from titan_lora.sync.adapter_source import AdapterSource
+from titan_lora.titan.optim import build_lr_schedulers, build_optimizers, clip_grad_norm_
+from titan_lora.titan.parallel import build_parallel_dims
 from titan_lora.trainer.build import build_model
 from titan_lora.trainer.checkpoint import AdapterCheckpointer
-from titan_lora.trainer.distributed import build_parallel_dims, device_for_rank, init_distributed
+from titan_lora.trainer.distributed import device_for_rank, init_distributed
 from titan_lora.trainer.job_config import load_job
 from titan_lora.trainer.metrics import MetricsLogger, peak_memory_mib
 
@@ -50,10 +52,8 @@ class TrainingRun:
         self.built = build_model(job_config, self.dims, self.device, model)
         self.model = self.built.model
         spec = self.built.train_spec
-        self.optimizers = spec.build_optimizers_fn([self.model], job_config.optimizer, self.dims)
-        self.lr_schedulers = spec.build_lr_schedulers_fn(
-            self.optimizers, job_config.lr_scheduler, job_config.training.steps
-        )
+        self.optimizers = build_optimizers(spec, self.model, job_config, self.dims)
+        self.lr_schedulers = build_lr_schedulers(spec, self.optimizers, job_config)
         dump = job_config.job.dump_folder
         self.metrics = MetricsLogger(os.path.join(dump, "tb"), enabled=self.rank == 0)
         self.checkpointer = AdapterCheckpointer(

@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from torchtitan.models.llama3 import TransformerModelArgs
 
 from titan_lora.config import LoRA
 from titan_lora.export.peft import (
     RopeRows, hf_rope_permute, peft_config, peft_name_and_rope, save_peft_dir, titan_rope_permute,
 )
+from titan_lora.titan.llama3 import TransformerModelArgs
 from titan_lora.models.llama3 import LLAMA3
 
 

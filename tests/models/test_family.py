@@ -8,8 +8,6 @@ import dataclasses
 import pytest
 import torch
 from model_helpers import DEBUG_LORA, build_from, job_config_from, randomize_adapters
-from torchtitan.models.llama3 import TransformerModelArgs, get_train_spec
-from torchtitan.models.llama3.model.args import RoPEScalingArgs
 
 from titan_lora.export.peft import PEFT_PREFIX, hf_rope_permute
 from titan_lora.lora.layer import adapter_params
@@ -17,9 +15,10 @@ from titan_lora.models.family import (
     ModelFamily, families_for_model_type, lora_train_spec, model_family, register_model_family,
     registered_model_families,
 )
-from titan_lora.models.llama3 import HF_MODULES, LLAMA3, tensor_parallel
+from titan_lora.models.llama3 import HF_MODULES, LLAMA3
 from titan_lora.models.smollm2 import SMOLLM2, pretrained_dir
 from titan_lora.sync.adapter_source import AdapterSource
+from titan_lora.titan.llama3 import RoPEScalingArgs, TransformerModelArgs, llama3_train_spec, tensor_parallel
 
 # A Llama 3 variant as a plug-in would write it: its own flavor, an HF naming whose attention
 # projections are query/key/value/dense, and rotate-half rows in the trainer (no RoPE permutation).
@@ -35,7 +34,7 @@ def _renamed(titan: str, hf: str) -> str:
 
 RENAMED = register_model_family(ModelFamily(
     name="test_llama3_renamed",
-    train_spec=lora_train_spec(get_train_spec(), {"tiny": TINY}, tensor_parallel),
+    train_spec=lora_train_spec(llama3_train_spec(), {"tiny": TINY}, tensor_parallel),
     hf_modules={titan: _renamed(titan, hf) for titan, hf in HF_MODULES.items()},
     rope_rows=lambda args: {},
     default_assets=SMOLLM2.default_assets,

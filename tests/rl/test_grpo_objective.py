@@ -23,7 +23,7 @@ from titan_lora.config import GRPO
 from titan_lora.rl.objective import GRPOObjective, completion_batch
 from titan_lora.rl.rollout import Sample
 from titan_lora.rl.task import build_task
-from titan_lora.trainer.parallel import DataParallelInfo
+from titan_lora.titan.parallel import DataParallelInfo
 
 VOCAB = 64
 PAD = 0

@@ -16,7 +16,7 @@ from titan_lora.rl.jsonl import JsonlTask, jsonl_task, read_jsonl
 from titan_lora.rl.objective import GRPOObjective
 from titan_lora.rl.rewards import get_reward
 from titan_lora.rl.task import Problem, Task, build_task, task_prompt, train_and_heldout
-from titan_lora.trainer.parallel import DataParallelInfo
+from titan_lora.titan.parallel import DataParallelInfo
 
 
 def write_jsonl(path: Path, rows: list) -> Path:

@@ -31,7 +31,7 @@ from titan_lora.rl.rollout import Sample
 from titan_lora.rl.task import build_task
 from titan_lora.sync.engine_access import EngineRollouts
 from titan_lora.sync.versions import Lease
-from titan_lora.trainer.parallel import DataParallelInfo
+from titan_lora.titan.parallel import DataParallelInfo
 from titan_lora.transfer.errors import TransferError
 
 LN_V = math.log(VOCAB)  # a zero logit table is uniform: logp = -ln V everywhere

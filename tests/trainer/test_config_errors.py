@@ -297,7 +297,7 @@ def test_a_grpo_batch_that_dp_ranks_cannot_share_is_refused(monkeypatch) -> None
 def test_torchtitans_misleading_asset_warnings_are_dropped_and_others_kept(caplog) -> None:
     import logging
 
-    from titan_lora.models.resolve import TITAN_DEFAULT_ASSETS
+    from titan_lora.titan.configs import TITAN_DEFAULT_ASSETS
 
     with caplog.at_level(logging.WARNING):
         job_config_from(DEBUG_LORA)  # torchtitan warns that its default hf_assets_path does not exist

@@ -3,7 +3,8 @@
 torchtitan's `parallelize_llama` (and each model's own) applies TP and FSDP in one call, but the
 adapters need their own TP placements in between: ColwiseParallel shards every param of a linear on
 dim 0 (wrong for lora_A) and RowwiseParallel leaves unknown params as plain tensors (which cannot mix
-with DTensors). So a family hands over only its TP step, and the rest is shared.
+with DTensors). So a family hands over only its TP step, and the rest is shared. Activation
+checkpointing, compile and the meshes are torchtitan's, through the seam (`titan_lora.titan.parallel`).
 """
 
 from __future__ import annotations
@@ -16,13 +17,11 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torchtitan.config import TORCH_DTYPE_MAP
-from torchtitan.distributed import ParallelDims
-from torchtitan.distributed.activation_checkpoint import apply_ac
-from torchtitan.models.llama3.infra.parallelize import apply_compile
 
 from titan_lora.lora.layer import adapter_params, local_part, lora_modules
 from titan_lora.lora.replicated import ReplicatedGradSum
+from titan_lora.titan.configs import TORCH_DTYPE_MAP
+from titan_lora.titan.parallel import ParallelDims, checkpoint_and_compile, data_parallel_mesh
 
 logger = logging.getLogger(__name__)
 
@@ -105,12 +104,7 @@ def _reduce_to_param_placements(param: torch.Tensor) -> None:
 def _ac_and_fsdp(model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:  # noqa: ANN001
     # Pipeline and context parallelism are refused when the config is read
     # (`titan_lora.trainer.preflight.check_parallelism`). The order is torchtitan's: AC, compile, FSDP.
-    if job_config.activation_checkpoint.mode != "none":
-        apply_ac(model, job_config.activation_checkpoint, base_folder=job_config.job.dump_folder)
-    if job_config.compile.enable and "model" in job_config.compile.components:
-        # Each block compiles once (they share code); parameter names gain "_orig_mod.", which every name
-        # titan_lora reads drops (`lora.layer.clean_fqn`).
-        apply_compile(model, job_config.compile)
+    checkpoint_and_compile(model, job_config)
     if parallel_dims.fsdp_enabled:
         shard_model(model, data_parallel_mesh(parallel_dims), job_config)
     return model
@@ -149,13 +143,6 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, job_config) -> None:  # noqa
             if mesh.device_type == "cpu":
                 # gloo has no PREMUL_SUM; plain sums with FSDP's own pre/post scaling are equivalent.
                 module.set_force_sum_reduction_for_comms(True)
-
-
-def data_parallel_mesh(parallel_dims: ParallelDims) -> DeviceMesh:
-    """The data-parallel ranks' mesh: FSDP's (HSDP: replicate x shard), or the replicas alone."""
-    names = [name for name, on in (("dp_replicate", parallel_dims.dp_replicate_enabled),
-                                   ("fsdp", parallel_dims.fsdp_enabled)) if on]
-    return parallel_dims.get_mesh(names)
 
 
 def add_grad_hooks(model: nn.Module, parallel_dims: ParallelDims, job_config) -> None:  # noqa: ANN001

@@ -15,14 +15,13 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from torchtitan.protocols.model_converter import register_model_converter
-from torchtitan.protocols.train_spec import TrainSpec
-
 from titan_lora.export.peft import PeftLayout, RopeRows
 from titan_lora.lora.converter import LoRAConverter
 from titan_lora.lora.parallelize import lora_parallelize
 from titan_lora.lora.targets import leaf_names_of
 from titan_lora.registry import Registry
+from titan_lora.titan.converters import register_converter
+from titan_lora.titan.models import TrainSpec, family_train_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,8 +95,7 @@ def lora_train_spec(base: TrainSpec, flavors: Mapping[str, Any],
                     tensor_parallel: Callable[..., None]) -> TrainSpec:
     """torchtitan's `base` spec with `flavors` and LoRA-aware parallelization over `tensor_parallel`
     (`(model, tp_mesh, job_config)`); no pipelining, which the LoRA parallelization does not do."""
-    return dataclasses.replace(base, model_args=dict(flavors), pipelining_fn=None,
-                               parallelize_fn=lora_parallelize(tensor_parallel))
+    return family_train_spec(base, flavors, lora_parallelize(tensor_parallel))
 
 
 class FamilyLoRAConverter(LoRAConverter):
@@ -107,4 +105,4 @@ class FamilyLoRAConverter(LoRAConverter):
         super().__init__(job_config, parallel_dims, model_family(job_config.model.name).leaf_names)
 
 
-register_model_converter(FamilyLoRAConverter, "lora")
+register_converter(FamilyLoRAConverter, "lora")

@@ -11,20 +11,20 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
-from torchtitan.models.llama3 import TransformerModelArgs, llama3_args
-from torchtitan.models.llama3 import get_train_spec as llama3_train_spec
-from torchtitan.models.llama3.infra.parallelize import apply_tp
-from torchtitan.models.llama3.model.args import RoPEScalingArgs
-from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter
-
 from titan_lora.export.peft import RopeRows, hf_module_names
 from titan_lora.models.checkpoint import eos_id, require, rope_parameters
 from titan_lora.models.family import ModelFamily, lora_train_spec
+from titan_lora.titan.llama3 import (
+    RoPEScalingArgs,
+    TransformerModelArgs,
+    hf_weight_map,
+    llama3_args,
+    llama3_train_spec,
+    tensor_parallel,
+)
 
 # One source for the names: torchtitan's own state-dict adapter, which loads and exports the base.
-HF_MODULES = hf_module_names(Llama3StateDictAdapter(TransformerModelArgs(), None).from_hf_map)
+HF_MODULES = hf_module_names(hf_weight_map())
 MODEL = "Llama 3"
 
 
@@ -65,12 +65,6 @@ def args_from_hf(config: Mapping[str, Any]) -> TransformerModelArgs:
         max_seq_len=config.get("max_position_embeddings", 131072),
         eos_id=eos_id(config, 0),
     )
-
-
-def tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, job_config) -> None:  # noqa: ANN001
-    """torchtitan's Llama 3 TP plan (no float8 TP: the LoRA linears are not float8)."""
-    apply_tp(model, tp_mesh, loss_parallel=not job_config.parallelism.disable_loss_parallel,
-             enable_float8_tensorwise_tp=False)
 
 
 def llama3_family(

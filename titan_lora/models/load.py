@@ -16,12 +16,12 @@ import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor
-from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
 from titan_lora.lora.layer import clean_fqn, is_adapter_param
 from titan_lora.models.checkpoint import NO_WEIGHTS_FIX, read_hf_state_dict, weight_files, weight_shapes
 from titan_lora.models.row_maps import abstract_name, row_maps
 from titan_lora.models.slices import SliceReader, local_box
+from titan_lora.titan.models import StateDictAdapter
 
 
 def _known(sd_adapter: StateDictAdapter, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -11,21 +11,21 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
-from torchtitan.models.qwen3 import Qwen3ModelArgs, qwen3_args
-from torchtitan.models.qwen3 import get_train_spec as qwen3_train_spec
-from torchtitan.models.qwen3.infra.parallelize import apply_non_moe_tp
-from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
-
 from titan_lora.export.peft import RopeRows, hf_module_names
 from titan_lora.models.checkpoint import eos_id, require, rope_parameters, tied_embeddings
 from titan_lora.models.family import ModelFamily, lora_train_spec
+from titan_lora.titan.qwen3 import (
+    Qwen3ModelArgs,
+    hf_weight_map,
+    qwen3_args,
+    qwen3_train_spec,
+    tensor_parallel,
+)
 
 MODEL = "Qwen3 (dense)"
 # The dense modules of torchtitan's own state-dict adapter (its map also names the MoE router).
 HF_MODULES = {titan: hf for titan, hf in
-              hf_module_names(Qwen3StateDictAdapter(Qwen3ModelArgs(), None).from_hf_map).items()
+              hf_module_names(hf_weight_map()).items()
               if ".moe." not in titan}
 
 FLAVORS: dict[str, Qwen3ModelArgs] = {
@@ -62,12 +62,6 @@ def args_from_hf(config: Mapping[str, Any]) -> Qwen3ModelArgs:
         eos_id=eos_id(config, Qwen3ModelArgs.eos_id),
         enable_weight_tying=tied_embeddings(config),
     )
-
-
-def tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, job_config) -> None:  # noqa: ANN001
-    """torchtitan's Qwen3 TP plan for dense blocks (no float8 TP: the LoRA linears are not float8)."""
-    apply_non_moe_tp(model, tp_mesh, loss_parallel=not job_config.parallelism.disable_loss_parallel,
-                     enable_float8_tensorwise_tp=False, enable_async_tp=False, cp_enabled=False)
 
 
 QWEN3 = ModelFamily("qwen3", lora_train_spec(qwen3_train_spec(), FLAVORS, tensor_parallel), HF_MODULES,

@@ -13,41 +13,20 @@ import dataclasses
 import logging
 from typing import Any
 
-import torch
 import torch.nn as nn
-from torchtitan.config.job_config import Model as TitanModelSection
-from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
 from titan_lora.models.checkpoint import has_tokenizer, read_hf_config, tied_embeddings, tokenizer_size
 from titan_lora.models.family import ModelFamily, families_for_model_type, model_family
 from titan_lora.models.load import check_weights
+from titan_lora.titan.configs import TITAN_DEFAULT_ASSETS
+from titan_lora.titan import models as titan_models
 
 logger = logging.getLogger(__name__)
-TITAN_DEFAULT_ASSETS = TitanModelSection().hf_assets_path
-
-
-class _TorchtitanAssetNoise(logging.Filter):
-    """Drops two torchtitan warnings that mislead here: its default `hf_assets_path` missing (a titan_lora
-    family finds its own assets, or `resolve_model` names the fix when `[model] hf_assets_path` is needed),
-    and a checkpoint without model.safetensors.index.json (a single-file checkpoint, which loads as it is)."""
-
-    NOISE = (f"HF assets path {TITAN_DEFAULT_ASSETS} does not exist", "model.safetensors.index.json not found")
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(self.NOISE)
-
-
-_ASSET_NOISE = _TorchtitanAssetNoise()
-
-
-def quiet_torchtitan_asset_warnings() -> None:
-    """Filter those two warnings out of torchtitan's logger (the root logger), once per process."""
-    logging.getLogger().addFilter(_ASSET_NOISE)  # adding the same filter twice keeps one
 
 
 @dataclasses.dataclass(frozen=True)
 class ResolvedModel:
-    """What `[model]` selects, checked: build it with `family.train_spec.model_cls(args)`."""
+    """What `[model]` selects, checked: `meta_model` builds it (on the meta device)."""
 
     family: ModelFamily
     args: Any
@@ -61,21 +40,21 @@ class ResolvedModel:
 
     def meta_model(self) -> nn.Module:
         """The model on the meta device (shapes only, no memory)."""
-        with torch.device("meta"):
-            return self.family.train_spec.model_cls(self.args)
+        return titan_models.meta_model(self.family.train_spec, self.args)
 
-    def name_mapper(self) -> StateDictAdapter:
-        """The family's torchtitan <-> HF state-dict adapter for these args, for names and shapes only."""
-        return self.family.train_spec.state_dict_adapter(self.args, None)  # None: no HF save index
+    def name_mapper(self) -> titan_models.StateDictAdapter:
+        """The family's torchtitan <-> HF state-dict adapter for these args, for names and shapes only (no HF
+        save index)."""
+        return titan_models.state_dict_adapter(self.family.train_spec, self.args, None)
 
 
 def _flavor_args(family: ModelFamily, model_cfg) -> Any:  # noqa: ANN001, ANN401
-    flavors = family.train_spec.model_args
-    if model_cfg.flavor not in flavors:
+    known = titan_models.flavors(family.train_spec)
+    if model_cfg.flavor not in known:
         raise ValueError(f"[model] flavor = {model_cfg.flavor!r} is unknown for {model_cfg.name!r}; "
-                         f"choose one of {sorted(flavors)}, or set load_pretrained = true to take the "
+                         f"choose one of {sorted(known)}, or set load_pretrained = true to take the "
                          "shape from [model] hf_assets_path's config.json")
-    return dataclasses.replace(flavors[model_cfg.flavor])
+    return dataclasses.replace(known[model_cfg.flavor])
 
 
 def _check_model_type(family: ModelFamily, name: str, config: dict[str, Any], hf_dir: str) -> None:

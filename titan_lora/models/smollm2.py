@@ -13,10 +13,8 @@ import os
 import time
 from pathlib import Path
 
-from torchtitan.models.llama3 import TransformerModelArgs
-from torchtitan.models.llama3.model.args import RoPEScalingArgs
-
 from titan_lora.models.llama3 import llama3_family
+from titan_lora.titan.llama3 import RoPEScalingArgs, TransformerModelArgs
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from titan_lora.rl.rollout import Sample, draw_groups, greedy_accuracy, sample_g
 from titan_lora.rl.task import Task, task_prompt, train_and_heldout
 from titan_lora.sync.engine_access import EngineRollouts
 from titan_lora.sync.versions import Lease
-from titan_lora.trainer.parallel import DataParallelInfo
+from titan_lora.titan.parallel import DataParallelInfo
 from titan_lora.transfer.errors import TransferError
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,6 @@
-"""Build the (LoRA, sharded, initialised, optionally pretrained) model the way torchtitan's Trainer does."""
+"""Build the (LoRA, sharded, initialised, optionally pretrained) model the way torchtitan's Trainer does.
+
+torchtitan's parts (train spec, converters, ParallelDims) come through the seam (`titan_lora.titan`)."""
 
 from __future__ import annotations
 
@@ -9,16 +11,21 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torchtitan.distributed import ParallelDims
-from torchtitan.protocols.model_converter import build_model_converters
-from torchtitan.protocols.state_dict_adapter import StateDictAdapter
-from torchtitan.protocols.train_spec import TrainSpec
 
 from titan_lora.export.peft import PeftLayout
 from titan_lora.lora.parallelize import add_grad_hooks
 from titan_lora.models.family import FamilyLoRAConverter  # noqa: F401 (registers the "lora" converter)
 from titan_lora.models.load import load_base_weights
 from titan_lora.models.resolve import ResolvedModel, resolve_model
+from titan_lora.titan.converters import convert_model
+from titan_lora.titan.models import (
+    StateDictAdapter,
+    TrainSpec,
+    job_model_args,
+    meta_model,
+    state_dict_adapter,
+)
+from titan_lora.titan.parallel import ParallelDims, build_parallel_dims
 
 logger = logging.getLogger(__name__)
 
@@ -45,11 +52,9 @@ def build_model(job_config, parallel_dims: ParallelDims, device: torch.device,  
     `resolved` is `[model]` as `load_job` resolved and checked it (None: resolved here)."""
     resolved = resolved or resolve_model(job_config.model)
     family, spec, hf_dir = resolved.family, resolved.family.train_spec, resolved.hf_dir
-    args = dataclasses.replace(resolved.args)  # update_from_config changes it; the resolved args stay as read
-    args.update_from_config(job_config)
-    with torch.device("meta"):
-        model = spec.model_cls(args)
-    build_model_converters(job_config, parallel_dims).convert(model)
+    args = job_model_args(resolved.args, job_config)  # a copy: the resolved args stay as read
+    model = meta_model(spec, args)
+    convert_model(model, job_config, parallel_dims)
     model = spec.parallelize_fn(model, parallel_dims, job_config)
     model.to_empty(device=device)
     with torch.no_grad(), warnings.catch_warnings():
@@ -61,7 +66,7 @@ def build_model(job_config, parallel_dims: ParallelDims, device: torch.device,  
                                     UserWarning)
         model.init_weights(buffer_device=None)
     add_grad_hooks(model, parallel_dims, job_config)
-    sd_adapter = spec.state_dict_adapter(args, hf_dir)
+    sd_adapter = state_dict_adapter(spec, args, hf_dir)
     if resolved.load_pretrained:
         load_base_weights(model, hf_dir, sd_adapter, resolved.tied)
         logger.info("loaded pretrained weights from %s", hf_dir)
@@ -72,7 +77,7 @@ def build_model(job_config, parallel_dims: ParallelDims, device: torch.device,  
 
 def build_from_toml(toml: str, *overrides: str, device: torch.device | None = None) -> BuiltModel:
     """Build the model a TOML text describes on this process group (started if needed: 1 rank)."""
-    from titan_lora.trainer.distributed import build_parallel_dims, device_for_rank, init_distributed
+    from titan_lora.trainer.distributed import device_for_rank, init_distributed
     from titan_lora.trainer.job_config import job_from_toml
 
     cfg, resolved = job_from_toml(toml, *overrides)

@@ -1,4 +1,4 @@
-"""Process-group and device-mesh set-up that works on CPU (gloo) and GPU (NCCL) alike."""
+"""Process-group set-up that works on CPU (gloo) and GPU (NCCL) alike (meshes: `titan_lora.titan.parallel`)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,6 @@ import os
 
 import torch
 import torch.distributed as dist
-import torchtitan.distributed.parallel_dims as titan_parallel_dims
-from torchtitan.distributed import ParallelDims
-
-from titan_lora.trainer.parallel import parallel_dims
 
 
 def device_for_rank() -> torch.device:
@@ -35,12 +31,3 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
     os.environ["RANK"], os.environ["WORLD_SIZE"] = "0", "1"
     dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
-
-def build_parallel_dims(parallelism, world_size: int, device: torch.device) -> ParallelDims:  # noqa: ANN001
-    """torchtitan's ParallelDims from `[parallelism]`, with its mesh on `device`'s type."""
-    # torchtitan picks the mesh device type at import time and falls back to "cuda" when no
-    # accelerator is present; the mesh must be built on the device we actually run on.
-    titan_parallel_dims.device_type = device.type
-    dims = parallel_dims(parallelism, world_size)
-    dims.build_mesh()
-    return dims

@@ -1,4 +1,6 @@
-"""Parse `--job.config_file x.toml` plus CLI overrides into torchtitan's JobConfig with our sections."""
+"""Parse `--job.config_file x.toml` plus CLI overrides into torchtitan's JobConfig with our sections.
+
+torchtitan's parser and schema come through the seam (`titan_lora.titan.configs`)."""
 
 from __future__ import annotations
 
@@ -13,13 +15,12 @@ import tomllib
 import types
 from typing import Any, Literal, Union, get_args, get_origin
 
-from torchtitan.config import ConfigManager, JobConfig
-from torchtitan.protocols.model_converter import _registry_model_converter_cls
-
 from titan_lora import config as ours
 from titan_lora.lora.targets import resolve_targets
 from titan_lora.models.family import FamilyLoRAConverter  # noqa: F401 (registers the "lora" converter)
-from titan_lora.models.resolve import ResolvedModel, quiet_torchtitan_asset_warnings, resolve_model
+from titan_lora.models.resolve import ResolvedModel, resolve_model
+from titan_lora.titan.configs import merged_schema, parse_job_config
+from titan_lora.titan.converters import registered_converters
 from titan_lora.trainer.preflight import preflight
 
 logger = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ def _config_path(argv: list[str]) -> str | None:
 def config_schema() -> type:
     """The merged JobConfig class (torchtitan's sections with titan_lora's merged in), as ConfigManager
     builds it: every section and key a TOML may name, with its type."""
-    return ConfigManager._merge_configs(JobConfig, ours.JobConfig)
+    return merged_schema(ours.JobConfig)
 
 
 def _fields(cls: type) -> dict[str, dataclasses.Field]:
@@ -154,11 +155,11 @@ def toml_errors(toml: dict) -> list[str]:
             errors.append(f"{name} = {toml_literal(given)} must be a section: write [{name}] and its keys below it")
         else:
             errors += _section_errors(name, given, sections[name].type)
-    converters = toml.get("model", {}).get("converters", [])
+    converters, known = toml.get("model", {}).get("converters", []), registered_converters()
     for name in converters if isinstance(converters, list) else []:
-        if name not in _registry_model_converter_cls:
-            known = ", ".join(sorted(_registry_model_converter_cls))
-            errors.append(f"[model] converters names {name!r}, which is not registered; known: {known}")
+        if name not in known:
+            errors.append(f"[model] converters names {name!r}, which is not registered; "
+                          f"known: {', '.join(known)}")
     return errors
 
 
@@ -244,18 +245,6 @@ def check_targets(job_config, model: ResolvedModel | None = None) -> list[str] |
     return resolve_targets(model.meta_model(), job_config.lora.target_modules, model.family.leaf_names)
 
 
-class _MissingAssets(logging.Filter):
-    """Drops torchtitan's "HF assets path ... does not exist!" while parsing: `resolve_model` refuses a
-    checkpoint that is missing with the key and the fix, in one line; the warning would come first."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        """False for that warning."""
-        return not record.getMessage().startswith("HF assets path ")
-
-
-_MISSING_ASSETS = _MissingAssets()
-
-
 def _names_key(toml: dict, argv: list[str], section: str, key: str) -> bool:
     """Whether the TOML or an override sets `[section] key`."""
     flag = f"{section}.{key}"  # tyro takes --a_b.c_d and --a-b.c-d alike
@@ -282,14 +271,7 @@ def load_job(argv: list[str]) -> tuple[Any, ResolvedModel]:
     errors += override_errors(argv)
     if errors:  # before tyro: it would keep a wrong-typed TOML value and box a wrong CLI one
         raise ours.ConfigError(errors)
-    args = [*argv, f"--job.custom_config_module={CUSTOM_CONFIG_MODULE}"]
-    quiet_torchtitan_asset_warnings()  # torchtitan warns while parsing and building
-    root = logging.getLogger()  # torchtitan's logger
-    root.addFilter(_MISSING_ASSETS)
-    try:
-        job_config = ConfigManager().parse_args(args)
-    finally:
-        root.removeFilter(_MISSING_ASSETS)
+    job_config = parse_job_config(argv, CUSTOM_CONFIG_MODULE)
     errors = ours.all_range_errors(job_config)
     if errors:  # every out-of-range value at once, before any check that builds on them
         raise ours.ConfigError(errors)

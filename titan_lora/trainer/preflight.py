@@ -11,8 +11,8 @@ from titan_lora.clients.kinds import EngineKind, engine_kind
 from titan_lora.config import Engine, attached_urls
 from titan_lora.lora.targets import hf_leaf_names
 from titan_lora.models.family import model_family
+from titan_lora.titan.parallel import data_parallel_size
 from titan_lora.trainer.checkpoint import check_resume_compatible, check_steps_left
-from titan_lora.trainer.parallel import data_parallel_size
 from titan_lora.trainer.sft_data import load_pairs
 from titan_lora.transfer.errors import TransferError
 from titan_lora.transfer.placement import AUTO, transport_kind

@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from titan_lora.trainer.parallel import DataParallelInfo
+from titan_lora.titan.parallel import DataParallelInfo
 from titan_lora.trainer.sft_data import SFTData
 
 

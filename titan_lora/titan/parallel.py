@@ -1,0 +1,92 @@
+"""torchtitan's parallelism: ParallelDims from `[parallelism]`, its device meshes, which share of the data a
+rank trains on, and activation checkpointing and compile on a model's blocks.
+
+Part of the seam (`titan_lora.titan`): 0.3.0 drops `etp`, renames the FSDP mesh axes under its default
+`spmd_types` backend and moves `apply_ac` and `apply_compile` behind config objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torchtitan.distributed.parallel_dims as titan_parallel_dims
+from torch.distributed.device_mesh import DeviceMesh
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.models.llama3.infra.parallelize import apply_compile
+
+__all__ = ["DataParallelInfo", "ParallelDims", "build_parallel_dims", "checkpoint_and_compile",
+           "data_parallel_info", "data_parallel_mesh", "data_parallel_size", "parallel_dims"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallelInfo:
+    """This rank's data-parallel coordinate; TP peers share one coordinate and see the same data."""
+
+    rank: int
+    size: int
+    group: dist.ProcessGroup | None
+
+
+def parallel_dims(parallelism, world_size: int) -> ParallelDims:  # noqa: ANN001
+    """torchtitan's ParallelDims for `[parallelism]` on `world_size` ranks (no mesh yet; -1 resolved)."""
+    try:
+        return ParallelDims(
+            dp_shard=parallelism.data_parallel_shard_degree,
+            dp_replicate=parallelism.data_parallel_replicate_degree,
+            cp=parallelism.context_parallel_degree, tp=parallelism.tensor_parallel_degree,
+            pp=parallelism.pipeline_parallel_degree, ep=parallelism.expert_parallel_degree,
+            etp=parallelism.expert_tensor_parallel_degree, world_size=world_size,
+        )
+    except AssertionError as err:  # torchtitan's asserts often carry no text: say what must hold
+        raise ValueError(
+            f"[parallelism] does not fit {world_size} ranks{': ' + str(err) if str(err) else ''}; the product of "
+            "the degrees (data_parallel_replicate, data_parallel_shard, context, tensor, pipeline) must equal the "
+            "ranks launched (torchrun --nproc_per_node, titan-lora --nproc): lower the degrees or launch more "
+            "ranks (data_parallel_shard_degree = -1 takes the ranks the others leave)"
+        ) from None
+
+
+def build_parallel_dims(parallelism, world_size: int, device: torch.device) -> ParallelDims:  # noqa: ANN001
+    """torchtitan's ParallelDims from `[parallelism]`, with its mesh on `device`'s type."""
+    # torchtitan picks the mesh device type at import time and falls back to "cuda" when no
+    # accelerator is present; the mesh must be built on the device we actually run on.
+    titan_parallel_dims.device_type = device.type
+    dims = parallel_dims(parallelism, world_size)
+    dims.build_mesh()
+    return dims
+
+
+def data_parallel_size(parallelism, world_size: int) -> int:  # noqa: ANN001
+    """The DP degree (replicas x shards) torchtitan derives from `[parallelism]` on `world_size` ranks."""
+    dims = parallel_dims(parallelism, world_size)
+    return dims.dp_replicate * dims.dp_shard
+
+
+def data_parallel_info(dims: ParallelDims) -> DataParallelInfo:
+    """DP rank, size and group from torchtitan's "batch" mesh (HSDP replicas x FSDP shards)."""
+    mesh = dims.get_optional_mesh("batch")
+    if mesh is None:
+        return DataParallelInfo(0, 1, None)
+    return DataParallelInfo(mesh.get_local_rank(), mesh.size(), mesh.get_group())
+
+
+def data_parallel_mesh(parallel_dims: ParallelDims) -> DeviceMesh:
+    """The data-parallel ranks' mesh: FSDP's (HSDP: replicate x shard), or the replicas alone."""
+    names = [name for name, on in (("dp_replicate", parallel_dims.dp_replicate_enabled),
+                                   ("fsdp", parallel_dims.fsdp_enabled)) if on]
+    return parallel_dims.get_mesh(names)
+
+
+def checkpoint_and_compile(model: nn.Module, job_config) -> None:  # noqa: ANN001
+    """`[activation_checkpoint]`, then `[compile]`, on the model's blocks, in place (torchtitan's order: FSDP
+    comes after both)."""
+    if job_config.activation_checkpoint.mode != "none":
+        apply_ac(model, job_config.activation_checkpoint, base_folder=job_config.job.dump_folder)
+    if job_config.compile.enable and "model" in job_config.compile.components:
+        # Each block compiles once (they share code); parameter names gain "_orig_mod.", which every name
+        # titan_lora reads drops (`lora.layer.clean_fqn`).
+        apply_compile(model, job_config.compile)
