@@ -24,7 +24,7 @@ from titan_lora.rl.rollout import Sample
 from titan_lora.rl.task import Problem, build_task
 from titan_lora.sync.engine_access import EngineRollouts
 from titan_lora.sync.versions import Lease
-from titan_lora.trainer.parallel import DataParallelInfo
+from titan_lora.titan.parallel import DataParallelInfo
 from titan_lora.transfer import protocol
 from titan_lora.transfer.episodes import EpisodeRecord, Segment
 from titan_lora.transfer.errors import EngineUnreachable

@@ -16,7 +16,7 @@ from titan_lora.rl.episode_samples import EpisodeCounts
 from titan_lora.rl.objective import GRPOObjective
 from titan_lora.rl.rollout import Sample
 from titan_lora.sync.engine_access import EngineRollouts
-from titan_lora.trainer.parallel import DataParallelInfo
+from titan_lora.titan.parallel import DataParallelInfo
 
 
 def check_agent_config(cfg: GRPO) -> None:
