@@ -67,7 +67,7 @@ def test_a_corrupted_tensor_alone_is_sent_and_a_dummy_engine_gets_the_whole_base
         assert streamed == [[CORRUPT]], f"only the corrupted tensor goes, not {[len(s) for s in streamed]}"
         assert syncer.counters["base_sends"] == 1 and syncer.counters["base_verified"] == 0
         record = syncer.emitter.base_digests()
-        ours = syncer._digests_of(record["dtype"])
+        ours = syncer.our_base_digests(record["dtype"])
         assert {n: record["digests"].get(n) for n in ours} == ours, "the engine's record now equals ours"
         assert_adapter_parity(built.model, sequences, rollouts_of(engine).score(sequences, "policy-v1"), base,
                               "corrupted copy, one tensor sent")
@@ -83,7 +83,7 @@ def test_a_corrupted_tensor_alone_is_sent_and_a_dummy_engine_gets_the_whole_base
         assert syncer.emitter.base_digests()["digests"] == {}, "a dummy engine loaded no checkpoint"
         syncer.sync(1)
         sent = set(streamed[0]) if streamed else set()
-        assert len(streamed) == 1 and sent == set(syncer._digests_of(None)), "the whole base is streamed"
+        assert len(streamed) == 1 and sent == set(syncer.our_base_digests(None)), "the whole base is streamed"
         assert_adapter_parity(built.model, sequences, rollouts_of(dummy).score(sequences, "policy-v1"),
                               rollouts_of(dummy).score(sequences, None), "dummy weights, whole base sent")
     finally:
