@@ -58,7 +58,8 @@ def test_a_corrupted_tensor_alone_is_sent_and_a_dummy_engine_gets_the_whole_base
     sequences = compose.probe_sequences(AutoTokenizer.from_pretrained(built.hf_dir), n=3)
     ws = WeightSync(enabled=True, keep_versions=2, bucket_mb=4, timeout_s=120, retries=1, parity_every=0)
 
-    engine = vllm_engine(_corrupted_copy(smollm2_dir, tmp_path / "engine_copy"), tmp_path / "corrupt.log")
+    engine = vllm_engine(_corrupted_copy(smollm2_dir, tmp_path / "engine_copy"), tmp_path / "corrupt.log",
+                         base_digests=True)
     engine.start()
     syncer, streamed = _verifying_syncer(engine, built, ws)
     try:
@@ -74,7 +75,7 @@ def test_a_corrupted_tensor_alone_is_sent_and_a_dummy_engine_gets_the_whole_base
     finally:
         syncer.close()
 
-    plan_args = vllm_engine(smollm2_dir, tmp_path / "x.log").args
+    plan_args = vllm_engine(smollm2_dir, tmp_path / "x.log", base_digests=True).args
     dummy = type(engine)(engine.module, free_port(), [*plan_args, "--load-format", "dummy"],
                          str(tmp_path / "dummy.log"), start_timeout_s=300)
     dummy.start()
