@@ -127,9 +127,10 @@ def adapter_tensors() -> dict[str, torch.Tensor]:
 
 
 def engine(model_dir: str, keep_versions: int, log_path: Path, start_timeout_s: float) -> EmbeddedEngine:
-    """The vLLM engine process as a job would start it, with slots for `keep_versions` (not started)."""
+    """The vLLM engine process as a job would start it, with slots for `keep_versions` (not started); it
+    gets adapters only, so nobody asks for its base digests."""
     plan = vllm_openai_launch(LaunchRequest(Engine(max_model_len=256, kv_cache_gib=1), keep_versions, model_dir,
-                                     torch.device("cpu"), RANK))
+                                            torch.device("cpu"), RANK, base_digests=False))
     return EmbeddedEngine(plan.module, 0, plan.args, str(log_path), start_timeout_s=start_timeout_s)
 
 

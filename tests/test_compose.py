@@ -47,6 +47,17 @@ def test_a_configured_key_is_kept_and_stays_off_argv(tmp_path: Path) -> None:
 # ---- the engine's command line, the probe batch and build_sync, in one process ------------------
 
 
+def test_the_engine_digests_its_base_only_when_the_trainer_verifies_it(tmp_path: Path) -> None:
+    flags = {}
+    for base in ("verify", "push"):
+        engine = _engine(tmp_path, Engine(), WeightSync(enabled=True, base=base))
+        try:
+            flags[base] = "--titan-skip-base-digests" in engine.args
+        finally:
+            engine.stop()
+    assert flags == {"verify": False, "push": True}, "a push job's engine would digest a base nobody asks about"
+
+
 def test_the_receiver_engine_logs_to_the_dump_folder_and_takes_no_device_on_cpu(tmp_path: Path) -> None:
     engine = _engine(tmp_path, Engine(kind="receiver", port=0))
     try:

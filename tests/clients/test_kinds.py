@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 
@@ -58,6 +59,9 @@ def test_the_launchers_plan_the_engine_processes() -> None:
         "/hf", "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--seed", "0",
         "--max-lora-rank", "16", "--max-loras", "4", "--max-cpu-loras", "5", "--max-model-len", "640",
         "--max-num-seqs", "64", "--max-num-batched-tokens", "4096", "--kv-cache-memory-bytes", str(5 * 2**30), "--disable-uvicorn-access-log"])
+    push = dataclasses.replace(req, base_digests=False)  # [weight_sync] base = "push": nobody asks for them
+    assert engine_kind("vllm").launch(push).args == [*engine_kind("vllm").launch(req).args,
+                                                      "--titan-skip-base-digests"]
 
 
 def test_a_registered_plug_in_is_selected_by_name(registry: dict) -> None:

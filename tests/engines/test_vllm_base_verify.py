@@ -58,7 +58,8 @@ def test_a_corrupted_tensor_alone_is_sent_and_a_dummy_engine_gets_the_whole_base
     sequences = compose.probe_sequences(AutoTokenizer.from_pretrained(built.hf_dir), n=3)
     ws = WeightSync(enabled=True, keep_versions=2, bucket_mb=4, timeout_s=120, retries=1, parity_every=0)
 
-    engine = vllm_engine(_corrupted_copy(smollm2_dir, tmp_path / "engine_copy"), tmp_path / "corrupt.log")
+    engine = vllm_engine(_corrupted_copy(smollm2_dir, tmp_path / "engine_copy"), tmp_path / "corrupt.log",
+                         base_digests=True)
     engine.start()
     syncer, streamed = _verifying_syncer(engine, built, ws)
     try:
@@ -67,14 +68,14 @@ def test_a_corrupted_tensor_alone_is_sent_and_a_dummy_engine_gets_the_whole_base
         assert streamed == [[CORRUPT]], f"only the corrupted tensor goes, not {[len(s) for s in streamed]}"
         assert syncer.counters["base_sends"] == 1 and syncer.counters["base_verified"] == 0
         record = syncer.emitter.base_digests()
-        ours = syncer._digests_of(record["dtype"])
+        ours = syncer.our_base_digests(record["dtype"])
         assert {n: record["digests"].get(n) for n in ours} == ours, "the engine's record now equals ours"
         assert_adapter_parity(built.model, sequences, rollouts_of(engine).score(sequences, "policy-v1"), base,
                               "corrupted copy, one tensor sent")
     finally:
         syncer.close()
 
-    plan_args = vllm_engine(smollm2_dir, tmp_path / "x.log").args
+    plan_args = vllm_engine(smollm2_dir, tmp_path / "x.log", base_digests=True).args
     dummy = type(engine)(engine.module, free_port(), [*plan_args, "--load-format", "dummy"],
                          str(tmp_path / "dummy.log"), start_timeout_s=300)
     dummy.start()
@@ -83,7 +84,7 @@ def test_a_corrupted_tensor_alone_is_sent_and_a_dummy_engine_gets_the_whole_base
         assert syncer.emitter.base_digests()["digests"] == {}, "a dummy engine loaded no checkpoint"
         syncer.sync(1)
         sent = set(streamed[0]) if streamed else set()
-        assert len(streamed) == 1 and sent == set(syncer._digests_of(None)), "the whole base is streamed"
+        assert len(streamed) == 1 and sent == set(syncer.our_base_digests(None)), "the whole base is streamed"
         assert_adapter_parity(built.model, sequences, rollouts_of(dummy).score(sequences, "policy-v1"),
                               rollouts_of(dummy).score(sequences, None), "dummy weights, whole base sent")
     finally:

@@ -234,7 +234,7 @@ def test_a_dummy_engine_gets_the_whole_base_over_tcp_and_then_matches(
         assert syncer.source.gatherer.home.kind == "tcp", "the adapter was posted from a tcp buffer"
         assert engine_segments(engine_b) <= mapped_before, "the engine mapped a shared-memory segment"
         record = side.emitter.base_digests()
-        ours = syncer._digests_of(record["dtype"])
+        ours = syncer.our_base_digests(record["dtype"])
         assert {n: record["digests"].get(n) for n in ours} == ours, "the engine's record is now our base"
         assert_adapter_parity(built.model, sequences, side.rollouts.score(sequences, "policy-v1"),
                               side.rollouts.score(sequences, None),
@@ -260,7 +260,7 @@ def test_replicas_in_two_namespaces_each_get_each_version(
         # One base step for the set: verified when both replicas' records match ours (B took our base in the
         # dummy test before), else streamed to both at once, each over its own veth.
         assert syncer.counters["base_sends"] + syncer.counters["base_verified"] == 1, syncer.counters
-        ours = syncer._digests_of(replicas[0].emitter.base_digests()["dtype"])
+        ours = syncer.our_base_digests(replicas[0].emitter.base_digests()["dtype"])
         for r in replicas:
             record = r.emitter.base_digests()["digests"]
             assert {n: record.get(n) for n in ours} == ours, f"replica {r.index} does not hold our base"

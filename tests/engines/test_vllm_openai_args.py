@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from titan_lora.engines import vllm_openai
+from titan_lora.engines import base_record, vllm_openai
 
 
 @pytest.fixture(autouse=True)
@@ -37,6 +37,15 @@ def test_on_cpu_one_worker_runs_in_the_engine_core_unless_the_environment_says()
     env = {}  # several workers need vLLM's multiprocess executor
     vllm_openai.keep_cpu_worker_in_engine_core(vllm_openai.parse_args(["/m", "--tensor-parallel-size", "2"]), env)
     assert env == {}
+
+
+def test_the_skip_flag_tells_the_workers_to_record_no_base_digests() -> None:
+    env: dict[str, str] = {}
+    vllm_openai.skip_base_digests(vllm_openai.parse_args(["/m"]), env)
+    assert env == {}, "by default the workers record what they load"
+    vllm_openai.skip_base_digests(vllm_openai.parse_args(["/m", "--titan-skip-base-digests"]), env)
+    assert env == {base_record.SKIP_ENV: "1"}
+    assert not base_record.recording(env) and base_record.recording({})
 
 
 def test_several_api_servers_and_no_lora_are_refused() -> None:

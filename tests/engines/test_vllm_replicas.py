@@ -61,7 +61,9 @@ def test_two_replicas_serve_each_version_and_share_the_rollouts(smollm2_dir: Pat
     from transformers import AutoTokenizer
 
     built = build_from(SMOLLM2_LORA)
-    ws = WeightSync(enabled=True, keep_versions=2, bucket_mb=4, timeout_s=120, retries=1, parity_every=0)
+    # Its syncers push the base (no layout for its digests): its engines are started as a push job's are.
+    ws = WeightSync(enabled=True, keep_versions=2, bucket_mb=4, timeout_s=120, retries=1, parity_every=0,
+                    base="push")
     started = Engine(replicas=2, transport="shm", kv_cache_gib=1, max_model_len=256, api_key=API_KEY)
     side = compose.connect_engine(started, ws, built.hf_dir, CPU, str(tmp_path), lora_rank=8)
     attached = None

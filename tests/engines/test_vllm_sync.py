@@ -169,6 +169,8 @@ def test_after_sync_k_the_engine_serves_version_k(ctx: Ctx) -> None:
     info = ctx.info()
     assert "policy-v1" in info["adapters"] and info["base_version"] == 1
     assert ctx.syncer.versions.active.name == "policy-v1"
+    # Started as a base = "push" job starts it: its workers digested neither the checkpoint nor our base.
+    assert ctx.syncer.emitter.base_digests() == {"dtype": None, "digests": {}}
 
     ours, theirs = ctx.trainer_logprobs(), ctx.engine_logprobs("policy-v1")
     diff, effect = max_abs_diff(ours, theirs), max_abs_diff(theirs, base_lp)

@@ -60,16 +60,19 @@ def emitter_to(kind: str, endpoint: Endpoint, cfg: WeightSync, engine: Engine | 
     return engine_kind(kind).emitter(cfg, engine or Engine(kind=kind), endpoint)
 
 
-def vllm_engine(model_dir: Path, log: Path, max_model_len: int = 256, keep_versions: int = 2) -> EmbeddedEngine:
+def vllm_engine(model_dir: Path, log: Path, max_model_len: int = 256, keep_versions: int = 2,
+                base_digests: bool = False) -> EmbeddedEngine:
     """The default engine (vLLM's OpenAI server with titan's routes) on `model_dir`, as a job would start it
-    for rank-8 adapters and `keep_versions` live versions (not started yet)."""
-    plan = engine_kind("vllm").launch(
-        LaunchRequest(Engine(max_model_len=max_model_len, kv_cache_gib=1), keep_versions, str(model_dir), CPU, 8))
+    for rank-8 adapters and `keep_versions` live versions (not started yet): as a `[weight_sync] base =
+    "push"` job does (the syncers here push the base), or with `base_digests` as a "verify" job does."""
+    plan = engine_kind("vllm").launch(LaunchRequest(Engine(max_model_len=max_model_len, kv_cache_gib=1),
+                                                    keep_versions, str(model_dir), CPU, 8, base_digests))
     return EmbeddedEngine(plan.module, free_port(), plan.args, str(log), start_timeout_s=300)
 
 
 def smollm2_engine(model_dir: Path, log: Path) -> EmbeddedEngine:
-    """The default engine on SmolLM2 with room for rank-8 adapters (not started yet)."""
+    """The default engine on SmolLM2 with room for rank-8 adapters, for a syncer that pushes the base (not
+    started yet)."""
     return vllm_engine(model_dir, log)
 
 

@@ -243,6 +243,31 @@ def test_a_revived_replica_whose_own_base_has_our_digests_rejoins_without_a_base
     syncer.close()
 
 
+@pytest.mark.parametrize("then", ["adopt", "send the part that differs"])
+def test_one_base_step_asks_each_replica_its_incarnation_once(then: str) -> None:
+    record = {"dtype": "float32", "digests": {"model.embed_tokens.weight": "e", "model.norm.weight": "n"}}
+    replicas = [Replica(i, Endpoint(f"http://127.0.0.1:{8000 + i}"), VerifyingEmitter(dict(record)), Rollouts(i),
+                        None) for i in range(2)]
+    rs = ReplicaSet(replicas, cfg(timeout_s=5.0))
+    fan = FanoutEmitter(rs)
+    try:
+        for r in replicas:
+            rs.based(r, "inc-1")
+        replicas[1].emitter.incarnation = "inc-2"  # came back as a new incarnation: it alone lacks our base
+        assert fan.base_digests() == record
+        if then == "adopt":
+            fan.adopt_base(3)
+        else:
+            fan.send_base_part(Base()(), 3)
+        assert replicas[0].emitter.calls == ["incarnation"], "asked once whether it lacks the base, and left alone"
+        # Replica 1: once to find that it lacks the base, once to record the incarnation that took it.
+        taken = "adopt v3" if then == "adopt" else "base part v3: ['model.embed_tokens.weight', 'model.norm.weight']"
+        assert replicas[1].emitter.calls == ["incarnation", "digests", taken, "incarnation"]
+        assert replicas[1].base_incarnation == "inc-2"
+    finally:
+        fan.close()
+
+
 def test_engines_started_from_short_lived_threads_outlive_them(tmp_path):
     """PR_SET_PDEATHSIG follows the forking *thread*: before the spawner thread, both receivers got SIGTERM
     as start_engines' threads returned (and a revived replica as its revival thread did)."""

@@ -15,7 +15,7 @@ import torch
 from inprocess_rig import ADAPTER_BYTES, BASE_BYTES, Base
 
 from titan_lora.sync import syncer as syncer_mod
-from titan_lora.sync.base_giving import _Tally
+from titan_lora.sync.base_giving import BaseTally
 from titan_lora.sync.syncer import EngineFailed, NonFiniteAdapterError, check_engine_limits
 from titan_lora.transfer.errors import EngineWeightsLost, TransferError
 from titan_lora.transfer.protocol import Ack, EngineLimits
@@ -53,7 +53,7 @@ def test_too_few_adapter_slots_for_the_retention_window_are_refused() -> None:
 
 def test_the_tally_counts_what_passes_and_drain_runs_the_rest() -> None:
     base = Base()
-    tally = _Tally(base())
+    tally = BaseTally(base())
     assert iter(tally) is tally
     assert next(tally)[0] == "model.embed_tokens.weight"
     assert (tally.tensors, tally.nbytes, base.drawn) == (1, 24, 1)

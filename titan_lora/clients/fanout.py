@@ -81,6 +81,9 @@ class FanoutEmitter:
         # Twice the replicas: a call stuck on a hung replica holds a worker until its own timeout.
         self._pool = ThreadPoolExecutor(max_workers=2 * n, thread_name_prefix="titan-fanout")
         self._incarnation = f"replicas-{uuid.uuid4().hex}"
+        # The targets `base_digests` found, for the adopt or send of the same base step (then dropped): the
+        # replicas verified are the ones given the base, and each is asked its incarnation once a step.
+        self._step_targets: list[Replica] | None = None
 
     def engine_limits(self) -> EngineLimits:
         """The limits every replica meets (each is asked; an unreachable one fails the start-up)."""
@@ -168,7 +171,11 @@ class FanoutEmitter:
 
     def _base_targets(self, what: str) -> list[Replica]:
         """The replicas that lack our base: the revived ones waiting for it, and live ones of a new
-        incarnation (at start-up: all)."""
+        incarnation (at start-up: all). Found once a base step: the adopt or send that follows
+        `base_digests` takes the replicas it read."""
+        targets, self._step_targets = self._step_targets, None
+        if targets is not None:  # less any quarantined since (their revival owns them now)
+            return [r for r in targets if r.live or r.awaiting_base]
         waiting = self.replicas.awaiting()
         live = self._live_or_raise(what) if not waiting else self.replicas.live()
         return waiting + [r for r in live if self._lacks_base(r)]
@@ -176,9 +183,11 @@ class FanoutEmitter:
     def base_digests(self) -> dict[str, Any]:
         """The record common to the replicas that lack our base: a digest where they all agree (others
         count as differing); no digests when one loaded no checkpoint or they hold other dtypes."""
+        self._step_targets = None  # a new base step
         targets = self._base_targets("reading the replicas' base digests")
         records = [r.emitter.base_digests() if isinstance(r.emitter, VerifiesBase) else {"dtype": None, "digests": {}}
                    for r in targets]
+        self._step_targets = targets
         if not records or any(not rec["digests"] or rec["dtype"] != records[0]["dtype"] for rec in records):
             return {"dtype": None, "digests": {}}
         first = records[0]["digests"]

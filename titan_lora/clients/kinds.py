@@ -28,6 +28,9 @@ class LaunchRequest:
     hf_dir: str
     device: torch.device
     lora_rank: int
+    base_digests: bool = True
+    """Whether anyone will ask the engine for the digests of the base it loads (`[weight_sync] base =
+    "verify"`); False spares it digesting the checkpoint at every start."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,19 +10,20 @@ from titan_lora.clients.kinds import EngineKind, LaunchPlan, LaunchRequest
 from titan_lora.clients.launch import engine_lora_rank
 from titan_lora.clients.openai_rollout import openai_rollouts
 from titan_lora.clients.vllm import build_vllm_emitter
-from titan_lora.transfer import vllm_release
+from titan_lora.transfer import protocol, vllm_release
 
 
 def vllm_openai_launch(req: LaunchRequest) -> LaunchPlan:
     """`vllm serve` flags for the job: fp32 on the trainer's model, adapter slots for every live version
-    plus one being installed, bound to localhost."""
+    plus one being installed, bound to localhost; no base digests where nobody asks for them."""
+    skip = [] if req.base_digests else [protocol.SKIP_BASE_DIGESTS_FLAG]
     return LaunchPlan("titan_lora.engines.vllm_openai", [
         req.hf_dir, "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--seed", "0",
         "--max-lora-rank", str(engine_lora_rank(req.lora_rank)),
         "--max-loras", str(req.keep_versions + 1), "--max-cpu-loras", str(req.keep_versions + 2),
         "--max-model-len", str(req.engine.max_model_len), "--max-num-seqs", "64",
         "--max-num-batched-tokens", str(max(4096, req.engine.max_model_len)),
-        "--kv-cache-memory-bytes", str(req.engine.kv_cache_gib * 2**30), "--disable-uvicorn-access-log",
+        "--kv-cache-memory-bytes", str(req.engine.kv_cache_gib * 2**30), "--disable-uvicorn-access-log", *skip,
     ])
 
 

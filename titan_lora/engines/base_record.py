@@ -6,18 +6,37 @@ cannot be read back as HF tensors; the record is taken as each tensor loads inst
 checkpoint through `vllm_compat.tee_checkpoint_loads`, or from the trainer through a base commit). It
 proves what the engine loaded; the parity probe proves how it then computes. The trainer compares the
 record with its own digests (`sync.base_digest`) and sends only the tensors that differ.
+
+Digesting costs a pass over every weight at each engine start (about 2.5 s of CPU for SmolLM2); an engine
+started with `--titan-skip-base-digests` (a trainer with `[weight_sync] base = "push"`, which never asks)
+sets SKIP_ENV for its workers, which then record nothing: the empty record makes any trainer that does ask
+send the whole base.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
+from collections.abc import Mapping
 
 import torch
 
 from titan_lora.transfer.digest import tensor_digest
 
 logger = logging.getLogger("titan_lora.engine")
+SKIP_ENV = "TITAN_LORA_SKIP_BASE_DIGESTS"
+"""Set to 1 by the engine's front for its workers (spawned after it): record nothing."""
+
+
+def recording(env: Mapping[str, str]) -> bool:
+    """Whether a worker started with `env` records digests (unless SKIP_ENV says not to)."""
+    return env.get(SKIP_ENV) != "1"
+
+
+RECORDING = recording(os.environ)
+"""Whether this worker records (read once, at import: before the model loads)."""
+
 _lock = threading.Lock()
 _digests: dict[str, str] = {}
 _loaded_dtype: torch.dtype | None = None  # the dtype of the last load
@@ -30,8 +49,8 @@ def _device() -> torch.device:
 
 def record(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
     """Record the digest of checkpoint tensor `name` as the engine holds it (cast to `dtype`)."""
-    if not tensor.is_floating_point():
-        return  # not a base weight titan_lora sends (quantisation scales, indices)
+    if not RECORDING or not tensor.is_floating_point():
+        return  # skipped, or not a base weight titan_lora sends (quantisation scales, indices)
     digest = tensor_digest(name, tensor.to(device=_device(), dtype=dtype))
     global _loaded_dtype
     with _lock:

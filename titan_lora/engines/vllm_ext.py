@@ -35,7 +35,8 @@ from titan_lora.transfer.transport import BufferCache
 from titan_lora.transfer.transports.base import transport_named
 
 compat.check_version_in_worker()  # runs in every worker process: the extension is imported there
-compat.tee_checkpoint_loads(base_record.record)  # imported before the worker loads its model
+if base_record.RECORDING:  # imported before the worker loads its model
+    compat.tee_checkpoint_loads(base_record.record)
 if compat.FAST_PATH:  # both drive vLLM internals that only the tested versions are known to have
     from titan_lora.engines import vllm_cpu_lora, vllm_fastpath
 

@@ -12,6 +12,8 @@ Secrets come by environment, never argv (`ps` shows argv): TITAN_LORA_API_KEY be
 `--api-key`, which then guards `/v1/*` and `/titan/*` alike; TITAN_LORA_ENGINE_NONCE is echoed by
 `/titan/info`. The fault-injection variables of `titan_lora.engines.transfers` apply as well, and the
 episode bounds of `titan_lora.engines.episode_store`.
+`--titan-skip-base-digests` (passed by the launcher under `[weight_sync] base = "push"`) spares each worker
+digesting the checkpoint as it loads (`titan_lora.engines.base_record`).
 
 It refuses to start, before vLLM parses its flags or loads a model, on a vLLM release titan_lora was not
 tested with, unless TITAN_LORA_ALLOW_UNTESTED_VLLM=1 (`titan_lora.transfer.vllm_release`).
@@ -24,6 +26,7 @@ import logging
 import os
 from collections.abc import MutableMapping
 
+from titan_lora.engines import base_record
 from titan_lora.engines import vllm_compat as compat
 from titan_lora.engines.episode_store import EpisodeLimits
 from titan_lora.engines.lifetime import die_with_spawning_parent
@@ -66,6 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from TITAN_LORA_API_KEY."""
     parser = compat.serve_parser(__doc__.split("\n\n")[0])
     parser.set_defaults(enable_lora=True, worker_extension_cls=EXTENSION)
+    parser.add_argument(protocol.SKIP_BASE_DIGESTS_FLAG, dest="titan_skip_base_digests", action="store_true",
+                        help="titan_lora: record no digest of the base the workers load (a trainer with "
+                             '[weight_sync] base = "push" never asks for them)')
     if compat.is_cpu():
         # After a partial (chunked) prefill vLLM rewinds a seeded request's generator, which a CPU
         # generator cannot do: the engine dies ("CPU Generator does not use offset", vLLM 0.32).
@@ -100,6 +106,12 @@ def keep_cpu_worker_in_engine_core(args: argparse.Namespace, env: MutableMapping
         env.setdefault(IN_CORE_WORKER_ENV, "0")
 
 
+def skip_base_digests(args: argparse.Namespace, env: MutableMapping[str, str]) -> None:
+    """Tell the workers (spawned after this, with `env`) to record no base digests when `args` say so."""
+    if args.titan_skip_base_digests:
+        env[base_record.SKIP_ENV] = "1"
+
+
 def _log_titan_lines() -> None:
     """Print titan_lora's own INFO lines in the API server (vLLM configures only its `vllm` logger, so
     they would be dropped: e.g. how many trainer mappings were released at shutdown)."""
@@ -123,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     _log_titan_lines()
     args = parse_args(argv)
     keep_cpu_worker_in_engine_core(args, os.environ)  # read by the engine core vLLM spawns
+    skip_base_digests(args, os.environ)  # read by each worker as it imports the extension
     compat.serve(args)
 
 

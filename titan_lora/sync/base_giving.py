@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("titan_lora.sync.syncer")
 
 
-class _Tally:
+class BaseTally:
     """Counts what passes through the base stream (rank 0), to check the engine's ack against it."""
 
     def __init__(self, stream: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -31,7 +31,7 @@ class _Tally:
         self.tensors = 0
         self.nbytes = 0
 
-    def __iter__(self) -> _Tally:
+    def __iter__(self) -> BaseTally:
         return self
 
     def __next__(self) -> tuple[str, torch.Tensor]:
@@ -74,7 +74,7 @@ class BaseGiving:
             self._send_base(version, whole=whole)
             return
         started = time.perf_counter()
-        ours = self._digests_of(record["dtype"])
+        ours = self.our_base_digests(record["dtype"])
         self._remember = {"dtype": record["dtype"], "digests": ours}  # for a replica's revival (rank 0)
         differ = sorted(n for n, d in ours.items() if record["digests"].get(n) != d)  # same on every rank
         if differ:
@@ -91,7 +91,7 @@ class BaseGiving:
                     len(ours), ms / 1e3)
         self._base_ms = ms
 
-    def _digests_of(self, dtype: str | None) -> dict[str, str]:
+    def our_base_digests(self, dtype: str | None) -> dict[str, str]:
         """Collective: the trainer's base digests in `dtype` (the engine's), computed once per dtype."""
         key = dtype or ""
         if key not in self._our_digests:
@@ -115,7 +115,7 @@ class BaseGiving:
         checkpoint); a failed attempt re-runs the whole stream on every rank."""
         for attempt in range(self.cfg.retries + 1):
             started = time.perf_counter()
-            tally = _Tally(self.base_weights() if only is None else self.base_weights(set(only)))
+            tally = BaseTally(self.base_weights() if only is None else self.base_weights(set(only)))
             try:
                 send = self._watched(lambda: self._stream_base(tally, version, only), "sending the base")
                 ack = self._rank0(send, "sending the base", then=tally.drain)
@@ -130,7 +130,7 @@ class BaseGiving:
             return
         raise AssertionError("unreachable")
 
-    def _stream_base(self, tally: _Tally, version: int, only: list[str] | None) -> Ack:
+    def _stream_base(self, tally: BaseTally, version: int, only: list[str] | None) -> Ack:
         """Rank 0: the stream to the engine: whole, or the tensors `only` names (it reads the rest itself)."""
         if self._remember is not None:
             self.emitter.remember_base_digests(self._remember, version)
@@ -138,7 +138,7 @@ class BaseGiving:
             return self.emitter.send_base(tally, version)
         return self.emitter.send_base_part(tally, version)
 
-    def _after_base(self, ack: Ack | None, tally: _Tally, version: int, started: float, whole: bool) -> None:
+    def _after_base(self, ack: Ack | None, tally: BaseTally, version: int, started: float, whole: bool) -> None:
         def verify() -> None:
             verify_ack(ack, version, tally.tensors, tally.nbytes, "base weights")
             self._took_base(whole)

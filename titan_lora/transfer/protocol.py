@@ -15,6 +15,9 @@ API_KEY_ENV = "TITAN_LORA_API_KEY"
 """The engine's API key reaches it through this environment variable, never its command line."""
 NONCE_ENV = "TITAN_LORA_ENGINE_NONCE"
 """The launcher's nonce, echoed by INFO: proof that the engine on a port is the one we started."""
+SKIP_BASE_DIGESTS_FLAG = "--titan-skip-base-digests"
+"""The vLLM engine's flag (its launcher passes it under `[weight_sync] base = "push"`, where nobody asks for
+BASE_DIGESTS): it records no digest of the base it loads and answers BASE_DIGESTS with none."""
 
 HTTP_MARGIN_S = 10.0
 """Added to a request's own deadline (which the engine enforces and answers) for the HTTP timeout, which
