@@ -323,7 +323,7 @@ def test_the_task_and_reward_are_resolved_before_anything_is_built() -> None:
     check_plugins(job(enabled=True, task="reverse", reward="exact_match"))
     check_plugins(job(enabled=False, task="nope"))  # no GRPO: nothing to resolve
     with pytest.raises(ValueError,
-                       match=r"^\[grpo\] task = 'nope' is not registered; known: arith, jsonl, reverse, word_problems"):
+                       match=r"^\[grpo\] task = 'nope' is not registered; known: arith, calculator_agent, jsonl, reverse, word_problems"):
         check_plugins(job(enabled=True, task="nope"))
     with pytest.raises(ValueError, match=r"^\[grpo\] reward = 'exact' is not registered; known: .*exact_match"):
         check_plugins(job(enabled=True, reward="exact"))
