@@ -46,6 +46,7 @@ from plot_run import read_scalars  # noqa: E402
 
 from titan_lora.models.load import load_base_weights  # noqa: E402
 from titan_lora.models.smollm2 import pretrained_dir  # noqa: E402
+from titan_lora.trainer.distributed import leave_distributed  # noqa: E402
 
 GiB = 1 << 30
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
@@ -180,8 +181,8 @@ def _baseline_rank(rank: int, world: int, port: int, hf_dir: Path, device_type: 
     held = sum(v.numel() * v.element_size() for v in state.values())
     (out / f"baseline-{rank}.json").write_text(json.dumps({"floor_s": floor_s, "copy_s": copy_s, "held": held,
                                                            "peak": status_bytes("VmHWM"), "before": before}))
-    dist.barrier()
-    dist.destroy_process_group()
+    del state, built
+    leave_distributed()
 
 
 def run_baseline(args: argparse.Namespace, hf_dir: Path, out: Path) -> dict:

@@ -41,6 +41,7 @@ from bench_base_send import llama3_shapes  # noqa: E402
 from titan_lora.models.load import load_base_weights, load_base_weights_full  # noqa: E402
 from titan_lora.titan.parallel import build_parallel_dims  # noqa: E402
 from titan_lora.trainer.build import build_model  # noqa: E402
+from titan_lora.trainer.distributed import leave_distributed  # noqa: E402
 from titan_lora.trainer.job_config import job_from_toml  # noqa: E402
 
 GiB = 1 << 30
@@ -177,8 +178,8 @@ def _rank(rank: int, world: int, port: int, hf_dir: Path, path: str, device_type
     peak = status_bytes("VmHWM")  # since the reset: the load's own peak (else since the process began)
     (out / f"{path}-{rank}.json").write_text(json.dumps({"seconds": seconds, "peak": peak, "before": before,
                                                          "reset": reset}))
-    dist.barrier()  # leave together (a rank tearing gloo down early aborts its peer)
-    dist.destroy_process_group()
+    del built
+    leave_distributed()
 
 
 def run_path(path: str, args: argparse.Namespace, hf_dir: Path, out: Path) -> list[dict[str, float]]:

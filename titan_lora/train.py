@@ -28,7 +28,7 @@ from titan_lora.titan.optim import build_lr_schedulers, build_optimizers, clip_g
 from titan_lora.titan.parallel import build_parallel_dims
 from titan_lora.trainer.build import build_model
 from titan_lora.trainer.checkpoint import AdapterCheckpointer
-from titan_lora.trainer.distributed import device_for_rank, init_distributed
+from titan_lora.trainer.distributed import device_for_rank, init_distributed, leave_distributed
 from titan_lora.trainer.job_config import load_job
 from titan_lora.trainer.metrics import MetricsLogger, peak_memory_mib
 
@@ -218,14 +218,9 @@ def main(argv: list[str] | None = None) -> None:
         finished = True
     finally:
         run.close()
-        if dist.is_initialized():
-            if finished:
-                # Leave together: a rank that tears its gloo pairs down while a peer is still in its last
-                # collective (rank 0 exporting, stopping the engine) makes that peer abort at exit
-                # ("terminate called without an active exception"), and torchrun reports a finished run
-                # as failed.
-                dist.barrier()
-            dist.destroy_process_group()
+        del run  # its model's DTensors must not outlive the process group (see leave_distributed)
+        # Together only when finished: a rank leaving on an error must not wait for peers that never come.
+        leave_distributed(together=finished)
     if adapter is not None:  # last, after the engine's shutdown: where the run's result is
         logger.info("the trained adapter (PEFT: adapter_config.json, adapter_model.safetensors) is in %s",
                     adapter.resolve())
