@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import re
 import signal
 import threading
@@ -268,6 +269,26 @@ def test_a_long_generation_pinned_to_version_k_finishes_on_k_while_k_plus_1_and_
     wait_until(lambda: ctx.live() == ["policy-v10", "policy-v9"])
 
 
+def test_live_answers_busy_not_wedged_while_one_long_prefill_step_computes(ctx: Ctx) -> None:
+    """48 prompts of 240 tokens are prefilled in steps of about 3 s on this CPU (chunked prefill is off),
+    far past a 0.8 s LIVE bound: LIVE says busy with the core's CPU share, never 504; the batch completes."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 40000) for _ in range(240)] for _ in range(48)]
+    done: dict[str, list] = {}
+    batch = threading.Thread(target=lambda: done.setdefault("out", ctx.rollouts.generate(prompts, None, 1, 1.0, 0,
+                                                                                       [])))
+    batch.start()
+    replies = []
+    while batch.is_alive():
+        replies.append(ctx.titan.post("/titan/live", {"timeout_s": 0.8}, timeout_s=5))  # a 504 would raise
+    batch.join()
+    busy = [r for r in replies if r.get("busy_s")]
+    assert busy, f"no LIVE call waited behind a step: {replies}"
+    assert all(r["live"] and min(r["cpu_shares"]) >= 0.1 for r in busy), busy
+    assert len(done["out"]) == 48
+    ctx.titan.check_live(5.0)
+
+
 def test_live_goes_through_the_engine_core_and_fails_in_time_while_info_still_answers(ctx: Ctx) -> None:
     """Last in this module: it stops the engine core for a few seconds."""
     ctx.titan.check_live(5.0)  # a running core answers the no-op collective_rpc
@@ -275,7 +296,8 @@ def test_live_goes_through_the_engine_core_and_fails_in_time_while_info_still_an
     os.kill(core, signal.SIGSTOP)
     try:
         started = time.monotonic()
-        with pytest.raises(EngineHung, match=r"did not answer a no-op collective_rpc within 1.6 s"):
+        with pytest.raises(EngineHung, match=r"did not answer a no-op collective_rpc within 1.6 s and its "
+                                               r"processes hardly computed"):
             ctx.titan.check_live(2.0)
         assert time.monotonic() - started < 2.0, "LIVE must answer by its own deadline"
         assert ctx.titan.post("/titan/info")["incarnation"], "the API server still answers INFO"

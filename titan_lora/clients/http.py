@@ -109,10 +109,15 @@ class JsonClient:
 
     def check_live(self, timeout_s: float) -> None:
         """Raise EngineHung unless the engine's LIVE route (a no-op through its engine core and workers)
-        answers within `timeout_s`, its front included; EngineUnreachable when nothing listens."""
+        answers within `timeout_s`, its front included (a CPU engine computing one long step answers busy,
+        which is live); EngineUnreachable when nothing listens."""
         try:
-            self.post(protocol.path(protocol.LIVE), {"timeout_s": timeout_s * LIVE_ENGINE_SHARE},
-                      timeout_s=timeout_s)
+            reply = self.post(protocol.path(protocol.LIVE), {"timeout_s": timeout_s * LIVE_ENGINE_SHARE},
+                              timeout_s=timeout_s)
+            if reply.get("busy_s"):  # live, one long step in progress (a CPU engine computing: not a wedge)
+                logger.info("%s: one engine step has outlasted LIVE's %.1f s bound, its processes computing "
+                            "meanwhile (CPU time / wait: %s): busy, not wedged", self.base_url,
+                            reply["busy_s"], reply.get("cpu_shares"))
         except HTTPStatusError as err:
             if err.status == 401:
                 raise

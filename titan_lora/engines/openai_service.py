@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from titan_lora.engines import core_activity
 from titan_lora.engines import vllm_compat as compat
 from titan_lora.engines.adapter_table import AdapterTable
 from titan_lora.engines.episode_store import EpisodeLimits, EpisodeStore
@@ -69,15 +70,24 @@ class TitanService:
 
     async def live(self, req: dict) -> dict:
         """A no-op `collective_rpc` to every worker of every engine core, within `timeout_s` (504 past it):
-        INFO is answered by this API server alone and cannot tell a wedged engine core or worker."""
+        INFO is answered by this API server alone and cannot tell a wedged engine core or worker. On CPU,
+        a core that missed the bound while computing (one long step) answers live with `busy_s`."""
         timeout_s = float(req.get("timeout_s", DEFAULT_LIVE_TIMEOUT_S))
+        procs = core_activity.engine_processes() if compat.is_cpu() else []
+        before = core_activity.CpuSample.now(procs)
         try:
             await asyncio.wait_for(self.rpc("titan_ping", timeout_s=timeout_s), timeout_s)
         except asyncio.TimeoutError:
+            shares = core_activity.busy_shares(before, core_activity.CpuSample.now(procs))
+            if core_activity.were_busy(shares):
+                return {"live": True, "incarnation": self.incarnation, "busy_s": timeout_s,
+                        "cpu_shares": sorted(round(x, 3) for x in shares.values())}
+            why = (": it is wedged (the API server is up), or one engine step outlasts that bound: then raise "
+                   "[weight_sync] health_timeout_s") if not procs else (
+                   " and its processes hardly computed meanwhile (CPU time / wait: "
+                   f"{', '.join(f'{x:.2f}' for x in sorted(shares.values()))}): it is wedged (the API server is up)")
             raise TimeoutError(f"the engine core or a worker did not answer a no-op collective_rpc within "
-                               f"{timeout_s:g} s: it is wedged (the API server is up), or one engine step "
-                               "outlasts that bound (long prefills on a CPU core): then raise [weight_sync] "
-                               "health_timeout_s") from None
+                               f"{timeout_s:g} s{why}") from None
         return {"live": True, "incarnation": self.incarnation}
 
     async def bucket(self, req: dict) -> dict:

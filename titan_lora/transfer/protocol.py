@@ -30,7 +30,9 @@ it cannot tell a wedged engine core (see LIVE)."""
 LIVE = "live"
 """A no-op through the part of the engine that does the work, answered within the body's `timeout_s` or
 refused with 504: on vLLM a `collective_rpc` to every worker of every engine core, on the receiver the
-lock its transfers hold. A wedged core (a stuck kernel or collective) fails it while INFO still answers."""
+lock its transfers hold. A wedged core (a stuck kernel or collective) fails it while INFO still answers.
+On a CPU vLLM engine, a core that misses the bound while computing one long step answers live with
+`busy_s` (`engines.core_activity`)."""
 BUCKET = "bucket"
 """One bucket of a transfer (base or adapter), acked with count, bytes and checksum."""
 BASE = "base"

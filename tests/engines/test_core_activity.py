@@ -1,0 +1,66 @@
+"""A CPU engine that misses LIVE's bound while computing is busy, not wedged: the rule on real processes
+titled as vLLM titles its engine core (one spinning, one SIGSTOPped), and on hand-made samples."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from titan_lora.engines.core_activity import CpuSample, busy_shares, engine_processes, were_busy
+
+# PR_SET_NAME (15) titles the process as vLLM does its engine core, then it spins or sleeps.
+CHILD = ("import ctypes, sys, time; ctypes.CDLL(None).prctl(15, b'VLLM::EngineCore', 0, 0, 0); "
+         "print('ready', flush=True)\n"
+         "if sys.argv[1] == 'spin':\n    while True: pass\nelse:\n    time.sleep(600)")
+
+
+@pytest.fixture
+def child():  # noqa: ANN201
+    procs: list[subprocess.Popen] = []
+
+    def start(mode: str) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-c", CHILD, mode], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def shares_over(seconds: float) -> dict[int, float]:
+    procs = engine_processes()
+    before = CpuSample.now(procs)
+    time.sleep(seconds)
+    return busy_shares(before, CpuSample.now(procs))
+
+
+def test_a_computing_core_is_busy_and_a_stopped_or_sleeping_one_is_not(child) -> None:  # noqa: ANN001
+    spinning = child("spin")
+    shares = shares_over(0.5)
+    assert set(shares) == {spinning.pid}, "the titled child is found, this process and others are not"
+    assert shares[spinning.pid] > 0.3 and were_busy(shares)
+    os.kill(spinning.pid, signal.SIGSTOP)
+    try:
+        shares = shares_over(0.5)
+        assert shares[spinning.pid] < 0.05 and not were_busy(shares), "a SIGSTOPped core computes nothing"
+    finally:
+        os.kill(spinning.pid, signal.SIGCONT)
+    sleeping = child("sleep")  # a deadlocked worker beside a computing core: the engine is wedged
+    shares = shares_over(0.5)
+    assert set(shares) == {spinning.pid, sleeping.pid} and not were_busy(shares)
+
+
+def test_no_engine_process_or_one_gone_during_the_wait_is_not_busy() -> None:
+    assert not were_busy({}), "a core in the front's own process: the wait alone cannot tell"
+    before, after = CpuSample(0.0, {1: 5.0, 2: 7.0}), CpuSample(2.0, {1: 6.0})
+    assert busy_shares(before, after) == {1: 0.5, 2: 0.0}, "a process gone meanwhile computed nothing"
+    assert not were_busy(busy_shares(before, after))
+    assert were_busy({1: 0.5, 3: 0.1}) and not were_busy({1: 0.5, 3: 0.09})
