@@ -299,6 +299,8 @@ def test_progress_fields_format_reward_loss_length_and_times() -> None:
     metrics |= {"sync/total_ms": 41.6, "eval/accuracy": 0.5}
     assert obj.progress_fields(metrics) == {"reward": "0.250", "loss": "+0.1235", "len": "3.5", "step_s": "1.3",
                                             "sync_ms": "42", "heldout_acc": "0.500"}
+    metrics |= {"sync/total_ms": 1812.4, "sync/probe_ms": 1790.2}
+    assert obj.progress_fields(metrics)["sync_ms"] == "1812" and obj.progress_fields(metrics)["probe_ms"] == "1790"
     metrics |= {"phase/rollout_wait_s": 0.04, "phase/engine_idle_s": 2.26}
     assert obj.progress_fields(metrics)["wait_s"] == "0.0" and obj.progress_fields(metrics)["idle_s"] == "2.3"
     obj.close()

@@ -376,6 +376,8 @@ class GRPOObjective:
                   "len": f"{metrics['rl/response_len']:.1f}", "step_s": f"{metrics['step_time_s']:.1f}"}
         if "sync/total_ms" in metrics:
             fields["sync_ms"] = f"{metrics['sync/total_ms']:.0f}"
+        if "sync/probe_ms" in metrics:  # the parity probe's share of sync_ms, on the steps that run it
+            fields["probe_ms"] = f"{metrics['sync/probe_ms']:.0f}"
         if "phase/engine_idle_s" in metrics:
             fields["wait_s"] = f"{metrics['phase/rollout_wait_s']:.1f}"
             fields["idle_s"] = f"{metrics['phase/engine_idle_s']:.1f}"

@@ -352,7 +352,9 @@ class WeightSyncer(BaseGiving):
         every = self.cfg.parity_every
         due = self.probe is not None and every and self.counters["syncs"] % every == 0
         if due:
+            t0 = time.perf_counter()
             figures = self._probe(payload.name if payload is not None else "")
+            figures["probe_ms"] = (time.perf_counter() - t0) * 1e3  # inside total_ms: publishing waits for it
         if self.emitter is None:
             return figures
         if self.cfg.parity_gate and figures.get("parity_max_abs", 0.0) > self.probe.tolerance:

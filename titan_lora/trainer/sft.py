@@ -51,6 +51,8 @@ class SFTObjective:
         fields = {"loss": f"{metrics['loss']:.4f}", "step_s": f"{metrics['step_time_s']:.2f}"}
         if "sync/total_ms" in metrics:
             fields["sync_ms"] = f"{metrics['sync/total_ms']:.1f}"
+        if "sync/probe_ms" in metrics:  # the parity probe's share of sync_ms, on the steps that run it
+            fields["probe_ms"] = f"{metrics['sync/probe_ms']:.1f}"
         return fields
 
     def data_state(self) -> dict | None:
