@@ -57,8 +57,9 @@ class TrainingRun:
         dump = job_config.job.dump_folder
         self.metrics = MetricsLogger(os.path.join(dump, "tb"), enabled=self.rank == 0)
         self.checkpointer = AdapterCheckpointer(
-            os.path.join(dump, job_config.checkpoint.folder), self.model, self.optimizers,
-            self.lr_schedulers, job_config.checkpoint.interval if job_config.checkpoint.enable else 0,
+            os.path.join(dump, job_config.checkpoint.folder), self.model, self.built.peft_layout,
+            self.optimizers, self.lr_schedulers,
+            job_config.checkpoint.interval if job_config.checkpoint.enable else 0,
             max(job_config.checkpoint.keep_latest_k, 1),
         )
         side = engine_side(job_config, self.built, self.device)

@@ -8,10 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from dist_helpers import run_ranks
 from model_helpers import DEBUG_LORA, full_adapter, job_config_from
 
 from titan_lora.lora.layer import adapter_params
+from titan_lora.trainer.checkpoint import SIGNATURE_FILE
+
+PEFT_Q_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = DEBUG_LORA + """
@@ -77,6 +81,13 @@ def test_resume_from_step_2_reproduces_steps_3_and_4(tmp_path) -> None:
     losses = full["losses"]
     assert len({round(v, 6) for v in losses.values()}) == 4, f"losses should move step to step: {losses}"
 
+    # Stored under PEFT's names (they survive torchtitan's module renames), with the signature saying so.
+    keys = set(dcp.FileSystemReader(str(first / "checkpoint" / "step-2")).read_metadata().state_dict_metadata)
+    assert "adapter." + PEFT_Q_A in keys and "optimizer.state." + PEFT_Q_A + ".exp_avg" in keys, sorted(keys)[:8]
+    assert not [k for k in keys if "attention.wq" in k], "a torchtitan module path in the checkpoint"
+    signature = json.loads((first / "checkpoint" / "step-2" / SIGNATURE_FILE).read_text())
+    assert signature["names"] == "peft" and signature["row_order"] == "torchtitan-interleaved-rope"
+
     # Start the second run from the step-2 checkpoint alone.
     shutil.copytree(first / "checkpoint" / "step-2", second / "checkpoint" / "step-2")
     run_ranks(2, _train, str(second), str(tmp_path / "second.pt"))
@@ -91,6 +102,35 @@ def test_resume_from_step_2_reproduces_steps_3_and_4(tmp_path) -> None:
         assert resumed["lrs"][step] == full["lrs"][step], f"step {step}: the LR schedule was not restored"
     for name, value in full["final"].items():
         assert torch.equal(resumed["final"][name], value), f"{name} differs after the resumed run"
+
+
+def _train_saving_torchtitan_names(rank: int, world: int, dump: str, out: str) -> None:
+    """`_train`, its checkpoints written as before PEFT names: keyed by torchtitan 0.2.2's module paths."""
+    from titan_lora.trainer.checkpoint import AdapterCheckpointer
+
+    state, signature = AdapterCheckpointer._state, AdapterCheckpointer._signature
+    AdapterCheckpointer._state = lambda self, step, peft_named=True: state(self, step, False)
+    AdapterCheckpointer._signature = lambda self: {
+        k: v for k, v in signature(self).items() if k not in ("names", "row_order")}
+    _train(rank, world, dump, out)
+
+
+def test_a_checkpoint_keyed_by_torchtitan_module_paths_still_resumes(tmp_path) -> None:
+    """Checkpoints saved before PEFT names (torchtitan 0.2.2's paths, no `names` in the signature)."""
+    old, new = tmp_path / "old", tmp_path / "new"
+    run_ranks(2, _train_saving_torchtitan_names, str(old), str(tmp_path / "old.pt"))
+    keys = set(dcp.FileSystemReader(str(old / "checkpoint" / "step-2")).read_metadata().state_dict_metadata)
+    assert "adapter.layers.0.attention.wq.lora_A" in keys, sorted(keys)[:8]
+    full = torch.load(tmp_path / "old.pt")
+    shutil.copytree(old / "checkpoint" / "step-2", new / "checkpoint" / "step-2")
+    run_ranks(2, _train, str(new), str(tmp_path / "new.pt"))
+    resumed = torch.load(tmp_path / "new.pt")
+    assert resumed["start"] == 2 and sorted(resumed["losses"]) == [3, 4]
+    assert all(resumed["losses"][s] == full["losses"][s] for s in (3, 4)), (resumed["losses"], full["losses"])
+    for name, value in full["final"].items():
+        assert torch.equal(resumed["final"][name], value), f"{name} differs after the resumed run"
+    keys = set(dcp.FileSystemReader(str(new / "checkpoint" / "step-4")).read_metadata().state_dict_metadata)
+    assert "adapter." + PEFT_Q_A in keys, "the next checkpoint uses PEFT names"
 
 
 def test_a_checkpoint_of_one_rank_resumes_on_two(tmp_path) -> None:

@@ -17,13 +17,22 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
+from titan_lora.export.peft import PeftLayout
 from titan_lora.lora.finite import NonFiniteAdapterError, first_nonfinite_adapter
 from titan_lora.lora.layer import adapter_params, lora_modules
+from titan_lora.trainer.checkpoint_names import (
+    NAMES,
+    ROW_ORDER,
+    peft_names,
+    renamed_optimizer_state,
+    renamed_params,
+)
 
 logger = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 SIGNATURE_FILE = "titan_lora_adapter.json"
-"""Beside DCP's files: the LoRA rank and adapted modules, compared before a resume."""
+"""Beside DCP's files: the LoRA rank and adapted modules, compared before a resume, and the tensor names
+(`checkpoint_names.NAMES`) and row order the checkpoint is stored in."""
 DATA_STATE_FILE = "titan_lora_data.json"
 """Beside DCP's files, when the objective has one: its data position (the async loop's groups trained)."""
 
@@ -78,9 +87,11 @@ def check_steps_left(folder: Path, steps: int) -> None:
 class AdapterCheckpointer:
     """Save every `interval` steps to `<folder>/step-N`, keep the newest `keep_latest`, resume from the newest."""
 
-    def __init__(self, folder: str, model: nn.Module, optimizers, lr_schedulers, interval: int, keep_latest: int) -> None:  # noqa: ANN001
+    def __init__(self, folder: str, model: nn.Module, layout: PeftLayout,
+                 optimizers, lr_schedulers, interval: int, keep_latest: int) -> None:  # noqa: ANN001
         self.folder = Path(folder)
         self.model = model
+        self.names = peft_names([name for name, _ in adapter_params(model)], layout)
         self.optimizers = optimizers
         self.lr_schedulers = lr_schedulers
         self.interval = interval
@@ -88,15 +99,15 @@ class AdapterCheckpointer:
         self.data_state: dict | None = None
         """What the objective saved with the checkpoint `load_latest` restored (None: nothing)."""
 
-    def _state(self, step: int) -> dict[str, Any]:
+    def _state(self, step: int, peft_named: bool = True) -> dict[str, Any]:
         # The adapter version is the step, and so is the data position of the sync loop (data is drawn
         # per step from a seeded order); the async loop's position goes beside it (DATA_STATE_FILE).
-        return {
-            "adapter": dict(adapter_params(self.model)),
-            "optimizer": self.optimizers.state_dict(),
-            "lr_scheduler": self.lr_schedulers.state_dict(),
-            "trainer": {"step": step},
-        }
+        adapter, optimizer = dict(adapter_params(self.model)), self.optimizers.state_dict()
+        if peft_named:  # else torchtitan 0.2.2's module paths, as checkpoints before NAMES were keyed
+            adapter = renamed_params(adapter, self.names)
+            optimizer = renamed_optimizer_state(optimizer, self.names)
+        return {"adapter": adapter, "optimizer": optimizer, "lr_scheduler": self.lr_schedulers.state_dict(),
+                "trainer": {"step": step}}
 
     def steps(self) -> list[int]:
         """Steps that have a complete checkpoint, oldest first."""
@@ -133,7 +144,8 @@ class AdapterCheckpointer:
     def _signature(self) -> dict[str, Any]:
         modules = list(lora_modules(self.model))
         rank = modules[0][1].lora_A.shape[0] if modules else 0  # the global shape, also for DTensors
-        return adapter_signature(rank, [name for name, _ in modules])
+        signature = adapter_signature(rank, [name for name, _ in modules])
+        return {**signature, "names": NAMES, "row_order": ROW_ORDER}
 
     def load_latest(self) -> int:
         """Collective: restore the newest checkpoint in place; returns its step, or 0 when there is none."""
@@ -143,8 +155,16 @@ class AdapterCheckpointer:
         signature = self._signature()
         check_resume_compatible(self.folder, signature["lora_rank"], signature["target_modules"])
         path = self.folder / f"step-{steps[-1]}"
-        state = self._state(0)
+        saved = json.loads((path / SIGNATURE_FILE).read_text()) if (path / SIGNATURE_FILE).exists() else {}
+        peft_named = saved.get("names") == NAMES
+        if not peft_named:
+            logger.warning("%s is keyed by torchtitan 0.2.2's module paths (saved before checkpoints used PEFT "
+                           "names): resumed as such; the next checkpoint uses PEFT names", path)
+        state = self._state(0, peft_named)
         dcp.load(state, checkpoint_id=str(path))
+        if peft_named:  # the optimizer takes its own parameter names back
+            ours = {peft: fqn for fqn, peft in self.names.items()}
+            state["optimizer"] = renamed_optimizer_state(state["optimizer"], ours)
         self.optimizers.load_state_dict(state["optimizer"])
         self.lr_schedulers.load_state_dict(state["lr_scheduler"])
         data = path / DATA_STATE_FILE
