@@ -247,7 +247,7 @@ def build_objective(job_config, hf_dir: str, dims, device: torch.device, metrics
         record = os.path.join(job_config.job.dump_folder, "rollouts.jsonl")
         if is_agent_task(task):
             return AgentObjective(job_config.grpo, task, tokenizer, engine, dp, device, metrics,
-                                  job_config.training.seq_len, record)
+                                  job_config.training.seq_len, resume, record)
         return GRPOObjective(job_config.grpo, task, tokenizer, engine, dp, device, metrics, resume, record)
     training = job_config.training
     global_batch = training.global_batch_size

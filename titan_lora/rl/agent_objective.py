@@ -1,6 +1,11 @@
-"""GRPO over agent episodes (`[grpo] task` naming an `AgentTask`), sync loop: a step's samples are the
-engine's records of `group_size` episodes per problem (`rl/episode_rollouts.py`); the loss, the staleness
-weights and the engine-gap check are GRPOObjective's, over the mask-1 tokens (`Sample.completion_mask`)."""
+"""GRPO over agent episodes (`[grpo] task` naming an `AgentTask`): a step's samples are the engine's records
+of `group_size` episodes per problem (`rl/episode_rollouts.py`); the loss, the staleness weights and the
+engine-gap check are GRPOObjective's, over the mask-1 tokens (`Sample.completion_mask`).
+
+Both loops: the sync loop runs a step's groups under one lease; the async loop's producer draws one
+problem's episodes as one group under the group's lease (`_draw_group`), so its staleness bound and
+straggler rule apply to episode groups unchanged: the lease keeps the version live until the group's last
+episode ends, and a group finished under too old a version is dropped and drawn again under the newest."""
 
 from __future__ import annotations
 
@@ -11,19 +16,18 @@ import torch
 from titan_lora.clients.http import JsonClient
 from titan_lora.config import GRPO
 from titan_lora.rl.agent_task import AgentTask
-from titan_lora.rl.episode_rollouts import run_all, run_episode_groups
-from titan_lora.rl.episode_samples import EpisodeCounts
+from titan_lora.rl.episode_rollouts import heldout_metrics, run_all, run_episode_groups
+from titan_lora.rl.episode_samples import EpisodeCounts, sum_counts
 from titan_lora.rl.objective import GRPOObjective
+from titan_lora.rl.producer import ProducerState
 from titan_lora.rl.rollout import Sample
 from titan_lora.sync.engine_access import EngineRollouts
+from titan_lora.sync.versions import Lease
 from titan_lora.titan.parallel import DataParallelInfo
 
 
 def check_agent_config(cfg: GRPO) -> None:
     """Refuse the `[grpo]` settings an agent task does not run under, naming the fix."""
-    if cfg.loop != "sync":
-        raise ValueError(f"[grpo] loop = {cfg.loop!r} does not run agent tasks yet (only the sync loop does); "
-                         "set [grpo] loop = \"sync\"")
     if not cfg.rollouts:
         raise ValueError("[grpo] rollouts = false leaves an agent task no episodes to train on; "
                          "set [grpo] rollouts = true")
@@ -37,11 +41,12 @@ class AgentObjective(GRPOObjective):
 
     def __init__(self, cfg: GRPO, task: AgentTask, tokenizer, engine: EngineRollouts | None,  # noqa: ANN001
                  dp: DataParallelInfo, device: torch.device, metrics_logger, seq_len: int,  # noqa: ANN001
-                 record: str = "") -> None:
+                 resume: ProducerState | None = None, record: str = "") -> None:
         check_agent_config(cfg)
         self.seq_len = seq_len
         self.counts = EpisodeCounts()
-        super().__init__(cfg, task, tokenizer, engine, dp, device, metrics_logger, None, record)
+        self._group_counts: dict[int, EpisodeCounts] = {}  # async: a finished group's counts, until taken
+        super().__init__(cfg, task, tokenizer, engine, dp, device, metrics_logger, resume, record)
         if engine is not None and engine.client is not None:
             self._clients()  # rank 0: an engine that cannot capture episodes fails now, not at step 1
 
@@ -61,17 +66,41 @@ class AgentObjective(GRPOObjective):
         with self.engine.versions.lease() as lease:
             samples, self.counts = run_episode_groups(self.agent, api, routes, lease, problems,
                                                       self.cfg.group_size, self.seq_len)
-        if not samples:
+        return samples
+
+    def _draw_group(self, index: int, lease: Lease) -> list[Sample]:
+        """Rank 0, a producer thread: the episodes of group `index` (prompt index % B of step index // B + 1)
+        under `lease`, which the producer holds until they all end."""
+        step, k = divmod(index, self.cfg.prompts_per_step)
+        api, routes = self._clients()
+        samples, counts = run_episode_groups(self.agent, api, routes, lease, [self._problems_at(step + 1)[k]],
+                                             self.cfg.group_size, self.seq_len)
+        for s in samples:
+            s.group = index
+        self._group_counts[index] = counts  # a redraw of a stale group replaces its counts
+        return samples
+
+    def _step_samples(self, step: int) -> list[Sample]:
+        samples = super()._step_samples(step)
+        if self.producer is not None:  # rank 0, async: what building the taken groups counted
+            self.counts = sum_counts(self._group_counts.pop(i) for i in self.producer.last_taken)
+        if not samples:  # shared: every rank raises alike
             raise RuntimeError(f"no episode of step {step} captured a sampled token: every chat completion of "
                                "run_episode must ask for the model it is given with extra_headers=headers")
         return samples
 
-    def _greedy_accuracy(self) -> float:
-        """Rank 0: the held-out episodes' mean reward under the active version (the agent's own sampling)."""
+    def _heldout_eval(self) -> dict[str, float]:
+        """Rank 0: the held-out episodes' mean reward (`eval/accuracy`) and the stats they report, under the
+        active version (the agent's own sampling)."""
         api, routes = self._clients()
         with self.engine.versions.lease() as lease:
-            outcomes = run_all(self.agent, api, routes, lease, self.heldout)
-        return sum(o.reward for o in outcomes) / len(outcomes)
+            return heldout_metrics(run_all(self.agent, api, routes, lease, self.heldout))
+
+    def progress_fields(self, metrics: dict[str, float]) -> dict[str, str]:
+        """GRPOObjective's, and the held-out episodes' stats when measured (`tool_call_rate=0.950`)."""
+        stats = {k.removeprefix("eval/"): f"{v:.3f}" for k, v in metrics.items()
+                 if k.startswith("eval/") and k not in ("eval/accuracy", "eval/failures")}
+        return {**super().progress_fields(metrics), **stats}
 
     def after_step(self, step: int) -> dict[str, float]:
         """GRPOObjective's, and what building the step's samples from episodes counted (rank 0)."""

@@ -19,7 +19,7 @@ import torch
 
 from titan_lora.clients.episodes import delete_episode, episode_headers, fetch_episode, new_episode_id
 from titan_lora.clients.http import JsonClient
-from titan_lora.rl.agent_task import AgentTask
+from titan_lora.rl.agent_task import AgentTask, EpisodeResult
 from titan_lora.rl.episode_samples import EpisodeCounts, episode_samples
 from titan_lora.rl.grpo import group_advantages
 from titan_lora.rl.rollout import Sample
@@ -35,12 +35,13 @@ MAX_EPISODES_AT_ONCE = 32
 
 @dataclasses.dataclass(frozen=True)
 class Outcome:
-    """One finished episode: its record (no segments when nothing was captured), reward and whether the
-    agent raised."""
+    """One finished episode: its record (no segments when nothing was captured), reward, whether the agent
+    raised, and the stats it reported (`EpisodeResult.stats`)."""
 
     record: EpisodeRecord
     reward: float
     error: bool
+    stats: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def _engine_errors(err: Exception) -> Exception | None:
@@ -54,27 +55,31 @@ def _engine_errors(err: Exception) -> Exception | None:
     return None
 
 
-def _reward(agent: AgentTask, api: Any, lease: Lease, episode: str, problem: Problem) -> tuple[float, bool]:
-    """(reward, whether the agent failed) of one episode; a lost engine raises."""
+def _reward(agent: AgentTask, api: Any, lease: Lease, episode: str,
+            problem: Problem) -> tuple[float, bool, dict[str, float]]:
+    """(reward, whether the agent failed, its stats) of one episode; a lost engine raises."""
     try:
-        reward = float(agent.run_episode(api, lease.name, episode_headers(episode), problem))
+        result = agent.run_episode(api, lease.name, episode_headers(episode), problem)
+        if not isinstance(result, EpisodeResult):
+            result = EpisodeResult(float(result))
+        reward = float(result.reward)
         if not math.isfinite(reward):
             raise ValueError(f"run_episode returned {reward}, not a finite number")
-        return reward, False
+        return reward, False, dict(result.stats)
     except Exception as err:  # a user's tool loop: one episode must not end the run, a lost engine must recover
         lost = _engine_errors(err)
         if lost is not None:
             raise lost from err
         logger.warning("episode %s (question %r) failed with %s: %s; it scores 0 and its captured turns are "
                        "trained", episode, problem.question, type(err).__name__, err, exc_info=True)
-        return 0.0, True
+        return 0.0, True, {}
 
 
 def run_one(agent: AgentTask, api: Any, routes: JsonClient, lease: Lease, problem: Problem) -> Outcome:
     """Run one episode under `lease`, then fetch and delete its record."""
     episode = new_episode_id()
     try:
-        reward, error = _reward(agent, api, lease, episode, problem)
+        reward, error, stats = _reward(agent, api, lease, episode, problem)
         try:
             record = fetch_episode(routes, episode)
         except UnknownEpisode as err:  # no turn carried the headers, or the engine's bounds freed it
@@ -85,7 +90,7 @@ def run_one(agent: AgentTask, api: Any, routes: JsonClient, lease: Lease, proble
     if record.segments and record.version != lease.version:
         raise RuntimeError(f"episode {episode} ran on {record.model!r}, not on {lease.name!r}: an agent's turns "
                            "must ask for the model run_episode is given")
-    return Outcome(record, reward, error)
+    return Outcome(record, reward, error, stats)
 
 
 def run_all(agent: AgentTask, api: Any, routes: JsonClient, lease: Lease,
@@ -94,6 +99,16 @@ def run_all(agent: AgentTask, api: Any, routes: JsonClient, lease: Lease,
     with ThreadPoolExecutor(max_workers=max(1, min(len(problems), MAX_EPISODES_AT_ONCE)),
                             thread_name_prefix="titan-episode") as pool:
         return list(pool.map(lambda p: run_one(agent, api, routes, lease, p), problems))
+
+
+def heldout_metrics(outcomes: Sequence[Outcome]) -> dict[str, float]:
+    """`eval/accuracy` (the mean reward) and each stat's mean over the episodes that report it."""
+    reported: dict[str, list[float]] = {}
+    for o in outcomes:
+        for name, value in o.stats.items():
+            reported.setdefault(name, []).append(value)
+    stats = {f"eval/{name}": sum(values) / len(values) for name, values in sorted(reported.items())}
+    return {"eval/accuracy": sum(o.reward for o in outcomes) / max(len(outcomes), 1), **stats}
 
 
 def run_episode_groups(agent: AgentTask, api: Any, routes: JsonClient, lease: Lease, problems: Sequence[Problem],

@@ -12,6 +12,7 @@ trainer's RoPE table and batch width) and the sampled tokens cut off are counted
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
 from titan_lora.rl.rollout import Sample
 from titan_lora.transfer.episodes import EpisodeRecord
@@ -38,6 +39,15 @@ class EpisodeCounts:
         """The counts as `rl/episode_<name>` metrics, and the episodes' mean reward."""
         counts = {f"rl/episode_{k}": float(v) for k, v in dataclasses.asdict(self).items() if k != "reward_sum"}
         return {**counts, "rl/episode_reward_mean": self.reward_sum / max(self.episodes, 1)}
+
+
+def sum_counts(counts: Iterable[EpisodeCounts]) -> EpisodeCounts:
+    """The field-wise sum of `counts` (the async loop's step: its groups' counts)."""
+    total = EpisodeCounts()
+    for c in counts:
+        for field in dataclasses.fields(EpisodeCounts):
+            setattr(total, field.name, getattr(total, field.name) + getattr(c, field.name))
+    return total
 
 
 def episode_samples(record: EpisodeRecord, reward: float, advantage: float, seq_len: int,

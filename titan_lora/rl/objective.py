@@ -158,21 +158,26 @@ class GRPOObjective:
         return greedy_accuracy(self.engine.client, active.name if active else None, self.heldout,
                                self.heldout_ids, self.cfg.max_new_tokens, self.stop_ids, self.reward)
 
+    def _heldout_eval(self) -> dict[str, float]:
+        """Rank 0: the held-out metrics (`eval/accuracy`) under the active adapter version."""
+        return {"eval/accuracy": self._greedy_accuracy()}
+
     def _evaluate(self, step: int) -> dict[str, float]:
         """Collective: held-out accuracy (rank 0); a failure is logged and counted, never raised."""
         if self.engine is None or not self.cfg.rollouts or not self.cfg.eval_every:
             return {}
         try:
-            acc = self.engine.call(self._greedy_accuracy, f"held-out eval at step {step}")
+            evaluated = self.engine.call(self._heldout_eval, f"held-out eval at step {step}")
         except TransferError as err:  # diagnostics never end the run
             self.eval_failures += 1
             logger.warning("held-out eval at step %d failed (%s); %d eval failures so far",
                            step, err, self.eval_failures)
             return {"eval/failures": self.eval_failures}
-        if acc is None:  # ranks other than 0
+        if evaluated is None:  # ranks other than 0
             return {}
-        logger.info("held-out accuracy at step %d: %.3f", step, acc)
-        return {"eval/accuracy": acc, "eval/failures": self.eval_failures}
+        extra = "".join(f", {k.removeprefix('eval/')} {v:.3f}" for k, v in evaluated.items() if k != "eval/accuracy")
+        logger.info("held-out accuracy at step %d: %.3f%s", step, evaluated["eval/accuracy"], extra)
+        return {**evaluated, "eval/failures": self.eval_failures}
 
     def before_training(self, step: int) -> None:
         """Held-out accuracy before any update (the loop has synced the engine); then, in the async loop,

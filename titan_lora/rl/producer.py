@@ -137,6 +137,7 @@ class RolloutProducer:
         self._fault: tuple[BaseException, int] | None = None  # (error, generation it happened in)
         self._stopped = False
         self._taken = 0  # the last step that took its groups
+        self.last_taken: list[int] = []  # the groups that step took, in data order
         self._stale_draws: dict[int, int] = {}  # group -> times it was dropped as stale
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._admit_forever, name="titan-producer", daemon=True)
@@ -246,7 +247,7 @@ class RolloutProducer:
                     break
                 self._cond.wait(POLL_S)
             groups = [self._done.pop(i) for i in ready]
-            self._taken = step
+            self._taken, self.last_taken = step, ready
             self._drop_stale(step - self.max_staleness)
             self._unacked.append((step, len(groups)))
             self._mark_trained(ready)
