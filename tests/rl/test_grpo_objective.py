@@ -269,7 +269,7 @@ def test_two_dp_ranks_give_the_one_rank_loss_and_gradient(tmp_path) -> None:
 def _head_on_completions(rank: int, world: int, out: str) -> None:
     from model_helpers import DEBUG_LORA, build_from, full_copy, randomize_adapters
 
-    from titan_lora.rl.objective import token_logprobs
+    from titan_lora.rl.logprobs import token_logprobs
 
     model = build_from(DEBUG_LORA).model
     randomize_adapters(model)

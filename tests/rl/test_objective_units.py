@@ -151,8 +151,10 @@ def test_the_step_sums_are_reduced_over_the_dp_group(monkeypatch: pytest.MonkeyP
     samples = _hand_samples()[:4]
     one_loss, one = _loss(_objective(), samples[:2], LogitTable())
     loss, metrics = _loss(_objective(DataParallelInfo(0, 2, TwinRank.GROUP)), samples, LogitTable())
-    # the gap's token count, then (mismatch KL sum, tokens) for staleness 0 and 1: one SUM
-    assert twin.calls == [(4, "SUM", TwinRank.GROUP), (1, "MAX", TwinRank.GROUP), (5, "SUM", TwinRank.GROUP)]
+    # the ranks' largest chunk count (rl/logprobs.py); the step sums; the gap's max; the gap's token count,
+    # then (mismatch KL sum, tokens) for staleness 0 and 1: one SUM
+    assert twin.calls == [(1, "MAX", TwinRank.GROUP), (4, "SUM", TwinRank.GROUP), (1, "MAX", TwinRank.GROUP),
+                          (5, "SUM", TwinRank.GROUP)]
     assert loss.item() == pytest.approx(one_loss.item() / 2, abs=1e-6), "normalised by both ranks' tokens"
     assert metrics["loss"] == pytest.approx(one["loss"], abs=1e-6)
     assert metrics["rl/logprob_gap_max"] == pytest.approx(one["rl/logprob_gap_max"], abs=1e-6)

@@ -14,12 +14,11 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 from titan_lora.config import GRPO
 from titan_lora.lora.layer import adapters_disabled
 from titan_lora.rl.grpo import group_advantages, k3_kl, mismatch_kl, policy_loss, stale_weights
+from titan_lora.rl.logprobs import LOGPROB_CHUNK_TOKENS, chunk_count, chunked_token_logprobs
 from titan_lora.rl.producer import BusyClock, ProducerState, RolloutProducer
 from titan_lora.rl.rewards import get_reward
 from titan_lora.rl.rollout import Sample, draw_groups, greedy_accuracy, sample_groups, share
@@ -65,35 +64,14 @@ def _rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def token_logprobs(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
-                   mask: torch.Tensor | None = None) -> torch.Tensor:
-    """log p(label) at every position, [N, T]; with `mask`, only where it is set (0 elsewhere).
-
-    With a mask, a model with a final `norm` and an `output` head (torchtitan's families) runs the head on
-    the masked positions alone: the norm's output is cut to them, so the head's matmul and the [N, T, vocab]
-    logits skip the prompt, which in GRPO is most of every sequence. Under TP the norm's output is a DTensor
-    sharded over the sequence; it is left whole there and the logits cover every position."""
-    keep = mask.bool() if mask is not None else None
-    norm, handle = getattr(model, "norm", None), None
-    if keep is not None and isinstance(norm, nn.Module) and getattr(model, "output", None) is not None:
-        handle = norm.register_forward_hook(lambda _m, _i, out: out if isinstance(out, DTensor) else out[keep])
-    try:
-        logits = model(inputs).float()
-    finally:
-        if handle is not None:
-            handle.remove()
-    cut = logits.dim() == 2  # [K, vocab]: the masked positions' logits, in row-major order
-    chosen = labels[keep] if cut else labels
-    logp = torch.gather(F.log_softmax(logits, dim=-1), -1, chosen[..., None]).squeeze(-1)
-    return logp.new_zeros(labels.shape).masked_scatter(keep, logp) if cut else logp
-
-
 class GRPOObjective:
     """One GRPO step per optimizer step, near-on-policy by default (staleness <= 1, one minibatch).
 
     `[grpo] loop = "async"`: rank 0's `RolloutProducer` draws groups while the ranks train and a step takes
     its batch from it. `resume`: the data position a checkpoint kept (None: the step's own). `record`: a
     JSONL file that gets one line per step with its groups, their versions and staleness (rank 0)."""
+
+    logprob_chunk_tokens = LOGPROB_CHUNK_TOKENS
 
     def __init__(self, cfg: GRPO, task: Task, tokenizer, engine: EngineRollouts | None,  # noqa: ANN001
                  dp: DataParallelInfo, device: torch.device, metrics_logger,  # noqa: ANN001
@@ -266,14 +244,15 @@ class GRPOObjective:
         mine = fresh[self.dp.rank * share_n : (self.dp.rank + 1) * share_n]
         inputs, labels, mask = (t.to(self.device) for t in completion_batch(mine, self.pad_id))
         adv = torch.tensor([s.advantage for s in mine], device=self.device)
-        logp = token_logprobs(model, inputs, labels, mask)
+        chunks = chunk_count(mask, self.logprob_chunk_tokens, self.dp.group)
+        logp = chunked_token_logprobs(model, inputs, labels, mask, chunks)
         engine = self._engine_logprobs(mine, logp)
         staleness = torch.tensor([[current - s.version] for s in mine], device=self.device)
         per_token = policy_loss(logp, adv) * stale_weights(logp, engine, staleness > 0, self.cfg.stale_weight_cap)
         kl = torch.zeros_like(per_token)
         if self.cfg.kl_coef > 0:
             with torch.no_grad(), adapters_disabled(model):
-                ref = token_logprobs(model, inputs, labels, mask)
+                ref = chunked_token_logprobs(model, inputs, labels, mask, chunks)
             kl = k3_kl(logp, ref)
             per_token = per_token + self.cfg.kl_coef * kl
         gap = self._engine_gap(logp.detach(), engine, mask * (staleness == 0))
