@@ -38,7 +38,7 @@ did-you-mean), a value of the wrong type, a value outside the range below, and a
 
 def attribute_docs(cls: type) -> dict[str, str]:
     """The docstrings written under a dataclass's fields (the string literal after `name: type = ...`),
-    the base classes' included, as tyro reads them."""
+    the base classes' included (the convention of torchtitan's own classes)."""
     docs: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
         try:
@@ -58,17 +58,11 @@ def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
-def _default(f: dataclasses.Field) -> object:
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    return f.default_factory() if f.default_factory is not dataclasses.MISSING else None
-
-
 def section_rows(name: str, cls: type, ours: type | None = None) -> list[str]:
     """The markdown table of one section: key, type, default, range, what it does; `ours`: titan_lora's
     class of a section it shares with torchtitan (its keys are marked "titan_lora:")."""
     from titan_lora.config import RANGES, choices
-    from titan_lora.trainer.job_config import toml_literal, type_words
+    from titan_lora.trainer.toml_config import field_default, toml_literal, type_words
 
     docs = attribute_docs(cls)
     added = {f.name for f in dataclasses.fields(ours)} if ours is not None else set()
@@ -77,7 +71,7 @@ def section_rows(name: str, cls: type, ours: type | None = None) -> list[str]:
     for f in dataclasses.fields(cls):
         if dataclasses.is_dataclass(f.type):
             continue  # a nested table: its own section below
-        default = _default(f)
+        default = field_default(f)
         rule, among = RANGES.get((name, f.name)), choices().get((name, f.name))
         accepted = rule.describe() if rule else ", ".join(f"`{c}`" for c in among) if among else ""
         doc = docs.get(f.name, "titan_lora." if f.name in added else "")

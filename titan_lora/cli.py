@@ -156,7 +156,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     check_p = sub.add_parser("check", help="validate configs (and the checkpoint, task and engine settings "
                                            "they name) without starting anything",
-                             epilog="Any other --section.key value is an override, as in training.")
+                             epilog="Any other --section.key value is an override, as in training "
+                                    "(python -m titan_lora.train --help lists every key).")
     check_p.add_argument("configs", nargs="+", metavar="CONFIG")
     check_p.add_argument("--nproc", type=int, default=1, help="ranks the job will run on (default 1)")
     train_p = sub.add_parser("train", help="validate a config, then train it under torchrun",

@@ -9,14 +9,8 @@ import pytest
 from model_helpers import DEBUG_LORA, job_config_from
 
 from titan_lora.config import RANGES, ConfigError, all_range_errors
-from titan_lora.trainer.job_config import (
-    config_schema,
-    override_errors,
-    read_toml,
-    toml_errors,
-    toml_literal,
-    type_fits,
-)
+from titan_lora.trainer.job_config import config_schema, toml_errors
+from titan_lora.trainer.toml_config import parse_overrides, read_toml, toml_literal, type_fits
 
 
 def _keys() -> list[tuple[str, str, object]]:
@@ -81,7 +75,11 @@ def test_unknown_sections_and_keys_name_the_one_meant() -> None:
         "[training.dataloader] has an unknown key 'num_workerz'; did you mean 'num_workers'?")
 
 
-def test_overrides_are_checked_before_tyro_boxes_them() -> None:
+def override_errors(argv: list[str], toml: dict | None = None) -> list[str]:
+    return parse_overrides(argv, config_schema(), toml or {})[1]
+
+
+def test_overrides_are_checked_by_name() -> None:
     assert override_errors(["--job.config_file", "x.toml", "--lora.rank", "8", "--parallelism.disable_loss_parallel",
                             "--parallelism.no-disable_loss_parallel", "--optimizer.lr=1e-4"]) == []
     assert override_errors(["--lora.rank", "sixteen", "--optimizer.lr=fast", "--lr_sched.warmup_steps", "2"]) == [
@@ -102,7 +100,6 @@ def test_a_toml_syntax_error_names_file_line_and_column(tmp_path) -> None:
 
 
 def test_an_override_of_a_free_form_table_is_left_to_its_plug_in() -> None:
-    from titan_lora.trainer.job_config import override_errors
-
-    assert override_errors(["--task.path", "data/x.jsonl", "--task.answer_key", "a"]) == []
+    toml = {"task": {"path": "a.jsonl", "answer_key": "b"}}
+    assert override_errors(["--task.path", "data/x.jsonl", "--task.answer_key", "a"], toml) == []
     assert override_errors(["--tsak.path", "x"]) and "did you mean 'task'" in override_errors(["--tsak.path", "x"])[0]

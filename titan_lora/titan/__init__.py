@@ -6,8 +6,8 @@ torchtitan break lands in this package only; 0.3.0, which drops TOML configs, tr
 TP plans, is the next step (`../shared/research/torchtitan-0.3.md`, issue 34). This package is the bottom
 layer: it imports no other titan_lora package, and titan_lora objects come in as arguments.
 
-One concern a module: `configs` (JobConfig, TOML and overrides), `converters` (the model-converter hook
-into the build), `models` (train specs, meta-device builds, state-dict adapters), `llama3` and `qwen3` (each family's args,
-flavors, names and TP plan), `parallel` (ParallelDims, meshes, activation checkpointing, compile) and
-`optim` (optimizers, LR schedules, gradient clipping).
+One concern a module: `configs` (the JobConfig schema that titan_lora parses TOML and overrides into),
+`converters` (the model-converter hook into the build), `models` (train specs, meta-device builds, state-dict
+adapters), `llama3` and `qwen3` (each family's args, flavors, names and TP plan), `parallel` (ParallelDims,
+meshes, activation checkpointing, compile) and `optim` (optimizers, LR schedules, gradient clipping).
 """

@@ -1,7 +1,8 @@
-"""torchtitan's JobConfig: its sections with titan_lora's merged in, parsed from TOML and CLI overrides.
+"""torchtitan's JobConfig: the schema that titan_lora's own parser (`trainer/toml_config.py`) fills, its
+sections with titan_lora's merged in, and what torchtitan's ConfigManager did after parsing.
 
 Part of the seam (`titan_lora.titan`): 0.3.0 drops TOML and `--job.custom_config_module` for Python config
-functions, so this is where titan_lora's own loader will take over.
+functions; titan_lora already parses TOML and overrides itself, so only the schema comes from here.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from typing import Any
 from torchtitan.config import TORCH_DTYPE_MAP, ConfigManager, JobConfig
 from torchtitan.config.job_config import Model as TitanModelSection
 
-__all__ = ["TITAN_DEFAULT_ASSETS", "TORCH_DTYPE_MAP", "merged_schema", "parse_job_config",
+__all__ = ["TITAN_DEFAULT_ASSETS", "TORCH_DTYPE_MAP", "after_parse", "merged_schema",
            "quiet_torchtitan_asset_warnings"]
+
+logger = logging.getLogger(__name__)
 
 TITAN_DEFAULT_ASSETS: str = TitanModelSection().hf_assets_path
 """torchtitan's default `[model] hf_assets_path` (a path that exists only in a torchtitan checkout)."""
@@ -38,30 +41,16 @@ def quiet_torchtitan_asset_warnings() -> None:
     logging.getLogger().addFilter(_ASSET_NOISE)  # adding the same filter twice keeps one
 
 
-class _MissingAssets(logging.Filter):
-    """Drops torchtitan's "HF assets path ... does not exist!" while parsing: `resolve_model` refuses a
-    checkpoint that is missing with the key and the fix, in one line; the warning would come first."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        """False for that warning."""
-        return not record.getMessage().startswith("HF assets path ")
-
-
-_MISSING_ASSETS = _MissingAssets()
-
-
 def merged_schema(custom: type) -> type:
     """torchtitan's JobConfig class with `custom`'s sections merged in, as ConfigManager builds it."""
     return ConfigManager._merge_configs(JobConfig, custom)
 
 
-def parse_job_config(argv: list[str], custom_module: str) -> Any:  # noqa: ANN401 (a class made at run time)
-    """`argv` (`--job.config_file x.toml`, `--section.key value` overrides) parsed by torchtitan into the
-    JobConfig merged with the sections of `custom_module` (a module name)."""
-    quiet_torchtitan_asset_warnings()  # torchtitan warns while parsing and building
-    root = logging.getLogger()  # torchtitan's logger
-    root.addFilter(_MISSING_ASSETS)
-    try:
-        return ConfigManager().parse_args([*argv, f"--job.custom_config_module={custom_module}"])
-    finally:
-        root.removeFilter(_MISSING_ASSETS)
+def after_parse(job_config: Any) -> None:  # noqa: ANN401 (a class made at run time)
+    """What torchtitan 0.2.2's ConfigManager did to a parsed config that still matters here: its deprecated
+    `[model] tokenizer_path` replaces `hf_assets_path`. (Its "HF assets path ... does not exist" warning was
+    dropped while parsing: `resolve_model` names a missing checkpoint with the fix.)"""
+    if job_config.model.tokenizer_path:
+        logger.warning("[model] tokenizer_path is deprecated (torchtitan 0.2.2): hf_assets_path is set to it; "
+                       "write [model] hf_assets_path = %r instead", job_config.model.tokenizer_path)
+        job_config.model.hf_assets_path = job_config.model.tokenizer_path
