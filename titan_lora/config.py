@@ -1,4 +1,4 @@
-"""TOML sections that titan_lora adds to torchtitan's JobConfig (`job.custom_config_module`).
+"""TOML sections that titan_lora adds to torchtitan's JobConfig (merged by `titan.configs.merged_schema`).
 
 Each dataclass is one TOML section. `validate_*` functions run before any model is built, so a bad
 config fails in seconds with a message that names the key and the fix.
@@ -194,7 +194,7 @@ class GRPO:
 
 @dataclass
 class JobConfig:
-    """titan_lora's sections; torchtitan merges them into its JobConfig (`job.custom_config_module`)."""
+    """titan_lora's sections, merged into torchtitan's JobConfig by the seam (`merged_schema`)."""
 
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
