@@ -237,6 +237,8 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=None, help="where to write the checkpoint (default: tmp)")
     args = ap.parse_args()
     layers = args.layers or SHAPES[args.shape][-1]
+    if args.dir is not None:
+        args.dir.mkdir(parents=True, exist_ok=True)  # a path that does not exist yet is created, not refused
     root = Path(tempfile.mkdtemp(prefix="bench_base_stream_", dir=args.dir))
     try:
         hf_dir = root / "ckpt"

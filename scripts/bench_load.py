@@ -205,6 +205,8 @@ def main() -> None:
     ap.add_argument("--no-drop", action="store_true", help="leave the page cache alone (every read warm)")
     args = ap.parse_args()
     layers = args.layers or SHAPES[args.shape][-1]
+    if args.dir is not None:
+        args.dir.mkdir(parents=True, exist_ok=True)  # a path that does not exist yet is created, not refused
     root = Path(tempfile.mkdtemp(prefix="bench_load_", dir=args.dir))
     try:
         hf_dir = root / "ckpt"
