@@ -27,7 +27,7 @@ from titan_lora.sync.versions import Lease
 from titan_lora.titan.parallel import DataParallelInfo
 from titan_lora.transfer import protocol
 from titan_lora.transfer.episodes import EpisodeRecord, Segment
-from titan_lora.transfer.errors import EngineUnreachable
+from titan_lora.transfer.errors import EngineUnreachable, TransferError
 
 openai = pytest.importorskip("openai")  # the engine's client: GPU hosts without vLLM lack it (`pytest -m gpu`)
 
@@ -165,6 +165,10 @@ class Engine:
             raise KeyError("the tool broke")
         if problem.question == "lost":
             raise openai.APIConnectionError(request=httpx.Request("POST", "http://engine/v1/chat/completions"))
+        if problem.question == "core died":  # what vLLM's server answers while its engine core is gone
+            request = httpx.Request("POST", "http://engine/v1/chat/completions")
+            raise openai.InternalServerError("Error code: 500 - EngineCore encountered an issue.", body=None,
+                                             response=httpx.Response(500, request=request))
         return float(problem.answer)
 
 
@@ -181,10 +185,12 @@ def test_a_step_runs_its_groups_fetches_and_deletes_every_record_and_scores_a_fa
     assert counts.metrics()["rl/episode_reward_mean"] == 0.25
 
 
-def test_an_agent_that_loses_the_engine_raises_for_the_loops_recovery_and_one_off_its_model_is_refused() -> None:
+def test_an_agent_that_loses_the_engine_or_gets_its_5xx_raises_for_the_loops_recovery_and_one_off_its_model_is_refused() -> None:
     engine = Engine()
     with pytest.raises(EngineUnreachable, match="an agent lost the engine"):
         run_episode_groups(engine, None, engine, Lease("policy-v4", 4), [Problem("lost", 1)], 1, 64)
+    with pytest.raises(TransferError, match="the engine failed an agent's request with HTTP 500"):
+        run_episode_groups(engine, None, engine, Lease("policy-v4", 4), [Problem("core died", 1)], 1, 64)
     with pytest.raises(RuntimeError, match="ran on 'policy-v9', not on 'policy-v4'"):
         run_episode_groups(engine, None, engine, Lease("policy-v4", 4), [Problem("wrong model", 1)], 1, 64)
     assert engine.records == {}

@@ -26,7 +26,7 @@ from titan_lora.rl.rollout import Sample
 from titan_lora.rl.task import Problem
 from titan_lora.sync.versions import Lease
 from titan_lora.transfer.episodes import EpisodeRecord, UnknownEpisode
-from titan_lora.transfer.errors import EngineHung, EngineUnreachable
+from titan_lora.transfer.errors import EngineHung, EngineUnreachable, TransferError
 
 logger = logging.getLogger(__name__)
 MAX_EPISODES_AT_ONCE = 32
@@ -45,13 +45,16 @@ class Outcome:
 
 
 def _engine_errors(err: Exception) -> Exception | None:
-    """The transfer error the loop recovers from, when `err` is the `openai` client losing the engine."""
+    """The transfer error the loop recovers from, when `err` is the `openai` client losing the engine or the
+    engine failing the request (HTTP 5xx)."""
     import openai  # vLLM installs it; an agent task cannot run without it
 
     if isinstance(err, openai.APITimeoutError):
         return EngineHung(f"an agent's request got no answer in time: {err}")
     if isinstance(err, openai.APIConnectionError):
         return EngineUnreachable(f"an agent lost the engine: {err}")
+    if isinstance(err, openai.InternalServerError):  # HTTP 5xx: the engine failed (its core died), not the agent
+        return TransferError(f"the engine failed an agent's request with HTTP {err.status_code}: {err.message}")
     return None
 
 
