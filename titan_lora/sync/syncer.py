@@ -354,7 +354,8 @@ class WeightSyncer(BaseGiving):
         if due:
             t0 = time.perf_counter()
             figures = self._probe(payload.name if payload is not None else "")
-            figures["probe_ms"] = (time.perf_counter() - t0) * 1e3  # inside total_ms: publishing waits for it
+            if payload is not None:  # rank 0's figure: the other ranks only join the probe's collective
+                figures["probe_ms"] = (time.perf_counter() - t0) * 1e3  # inside total_ms: publishing waits for it
         if self.emitter is None:
             return figures
         if self.cfg.parity_gate and figures.get("parity_max_abs", 0.0) > self.probe.tolerance:
