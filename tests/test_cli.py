@@ -107,6 +107,23 @@ def test_every_shipped_config_passes_the_check(capsys) -> None:
     assert out.splitlines() == [f"{c}: ok" for c in configs]
 
 
+def test_every_shipped_grpo_config_with_rollouts_also_passes_in_the_async_loop(capsys) -> None:
+    """The configs say `--grpo.loop async` runs them: nothing they set (e.g. keep_versions) may refuse it."""
+    configs = sorted(str(p.relative_to(REPO)) for p in (REPO / "train_configs").rglob("*.toml")
+                     if (grpo := tomllib.loads(p.read_text()).get("grpo", {})).get("enabled")
+                     and grpo.get("rollouts", True))
+    assert "train_configs/smollm2_grpo_calculator.toml" in configs and len(configs) >= 3
+    cwd = os.getcwd()
+    os.chdir(REPO)
+    try:
+        rc = cli.main(["check", *configs, "--nproc", "2", "--grpo.loop", "async"])
+    finally:
+        os.chdir(cwd)
+    out, err = capsys.readouterr()
+    assert rc == 0, out + err
+    assert out.splitlines() == [f"{c}: ok" for c in configs]
+
+
 def test_the_console_script_is_declared() -> None:
     """`pip install -e .` installs `titan-lora` from here; the module itself runs as
     `python -m titan_lora.cli` in test_a_failure_after_the_start_ends_with_the_root_cause."""
