@@ -15,7 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from titan_lora.clients.http import ApiKey
-from titan_lora.clients.openai_rollout import OpenAIRolloutClient
+from titan_lora.clients.openai_rollout import KEEPALIVE_EXPIRY_S, OpenAIRolloutClient
 from titan_lora.transfer.errors import EngineHung
 
 
@@ -123,3 +123,13 @@ def test_each_request_carries_the_key_of_the_current_incarnation(server: Complet
     client.generate([[1]], None, 4, 1.0, 0, [])  # the base's name from /v1/models, then a sample
     assert server.keys[-2:] == ["Bearer second-incarnation"] * 2
     assert server.keys[:2] == ["Bearer first-incarnation", "Bearer second-incarnation"]
+
+
+def test_idle_connections_expire_before_vllms_keep_alive_closes_them() -> None:
+    # With no retries, reusing a connection the server is closing that instant fails the request
+    # ("Connection error." in a parity probe of an async run): httpx's default expiry equals vLLM's 5 s.
+    envs = pytest.importorskip("vllm.envs")  # the keep-alive of the engine we serve through
+    client = OpenAIRolloutClient("http://127.0.0.1:1")
+    pool = client.client._client._transport._pool  # openai's httpx.Client -> httpcore's pool
+    assert client.client.max_retries == 0
+    assert pool._keepalive_expiry == KEEPALIVE_EXPIRY_S < envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE / 2

@@ -32,6 +32,8 @@ from titan_lora.transfer.errors import EngineHung, EngineUnreachable, TransferEr
 MAX_CONCURRENT = 64
 """Requests in flight at once: the async loop keeps (max_staleness + 1) x prompts_per_step groups out, with
 the held-out eval and the parity probe beside them."""
+KEEPALIVE_EXPIRY_S = 2.0
+"""How long an idle connection to the engine is kept for reuse: under every server's keep-alive (vLLM: 5 s)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,12 +61,13 @@ class OpenAIRolloutClient:
         if timeout_s <= 0:
             raise ValueError(f"[weight_sync] rollout_timeout_s must be positive, got {timeout_s}")
         try:
+            import httpx  # openai's own transport
             import openai
         except ImportError as err:
             raise ImportError("rollouts over the OpenAI API need the `openai` package (vLLM installs it): "
                               "pip install openai") from err
 
-        self._openai = openai
+        self._openai, self._httpx = openai, httpx
         self._url = base_url.rstrip("/") + "/v1"
         self._key = api_key if isinstance(api_key, ApiKey) else ApiKey(api_key)
         self.timeout_s = timeout_s
@@ -74,9 +77,14 @@ class OpenAIRolloutClient:
         self._base: str | None = None
 
     def _fresh(self) -> None:
-        # No retries: a retried sample would be a second, different sample under the same seed slot.
+        # No retries: a retried sample would be a second, different sample under the same seed slot. So an
+        # idle connection must never be reused just as the server closes it: httpx keeps one 5 s, exactly
+        # vLLM's keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), and the race surfaced as "Connection error."
+        # in a parity probe; ours expire well before the server's.
+        http = self._openai.DefaultHttpxClient(limits=self._httpx.Limits(
+            max_connections=1000, max_keepalive_connections=100, keepalive_expiry=KEEPALIVE_EXPIRY_S))
         self._client = self._openai.OpenAI(base_url=self._url, api_key=self._key.value or "none",
-                                           timeout=self.timeout_s, max_retries=0)
+                                           timeout=self.timeout_s, max_retries=0, http_client=http)
         self._pool = ThreadPoolExecutor(max_workers=MAX_CONCURRENT, thread_name_prefix="titan-rollout")
 
     @property

@@ -127,7 +127,8 @@ class WeightSyncer(BaseGiving):
         self._base_incarnation: str | None = None
         self._acks_name_incarnation = False  # rank 0: the last install's ack named the engine's incarnation
         self._current: int | None = None  # the version the engine got last: the params as they are now
-        self._current_published = False  # rank 0: False when the parity gate held it back
+        # rank 0: True published, False held back by the parity gate, None installed and awaiting its probe
+        self._current_published: bool | None = False
         self._base_ms: float | None = None  # the base send of the sync in progress, if any
         self.counters = {"base_sends": 0, "base_verified": 0, "syncs": 0, "engine_recoveries": 0,
                          "probe_failures": 0, "parity_gated": 0}
@@ -235,10 +236,12 @@ class WeightSyncer(BaseGiving):
         self._base_incarnation = None
         self._ensure_base(self._current or 0)
         # A version the parity gate held back is not re-sent: rollouts must not get it after a restart.
-        if republish and share(self._current_published if self.emitter is not None else None):
+        # One awaiting its probe (a fault during the probe) is re-sent but left for the probe to publish.
+        published = share(self._current_published if self.emitter is not None else False)
+        if republish and published is not False:
             payload = self.source.snapshot(self._current)  # collective; the params of that version
             self._rank0(lambda: self._install(payload), f"re-sending adapter version {self._current}")
-            if self.emitter is not None:
+            if self.emitter is not None and published:
                 self.versions.publish(payload.version)
 
     def _revive(self) -> None:
@@ -290,7 +293,7 @@ class WeightSyncer(BaseGiving):
                                     f"syncing adapter version {version}", republish=False)
         if self._base_ms is not None:
             metrics["base_ms"] = self._base_ms
-        self._current = version
+        self._current, self._current_published = version, None
         metrics |= self._maybe_probe_and_publish(payload)
         metrics["total_ms"] = (time.perf_counter() - started) * 1e3
         self.counters["syncs"] += 1
