@@ -11,6 +11,7 @@ from model_helpers import DEBUG_LORA, build_from, full_copy, randomize_adapters
 from torch.distributed.tensor import DTensor
 
 from titan_lora.lora.layer import (
+    LoRALayer,
     LoRALinear,
     adapter_params,
     adapters_disabled,
@@ -18,6 +19,7 @@ from titan_lora.lora.layer import (
     convert_linear,
     freeze_base,
     is_adapter_param,
+    lora_class,
     lora_modules,
     lora_scale,
 )
@@ -42,6 +44,35 @@ def test_convert_keeps_the_same_linear_weight_and_bias() -> None:
     assert set(dict(lora.named_parameters())) == {"weight", "bias", "lora_A", "lora_B"}
     assert lora.lora_dropout_p == 0.1
     assert list(lora.children()) == [], "TP styles read .weight of every child of a linear"
+
+
+class _FrameworkLinear(nn.Linear):
+    """A framework's own linear (as torchtitan 0.3.0's `Linear`): its own forward and its own methods."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + 100.0
+
+    def framework_protocol(self) -> str:
+        return "kept"
+
+
+def test_convert_subclasses_the_linears_own_class_and_runs_its_forward() -> None:
+    torch.manual_seed(0)
+    linear = _FrameworkLinear(6, 4)
+    lora = convert_linear(linear, rank=2, scale=0.5, dropout=0.0, dtype=torch.float32)
+    # The framework's protocol checks and initialisers see their own class; LoRA is found by its mixin.
+    assert isinstance(lora, _FrameworkLinear) and isinstance(lora, LoRALayer)
+    assert lora.framework_protocol() == "kept"
+    assert type(lora) is lora_class(_FrameworkLinear) is lora_class(type(lora)), "one LoRA class per base class"
+    assert type(lora) is not LoRALinear
+    with torch.no_grad():
+        lora.lora_A.normal_()
+        lora.lora_B.normal_()
+    x = torch.randn(3, 6)
+    expected = F.linear(x, lora.weight, lora.bias) + 100.0 + 0.5 * (x @ lora.lora_A.T @ lora.lora_B.T)
+    torch.testing.assert_close(lora(x), expected)
+    model = nn.Sequential(nn.Linear(6, 6), lora)
+    assert [name for name, _ in lora_modules(model)] == ["1"]
 
 
 def test_convert_creates_adapters_on_the_linears_device_with_the_configured_dtype() -> None:

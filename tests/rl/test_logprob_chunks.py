@@ -80,3 +80,26 @@ def test_a_grpo_loss_under_a_small_chunk_budget_equals_the_unchunked_loss() -> N
     assert chunked_loss.item() == pytest.approx(plain_loss.item(), abs=1e-7)
     assert {k: chunked[k] for k in plain} == pytest.approx(plain, abs=1e-7)
     torch.testing.assert_close(chunked_model.table.grad, plain_model.table.grad, rtol=0, atol=1e-7)
+
+
+def test_the_head_of_a_torchtitan_family_runs_on_the_masked_positions_alone() -> None:
+    from model_helpers import DEBUG_LORA, build_from, randomize_adapters
+
+    from titan_lora.titan.models import output_head
+
+    model = build_from(DEBUG_LORA).model
+    randomize_adapters(model)
+    head = output_head(model)
+    assert head is not None, "the family's output head is found by the seam's name (a rename would hide it)"
+    rows: list[int] = []
+    hook = head.register_forward_pre_hook(lambda _m, args: rows.append(args[0].shape[0]))
+    g = torch.Generator().manual_seed(0)
+    inputs, labels = (torch.randint(0, 256, (3, 12), generator=g) for _ in range(2))
+    mask = torch.zeros(3, 12)
+    mask[0, 4:7], mask[2, 1:3] = 1, 1
+    with torch.no_grad():
+        cut = token_logprobs(model, inputs, labels, mask)
+        whole = token_logprobs(model, inputs, labels)
+    hook.remove()
+    assert rows[0] == 5, "the head saw the 5 masked positions, not the 36 of the batch"
+    torch.testing.assert_close(cut, whole * mask, atol=1e-5, rtol=1e-5)

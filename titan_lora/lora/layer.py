@@ -1,14 +1,18 @@
-"""LoRA on an `nn.Linear` that stays an `nn.Linear`.
+"""LoRA on a linear that stays the linear it was: same object, same class family, same `.weight`.
 
 torchtitan's `init_weights`, TP plans, float8 converters and state-dict adapters all read
 `linear.weight`, so a wrapper module would break them. Instead the linear's class is swapped for a
-subclass that owns two extra parameters, `lora_A` (rank x in) and `lora_B` (out x rank). They are
-created on the module before sharding, so `fully_shard` turns them into DTensors like any other param.
+subclass of that very class (`lora_class`) that owns two extra parameters, `lora_A` (rank x in) and
+`lora_B` (out x rank). They are created on the module before sharding, so `fully_shard` turns them into
+DTensors like any other param. Subclassing the linear's own class (not `nn.Linear`) keeps whatever base the
+framework's linear has: torchtitan 0.3.0's `Linear` is also a torchtitan `Module`, whose protocol checks and
+initialisers must still see it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator
 
@@ -20,8 +24,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 ADAPTER_SUFFIXES = ("lora_A", "lora_B")
 
 
-class LoRALinear(nn.Linear):
-    """`nn.Linear` plus a low-rank update: y = x W^T + b + scale * dropout(x) A^T B^T."""
+class LoRALayer:
+    """The LoRA half of a LoRA linear: y = base(x) + scale * dropout(x) A^T B^T, mixed in before the
+    linear's own class (`lora_class`)."""
 
     lora_A: nn.Parameter
     lora_B: nn.Parameter
@@ -31,13 +36,25 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Base projection plus the scaled low-rank path."""
-        base = F.linear(x, self.weight, self.bias)
-        dropped = F.dropout(x, self.lora_dropout_p, self.training) if self.lora_dropout_p else x
+        base = super().forward(x)  # type: ignore[misc]  (the linear's own forward: F.linear for nn.Linear)
+        dropped = F.dropout(x, self.lora_dropout_p, self.training) if self.lora_dropout_p else x  # type: ignore[attr-defined]
         # Adapters kept out of FSDP (`[lora] replicate_adapters`) miss its cast to the compute dtype.
         update = F.linear(F.linear(dropped, self.lora_A.to(x.dtype)), self.lora_B.to(x.dtype))
         # In place, with the scale as add's alpha: one elementwise kernel and no extra activation
         # (F.linear's backward does not need its output, so autograd allows it).
         return base.add_(update, alpha=self.scale)
+
+
+@functools.cache
+def lora_class(linear_cls: type[nn.Linear]) -> type[nn.Linear]:
+    """The LoRA subclass of `linear_cls` (one per class, so isinstance and torch.compile see one type)."""
+    if issubclass(linear_cls, LoRALayer):
+        return linear_cls
+    return type(f"LoRA{linear_cls.__name__}", (LoRALayer, linear_cls), {"__module__": __name__})
+
+
+LoRALinear = lora_class(nn.Linear)
+"""The LoRA subclass of a plain `nn.Linear` (torchtitan 0.2.2's linears are plain ones)."""
 
 
 def lora_scale(rank: int, alpha: float, use_rslora: bool) -> float:
@@ -47,11 +64,11 @@ def lora_scale(rank: int, alpha: float, use_rslora: bool) -> float:
 
 def convert_linear(
     linear: nn.Linear, rank: int, scale: float, dropout: float, dtype: torch.dtype
-) -> LoRALinear:
-    """Turn `linear` into a LoRALinear in place (same object, same `.weight`/`.bias`)."""
+) -> LoRALayer:
+    """Turn `linear` into its class's LoRA subclass in place (same object, same `.weight`/`.bias`)."""
     device = linear.weight.device
-    linear.__class__ = LoRALinear
-    lora = linear  # the same object, now typed as LoRALinear
+    linear.__class__ = lora_class(type(linear))
+    lora = linear  # the same object, now a LoRALayer
     lora.lora_A = nn.Parameter(torch.empty(rank, linear.in_features, device=device, dtype=dtype))
     lora.lora_B = nn.Parameter(torch.empty(linear.out_features, rank, device=device, dtype=dtype))
     lora.scale = scale
@@ -69,10 +86,10 @@ def clean_fqn(name: str) -> str:
     return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
 
-def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
+def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALayer]]:
     """The LoRA linears of `model` with their clean qualified names, in module order."""
     for name, module in model.named_modules():
-        if isinstance(module, LoRALinear):
+        if isinstance(module, LoRALayer):
             yield clean_fqn(name), module
 
 

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from titan_lora.lora.layer import adapter_params, local_part, lora_modules
 from titan_lora.lora.replicated import ReplicatedGradSum
 from titan_lora.titan.configs import TORCH_DTYPE_MAP
+from titan_lora.titan.models import output_head
 from titan_lora.titan.parallel import ParallelDims, checkpoint_and_compile, data_parallel_mesh
 
 logger = logging.getLogger(__name__)
@@ -125,7 +126,7 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, job_config) -> None:  # noqa
         ignored_params=adapters or None,
     )
     reshard = policy != "never"  # "default" reshards: pipeline parallelism is refused
-    head = [m for m in (model.norm, model.output) if m is not None]
+    head = [m for m in (model.norm, output_head(model)) if m is not None]
     tied = _tied_head(model)
     if tied:
         # FSDP needs a tied pair in one group: shard the pair with norm, gathered from first use to last.
@@ -190,5 +191,5 @@ def store_frozen_as(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def _tied_head(model: nn.Module) -> bool:
-    output, embedding = getattr(model, "output", None), getattr(model, "tok_embeddings", None)
+    output, embedding = output_head(model), getattr(model, "tok_embeddings", None)
     return output is not None and embedding is not None and output.weight is embedding.weight

@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
+from titan_lora.titan.models import output_head
+
 LOGPROB_CHUNK_TOKENS = 4096
 """Padded tokens (rows x width) one forward covers at most, unless one row is longer; below it a batch runs
 in one forward, as every completion job's does (the main job: 32 rows x ~70 tokens a rank)."""
@@ -27,13 +29,13 @@ def token_logprobs(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
                    mask: torch.Tensor | None = None) -> torch.Tensor:
     """log p(label) at every position, [N, T]; with `mask`, only where it is set (0 elsewhere).
 
-    With a mask, a model with a final `norm` and an `output` head (torchtitan's families) runs the head on
-    the masked positions alone: the norm's output is cut to them, so the head's matmul and the [N, T, vocab]
+    With a mask, a model with a final `norm` and an output head (torchtitan's families) runs the head on the
+    masked positions alone: the norm's output is cut to them, so the head's matmul and the [N, T, vocab]
     logits skip the prompt, which in GRPO is most of every sequence. Under TP the norm's output is a DTensor
     sharded over the sequence; it is left whole there and the logits cover every position."""
     keep = mask.bool() if mask is not None else None
     norm, handle = getattr(model, "norm", None), None
-    if keep is not None and isinstance(norm, nn.Module) and getattr(model, "output", None) is not None:
+    if keep is not None and isinstance(norm, nn.Module) and output_head(model) is not None:
         handle = norm.register_forward_hook(lambda _m, _i, out: out if isinstance(out, DTensor) else out[keep])
     try:
         logits = model(inputs).float()

@@ -16,8 +16,11 @@ import torch.nn as nn
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 from torchtitan.protocols.train_spec import TrainSpec
 
-__all__ = ["StateDictAdapter", "TrainSpec", "family_train_spec", "flavors", "job_model_args", "meta_model",
-           "state_dict_adapter"]
+__all__ = ["OUTPUT_HEAD", "StateDictAdapter", "TrainSpec", "family_train_spec", "flavors", "job_model_args",
+           "meta_model", "output_head", "state_dict_adapter"]
+
+OUTPUT_HEAD = "output"
+"""The attribute that holds a torchtitan decoder's output head (0.3.0 renames it `lm_head`)."""
 
 
 def family_train_spec(base: TrainSpec, flavors: Mapping[str, Any],
@@ -48,3 +51,9 @@ def meta_model(spec: TrainSpec, args: Any) -> nn.Module:  # noqa: ANN401
 def state_dict_adapter(spec: TrainSpec, args: Any, hf_dir: str | None) -> StateDictAdapter:  # noqa: ANN401
     """The spec's torchtitan <-> HF state-dict adapter for `args` (`hf_dir` None: no HF save index)."""
     return spec.state_dict_adapter(args, hf_dir)
+
+
+def output_head(model: nn.Module) -> nn.Module | None:
+    """The model's output head (vocab projection), or None for a model that has none by that name."""
+    head = getattr(model, OUTPUT_HEAD, None)
+    return head if isinstance(head, nn.Module) else None
