@@ -15,8 +15,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from titan_lora.clients.http import ApiKey
-from titan_lora.clients.openai_rollout import KEEPALIVE_EXPIRY_S, OpenAIRolloutClient
-from titan_lora.transfer.errors import EngineHung
+from titan_lora.clients.openai_rollout import KEEPALIVE_EXPIRY_S, OpenAIRolloutClient, engine_failure
+from titan_lora.transfer.errors import EngineHung, EngineUnreachable, TransferError
 
 
 class Completions(ThreadingHTTPServer):
@@ -133,3 +133,23 @@ def test_idle_connections_expire_before_vllms_keep_alive_closes_them() -> None:
     pool = client.client._client._transport._pool  # openai's httpx.Client -> httpcore's pool
     assert client.client.max_retries == 0
     assert pool._keepalive_expiry == KEEPALIVE_EXPIRY_S < envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE / 2
+
+
+def test_the_engines_failures_map_to_recoverable_errors_and_a_callers_own_4xx_does_not() -> None:
+    import httpx
+    import openai
+
+    request = httpx.Request("POST", "http://engine/v1/completions")
+
+    def status(code: int) -> openai.APIStatusError:
+        cls = openai.InternalServerError if code >= 500 else openai.BadRequestError
+        return cls(f"Error code: {code}", body=None, response=httpx.Response(code, request=request))
+
+    hung = engine_failure(openai.APITimeoutError(request=request), "http://engine", "within 2 s")
+    assert isinstance(hung, EngineHung) and str(hung) == "http://engine: no answer within 2 s"
+    lost = engine_failure(openai.APIConnectionError(request=request), "http://engine")
+    assert isinstance(lost, EngineUnreachable) and str(lost) == "http://engine: Connection error."
+    dead = engine_failure(status(500), "http://engine")
+    assert type(dead) is TransferError and str(dead) == "http://engine failed with HTTP 500: Error code: 500"
+    assert engine_failure(status(400), "http://engine") is None, "a bad request is the caller's, not the engine's"
+    assert engine_failure(KeyError("x"), "http://engine") is None

@@ -187,9 +187,9 @@ def test_a_step_runs_its_groups_fetches_and_deletes_every_record_and_scores_a_fa
 
 def test_an_agent_that_loses_the_engine_or_gets_its_5xx_raises_for_the_loops_recovery_and_one_off_its_model_is_refused() -> None:
     engine = Engine()
-    with pytest.raises(EngineUnreachable, match="an agent lost the engine"):
+    with pytest.raises(EngineUnreachable, match="^an agent's request to the engine: Connection error"):
         run_episode_groups(engine, None, engine, Lease("policy-v4", 4), [Problem("lost", 1)], 1, 64)
-    with pytest.raises(TransferError, match="the engine failed an agent's request with HTTP 500"):
+    with pytest.raises(TransferError, match="^an agent's request to the engine failed with HTTP 500: .*EngineCore"):
         run_episode_groups(engine, None, engine, Lease("policy-v4", 4), [Problem("core died", 1)], 1, 64)
     with pytest.raises(RuntimeError, match="ran on 'policy-v9', not on 'policy-v4'"):
         run_episode_groups(engine, None, engine, Lease("policy-v4", 4), [Problem("wrong model", 1)], 1, 64)

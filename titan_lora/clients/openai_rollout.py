@@ -143,17 +143,17 @@ class OpenAIRolloutClient:
         """One API call, its failures as the errors the syncer recovers from."""
         try:
             return fn(**kwargs)
-        except self._openai.APITimeoutError:
-            raise EngineHung(f"{self.client.base_url}: no answer within {self.timeout_s:g} s ([weight_sync] "
-                             "rollout_timeout_s); the engine aborts the request") from None
-        except self._openai.APIConnectionError as err:
-            raise EngineUnreachable(f"{self.client.base_url}: {err}") from None
         except self._openai.AuthenticationError:
             raise TransferError(f"{self.client.base_url} refused the API key (HTTP 401): set [engine] api_key "
                                 "to the key the engine was started with") from None
-        except self._openai.APIStatusError as err:
-            raise TransferError(f"{self.client.base_url} failed with HTTP {err.status_code}: {err.message}") \
-                from None
+        except self._openai.OpenAIError as err:
+            lost = engine_failure(err, str(self.client.base_url), f"within {self.timeout_s:g} s ([weight_sync] "
+                                  "rollout_timeout_s); the engine aborts the request")
+            if lost is None and isinstance(err, self._openai.APIStatusError):  # a 4xx: the request was wrong
+                lost = TransferError(f"{self.client.base_url} failed with HTTP {err.status_code}: {err.message}")
+            if lost is None:
+                raise
+            raise lost from None
 
     def _sample(self, model: str, prompt: list[int], n: int, seed: int | None, max_tokens: int,
                 temperature: float, stop_token_ids: list[int]) -> list[Completion]:
@@ -208,3 +208,18 @@ class OpenAIRolloutClient:
 def openai_rollouts(endpoint: Endpoint, ws: WeightSync) -> OpenAIRolloutClient:
     """The rollout client of an OpenAI-compatible engine at `endpoint`."""
     return OpenAIRolloutClient(endpoint.url, endpoint.api_key, ws.rollout_timeout_s)
+
+
+def engine_failure(err: BaseException, where: str, in_time: str = "in time") -> TransferError | None:
+    """The error the loop recovers from when the `openai` client's `err` is the engine's failure, not the
+    caller's: no answer (EngineHung), no connection (EngineUnreachable), an HTTP 5xx such as a dead engine
+    core (TransferError); None for anything else. `where` starts the message, `in_time` says the limit."""
+    import openai  # vLLM installs it; a caller that got an openai error has it
+
+    if isinstance(err, openai.APITimeoutError):
+        return EngineHung(f"{where}: no answer {in_time}")
+    if isinstance(err, openai.APIConnectionError):
+        return EngineUnreachable(f"{where}: {err}")
+    if isinstance(err, openai.InternalServerError):  # HTTP >= 500
+        return TransferError(f"{where} failed with HTTP {err.status_code}: {err.message}")
+    return None

@@ -2,8 +2,9 @@
 each episode's record fetched from the engine and deleted, scored and turned into samples.
 
 An agent that raises scores 0 (like a failing reward, `Sample.reward_error`) and the turns captured before
-the error are trained; an agent that loses the engine (the `openai` client's connection or timeout errors)
-raises EngineUnreachable or EngineHung instead, so the loop's engine recovery runs and the step is drawn again.
+the error are trained; an agent that loses the engine (the `openai` client's connection or timeout errors, or
+an HTTP 5xx: `clients.openai_rollout.engine_failure`) raises instead, so the loop's engine recovery runs and
+the step is drawn again.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 from titan_lora.clients.episodes import delete_episode, episode_headers, fetch_episode, new_episode_id
 from titan_lora.clients.http import JsonClient
+from titan_lora.clients.openai_rollout import engine_failure
 from titan_lora.rl.agent_task import AgentTask, EpisodeResult
 from titan_lora.rl.episode_samples import EpisodeCounts, episode_samples
 from titan_lora.rl.grpo import group_advantages
@@ -26,7 +28,6 @@ from titan_lora.rl.rollout import Sample
 from titan_lora.rl.task import Problem
 from titan_lora.sync.versions import Lease
 from titan_lora.transfer.episodes import EpisodeRecord, UnknownEpisode
-from titan_lora.transfer.errors import EngineHung, EngineUnreachable, TransferError
 
 logger = logging.getLogger(__name__)
 MAX_EPISODES_AT_ONCE = 32
@@ -44,20 +45,6 @@ class Outcome:
     stats: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
-def _engine_errors(err: Exception) -> Exception | None:
-    """The transfer error the loop recovers from, when `err` is the `openai` client losing the engine or the
-    engine failing the request (HTTP 5xx)."""
-    import openai  # vLLM installs it; an agent task cannot run without it
-
-    if isinstance(err, openai.APITimeoutError):
-        return EngineHung(f"an agent's request got no answer in time: {err}")
-    if isinstance(err, openai.APIConnectionError):
-        return EngineUnreachable(f"an agent lost the engine: {err}")
-    if isinstance(err, openai.InternalServerError):  # HTTP 5xx: the engine failed (its core died), not the agent
-        return TransferError(f"the engine failed an agent's request with HTTP {err.status_code}: {err.message}")
-    return None
-
-
 def _reward(agent: AgentTask, api: Any, lease: Lease, episode: str,
             problem: Problem) -> tuple[float, bool, dict[str, float]]:
     """(reward, whether the agent failed, its stats) of one episode; a lost engine raises."""
@@ -70,7 +57,7 @@ def _reward(agent: AgentTask, api: Any, lease: Lease, episode: str,
             raise ValueError(f"run_episode returned {reward}, not a finite number")
         return reward, False, dict(result.stats)
     except Exception as err:  # a user's tool loop: one episode must not end the run, a lost engine must recover
-        lost = _engine_errors(err)
+        lost = engine_failure(err, "an agent's request to the engine")
         if lost is not None:
             raise lost from err
         logger.warning("episode %s (question %r) failed with %s: %s; it scores 0 and its captured turns are "
