@@ -305,3 +305,19 @@ def test_live_goes_through_the_engine_core_and_fails_in_time_while_info_still_an
     finally:
         os.kill(core, signal.SIGCONT)
     wait_until(lambda: ctx.engine.healthy(5.0), 30)
+
+
+def test_an_idle_connection_stays_open_longer_than_clients_keep_theirs(ctx: Ctx) -> None:
+    # httpx (under the openai package) keeps an idle connection 5 s, vLLM's default keep-alive: a client could
+    # reuse one the server is closing. The engines titan_lora starts keep theirs 30 s.
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(ctx.engine.url)
+    with socket.create_connection((url.hostname, url.port), timeout=10) as conn:
+        for attempt in range(2):
+            conn.sendall(f"GET /health HTTP/1.1\r\nHost: {url.netloc}\r\n\r\n".encode())
+            reply = conn.recv(4096)
+            assert reply.startswith(b"HTTP/1.1 200"), (attempt, reply[:200])
+            if attempt == 0:
+                time.sleep(6.5)  # past httpx's expiry and vLLM's default keep-alive (5 s)

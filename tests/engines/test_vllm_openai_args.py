@@ -73,3 +73,12 @@ def test_load_balancers_that_split_the_ranks_between_servers_are_refused(flags: 
     message = str(err.value)
     assert message.startswith(flags[0] + (", " if len(flags) > 2 else ":"))
     assert "would leave the others on their old adapter" in message and "--data-parallel-size N alone" in message
+
+
+def test_the_servers_keep_alive_outlasts_clients_unless_the_user_set_it() -> None:
+    env: dict[str, str] = {}
+    vllm_openai.keep_idle_connections_longer_than_clients(env)
+    assert env == {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "30"}
+    env = {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "7"}
+    vllm_openai.keep_idle_connections_longer_than_clients(env)
+    assert env == {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "7"}, "a value the user set is theirs"

@@ -39,6 +39,10 @@ die_with_spawning_parent()
 EXTENSION = "titan_lora.engines.vllm_ext.TitanLoRAWorkerExtension"
 MIDDLEWARE = "titan_lora.engines.titan_asgi.TitanRoutes"
 IN_CORE_WORKER_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+KEEP_ALIVE_ENV = "VLLM_HTTP_TIMEOUT_KEEP_ALIVE"
+KEEP_ALIVE_S = 30
+"""How long the server keeps an idle connection: longer than clients keep theirs (httpx, under the `openai`
+package, keeps them 5 s: exactly vLLM's default, so a client could reuse one the server closes that moment)."""
 
 
 def data_parallel_refusal(args: argparse.Namespace) -> str | None:
@@ -106,6 +110,12 @@ def keep_cpu_worker_in_engine_core(args: argparse.Namespace, env: MutableMapping
         env.setdefault(IN_CORE_WORKER_ENV, "0")
 
 
+def keep_idle_connections_longer_than_clients(env: MutableMapping[str, str]) -> None:
+    """Set vLLM's HTTP keep-alive to KEEP_ALIVE_S unless `env` already says: a client then always drops an idle
+    connection before the server does, and never gets "Connection error." from reusing one being closed."""
+    env.setdefault(KEEP_ALIVE_ENV, str(KEEP_ALIVE_S))
+
+
 def skip_base_digests(args: argparse.Namespace, env: MutableMapping[str, str]) -> None:
     """Tell the workers (spawned after this, with `env`) to record no base digests when `args` say so."""
     if args.titan_skip_base_digests:
@@ -136,6 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     keep_cpu_worker_in_engine_core(args, os.environ)  # read by the engine core vLLM spawns
     skip_base_digests(args, os.environ)  # read by each worker as it imports the extension
+    keep_idle_connections_longer_than_clients(os.environ)  # read as the API server starts
     compat.serve(args)
 
 
