@@ -33,11 +33,12 @@ class LoRALayer:
     scale: float
     # A float, not an nn.Dropout child: TP styles visit every child of a linear and read `.weight`.
     lora_dropout_p: float
+    training: bool  # nn.Module's, from the linear's class after this mixin
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Base projection plus the scaled low-rank path."""
-        base = super().forward(x)  # type: ignore[misc]  (the linear's own forward: F.linear for nn.Linear)
-        dropped = F.dropout(x, self.lora_dropout_p, self.training) if self.lora_dropout_p else x  # type: ignore[attr-defined]
+        base = super().forward(x)  # type: ignore[misc]  (the linear's own: F.linear for an nn.Linear)
+        dropped = F.dropout(x, self.lora_dropout_p, self.training) if self.lora_dropout_p else x
         # Adapters kept out of FSDP (`[lora] replicate_adapters`) miss its cast to the compute dtype.
         update = F.linear(F.linear(dropped, self.lora_A.to(x.dtype)), self.lora_B.to(x.dtype))
         # In place, with the scale as add's alpha: one elementwise kernel and no extra activation
