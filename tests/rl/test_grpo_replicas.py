@@ -112,7 +112,12 @@ def test_grpo_job_goes_on_while_one_replica_is_killed_and_another_frozen(tmp_pat
             kill_tree(job.pid)
     out = text()
     kill_line = re.search(rf"replica (\d) \(http://127.0.0.1:{killed_port}\) quarantined: (.*)", out)
-    assert kill_line and "sending adapter policy-v" in kill_line[2], "the kill landed in an adapter transfer"
+    # The kill landed while the replica's worker sat inside an adapter bucket (the marker holds its pid). Which
+    # sees the dead server first is a race: the transfer's own reply, or the liveness watch, which checks the
+    # replicas with work in flight (the transfer is that work) every health_timeout_s / 2.
+    assert kill_line, "the killed replica was quarantined"
+    assert ("sending adapter policy-v" in kill_line[2]
+            or "failed its liveness check with work in flight" in kill_line[2]), kill_line[2]
     frozen_line = re.search(quarantined, out)
     print(f"\nfrozen replica quarantined {to_quarantine:.1f} s after its SIGSTOP: {frozen_line[1][:160]}")
     assert "failed its liveness check" in frozen_line[1]
