@@ -99,7 +99,7 @@ tensor_parallel_degree = {args.tp}
 disable_loss_parallel = {str(args.tp > 1).lower()}
 [compile]
 enable = {str(args.compile).lower()}
-components = ["model", "loss"]
+components = ["model"]
 """
 
 

@@ -1,4 +1,4 @@
-"""TOML sections that titan_lora adds to torchtitan's JobConfig (merged by `titan.configs.merged_schema`).
+"""titan_lora's own TOML sections, and `JobConfig`: every section, these and the run's (`run_sections`).
 
 Each dataclass is one TOML section. `validate_*` functions run before any model is built, so a bad
 config fails in seconds with a message that names the key and the fix.
@@ -7,6 +7,19 @@ config fails in seconds with a message that names the key and the fix.
 import os
 import tempfile
 from dataclasses import dataclass, field
+
+from titan_lora.run_sections import (
+    ActivationCheckpoint,
+    Checkpoint,
+    Compile,
+    Debug,
+    Job,
+    LRScheduler,
+    Model,
+    Optimizer,
+    Parallelism,
+    Training,
+)
 
 ADAPTER_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -36,16 +49,6 @@ class LoRA:
 
 
 @dataclass
-class Model:
-    """Keys titan_lora adds to torchtitan's `[model]`."""
-
-    load_pretrained: bool = False
-    """Load the weights of the family's HF directory (its own, e.g. SmolLM2's, else `hf_assets_path`:
-    one safetensors file or shards with an index), its shape read from config.json, `flavor` unused;
-    false: random init of `flavor`. The tokenizer always comes from that directory."""
-
-
-@dataclass
 class Data:
     """`[data]`: the supervised data for the SFT smoke job."""
 
@@ -53,15 +56,6 @@ class Data:
     """JSONL with {"prompt", "completion"} per line."""
     seed: int = 0
     """Seed of the order the examples are drawn in."""
-
-
-@dataclass
-class Training:
-    """Keys titan_lora adds to torchtitan's `[training]`."""
-
-    on_nonfinite: str = "stop"
-    """A NaN/Inf adapter after an optimizer step: "stop" with an error, or "rollback" to the last
-    checkpoint and skip that batch (needs [checkpoint] enable)."""
 
 
 @dataclass
@@ -194,10 +188,18 @@ class GRPO:
 
 @dataclass
 class JobConfig:
-    """titan_lora's sections, merged into torchtitan's JobConfig by the seam (`merged_schema`)."""
+    """Every section a TOML may name: the run's (`run_sections`, torchtitan 0.2.2's names) and titan_lora's."""
 
+    job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    debug: Debug = field(default_factory=Debug)
     lora: LoRA = field(default_factory=LoRA)
     data: Data = field(default_factory=Data)
     engine: Engine = field(default_factory=Engine)
@@ -282,7 +284,7 @@ RANGES: dict[tuple[str, str], Range] = {
     ("grpo", "train_size"): _AT_LEAST_1,
     ("grpo", "eval_size"): _NON_NEGATIVE,
     ("grpo", "eval_every"): Range(0, fix="0 turns evaluation off"),
-    # torchtitan's own sections: checked here before its LR scheduler or optimizer meets them.
+    # The run's sections (run_sections): checked here before the LR scheduler or optimizer meets them.
     ("training", "steps"): Range(1, fix="the number of optimizer steps: try steps = 20"),
     ("training", "local_batch_size"): _AT_LEAST_1,
     ("training", "seq_len"): _AT_LEAST_1,

@@ -40,7 +40,7 @@ class TrainingRun:
 
     `task` is what `check_plugins` built (None when the job uses no task)."""
 
-    def __init__(self, job_config, task: Task | None = None,  # noqa: ANN001 (torchtitan's JobConfig)
+    def __init__(self, job_config, task: Task | None = None,  # noqa: ANN001 (titan_lora's JobConfig)
                  model: ResolvedModel | None = None) -> None:
         """`model`: `[model]` as `load_job` resolved it (None: resolved while building)."""
         self.cfg = job_config
@@ -212,6 +212,8 @@ def main(argv: list[str] | None = None) -> None:
         if rank0:  # every rank read the same config: one copy of the message is enough
             report_config_errors(err)
         sys.exit(2)
+    logger.info("%s: %s, writing to %s", job_config.job.config_file or "job", job_config.job.description,
+                job_config.job.dump_folder)
     run = TrainingRun(job_config, task, model)
     finished, adapter = False, None
     try:

@@ -133,7 +133,8 @@ BAD = {
     ),
     "pipeline parallelism": (
         DEBUG_LORA + "[parallelism]\npipeline_parallel_degree = 2\n",
-        ["[parallelism] pipeline_parallel_degree = 2", "set both to 1"],
+        ["[parallelism] pipeline_parallel_degree is torchtitan 0.2.2's key", "data (FSDP/HSDP) and tensor "
+         "parallelism only; delete the line"],
     ),
     "tensor parallelism with loss parallelism": (
         DEBUG_LORA + "[parallelism]\ntensor_parallel_degree = 2\n",
@@ -152,7 +153,7 @@ BAD = {
     ),
     "context parallelism": (
         DEBUG_LORA + "[parallelism]\ncontext_parallel_degree = 2\n",
-        ["context_parallel_degree = 2", "set both to 1"],
+        ["[parallelism] context_parallel_degree is torchtitan 0.2.2's key", "delete the line"],
     ),
     "unknown loop": (_sync("", engine='url = "http://e:8000"') + GRPO_WITH_ROLLOUTS + 'loop = "overlap"\n',
                      ["[grpo] loop = 'overlap'", '"sync" or "async"']),
@@ -294,14 +295,13 @@ def test_a_grpo_batch_that_dp_ranks_cannot_share_is_refused(monkeypatch) -> None
         job_config_from(DEBUG_LORA + grpo + tp2)
 
 
-def test_torchtitans_misleading_asset_warnings_are_dropped_and_others_kept(caplog) -> None:
+def test_torchtitans_misleading_index_warning_is_dropped_and_others_kept(caplog) -> None:
     import logging
 
-    from titan_lora.titan.configs import TITAN_DEFAULT_ASSETS
-
     with caplog.at_level(logging.WARNING):
-        job_config_from(DEBUG_LORA)  # torchtitan warns that its default hf_assets_path does not exist
-        logging.getLogger().warning("HF assets path /elsewhere does not exist!")  # not the default: kept
+        job_config_from(DEBUG_LORA)  # installs the filter
+        logging.getLogger().warning("model.safetensors.index.json not found at hf_assets_path: /x/y.json")
+        logging.getLogger().warning("HF assets path /elsewhere does not exist!")  # another warning: kept
     messages = [r.getMessage() for r in caplog.records]
-    assert not [m for m in messages if TITAN_DEFAULT_ASSETS in m], messages
+    assert not [m for m in messages if "index.json" in m], messages
     assert "HF assets path /elsewhere does not exist!" in messages

@@ -71,8 +71,8 @@ def test_unknown_sections_and_keys_name_the_one_meant() -> None:
     assert toml_errors({"zzz": {}})[0].startswith("[zzz] is not a config section; known sections: ")
     assert toml_errors({"training": {"stpes": 3}}) == ["[training] has an unknown key 'stpes'; did you mean 'steps'?"]
     assert toml_errors({"lora": 3}) == ["lora = 3 must be a section: write [lora] and its keys below it"]
-    assert toml_errors({"training": {"dataloader": {"num_workerz": 1}}})[0].startswith(
-        "[training.dataloader] has an unknown key 'num_workerz'; did you mean 'num_workers'?")
+    assert toml_errors({"checkpoint": {"intervall": 5}}) == [
+        "[checkpoint] has an unknown key 'intervall'; did you mean 'interval'?"]
 
 
 def override_errors(argv: list[str], toml: dict | None = None) -> list[str]:

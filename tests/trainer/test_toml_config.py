@@ -1,5 +1,6 @@
-"""titan_lora's own config parse (TOML plus `--section.key value` overrides, no tyro): the same config as
-torchtitan 0.2.2's ConfigManager gave, and the overrides it refused refused by name."""
+"""titan_lora's own config parse (TOML plus `--section.key value` overrides, no tyro) into its own schema: every
+key it kept has the value torchtitan 0.2.2's ConfigManager gave, and the overrides it refused are refused by
+name."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from torchtitan.config import ConfigManager
 
 from titan_lora.config import ConfigError
 from titan_lora.trainer.job_config import config_schema, is_flag, parse_job
-from titan_lora.trainer.toml_config import help_text, parse_overrides
+from titan_lora.trainer.toml_config import build_config, help_text, parse_overrides
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted(str(p.relative_to(REPO)) for p in (REPO / "train_configs").rglob("*.toml"))
@@ -22,12 +23,10 @@ OVERRIDES = {
                                                    "--job.description", "x y", "--weight-sync.keep-versions=4"],
     "flags": ["--parallelism.disable_loss_parallel", "--lora.no_replicate_adapters", "--checkpoint.no-enable",
               "--compile.enable"],
-    "lists": ["--model.converters", "lora", "--compile.components=model,loss", "--lora.target_modules", "wq,wv",
-              "--parallelism.module_fqns_per_model_part", "a,b", "c"],
-    "None, Literal, float | int, nested section": [
-        "--debug.seed", "None", "--checkpoint.initial_load_path", "None", "--lr_scheduler.decay_ratio", "0.5",
-        "--training.mixed_precision_param", "bfloat16", "--training.max_norm", "2",
-        "--quantize.linear.float8.recipe_name", "rowwise", "--training.dataloader.num-workers", "2"],
+    "lists": ["--model.converters", "lora", "--compile.components=model", "--lora.target_modules", "wq,wv"],
+    "None, Literal, float | int": [
+        "--debug.seed", "None", "--lr_scheduler.total_steps", "None", "--lr_scheduler.decay_ratio", "0.5",
+        "--training.mixed_precision_param", "bfloat16", "--training.max_norm", "2"],
     "the last of a key wins": ["--training.steps", "3", "--training.steps=5", "--lora.export_dir="],
 }
 TASK_TOML = """
@@ -58,10 +57,23 @@ def _typed(value: object) -> object:
     return type(value).__name__, value
 
 
+# The defaults titan_lora changed on purpose: torchtitan's -> titan_lora's (run_sections.py says why).
+CHANGED_DEFAULTS = {("model", "hf_assets_path"): ("./tests/assets/tokenizer", ""),
+                    ("compile", "components"): (["model", "loss"], ["model"])}
+
+
+def _kept(theirs: dict, ours: dict) -> dict:
+    """torchtitan's parsed config cut to the sections and keys titan_lora's schema kept."""
+    return {k: _kept(v, ours[k]) if isinstance(v, dict) and isinstance(ours.get(k), dict) and k != "task" else v
+            for k, v in theirs.items() if k in ours}
+
+
 def _torchtitans(argv: list[str]) -> dict:
     config = ConfigManager().parse_args([*argv, "--job.custom_config_module=titan_lora.config"])
-    config.job.custom_config_module = ""  # the merge module it was told; the new parse merges by schema
-    return _typed(dataclasses.asdict(config))
+    for (section, key), (old, new) in CHANGED_DEFAULTS.items():
+        if getattr(getattr(config, section), key) == old:
+            setattr(getattr(config, section), key, new)
+    return _typed(_kept(dataclasses.asdict(config), dataclasses.asdict(parse_job([])[0])))
 
 
 def _ours(argv: list[str]) -> dict:
@@ -71,9 +83,9 @@ def _ours(argv: list[str]) -> dict:
 @pytest.mark.parametrize("overrides", list(OVERRIDES))
 @pytest.mark.parametrize("config", SHIPPED)
 def test_every_shipped_config_parses_as_torchtitan_0_2_2_parsed_it(config: str, overrides: str, monkeypatch) -> None:
-    """The no-behaviour-change guarantee of the switch to our own parser: the same config, key by key and
-    type by type, as torchtitan 0.2.2's ConfigManager (TOML + tyro) gave. It needs torchtitan 0.2.2's
-    ConfigManager, so it goes at the switch to 0.3.0 (which has no TOML)."""
+    """The no-behaviour-change guarantee of titan_lora's own parser and schema: every section and key it kept
+    has the value and type torchtitan 0.2.2's ConfigManager (TOML + tyro) gave (but the two defaults changed on
+    purpose). It needs torchtitan 0.2.2's ConfigManager, so it goes at the switch to 0.3.0 (which has no TOML)."""
     monkeypatch.chdir(REPO)
     logging.getLogger().setLevel(logging.ERROR)  # torchtitan's asset warnings
     argv = ["--job.config_file", config, *OVERRIDES[overrides]]
@@ -115,8 +127,8 @@ def test_what_tyro_refused_with_a_box_is_one_line_naming_the_key() -> None:
         "--help-me: not an override; write --section.key value (-h lists the keys)",
         "--lora: not an override; write --section.key value (-h lists the keys)",
     ]
-    assert _errors("--training.dataloader", "2", "--training.steps.x", "1") == [
-        "--training.dataloader: [training.dataloader] is a table: override its keys, --training.dataloader.KEY VALUE",
+    assert _errors("--task.sub", "2", "--training.steps.x", "1", toml={"task": {"sub": {"k": 1}}}) == [
+        "--task.sub: [task.sub] is a table: override its keys, --task.sub.KEY VALUE",
         "--training.steps.x: [training] steps is not a table: write --training.steps VALUE",
     ]
 
@@ -130,11 +142,23 @@ def test_a_free_form_table_takes_only_the_keys_its_toml_sets() -> None:
     ]
 
 
-def test_a_section_s_own_check_is_a_config_error_naming_it(tmp_path) -> None:
-    with pytest.raises(ConfigError, match=r"^\[parallelism\] context_parallel_load_balancer cannot be an empty"):
-        parse_job(["--parallelism.context_parallel_load_balancer="])
-    with pytest.raises(ConfigError, match=r"^\[validation\] validation steps must be positive or -1$"):
-        parse_job(["--validation.steps", "0"])
+@dataclasses.dataclass
+class _Checked:
+    steps: int = 1
+
+    def __post_init__(self) -> None:
+        if self.steps == 0:
+            raise ValueError("steps must be positive or -1")
+
+
+# Made at run time: this module's annotations are strings, and a schema's section types must be classes.
+_Schema = dataclasses.make_dataclass("_Schema", [("section", _Checked, dataclasses.field(default_factory=_Checked))])
+
+
+def test_a_section_s_own_check_is_a_config_error_naming_it() -> None:
+    with pytest.raises(ConfigError, match=r"^\[section\] steps must be positive or -1$"):
+        build_config(_Schema, {"section": {"steps": 1}}, {"section": {"steps": 0}})
+    assert build_config(_Schema, {"section": {"steps": 1}}, {}).section.steps == 1
 
 
 def test_toml_errors_and_override_errors_come_together_before_anything_is_parsed(tmp_path) -> None:
@@ -146,11 +170,44 @@ def test_toml_errors_and_override_errors_come_together_before_anything_is_parsed
                                 "--lora.rnak: [lora] has an unknown key 'rnak'; did you mean 'rank'?"]
 
 
-def test_the_deprecated_tokenizer_path_replaces_hf_assets_path_as_torchtitan_did(caplog) -> None:
-    with caplog.at_level(logging.WARNING):
-        config = parse_job(["--model.tokenizer_path", "/some/tokenizer"])[0]
-    assert config.model.hf_assets_path == "/some/tokenizer"
-    assert "tokenizer_path is deprecated" in caplog.text
+def test_torchtitan_0_2_2_keys_titan_lora_does_not_honour_are_refused_with_the_reason(tmp_path) -> None:
+    """Accepted and ignored before: now each names why and the fix, from the TOML and from the command line."""
+    config = tmp_path / "job.toml"
+    config.write_text('[model]\ntokenizer_path = "/tok"\n[checkpoint]\nasync_mode = "async"\n[metrics]\nlog_freq = 5\n')
+    with pytest.raises(ConfigError) as err:
+        parse_job(["--job.config_file", str(config), "--training.dtype", "bfloat16", "--quantize.linear.x", "1"])
+    assert err.value.errors == [
+        "[model] tokenizer_path is torchtitan 0.2.2's key, which titan_lora does not take: torchtitan 0.2.2 "
+        "deprecated it: write hf_assets_path (the tokenizer's directory); delete the line",
+        "[checkpoint] async_mode is torchtitan 0.2.2's key, which titan_lora does not take: titan_lora saves its "
+        "own DCP checkpoints ([checkpoint] enable, folder, interval, keep_latest_k) and resumes from the newest "
+        "in folder; delete the line",
+        "[metrics] is torchtitan 0.2.2's section, which titan_lora does not take: titan_lora logs every metric "
+        "to TensorBoard under [job] dump_folder/tb; delete the section",
+        "--training.dtype: [training] dtype is torchtitan 0.2.2's key, which titan_lora does not take: "
+        "[training] mixed_precision_param is FSDP's compute dtype and [lora] dtype the adapters'; delete the line",
+        "--quantize.linear.x: [quantize] is torchtitan 0.2.2's section, which titan_lora does not take: "
+        "titan_lora's LoRA linears are not quantized; delete the section",
+    ]
+
+
+def test_every_torchtitan_0_2_2_key_is_kept_or_refused_and_every_refused_one_is_torchtitans() -> None:
+    """No torchtitan key falls through as a bare "unknown key", and the refused list names no key of ours."""
+    from torchtitan.config import JobConfig as TitanJobConfig
+
+    from titan_lora.run_sections import DROPPED_KEYS, DROPPED_SECTIONS
+
+    ours = {f.name: f.type for f in dataclasses.fields(config_schema())}
+    for section in dataclasses.fields(TitanJobConfig):
+        if section.name in DROPPED_SECTIONS:
+            assert section.name not in ours
+            continue
+        kept = {f.name for f in dataclasses.fields(ours[section.name])}
+        for key in dataclasses.fields(section.type):
+            assert (key.name in kept) != ((section.name, key.name) in DROPPED_KEYS), (section.name, key.name)
+    titan = {f.name: {k.name for k in dataclasses.fields(f.type)} for f in dataclasses.fields(TitanJobConfig)}
+    assert all(key in titan[section] for section, key in DROPPED_KEYS)
+    assert set(DROPPED_SECTIONS) <= set(titan)
 
 
 def test_flags_are_known_without_the_toml() -> None:
@@ -162,7 +219,7 @@ def test_help_lists_every_section_and_key_with_its_default(capsys) -> None:
     text = help_text(config_schema(), "usage: x")
     assert text.startswith("usage: x\n")
     assert "  --lora.rank  an integer (default: 16)" in text.splitlines()
-    assert "[training.dataloader]" in text and "  --task.KEY  the keys its TOML table sets" in text
+    assert "  --task.KEY  the keys its TOML table sets" in text
     with pytest.raises(SystemExit) as done:
         parse_job(["--job.config_file", "missing.toml", "--help"])
     assert done.value.code == 0 and "  --grpo.loop  a string (default: \"sync\")" in capsys.readouterr().out

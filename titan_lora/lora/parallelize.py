@@ -103,8 +103,8 @@ def _reduce_to_param_placements(param: torch.Tensor) -> None:
 
 
 def _ac_and_fsdp(model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:  # noqa: ANN001
-    # Pipeline and context parallelism are refused when the config is read
-    # (`titan_lora.trainer.preflight.check_parallelism`). The order is torchtitan's: AC, compile, FSDP.
+    # Pipeline and context parallelism have no keys in titan_lora's schema (`run_sections.DROPPED_KEYS`
+    # refuses torchtitan's). The order is torchtitan's: AC, compile, FSDP.
     checkpoint_and_compile(model, job_config)
     if parallel_dims.fsdp_enabled:
         shard_model(model, data_parallel_mesh(parallel_dims), job_config)
@@ -125,7 +125,7 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, job_config) -> None:  # noqa
         offload_policy=CPUOffloadPolicy() if training.enable_cpu_offload else OffloadPolicy(),
         ignored_params=adapters or None,
     )
-    reshard = policy != "never"  # "default" reshards: pipeline parallelism is refused
+    reshard = policy != "never"  # "default" reshards: there is no pipeline parallelism
     head = [m for m in (model.norm, output_head(model)) if m is not None]
     tied = _tied_head(model)
     if tied:

@@ -18,7 +18,6 @@ import torch.nn as nn
 from titan_lora.models.checkpoint import has_tokenizer, read_hf_config, tied_embeddings, tokenizer_size
 from titan_lora.models.family import ModelFamily, families_for_model_type, model_family
 from titan_lora.models.load import check_weights
-from titan_lora.titan.configs import TITAN_DEFAULT_ASSETS
 from titan_lora.titan import models as titan_models
 
 logger = logging.getLogger(__name__)
@@ -82,10 +81,10 @@ def _check_vocab(hf_dir: str, args: Any, from_config: bool) -> None:  # noqa: AN
                      f"{vocab} (ids >= {vocab} would fail in the first forward); {fix}")
 
 
-def resolve_model(model_cfg) -> ResolvedModel:  # noqa: ANN001 (torchtitan's merged [model] section)
+def resolve_model(model_cfg) -> ResolvedModel:  # noqa: ANN001 (the [model] section)
     """The family, args and HF directory `[model]` names; ValueError, naming the fix, for what cannot work."""
     family = model_family(model_cfg.name)
-    if family.default_assets and model_cfg.hf_assets_path not in ("", TITAN_DEFAULT_ASSETS):
+    if family.default_assets and model_cfg.hf_assets_path:
         raise ValueError(f"[model] name = {model_cfg.name!r} brings its own checkpoint, so hf_assets_path = "
                          f"{model_cfg.hf_assets_path!r} would be ignored; for that checkpoint use the "
                          f"family of its config.json (e.g. name = 'llama3'), or remove hf_assets_path")

@@ -1,33 +1,33 @@
-"""torchtitan's JobConfig: the schema that titan_lora's own parser (`trainer/toml_config.py`) fills, its
-sections with titan_lora's merged in, and what torchtitan's ConfigManager did after parsing.
+"""titan_lora's run sections (`titan_lora.run_sections`, taken as arguments) turned into the config objects
+torchtitan 0.2.2's builders take: its optimizer, LR-scheduler, activation-checkpoint and compile sections,
+and the JobConfig a model's args update from.
 
-Part of the seam (`titan_lora.titan`): 0.3.0 drops TOML and `--job.custom_config_module` for Python config
-functions; titan_lora already parses TOML and overrides itself, so only the schema comes from here.
+Part of the seam (`titan_lora.titan`): titan_lora owns its TOML schema and parses it itself, so a torchtitan
+that reshapes its configs (0.3.0: no TOML, parameter groups, an AC union, a root `Trainer.Config`) changes
+these functions, not a user's TOML.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Any
+from typing import Any, TypeVar
 
-from torchtitan.config import TORCH_DTYPE_MAP, ConfigManager, JobConfig
-from torchtitan.config.job_config import Model as TitanModelSection
+from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.config import JobConfig as TitanJobConfig
+from torchtitan.config.job_config import ActivationCheckpoint, Compile, LRScheduler, Optimizer
 
-__all__ = ["TITAN_DEFAULT_ASSETS", "TORCH_DTYPE_MAP", "after_parse", "merged_schema",
-           "quiet_torchtitan_asset_warnings"]
+__all__ = ["TORCH_DTYPE_MAP", "quiet_torchtitan_asset_warnings", "titan_ac", "titan_compile", "titan_job_config",
+           "titan_lr_scheduler", "titan_optimizer"]
 
-logger = logging.getLogger(__name__)
-
-TITAN_DEFAULT_ASSETS: str = TitanModelSection().hf_assets_path
-"""torchtitan's default `[model] hf_assets_path` (a path that exists only in a torchtitan checkout)."""
+_Section = TypeVar("_Section")
 
 
 class _TorchtitanAssetNoise(logging.Filter):
-    """Drops two torchtitan warnings that mislead here: its default `hf_assets_path` missing (a titan_lora
-    family finds its own assets, or `resolve_model` names the fix when `[model] hf_assets_path` is needed),
-    and a checkpoint without model.safetensors.index.json (a single-file checkpoint, which loads as it is)."""
+    """Drops a torchtitan warning that misleads here: a checkpoint without model.safetensors.index.json (a
+    single-file checkpoint, which loads as it is)."""
 
-    NOISE = (f"HF assets path {TITAN_DEFAULT_ASSETS} does not exist", "model.safetensors.index.json not found")
+    NOISE = "model.safetensors.index.json not found"
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith(self.NOISE)
@@ -37,20 +37,41 @@ _ASSET_NOISE = _TorchtitanAssetNoise()
 
 
 def quiet_torchtitan_asset_warnings() -> None:
-    """Filter those two warnings out of torchtitan's logger (the root logger), once per process."""
+    """Filter that warning out of torchtitan's logger (the root logger), once per process."""
     logging.getLogger().addFilter(_ASSET_NOISE)  # adding the same filter twice keeps one
 
 
-def merged_schema(custom: type) -> type:
-    """torchtitan's JobConfig class with `custom`'s sections merged in, as ConfigManager builds it."""
-    return ConfigManager._merge_configs(JobConfig, custom)
+def _as_titan(cls: type[_Section], section: Any) -> _Section:  # noqa: ANN401 (a titan_lora section)
+    """torchtitan's section `cls` with the keys `section` shares with it; the others keep torchtitan's defaults."""
+    return cls(**{f.name: getattr(section, f.name) for f in dataclasses.fields(cls) if hasattr(section, f.name)})
 
 
-def after_parse(job_config: Any) -> None:  # noqa: ANN401 (a class made at run time)
-    """What torchtitan 0.2.2's ConfigManager did to a parsed config that still matters here: its deprecated
-    `[model] tokenizer_path` replaces `hf_assets_path`. (Its "HF assets path ... does not exist" warning was
-    dropped while parsing: `resolve_model` names a missing checkpoint with the fix.)"""
-    if job_config.model.tokenizer_path:
-        logger.warning("[model] tokenizer_path is deprecated (torchtitan 0.2.2): hf_assets_path is set to it; "
-                       "write [model] hf_assets_path = %r instead", job_config.model.tokenizer_path)
-        job_config.model.hf_assets_path = job_config.model.tokenizer_path
+def titan_optimizer(section: Any) -> Optimizer:  # noqa: ANN401
+    """`[optimizer]` as torchtitan's optimizer builder takes it."""
+    return _as_titan(Optimizer, section)
+
+
+def titan_lr_scheduler(section: Any) -> LRScheduler:  # noqa: ANN401
+    """`[lr_scheduler]` as torchtitan's LR-scheduler builder takes it."""
+    return _as_titan(LRScheduler, section)
+
+
+def titan_ac(section: Any) -> ActivationCheckpoint:  # noqa: ANN401
+    """`[activation_checkpoint]` as torchtitan's `apply_ac` takes it."""
+    return _as_titan(ActivationCheckpoint, section)
+
+
+def titan_compile(section: Any) -> Compile:  # noqa: ANN401
+    """`[compile]` as torchtitan's `apply_compile` takes it."""
+    return _as_titan(Compile, section)
+
+
+def titan_job_config(job_config: Any) -> TitanJobConfig:  # noqa: ANN401 (titan_lora's JobConfig)
+    """torchtitan's JobConfig with every key titan_lora's shares with it (a model's args `update_from_config`
+    from it); torchtitan's other keys keep their defaults."""
+    titan = TitanJobConfig()
+    for section in dataclasses.fields(titan):
+        if hasattr(job_config, section.name):
+            ours = getattr(job_config, section.name)
+            setattr(titan, section.name, _as_titan(type(getattr(titan, section.name)), ours))
+    return titan

@@ -1,31 +1,34 @@
-"""torchtitan's model-converter protocol: the names `[model] converters` accepts, and the hook that applies
-them to the model while it is built (titan_lora's "lora" converter is registered through it).
+"""The model converters `[model] converters` names (titan_lora's "lora" is registered here), applied to the
+model while it is built, in the order named.
 
-Part of the seam (`titan_lora.titan`): 0.3.0 replaces this registry with converters that rewrite the model's
-config tree before the build (`ModelConfigConverter`).
+Part of the seam (`titan_lora.titan`): torchtitan 0.2.2's converters mutate the built model
+(`cls(job_config, parallel_dims).convert(model)`); 0.3.0's rewrite the model's config tree before the build
+(`ModelConfigConverter`). Its own converters (float8, mx) are not offered: they read torchtitan's `[quantize]`,
+which titan_lora's schema does not have, and its LoRA linears are not quantized.
 """
 
 from __future__ import annotations
 
 import torch.nn as nn
 from torchtitan.distributed import ParallelDims
-from torchtitan.protocols.model_converter import (
-    _registry_model_converter_cls,
-    build_model_converters,
-    register_model_converter,
-)
+
+_CONVERTERS: dict[str, type] = {}
 
 
 def register_converter(cls: type, name: str) -> None:
-    """Register `cls` (built as `cls(job_config, parallel_dims)`) as `[model] converters = [name]`."""
-    register_model_converter(cls, name)
+    """Register `cls` (built as `cls(job_config, parallel_dims)`, then `.convert(model)`) as
+    `[model] converters = [name]`."""
+    if name in _CONVERTERS and _CONVERTERS[name] is not cls:
+        raise ValueError(f"a model converter {name!r} is already registered ({_CONVERTERS[name].__qualname__})")
+    _CONVERTERS[name] = cls
 
 
 def registered_converters() -> list[str]:
     """The names `[model] converters` accepts, sorted."""
-    return sorted(_registry_model_converter_cls)
+    return sorted(_CONVERTERS)
 
 
 def convert_model(model: nn.Module, job_config, parallel_dims: ParallelDims) -> None:  # noqa: ANN001
     """Apply `[model] converters` to the meta-device model, in place."""
-    build_model_converters(job_config, parallel_dims).convert(model)
+    for name in job_config.model.converters:
+        _CONVERTERS[name](job_config, parallel_dims).convert(model)

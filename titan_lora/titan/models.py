@@ -16,6 +16,8 @@ import torch.nn as nn
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 from torchtitan.protocols.train_spec import TrainSpec
 
+from titan_lora.titan.configs import titan_job_config
+
 __all__ = ["OUTPUT_HEAD", "StateDictAdapter", "TrainSpec", "family_train_spec", "flavors", "job_model_args",
            "meta_model", "output_head", "state_dict_adapter"]
 
@@ -38,7 +40,7 @@ def flavors(spec: TrainSpec) -> Mapping[str, Any]:
 def job_model_args(args: Any, job_config) -> Any:  # noqa: ANN001, ANN401 (each family has its own args)
     """A copy of `args` updated from the job's config (`update_from_config`); `args` stay as they were."""
     args = dataclasses.replace(args)
-    args.update_from_config(job_config)
+    args.update_from_config(titan_job_config(job_config))
     return args
 
 

@@ -18,6 +18,8 @@ from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.models.llama3.infra.parallelize import apply_compile
 
+from titan_lora.titan.configs import titan_ac, titan_compile
+
 __all__ = ["DataParallelInfo", "ParallelDims", "build_parallel_dims", "checkpoint_and_compile",
            "data_parallel_info", "data_parallel_mesh", "data_parallel_size", "parallel_dims"]
 
@@ -37,14 +39,12 @@ def parallel_dims(parallelism, world_size: int) -> ParallelDims:  # noqa: ANN001
         return ParallelDims(
             dp_shard=parallelism.data_parallel_shard_degree,
             dp_replicate=parallelism.data_parallel_replicate_degree,
-            cp=parallelism.context_parallel_degree, tp=parallelism.tensor_parallel_degree,
-            pp=parallelism.pipeline_parallel_degree, ep=parallelism.expert_parallel_degree,
-            etp=parallelism.expert_tensor_parallel_degree, world_size=world_size,
+            cp=1, tp=parallelism.tensor_parallel_degree, pp=1, ep=1, etp=1, world_size=world_size,
         )
     except AssertionError as err:  # torchtitan's asserts often carry no text: say what must hold
         raise ValueError(
             f"[parallelism] does not fit {world_size} ranks{': ' + str(err) if str(err) else ''}; the product of "
-            "the degrees (data_parallel_replicate, data_parallel_shard, context, tensor, pipeline) must equal the "
+            "the degrees (data_parallel_replicate, data_parallel_shard, tensor) must equal the "
             "ranks launched (torchrun --nproc_per_node, titan-lora --nproc): lower the degrees or launch more "
             "ranks (data_parallel_shard_degree = -1 takes the ranks the others leave)"
         ) from None
@@ -85,8 +85,8 @@ def checkpoint_and_compile(model: nn.Module, job_config) -> None:  # noqa: ANN00
     """`[activation_checkpoint]`, then `[compile]`, on the model's blocks, in place (torchtitan's order: FSDP
     comes after both)."""
     if job_config.activation_checkpoint.mode != "none":
-        apply_ac(model, job_config.activation_checkpoint, base_folder=job_config.job.dump_folder)
+        apply_ac(model, titan_ac(job_config.activation_checkpoint), base_folder=job_config.job.dump_folder)
     if job_config.compile.enable and "model" in job_config.compile.components:
         # Each block compiles once (they share code); parameter names gain "_orig_mod.", which every name
         # titan_lora reads drops (`lora.layer.clean_fqn`).
-        apply_compile(model, job_config.compile)
+        apply_compile(model, titan_compile(job_config.compile))

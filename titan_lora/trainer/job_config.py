@@ -1,11 +1,10 @@
 """Load a job: `--job.config_file x.toml` plus CLI overrides, checked key by key, parsed by titan_lora's own
-parser (`toml_config`) into the schema (torchtitan's JobConfig with titan_lora's sections, from the seam
-`titan_lora.titan.configs`), then validated across sections before anything is built."""
+parser (`toml_config`) into titan_lora's schema (`config.JobConfig`: the run's sections with torchtitan 0.2.2's
+names, and titan_lora's own), then validated across sections before anything is built."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 import sys
@@ -16,7 +15,8 @@ from titan_lora import config as ours
 from titan_lora.lora.targets import resolve_targets
 from titan_lora.models.family import FamilyLoRAConverter  # noqa: F401 (registers the "lora" converter)
 from titan_lora.models.resolve import ResolvedModel, resolve_model
-from titan_lora.titan.configs import after_parse, merged_schema, quiet_torchtitan_asset_warnings
+from titan_lora.run_sections import DROPPED_KEYS, DROPPED_SECTIONS
+from titan_lora.titan.configs import quiet_torchtitan_asset_warnings
 from titan_lora.titan.converters import registered_converters
 from titan_lora.trainer.preflight import preflight
 from titan_lora.trainer.toml_config import (
@@ -44,11 +44,21 @@ _MOVED = {"engine_url": "[engine] url", "engine_port": "[engine] port", "api_key
           "engine": '[engine] kind ("vllm" or "receiver")', "on_nonfinite": "[training] on_nonfinite"}
 
 
-@functools.cache
 def config_schema() -> type:
-    """The merged JobConfig class (torchtitan's sections with titan_lora's merged in), as ConfigManager
-    builds it: every section and key a TOML may name, with its type."""
-    return merged_schema(ours.JobConfig)
+    """The JobConfig class: every section and key a TOML may name, with its type."""
+    return ours.JobConfig
+
+
+def refused(path: tuple[str, ...]) -> str | None:
+    """Why a section (`(name,)`) or key (`(section, key)`) of torchtitan 0.2.2 that titan_lora's schema left
+    out is refused, with the fix; None for any other name."""
+    if len(path) == 1 and path[0] in DROPPED_SECTIONS:
+        return (f"[{path[0]}] is torchtitan 0.2.2's section, which titan_lora does not take: "
+                f"{DROPPED_SECTIONS[path[0]]}; delete the section")
+    if len(path) == 2 and path in DROPPED_KEYS:
+        return (f"[{path[0]}] {path[1]} is torchtitan 0.2.2's key, which titan_lora does not take: "
+                f"{DROPPED_KEYS[path]}; delete the line")
+    return None
 
 
 def _type_error(section: str, key: str, value: Any, f: dataclasses.Field) -> str:
@@ -69,6 +79,8 @@ def _section_errors(section: str, given: dict, cls: type) -> list[str]:
         elif section == "grpo" and key == "async":
             errors.append(f'[grpo] async = {toml_literal(value)}: write loop = "async" (or "sync"); async is a '
                           "Python keyword, so the key is `loop`")
+        elif (why := refused((section, key))) is not None:
+            errors.append(why)
         elif key not in known:
             errors.append(f"[{section}] has an unknown key {key!r}; {did_you_mean(key, list(known), 'keys')}")
         elif dataclasses.is_dataclass(known[key].type) and isinstance(value, dict):
@@ -85,7 +97,9 @@ def toml_errors(toml: dict) -> list[str]:
     sections = fields(config_schema())
     errors = []
     for name, given in toml.items():
-        if name not in sections:
+        if (why := refused((name,))) is not None:
+            errors.append(why)
+        elif name not in sections:
             errors.append(f"[{name}] is not a config section; {did_you_mean(name, list(sections), 'sections')}")
         elif not dataclasses.is_dataclass(sections[name].type):
             if not type_fits(given, sections[name].type):
@@ -144,16 +158,15 @@ def parse_job(argv: list[str]) -> tuple[Any, dict, dict]:
     path = config_path(argv)
     toml = read_toml(path) if path is not None else {}
     errors = toml_errors(toml)
-    overrides, bad = parse_overrides(argv, config_schema(), toml)
+    overrides, bad = parse_overrides(argv, config_schema(), toml, refused)
     if errors + bad:  # every mistake at once, before a value is used
         raise ours.ConfigError(errors + bad)
     job_config = build_config(config_schema(), toml, overrides)
-    after_parse(job_config)
     return job_config, toml, overrides
 
 
 def load_job(argv: list[str]) -> tuple[Any, ResolvedModel]:
-    """The merged JobConfig and its `[model]` resolved (family, shape, vocab, weights checked) once, for
+    """The JobConfig and its `[model]` resolved (family, shape, vocab, weights checked) once, for
     `build_model`; raises ValueError on a bad config before anything is built."""
     quiet_torchtitan_asset_warnings()  # torchtitan warns while building
     job_config, toml, overrides = parse_job(argv)
@@ -176,7 +189,7 @@ def load_job(argv: list[str]) -> tuple[Any, ResolvedModel]:
 
 
 def load_job_config(argv: list[str]):  # noqa: ANN201 (a dataclass type made at run time)
-    """The merged JobConfig (`load_job` without the resolved model)."""
+    """The JobConfig (`load_job` without the resolved model)."""
     return load_job(argv)[0]
 
 
@@ -191,5 +204,5 @@ def job_from_toml(toml: str, *overrides: str) -> tuple[Any, ResolvedModel]:
 
 
 def job_config_from_toml(toml: str, *overrides: str):  # noqa: ANN201
-    """Parse TOML text (plus CLI-style overrides) into the merged JobConfig (notebooks, tests, benchmarks)."""
+    """Parse TOML text (plus CLI-style overrides) into the JobConfig (notebooks, tests, benchmarks)."""
     return job_from_toml(toml, *overrides)[0]

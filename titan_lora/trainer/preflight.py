@@ -20,14 +20,8 @@ from titan_lora.transfer.transport import SHM_DIR
 
 
 def check_parallelism(job_config) -> None:  # noqa: ANN001
-    """Refuse what titan_lora's LoRA model cannot run: pipeline or context parallelism."""
+    """Refuse tensor parallelism with loss parallelism (the objectives need whole-vocabulary logits)."""
     par = job_config.parallelism
-    if par.pipeline_parallel_degree > 1 or par.context_parallel_degree > 1:
-        raise ValueError(
-            f"[parallelism] pipeline_parallel_degree = {par.pipeline_parallel_degree}, "
-            f"context_parallel_degree = {par.context_parallel_degree}: titan_lora supports data (FSDP/HSDP) "
-            "and tensor parallelism; set both to 1"
-        )
     if par.tensor_parallel_degree > 1 and not par.disable_loss_parallel:
         raise ValueError(
             f"[parallelism] tensor_parallel_degree = {par.tensor_parallel_degree} with loss parallelism: "

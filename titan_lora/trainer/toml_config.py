@@ -15,11 +15,14 @@ import difflib
 import re
 import tomllib
 import types
+from collections.abc import Callable
 from typing import Any, Literal, Union, get_args, get_origin
 
 from titan_lora.config import ConfigError
 
 HELP_FLAGS = ("-h", "--help")
+Refused = Callable[[tuple[str, ...]], str | None] | None
+"""Why a section (`(name,)`) or key (`(section, key)`) that the schema lacks is refused; None: unknown."""
 
 
 def fields(cls: type) -> dict[str, dataclasses.Field]:
@@ -79,6 +82,8 @@ def type_words(tp: Any) -> str:  # noqa: ANN401
         return " or ".join(type_words(a) for a in args if a is not type(None))
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in args)
+    if origin is list and args and get_origin(args[0]) is Literal:
+        return "a list of " + ", ".join(repr(a) for a in get_args(args[0]))
     if tp is list or origin is list:
         return "a list" + (f" of {type_words(args[0]).split(' ', 1)[-1]}s" if args and args[0] is not Any else "")
     words = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
@@ -153,7 +158,7 @@ class _Key:
         return _where(list(self.path))
 
 
-def _find_key(name: str, schema: type, toml: dict) -> _Key | str:
+def _find_key(name: str, schema: type, toml: dict, refused: Refused = None) -> _Key | str:
     """The key that `name` (`section.key`, `section.sub.key`, `section.no_flag`) means, or the error."""
     tp, given, path = schema, toml, []
     for part in name.split("."):
@@ -166,7 +171,7 @@ def _find_key(name: str, schema: type, toml: dict) -> _Key | str:
         if part not in known and part.startswith("no_") and known.get(part[3:]) is bool:
             return _Key((*path, part[3:]), "no")  # the negated flag: --section.no-flag
         if part not in known:
-            return _unknown(path, part, list(known), _is_table(tp))
+            return (refused and refused((*path, part))) or _unknown(path, part, list(known), _is_table(tp))
         tp, given = known[part], given.get(part, {}) if isinstance(given, dict) else {}
         path.append(part)
     if dataclasses.is_dataclass(tp) or _is_table(tp):
@@ -240,16 +245,17 @@ def _set(values: dict, path: tuple[str, ...], value: Any) -> None:  # noqa: ANN4
     values[path[-1]] = value
 
 
-def parse_overrides(argv: list[str], schema: type, toml: dict) -> tuple[dict, list[str]]:
+def parse_overrides(argv: list[str], schema: type, toml: dict, refused: Refused = None) -> tuple[dict, list[str]]:
     """The `--section.key value` overrides of `argv` as nested dicts of typed values (the last one of a key
-    wins), and one line per override that names no key or gives a value its key does not take."""
+    wins), and one line per override that names no key or gives a value its key does not take (`refused`:
+    the message for a name the schema lacks on purpose, None for an unknown one)."""
     values: dict = {}
     errors: list[str] = []
     i = 0
     while i < len(argv):
         arg = argv[i]
         i += 1
-        key = _find_key(_option_name(arg), schema, toml) if arg.startswith("--") and "." in arg else \
+        key = _find_key(_option_name(arg), schema, toml, refused) if arg.startswith("--") and "." in arg else \
             "not an override; write --section.key value (-h lists the keys)"
         if isinstance(key, str):
             errors.append(f"{arg.split('=', 1)[0]}: {key}")
