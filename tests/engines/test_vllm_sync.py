@@ -3,9 +3,9 @@
 One engine serves the whole module (start-up takes ~25-30 s on 2 cores); the tests run in file order
 and build on each other's versions: v1, v2 (parity), v3 (a request pinned to v2 runs through its
 load), v4 (v2 retired), disk-v4, a NaN v5 that is never published, v6 and v7 after an engine restart,
-then v8 after a base reload that kept v6 and v7; last, a second syncer streams its base and tcp-v1 over
-tcp into the same engine, then a third its base and nccl-v1 over nccl (gloo on CPU), with no shared
-memory mapped by the engine for either.
+then v8 after a base reload that kept v6 and v7, v9 after a kill inside its parity probe; last, a second
+syncer streams its base and tcp-v1 over tcp into the same engine, then a third its base and nccl-v1 over
+nccl (gloo on CPU), with no shared memory mapped by the engine for either.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from titan_lora.lora.layer import adapter_params
 from titan_lora.rl.task import task_prompt
 from titan_lora.rl.tasks import ArithTask
 from titan_lora.sync.adapter_source import AdapterSource
-from titan_lora.sync.parity import trainer_logprobs
+from titan_lora.sync.parity import ParityProbe, trainer_logprobs
 from titan_lora.sync.syncer import EngineFailed, WeightSyncer
 from titan_lora.sync.versions import AdapterVersions
 from titan_lora.transfer.errors import TransferError
@@ -343,6 +343,50 @@ def test_a_base_update_keeps_the_live_adapters_and_the_next_sync_exact(ctx: Ctx)
     diff = max_abs_diff(ctx.trainer_logprobs(), ctx.engine_logprobs("policy-v8"))
     FIGURES["parity_max_abs"].append(diff)
     assert diff <= PARITY_TOL, f"v8 after a base reload: trainer vs engine log-probs differ by {diff:.2e}"
+
+
+def test_an_engine_killed_inside_the_parity_probe_comes_back_and_the_version_is_probed_then_published(
+        ctx: Ctx) -> None:
+    # The probe is the last step before a version is published: a kill there must neither publish an
+    # unprobed version nor lose it. The engine is SIGKILLed while it scores the probe under policy-v9 (its
+    # adapter table counts the request in flight); the syncer restarts it, sends the base and v9 again, probes
+    # the new incarnation and publishes v9, whose log-probs on the engine are the trainer's.
+    syncer, killed = ctx.syncer, {}
+    starts, recoveries = ctx.engine.starts, syncer.counters["engine_recoveries"]
+
+    def kill_while_scoring(adapter: str) -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not killed.get("in_flight"):
+            scoring = ctx.info()["in_flight"].get(adapter, 0)
+            if scoring:
+                killed["in_flight"] = scoring
+                ctx.engine.proc.kill()
+            time.sleep(0.005)
+
+    def score(sequences: list[list[int]], adapter: str) -> list[list[float]]:
+        killed.setdefault("calls", []).append(adapter)
+        if len(killed["calls"]) == 1:
+            threading.Thread(target=kill_while_scoring, args=(adapter,), daemon=True).start()
+        return ctx.rollouts.score(sequences, adapter)
+
+    syncer.probe = ParityProbe(ctx.built.model, ctx.sequences, CPU, score, tolerance=PARITY_TOL)
+    syncer.cfg.parity_every = 1
+    try:
+        randomize_adapters(ctx.built.model, seed=10, std=0.05)
+        metrics = ctx.sync(9)
+    finally:
+        syncer.probe, syncer.cfg.parity_every = None, 0
+    # The probe scores each of its sequences in a request of its own: the kill found them running.
+    assert killed.get("in_flight", 0) >= 1, f"the kill landed while the engine scored the probe: {killed}"
+    assert killed["calls"] == ["policy-v9", "policy-v9"], "probed once on each incarnation"
+    assert ctx.engine.starts == starts + 1 and syncer.counters["engine_recoveries"] == recoveries + 1
+    assert metrics["sync/published"] == 1 and metrics["sync/probe_failures"] == 0
+    assert metrics["sync/parity_max_abs"] <= PARITY_TOL
+    assert set(ctx.info()["adapters"]) == {"policy-v9"} and syncer.versions.live == [9]
+    assert syncer.versions.active.name == "policy-v9"
+    diff = max_abs_diff(ctx.trainer_logprobs(), ctx.engine_logprobs("policy-v9"))
+    FIGURES["parity_max_abs"].append(diff)
+    assert diff <= PARITY_TOL, f"v9 after a kill inside its probe: trainer vs engine log-probs differ by {diff:.2e}"
 
 
 def engine_segments(engine: EmbeddedEngine) -> set[str]:
