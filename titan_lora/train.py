@@ -60,7 +60,7 @@ class TrainingRun:
             os.path.join(dump, job_config.checkpoint.folder), self.model, self.built.peft_layout,
             self.optimizers, self.lr_schedulers,
             job_config.checkpoint.interval if job_config.checkpoint.enable else 0,
-            max(job_config.checkpoint.keep_latest_k, 1),
+            job_config.checkpoint.keep_latest_k,
         )
         side = engine_side(job_config, self.built, self.device)
         try:

@@ -29,7 +29,7 @@ warmup_steps = 1
 enable = true
 folder = "checkpoint"
 interval = 2
-keep_latest_k = 5
+keep_latest_k = 0
 """
 
 
@@ -73,7 +73,7 @@ def test_resume_from_step_2_reproduces_steps_3_and_4(tmp_path) -> None:
     full = torch.load(tmp_path / "first.pt")
     assert full["start"] == 0 and sorted(full["losses"]) == [1, 2, 3, 4]
     saved = sorted(p.name for p in (first / "checkpoint").iterdir())
-    assert saved == ["step-2", "step-4"], f"interval 2 over 4 steps should save steps 2 and 4, got {saved}"
+    assert saved == ["step-2", "step-4"], f"interval 2 over 4 steps, keep_latest_k = 0 (all): steps 2 and 4, got {saved}"
     # The SFT run, [lora] export_dir left out, exported its adapter under its dump folder.
     exported = sorted(p.name for p in (first / "adapter").iterdir())
     assert exported == ["adapter_config.json", "adapter_model.safetensors"], exported

@@ -85,7 +85,8 @@ def check_steps_left(folder: Path, steps: int) -> None:
 
 
 class AdapterCheckpointer:
-    """Save every `interval` steps to `<folder>/step-N`, keep the newest `keep_latest`, resume from the newest."""
+    """Save every `interval` steps to `<folder>/step-N`, keep the newest `keep_latest` (0: all), resume from the
+    newest."""
 
     def __init__(self, folder: str, model: nn.Module, layout: PeftLayout,
                  optimizers, lr_schedulers, interval: int, keep_latest: int) -> None:  # noqa: ANN001
@@ -136,7 +137,7 @@ class AdapterCheckpointer:
                 (path / DATA_STATE_FILE).write_text(json.dumps(data_state))
         dcp.save(self._state(step), checkpoint_id=str(path))
         if dist.get_rank() == 0:
-            for old in self.steps()[: -self.keep_latest]:
+            for old in self.steps()[: -self.keep_latest] if self.keep_latest else []:
                 shutil.rmtree(self.folder / f"step-{old}", ignore_errors=True)
             logger.info("saved checkpoint %s", path)
         dist.barrier()
