@@ -297,6 +297,7 @@ RANGES: dict[tuple[str, str], Range] = {
     ("lr_scheduler", "warmup_steps"): _NON_NEGATIVE,
     ("lr_scheduler", "decay_ratio"): Range(0, 1),
     ("lr_scheduler", "min_lr_factor"): Range(0, 1),
+    ("lr_scheduler", "total_steps"): _AT_LEAST_1,
     ("checkpoint", "interval"): _AT_LEAST_1,
     ("checkpoint", "keep_latest_k"): _NON_NEGATIVE,
 }

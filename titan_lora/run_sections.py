@@ -9,6 +9,8 @@ keys that are refused, and why.
 from dataclasses import dataclass, field
 from typing import Literal
 
+import torch
+
 
 @dataclass
 class Job:
@@ -162,6 +164,22 @@ class Debug:
 
     seed: int | None = None
     """The seed of the model's random init and the adapters' init; unset: 0."""
+
+
+def validate_activation_checkpoint(cfg: ActivationCheckpoint) -> None:
+    """Refuse a `selective_ac_option` that torchtitan would reject only after the model is built."""
+    option = cfg.selective_ac_option
+    if cfg.mode == "selective" and option != "op" and not (option.isdigit() and int(option) >= 1):
+        raise ValueError(f'[activation_checkpoint] selective_ac_option = "{option}": write a positive integer N '
+                         '(checkpoint every Nth block) or "op" (save chosen ops\' outputs)')
+
+
+def validate_compile(cfg: Compile) -> None:
+    """Refuse a torch.compile backend this torch does not have (it would fail at the first compiled step)."""
+    if cfg.enable and cfg.backend not in torch.compiler.list_backends(exclude_tags=()):
+        raise ValueError(f"[compile] backend = {cfg.backend!r} is not a torch.compile backend here; known: "
+                         f"{', '.join(torch.compiler.list_backends())} (inductor is torch's default), and debug "
+                         "backends such as eager and aot_eager")
 
 
 _DATA_AND_TENSOR_PARALLEL_ONLY = "titan_lora runs data (FSDP/HSDP) and tensor parallelism only"

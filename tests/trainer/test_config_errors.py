@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -305,3 +306,26 @@ def test_torchtitans_misleading_index_warning_is_dropped_and_others_kept(caplog)
     messages = [r.getMessage() for r in caplog.records]
     assert not [m for m in messages if "index.json" in m], messages
     assert "HF assets path /elsewhere does not exist!" in messages
+
+
+def test_run_section_values_torchtitan_or_the_first_step_would_refuse_are_refused_when_read(monkeypatch) -> None:
+    """Each of these was accepted and failed only after the model was built (or the engine started)."""
+    cases = {
+        ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "x"):
+            '[activation_checkpoint] selective_ac_option = "x": write a positive integer N',
+        ("--compile.enable", "--compile.backend", "nonexistent"):
+            "[compile] backend = 'nonexistent' is not a torch.compile backend here",
+        ("--lr_scheduler.total_steps", "0"): "[lr_scheduler] total_steps must be >= 1, got 0",
+        ("--training.global_batch_size", "100000"): "a global batch of 100000 sequences",
+    }
+    for overrides, message in cases.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            job_config_from(DEBUG_LORA, *overrides)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"global_batch_size = 3 does not split over 2 data-parallel ranks"):
+        job_config_from(DEBUG_LORA, "--training.global_batch_size", "3")
+    # What they accept still loads: "op", a debug backend, an even batch.
+    cfg = job_config_from(DEBUG_LORA, "--activation_checkpoint.mode", "selective",
+                          "--activation_checkpoint.selective_ac_option", "op", "--compile.enable",
+                          "--compile.backend", "eager", "--training.global_batch_size", "4")
+    assert (cfg.activation_checkpoint.selective_ac_option, cfg.compile.backend) == ("op", "eager")

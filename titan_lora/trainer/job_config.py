@@ -15,7 +15,12 @@ from titan_lora import config as ours
 from titan_lora.lora.targets import resolve_targets
 from titan_lora.models.family import FamilyLoRAConverter  # noqa: F401 (registers the "lora" converter)
 from titan_lora.models.resolve import ResolvedModel, resolve_model
-from titan_lora.run_sections import DROPPED_KEYS, DROPPED_SECTIONS
+from titan_lora.run_sections import (
+    DROPPED_KEYS,
+    DROPPED_SECTIONS,
+    validate_activation_checkpoint,
+    validate_compile,
+)
 from titan_lora.titan.configs import quiet_torchtitan_asset_warnings
 from titan_lora.titan.converters import registered_converters
 from titan_lora.trainer.preflight import preflight
@@ -179,6 +184,8 @@ def load_job(argv: list[str]) -> tuple[Any, ResolvedModel]:
     model = resolve_model(job_config.model)
     targets = check_targets(job_config, model)
     ours.validate_training(job_config.training)
+    validate_activation_checkpoint(job_config.activation_checkpoint)
+    validate_compile(job_config.compile)
     ours.validate_engine(job_config.engine)
     ours.validate_weight_sync(job_config.weight_sync)
     named = "keep_versions" in {**toml.get("weight_sync", {}), **overrides.get("weight_sync", {})}

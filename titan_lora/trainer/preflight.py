@@ -114,28 +114,39 @@ def check_rollback(job_config) -> None:  # noqa: ANN001
                          '[checkpoint] enable = true (or on_nonfinite = "stop")')
 
 
-def check_sft_data(job_config) -> None:  # noqa: ANN001
-    """The SFT job reads `[data] path` after the model is built: a missing or malformed file is refused now."""
+def check_sft_data(job_config, dp_size: int) -> None:  # noqa: ANN001
+    """The SFT job reads `[data] path` after the model is built: a missing or malformed file, or a global batch
+    the data or the data-parallel ranks cannot serve, is refused now."""
     if job_config.grpo.enabled:
         return
     try:
-        load_pairs(job_config.data.path)
+        pairs = load_pairs(job_config.data.path)
     except FileNotFoundError as err:
         raise ValueError(f"{err} (a relative path starts at {os.getcwd()}); name a JSONL file with "
                          '{"prompt": ..., "completion": ...} per line') from None
     except ValueError as err:  # a line that is not JSON, or lacks a key: the line is in the message
         hint = "" if "completion" in str(err) else '; each line needs {"prompt": ..., "completion": ...}'
         raise ValueError(f"[data] path = {job_config.data.path!r}: {err}{hint}") from None
+    training = job_config.training
+    if training.global_batch_size > 0 and training.global_batch_size % dp_size:
+        raise ValueError(f"[training] global_batch_size = {training.global_batch_size} does not split over "
+                         f"{dp_size} data-parallel ranks: make it a multiple of {dp_size}, or -1 (local_batch_size "
+                         "x the data-parallel degree)")
+    batch = training.global_batch_size if training.global_batch_size > 0 else training.local_batch_size * dp_size
+    if batch > len(pairs):
+        raise ValueError(f"a global batch of {batch} sequences ([training] global_batch_size, or local_batch_size "
+                         f"x {dp_size} data-parallel ranks) exceeds the {len(pairs)} examples of [data] path = "
+                         f"{job_config.data.path!r}: lower it")
 
 
 def preflight(job_config, targets: list[str] | None) -> None:  # noqa: ANN001
     """Every cross-section check; `targets` are the adapted linears (None: no LoRA)."""
     check_parallelism(job_config)
-    check_sft_data(job_config)
-    check_rollback(job_config)
-    check_engine(job_config, targets)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     dp = data_parallel_size(job_config.parallelism, world_size)  # refuses degrees that do not fit the ranks
+    check_sft_data(job_config, dp)
+    check_rollback(job_config)
+    check_engine(job_config, targets)
     if job_config.grpo.enabled:
         check_grpo_split(job_config.grpo.prompts_per_step, job_config.grpo.group_size, dp)
     if job_config.checkpoint.enable:
