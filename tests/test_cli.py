@@ -157,7 +157,8 @@ def test_plain_torchrun_prints_a_config_error_once_before_building(tmp_path) -> 
 
 
 def test_a_config_error_the_ranks_find_ends_the_launch_with_it(tmp_path, capsys, monkeypatch) -> None:
-    # `launch` without `train`'s check first: the error comes from rank 0, through torchrun's error file.
+    # `launch` without `train`'s check first: the error comes from rank 0, through torchrun's error file (rank 1
+    # waits for rank 0 to fail first: CI once saw rank 1 named, with no message, and no root cause shown).
     config = tmp_path / "job.toml"
     config.write_text(MISTAKES["rank zero"][0] + f'[job]\ndump_folder = "{tmp_path}/run"\n')
     for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
@@ -201,6 +202,23 @@ def test_root_cause_prefers_torchruns_named_rank_and_our_own_error_line() -> Non
     block = ["[default1]:[rank1]: SystemExit: 143", "Root Cause (first observed failure):", "[1]:",
              "  rank      : 0 (local_rank: 0)", f"  traceback : {cause}"]
     assert cli.root_cause(block) == (0, cause), "rank 0 printed nothing: its error file, in the block"
+    # torchrun named rank 1, which left no message; rank 0's error file is in the block's other failures.
+    named_other = ["[default0]:loading the config", "Failures:", "[0]:", "  rank      : 0 (local_rank: 0)",
+                   f"  traceback : {cause}", "Root Cause (first observed failure):", "[1]:",
+                   "  rank      : 1 (local_rank: 1)", "  traceback : To enable traceback see: https://x"]
+    assert cli.root_cause(named_other) == (0, cause)
+
+
+def test_the_ranks_but_0_wait_on_a_config_error_so_that_rank_0_fails_first(monkeypatch) -> None:
+    from titan_lora import train
+
+    slept: list[float] = []
+    monkeypatch.setattr(train.time, "sleep", slept.append)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    train.let_rank0_fail_first()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    train.let_rank0_fail_first()
+    assert slept == [train.RANK0_FIRST_S], "bounded, and only with other ranks to wait for"
 
 
 def test_docs_config_md_is_what_the_generator_writes() -> None:

@@ -68,11 +68,12 @@ def root_cause(lines: Iterable[str]) -> tuple[int, str] | None:
     """From torchrun's output with `--tee 3` (each rank's line prefixed `[default<local_rank>]:`): the
     local rank torchrun names as the root cause (else the first rank that printed an error) and that rank's
     own error line (its last exception or `titan_lora: ... error:` line, printed or, for a config error, in
-    the block's root cause); None when no rank printed one."""
+    torchrun's failure block: the named rank's, else another rank's there); None when no rank left one."""
     errors: dict[int, str] = {}
     first: list[int] = []
-    cause, cause_message = None, None
-    in_root_cause = False
+    cause = None
+    in_block, in_root_cause, block_rank = False, False, None
+    messages: dict[int, str] = {}  # local rank -> its error file's message, from torchrun's failure block
     for raw in lines:
         m = _RANK_PREFIX.match(raw)
         if m:
@@ -85,17 +86,23 @@ def root_cause(lines: Iterable[str]) -> tuple[int, str] | None:
                 if line.startswith("titan_lora: ") or not errors.get(rank, "").startswith("titan_lora: "):
                     errors[rank] = line
             continue
+        in_block = in_block or "Failures:" in raw or "Root Cause" in raw
         in_root_cause = in_root_cause or "Root Cause" in raw
         rc = _ROOT_CAUSE_RANK.match(raw)
-        if in_root_cause and rc and cause is None:
-            cause = int(rc["local"])
+        if in_block and rc:
+            block_rank = int(rc["local"])
+            if in_root_cause and cause is None:
+                cause = block_rank
         message = _ROOT_CAUSE_MESSAGE.match(raw)
-        if in_root_cause and message and cause_message is None:
-            cause_message = message["line"]
+        if in_block and message and block_rank is not None:
+            messages.setdefault(block_rank, message["line"])
     if cause is not None and cause in errors:
         return cause, errors[cause]
-    if cause is not None and cause_message is not None:
-        return cause, cause_message
+    if cause is not None and cause in messages:
+        return cause, messages[cause]
+    if messages:  # the named rank left no message (stopped, or it failed first without one): another's
+        rank = min(messages)
+        return rank, messages[rank]
     return (first[0], errors[first[0]]) if first else None
 
 

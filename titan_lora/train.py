@@ -175,6 +175,18 @@ def _exit_on_signal(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
+RANK0_FIRST_S = 30.0
+"""How long the other ranks wait on a config error before they exit too (torchrun stops them sooner)."""
+
+
+def let_rank0_fail_first() -> None:
+    """A config error on a rank but 0: wait (bounded) so that rank 0, which reports the error, fails first.
+    torchrun names the first failure as the root cause and stops the other ranks then; had this rank exited
+    at once, it could be named (with no message) or rank 0 could be stopped before writing its error file."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        time.sleep(RANK0_FIRST_S)
+
+
 def report_config_errors(err: Exception) -> None:
     """One `titan_lora: config error: ...` line per mistake: on stderr, or, when torchrun started this rank,
     in the error file it reads, so that its failure block shows them as the root cause (and only there)."""
@@ -211,6 +223,8 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, FileNotFoundError) as err:
         if rank0:  # every rank read the same config: one copy of the message is enough
             report_config_errors(err)
+        else:
+            let_rank0_fail_first()
         sys.exit(2)
     logger.info("%s: %s, writing to %s", job_config.job.config_file or "job", job_config.job.description,
                 job_config.job.dump_folder)
