@@ -93,13 +93,14 @@ def test_several_mistakes_are_one_line_each_and_cli_overrides_are_checked(tmp_pa
         f"{config}: config error: [training] steps must be >= 1, got 0; the number of optimizer steps: try steps = 20"]
 
 
-def test_every_shipped_config_passes_the_check(capsys) -> None:
+def test_every_shipped_config_passes_the_check(capsys, tmp_path) -> None:
     configs = sorted(str(p.relative_to(REPO)) for p in (REPO / "train_configs").rglob("*.toml"))
     assert len(configs) >= 6 and any("gpu/" in c for c in configs)
     cwd = os.getcwd()
     os.chdir(REPO)  # the configs name their data relative to the repository
     try:
-        rc = cli.main(["check", *configs, "--nproc", "2"])
+        # An empty run folder: the checkout's own outputs/ (a finished run of a config) would be refused.
+        rc = cli.main(["check", *configs, "--nproc", "2", "--job.dump_folder", str(tmp_path)])
     finally:
         os.chdir(cwd)
     out, err = capsys.readouterr()
@@ -107,7 +108,7 @@ def test_every_shipped_config_passes_the_check(capsys) -> None:
     assert out.splitlines() == [f"{c}: ok" for c in configs]
 
 
-def test_every_shipped_grpo_config_with_rollouts_also_passes_in_the_async_loop(capsys) -> None:
+def test_every_shipped_grpo_config_with_rollouts_also_passes_in_the_async_loop(capsys, tmp_path) -> None:
     """The configs say `--grpo.loop async` runs them: nothing they set (e.g. keep_versions) may refuse it."""
     configs = sorted(str(p.relative_to(REPO)) for p in (REPO / "train_configs").rglob("*.toml")
                      if (grpo := tomllib.loads(p.read_text()).get("grpo", {})).get("enabled")
@@ -116,7 +117,8 @@ def test_every_shipped_grpo_config_with_rollouts_also_passes_in_the_async_loop(c
     cwd = os.getcwd()
     os.chdir(REPO)
     try:
-        rc = cli.main(["check", *configs, "--nproc", "2", "--grpo.loop", "async"])
+        rc = cli.main(["check", *configs, "--nproc", "2", "--grpo.loop", "async",
+                       "--job.dump_folder", str(tmp_path)])
     finally:
         os.chdir(cwd)
     out, err = capsys.readouterr()
