@@ -42,7 +42,7 @@ from titan_lora.trainer.build import BuiltModel
 from titan_lora.trainer.metrics import MetricsLogger
 from titan_lora.trainer.objective import Objective
 from titan_lora.trainer.sft import SFTObjective
-from titan_lora.trainer.sft_data import SFTData
+from titan_lora.trainer.sft_data import SFTData, global_batch_size
 from titan_lora.transfer.placement import choose_transport
 from titan_lora.transfer.transport import plain_buffer
 
@@ -249,9 +249,6 @@ def build_objective(job_config, hf_dir: str, dims, device: torch.device, metrics
             return AgentObjective(job_config.grpo, task, tokenizer, engine, dp, device, metrics,
                                   job_config.training.seq_len, resume, record)
         return GRPOObjective(job_config.grpo, task, tokenizer, engine, dp, device, metrics, resume, record)
-    training = job_config.training
-    global_batch = training.global_batch_size
-    if global_batch <= 0:
-        global_batch = training.local_batch_size * dp.size
-    data = SFTData(tokenizer, job_config.data.path, training.seq_len, global_batch, job_config.data.seed)
+    data = SFTData(tokenizer, job_config.data.path, job_config.training.seq_len,
+                   global_batch_size(job_config.training, dp.size), job_config.data.seed)
     return SFTObjective(data, dp, device)

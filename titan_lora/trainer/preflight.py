@@ -13,7 +13,7 @@ from titan_lora.lora.targets import hf_leaf_names
 from titan_lora.models.family import model_family
 from titan_lora.titan.parallel import data_parallel_size
 from titan_lora.trainer.checkpoint import check_resume_compatible, check_steps_left
-from titan_lora.trainer.sft_data import load_pairs
+from titan_lora.trainer.sft_data import global_batch_size, load_pairs
 from titan_lora.transfer.errors import TransferError
 from titan_lora.transfer.placement import AUTO, transport_kind
 from titan_lora.transfer.transport import SHM_DIR
@@ -132,7 +132,7 @@ def check_sft_data(job_config, dp_size: int) -> None:  # noqa: ANN001
         raise ValueError(f"[training] global_batch_size = {training.global_batch_size} does not split over "
                          f"{dp_size} data-parallel ranks: make it a multiple of {dp_size}, or -1 (local_batch_size "
                          "x the data-parallel degree)")
-    batch = training.global_batch_size if training.global_batch_size > 0 else training.local_batch_size * dp_size
+    batch = global_batch_size(training, dp_size)
     if batch > len(pairs):
         raise ValueError(f"a global batch of {batch} sequences ([training] global_batch_size, or local_batch_size "
                          f"x {dp_size} data-parallel ranks) exceeds the {len(pairs)} examples of [data] path = "

@@ -21,6 +21,11 @@ class Batch:
     mask: torch.Tensor  # [B, T] float
 
 
+def global_batch_size(training, dp_size: int) -> int:  # noqa: ANN001 (the [training] section)
+    """The SFT global batch: `[training] global_batch_size`, or when it is <= 0 local_batch_size x the DP size."""
+    return training.global_batch_size if training.global_batch_size > 0 else training.local_batch_size * dp_size
+
+
 def load_pairs(path: str | Path) -> list[tuple[str, str]]:
     """(prompt, completion) pairs from a JSONL file with "prompt" and "completion" keys."""
     path = Path(path)
