@@ -24,7 +24,7 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def run_family(family: str, rank: int, world: int, mode: str, spmd_backend: str, sp: bool) -> dict:
+def run_family(family: str, rank: int, world: int, mode: str, dims, sp: bool) -> dict:  # noqa: ANN001
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -32,7 +32,9 @@ def run_family(family: str, rank: int, world: int, mode: str, spmd_backend: str,
     from titan_lora.lora.layer import adapter_params, fill_param, freeze_base
     from titan_lora.titan03.lora import LoRASettings, build_lora_model_config
     from titan_lora.titan03.model import build_model_config
-    from titan_lora.titan03.parallel import build_parallel_lora_model, make_parallel_dims
+    from titan_lora.titan03.parallel import build_parallel_lora_model
+
+    spmd_backend = dims.spmd_backend
 
     shape = tiny_shape(family)
     lora = LoRASettings(rank=4, alpha=8.0)
@@ -49,10 +51,6 @@ def run_family(family: str, rank: int, world: int, mode: str, spmd_backend: str,
     freeze_base(ref)
     full_state = {n: p.detach().clone() for n, p in ref.named_parameters()}
 
-    dims = make_parallel_dims(
-        world_size=world, dp_shard=world if mode == "fsdp" else 1, tp=world if mode == "tp" else 1,
-        spmd_backend=spmd_backend,
-    )
     model = build_parallel_lora_model(
         build_lora_model_config(build_model_config(shape), lora), dims, enable_sequence_parallel=sp
     )
@@ -72,9 +70,19 @@ def run_family(family: str, rank: int, world: int, mode: str, spmd_backend: str,
     if mode == "fsdp":  # each rank its half of the batch; FSDP sums the gradients over the 2 ranks
         part = slice(rank * 4 // world, (rank + 1) * 4 // world)
         tokens, labels = tokens[part], labels[part]
+    if spmd_backend == "full_dtensor":  # the trainer wraps inputs as DTensors on the full mesh (trainer.py:765-767)
+        from torchtitan.distributed import full_dtensor
+
+        tokens, _, _ = full_dtensor.parallelize_inputs(dims, tokens, labels, {})
     logits = model(tokens)
     logits_type = type(logits).__name__
     placements = str(getattr(logits, "placements", ""))
+    if spmd_backend == "full_dtensor":  # this rank's rows of the batch, whole vocab
+        from torch.distributed.tensor import Replicate, Shard
+
+        names = logits.device_mesh.mesh_dim_names
+        logits = logits.redistribute(placements=[Shard(0) if n == "dp_shard" else Replicate() for n in names])
+        logits = logits.to_local()
     logits = _full(logits)
     # 0.3.0's apply_fsdp_to_decoder turns FSDP's gradient division off (distributed/fsdp.py:27-41, 316):
     # the loss is divided by the global token count, as 0.3.0's trainer and titan_lora's do.
@@ -96,6 +104,7 @@ def run_family(family: str, rank: int, world: int, mode: str, spmd_backend: str,
     for name, p in adapter_params(model):
         out["n_adapters"] += 1
         out["placements"][name] = [str(x) for x in getattr(p, "placements", ())]
+        out["mesh_dims"] = list(p.device_mesh.mesh_dim_names) if hasattr(p, "device_mesh") else []
         if p.grad is None:
             out["missing_grads"].append(name)
             continue
@@ -114,8 +123,16 @@ def worker(rank: int, world: int, port: int, mode: str, spmd_backend: str, sp: b
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
     results = []
     try:
+        from titan_lora.titan03.parallel import make_parallel_dims
+
+        # One ParallelDims a process: a second one's meshes are new objects, and under full_dtensor
+        # fully_shard then refuses ("Expected param's DTensor mesh to be the same mesh passed to fully_shard").
+        dims = make_parallel_dims(
+            world_size=world, dp_shard=world if mode == "fsdp" else 1, tp=world if mode == "tp" else 1,
+            spmd_backend=spmd_backend,
+        )
         for family in ("llama3", "qwen3"):
-            results.append(run_family(family, rank, world, mode, spmd_backend, sp))
+            results.append(run_family(family, rank, world, mode, dims, sp))
     except Exception as err:  # noqa: BLE001 (reported to the test)
         results.append({"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()})
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

@@ -24,7 +24,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(tmp_path, mode: str, spmd_backend: str = "partial_dtensor", sp: bool = False) -> list[list[dict]]:
+def run_ranks(tmp_path, mode: str, spmd_backend: str, sp: bool = False) -> list[list[dict]]:
     mp.spawn(worker, args=(WORLD, free_port(), mode, spmd_backend, sp, str(tmp_path)), nprocs=WORLD, join=True)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
@@ -43,25 +43,42 @@ def check(results: list[list[dict]]) -> None:
             assert all(n.endswith(("lora_A", "lora_B")) for n in r["trainable"]) and len(r["trainable"]) == 28
 
 
-def test_fsdp2(tmp_path) -> None:
-    results = run_ranks(tmp_path, "fsdp")
+BACKENDS = ["partial_dtensor", "full_dtensor"]
+
+
+@pytest.mark.parametrize("spmd_backend", BACKENDS)
+def test_fsdp2(tmp_path, spmd_backend: str) -> None:
+    results = run_ranks(tmp_path, "fsdp", spmd_backend)
     check(results)
-    for r in results[0]:  # FSDP2 shards every param (adapters too) on dim 0 of the fsdp mesh
-        assert all(p[:-1] == ["S(0)"] for p in r["placements"].values()), r["placements"]
+    for r in results[0]:  # FSDP2 shards every param (adapters too) on dim 0 of the data-parallel axis
+        dp = r["mesh_dims"].index("fsdp" if spmd_backend == "partial_dtensor" else "dp_shard")
+        assert all(p[dp] == "S(0)" for p in r["placements"].values()), r["placements"]
 
 
+@pytest.mark.parametrize("spmd_backend", BACKENDS)
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp_sp"])
-def test_tp2(tmp_path, sp: bool) -> None:
-    results = run_ranks(tmp_path, "tp", sp=sp)
+def test_tp2(tmp_path, sp: bool, spmd_backend: str) -> None:
+    results = run_ranks(tmp_path, "tp", spmd_backend, sp=sp)
     check(results)
     for r in results[0]:
+        tp = r["mesh_dims"].index("tp")
         for name, placements in r["placements"].items():
             leaf, param = name.rsplit(".", 2)[-2:]
             rowwise = leaf in ("wo", "w2")
             want = {("lora_A", False): "R", ("lora_B", False): "S(0)",
                     ("lora_A", True): "S(1)", ("lora_B", True): "R"}[(param, rowwise)]
-            # 2-D DTensors (fsdp of size 1, tp): FSDP2 still wraps (apply_fsdp_to_decoder always runs)
-            # (the fsdp axis shows as _StridedShard on a TP-sharded dim 0); the tp placement is the last
-            assert placements[1] == want, (name, placements)
+            # FSDP2 wraps even at data-parallel degree 1 (apply_fsdp_to_decoder always runs), so the
+            # adapters are DTensors over (data-parallel, tp); the dp axis of a TP-sharded dim 0 shows as
+            # _StridedShard. The gradient is placed as the param.
+            assert placements[tp] == want, (name, r["mesh_dims"], placements)
             tp_long = {"R": "Replicate()", "S(0)": "Shard(dim=0)", "S(1)": "Shard(dim=1)"}[want]
-            assert placements[2].endswith(f", {tp_long})"), (name, placements)  # the grad is placed alike
+            assert placements[-1].endswith(f"{tp_long})"), (name, placements)
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "tp"])
+def test_spmd_types_backend_fails_on_this_torch(tmp_path, mode: str) -> None:
+    """0.3.0's default backend: `Module.parallelize` annotates plain tensors (spmd_types), and torch
+    2.13's fully_shard, given `dp_mesh_dims`, wants DTensors. Fails without LoRA too (see the report)."""
+    results = run_ranks(tmp_path, mode, "spmd_types")
+    errors = {r.get("error", "") for per_rank in results for r in per_rank}
+    assert any("all parameters must be DTensors on the full SPMD mesh" in e for e in errors), errors
