@@ -54,6 +54,13 @@ def run_family(family: str, rank: int, world: int, mode: str, dims, sp: bool) ->
     model = build_parallel_lora_model(
         build_lora_model_config(build_model_config(shape), lora), dims, enable_sequence_parallel=sp
     )
+    # The adapters' param_init (seeded full tensors, each rank keeps its shard) equals one rank's init.
+    fresh = build_lora_model_config(build_model_config(shape), lora).build()
+    with torch.no_grad():
+        fresh.init_weights()
+    fresh_adapters = dict(adapter_params(fresh))
+    init_diff = max((_full(p.detach()) - fresh_adapters[n]).abs().max().item() for n, p in adapter_params(model))
+    init_nonzero_A = all(torch.count_nonzero(fresh_adapters[n]) > 0 for n in fresh_adapters if n.endswith("lora_A"))
     names = [n for n, _ in model.named_parameters()]
     assert sorted(names) == sorted(full_state), (sorted(set(names) ^ set(full_state)))
     for n, p in model.named_parameters():
@@ -99,7 +106,7 @@ def run_family(family: str, rank: int, world: int, mode: str, dims, sp: bool) ->
         "loss_diff": abs(global_loss.item() - ref_loss.item()), "logits_type": logits_type,
         "logits_placements": placements, "grad_diff": 0.0, "grad_max": 0.0, "n_adapters": 0,
         "placements": {}, "trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad),
-        "missing_grads": [],
+        "missing_grads": [], "init_diff": init_diff, "init_nonzero_A": bool(init_nonzero_A),
     }
     for name, p in adapter_params(model):
         out["n_adapters"] += 1
