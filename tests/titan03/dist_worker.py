@@ -24,7 +24,8 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def run_family(family: str, rank: int, world: int, mode: str, dims, sp: bool) -> dict:  # noqa: ANN001
+def run_family(family: str, rank: int, world: int, mode: str, dims, sp: bool,  # noqa: ANN001
+               replicate: bool = False) -> dict:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -52,7 +53,8 @@ def run_family(family: str, rank: int, world: int, mode: str, dims, sp: bool) ->
     full_state = {n: p.detach().clone() for n, p in ref.named_parameters()}
 
     model = build_parallel_lora_model(
-        build_lora_model_config(build_model_config(shape), lora), dims, enable_sequence_parallel=sp
+        build_lora_model_config(build_model_config(shape), lora), dims, enable_sequence_parallel=sp,
+        replicate_adapters=replicate,
     )
     # The adapters' param_init (seeded full tensors, each rank keeps its shard) equals one rank's init.
     fresh = build_lora_model_config(build_model_config(shape), lora).build()
@@ -122,7 +124,8 @@ def run_family(family: str, rank: int, world: int, mode: str, dims, sp: bool) ->
     return out
 
 
-def worker(rank: int, world: int, port: int, mode: str, spmd_backend: str, sp: bool, out_dir: str) -> None:
+def worker(rank: int, world: int, port: int, mode: str, spmd_backend: str, sp: bool, out_dir: str,
+           replicate: bool = False) -> None:
     import torch
     import torch.distributed as dist
 
@@ -139,7 +142,7 @@ def worker(rank: int, world: int, port: int, mode: str, spmd_backend: str, sp: b
             spmd_backend=spmd_backend,
         )
         for family in ("llama3", "qwen3"):
-            results.append(run_family(family, rank, world, mode, dims, sp))
+            results.append(run_family(family, rank, world, mode, dims, sp, replicate))
     except Exception as err:  # noqa: BLE001 (reported to the test)
         results.append({"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()})
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

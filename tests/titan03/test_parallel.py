@@ -24,8 +24,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(tmp_path, mode: str, spmd_backend: str, sp: bool = False) -> list[list[dict]]:
-    mp.spawn(worker, args=(WORLD, free_port(), mode, spmd_backend, sp, str(tmp_path)), nprocs=WORLD, join=True)
+def run_ranks(tmp_path, mode: str, spmd_backend: str, sp: bool = False, replicate: bool = False) -> list[list[dict]]:
+    mp.spawn(worker, args=(WORLD, free_port(), mode, spmd_backend, sp, str(tmp_path), replicate), nprocs=WORLD,
+             join=True)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
@@ -84,3 +85,20 @@ def test_spmd_types_backend_fails_on_this_torch(tmp_path, mode: str) -> None:
     results = run_ranks(tmp_path, mode, "spmd_types")
     errors = {r.get("error", "") for per_rank in results for r in per_rank}
     assert any("all parameters must be DTensors on the full SPMD mesh" in e for e in errors), errors
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "tp"])
+def test_replicated_adapters(tmp_path, mode: str) -> None:
+    """titan_lora's `[lora] replicate_adapters` (its default): adapters outside FSDP, whole on each
+    data-parallel rank (plain tensors under FSDP=2, TP DTensors on the tp mesh under TP=2)."""
+    results = run_ranks(tmp_path, mode, "partial_dtensor", replicate=True)
+    check(results)
+    for r in results[0]:
+        for name, placements in r["placements"].items():
+            if mode == "fsdp":
+                assert placements == ["grad:"], (name, placements)  # plain tensors, plain grads
+            else:
+                leaf, param = name.rsplit(".", 2)[-2:]
+                want = {("lora_A", False): "R", ("lora_B", False): "S(0)",
+                        ("lora_A", True): "S(1)", ("lora_B", True): "R"}[(param, leaf in ("wo", "w2"))]
+                assert r["mesh_dims"] == ["tp"] and placements[0] == want, (name, placements)
