@@ -121,6 +121,16 @@ def run_family(family: str, rank: int, world: int, mode: str, dims, sp: bool,  #
         out["grad_diff"] = max(out["grad_diff"], (g - ref_grads[name]).abs().max().item())
         out["grad_max"] = max(out["grad_max"], ref_grads[name].abs().max().item())
         out["placements"][name].append("grad:" + str(getattr(p.grad, "placements", "")))
+    # One optimizer step on the adapters (each rank steps its local shards): the same adapters as one
+    # rank's step. SGD, not AdamW: Adam's first step is ~lr * sign(g), which turns 1e-8 gradient noise on
+    # near-zero gradients into lr-sized differences (seen: up to 9e-5 with lr 1e-2).
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+    ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=1.0)
+    opt.step()
+    ref_opt.step()
+    ref_adapters = dict(adapter_params(ref))
+    out["step_diff"] = max((_full(p.detach()) - ref_adapters[n].detach()).abs().max().item()
+                           for n, p in adapter_params(model))
     return out
 
 

@@ -36,9 +36,10 @@ def check(results: list[list[dict]]) -> None:
             assert "error" not in r, f"rank {rank}: {r.get('traceback')}"
             print(f"rank {rank} {r['family']}: loss {r['loss']:.6f} vs one rank {r['ref_loss']:.6f} "
                   f"(diff {r['loss_diff']:.2g}), adapter grads max|diff| {r['grad_diff']:.2g} "
-                  f"(|grad| max {r['grad_max']:.2g}), init diff {r['init_diff']}, "
+                  f"(|grad| max {r['grad_max']:.2g}), init diff {r['init_diff']}, after an SGD step {r['step_diff']:.2g}, "
                   f"logits {r['logits_type']}{r['logits_placements']}, mesh {r['mesh_dims']}")
             assert r["init_diff"] == 0.0 and r["init_nonzero_A"]  # sharded adapter init == one rank's
+            assert r["step_diff"] < 1e-5  # after one SGD step (lr 1) on the adapters
             assert r["loss_diff"] < 1e-5
             assert r["grad_diff"] < 1e-5
             assert not r["missing_grads"]
