@@ -13,7 +13,8 @@ and an `__init__` that create the adapters. Its config carries `param_init` entr
 (kaiming-uniform as peft, drawn from a per-module seeded generator so the values do not depend on the
 sharding, as titan_lora's `init_adapters`) and `lora_B` (zeros). The adapters' `state_shardings` are
 derived when the config is built, from the base weight's, because 0.3.0 fills sharding configs
-*after* the converters have run (`update_from_config`, trainer.py:345-348 vs models/llama3/__init__.py:376-379):
+*after* the converters have run (converters: models/llama3/__init__.py:381 in `model_registry`;
+sharding: `update_from_config`, trainer.py:347):
 colwise base (weight tp S(0)) -> A replicated, B S(0); rowwise (weight tp S(1)) -> A S(1), B replicated.
 """
 
