@@ -41,7 +41,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan_lora.lora.parallelize import shard_model  # noqa: E402
-from titan_lora.titan.optim import build_optimizers, clip_grad_norm_  # noqa: E402
+from titan_lora.titan.optim import build_loss, build_optimizers, clip_grad_norm_  # noqa: E402
 from titan_lora.titan.parallel import build_parallel_dims  # noqa: E402
 from titan_lora.trainer.build import build_model  # noqa: E402
 from titan_lora.trainer.distributed import device_for_rank, init_distributed  # noqa: E402
@@ -126,7 +126,7 @@ def build(args: argparse.Namespace, variant: str, device: torch.device, dims):  
     """(job config, built model) for `variant`, with `--layers` applied and FSDP on a single rank too."""
     cfg, resolved = job_from_toml(job_toml(args, variant))
     if args.layers:
-        resolved = dataclasses.replace(resolved, args=dataclasses.replace(resolved.args, n_layers=args.layers))
+        resolved = dataclasses.replace(resolved, shape=dataclasses.replace(resolved.shape, n_layers=args.layers))
     built = build_model(cfg, dims, device, resolved)
     if not dims.fsdp_enabled:  # one rank: torchtitan would skip FSDP, and its bf16 params with it
         from torch.distributed.device_mesh import init_device_mesh
@@ -142,12 +142,12 @@ def build(args: argparse.Namespace, variant: str, device: torch.device, dims):  
 
 def step_fn(cfg, built, variant: str, tokens: torch.Tensor, labels: torch.Tensor, dims) -> Callable[[], None]:  # noqa: ANN001
     """One training step of `variant` (the floor: forward + backward only)."""
-    model, spec = built.model, built.train_spec
-    loss_fn = spec.build_loss_fn(cfg)
+    model = built.model
+    loss_fn = build_loss(cfg)
     n_tokens = labels.numel()
     if variant == "floor":
         return lambda: (loss_fn(model(tokens), labels) / n_tokens).backward()
-    optimizers = build_optimizers(spec, model, cfg, dims)
+    optimizers = build_optimizers(model, cfg, dims)
     trainable = [p for p in model.parameters() if p.requires_grad]
 
     def step(marks: list[float] | None = None) -> None:

@@ -137,36 +137,32 @@ def cpu_bench(iters: int) -> None:
         engine.stop()
 
 
-# Llama-3 shapes: (args changed from torchtitan's flavor, default layers). 1B is Llama-3.2-1B's shape.
+# Llama-3 shapes: (torchtitan's flavor, fields changed, default layers). 1B is Llama-3.2-1B's shape.
 SHAPES = {
-    "1B": ("8B", dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256)),
+    "1B": ("8B", dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64, ffn_hidden_dim=8192)),
     "8B": ("8B", {}),
     "70B": ("70B", dict(n_layers=16)),  # 16 of 80 layers: the whole 70B in fp32 does not fit 2 GPUs
 }
 REFERENCE_BYTES = 41_943_040 * 2  # the 8B shape's adapter at r16 on all linears, bf16
 
 
-def _shape_args(shape: str, layers: int | None):  # noqa: ANN202
-    """torchtitan model args of `shape` (with `layers` layers if given) and the layers the full model has."""
+def _shape(shape: str, layers: int | None):  # noqa: ANN202
+    """The model shape `shape` names (with `layers` layers if given) and the layers the full model has."""
     import dataclasses
 
-    from titan_lora.titan.llama3 import llama3_args
+    from titan_lora.models.llama3 import LLAMA3
 
     flavor, changes = SHAPES[shape]
-    args = dataclasses.replace(llama3_args[flavor], **changes)
-    full_layers = args.n_layers if shape != "70B" else llama3_args["70B"].n_layers
-    return (args if layers is None else dataclasses.replace(args, n_layers=layers)), full_layers
+    decoder = dataclasses.replace(LLAMA3.flavors[flavor], **changes)
+    full_layers = decoder.n_layers if shape != "70B" else LLAMA3.flavors["70B"].n_layers
+    return (decoder if layers is None else dataclasses.replace(decoder, n_layers=layers)), full_layers
 
 
-def adapter_bytes_per_rank(args) -> int:  # noqa: ANN001
+def adapter_bytes_per_rank(shape) -> int:  # noqa: ANN001 (a DecoderShape)
     """Bytes of LoRA A and B (bf16) on all 7 linears of every layer, per unit of rank."""
-    hidden = int(2 * 4 * args.dim / 3)
-    if args.ffn_dim_multiplier is not None:
-        hidden = int(args.ffn_dim_multiplier * hidden)
-    hidden = args.multiple_of * ((hidden + args.multiple_of - 1) // args.multiple_of)
-    kv = (args.n_kv_heads or args.n_heads) * (args.dim // args.n_heads)
-    per_layer = 2 * (args.dim + args.dim) + 2 * (args.dim + kv) + 2 * (args.dim + hidden) + (hidden + args.dim)
-    return per_layer * args.n_layers * 2
+    dim, hidden, kv = shape.dim, shape.ffn_hidden_dim, shape.n_kv_heads * shape.head_dim
+    per_layer = 2 * (dim + dim) + 2 * (dim + kv) + 2 * (dim + hidden) + (hidden + dim)
+    return per_layer * shape.n_layers * 2
 
 
 def gpu_bench(iters: int, shape: str, layers: int | None, rank_: int | None, device_kind: str) -> None:
@@ -185,10 +181,10 @@ def gpu_bench(iters: int, shape: str, layers: int | None, rank_: int | None, dev
     device = device_for_rank() if device_kind == "cuda" else torch.device("cpu")
     init_distributed(device)
     rank, world = dist.get_rank(), dist.get_world_size()
-    args, full_layers = _shape_args(shape, layers if layers is not None else (16 if shape == "70B" else None))
-    lora_rank = rank_ or max(1, round(REFERENCE_BYTES / adapter_bytes_per_rank(args)))
+    decoder, full_layers = _shape(shape, layers if layers is not None else (16 if shape == "70B" else None))
+    lora_rank = rank_ or max(1, round(REFERENCE_BYTES / adapter_bytes_per_rank(decoder)))
     cfg, resolved = job_from_toml(GPU_TOML.replace("rank = 16", f"rank = {lora_rank}"))
-    resolved = dataclasses.replace(resolved, args=args)
+    resolved = dataclasses.replace(resolved, shape=decoder)
     dims = build_parallel_dims(cfg.parallelism, world, device)
     built = build_model(cfg, dims, device, resolved)  # fp32 base (torchtitan's init), bf16 adapters
     model = built.model
@@ -267,8 +263,8 @@ def gpu_bench(iters: int, shape: str, layers: int | None, rank_: int | None, dev
                  through_the_syncer(built, device, iters, lora_rank, before=load)))
     if rank == 0:
         print(f"\n{world} x {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}; shape "
-              f"{shape}: dim {args.dim}, {args.n_layers} of {full_layers} layers"
-              f"{' (fewer layers than the model: same width)' if args.n_layers < full_layers else ''}; "
+              f"{shape}: dim {decoder.dim}, {decoder.n_layers} of {full_layers} layers"
+              f"{' (fewer layers than the model: same width)' if decoder.n_layers < full_layers else ''}; "
               f"LoRA r{lora_rank} on all linears: {len(params)} adapter tensors, "
               f"{sum(p_.numel() for _, p_ in params) / 1e6:.1f}M params, {nbytes / 1e6:.1f} MB; "
               f"gather scatter: {'index_copy_ of %d-element words' % gatherer.word if gatherer.word > 1 else 'index_copy_'}"

@@ -12,7 +12,7 @@ from titan_lora.config import LoRA
 from titan_lora.export.peft import (
     RopeRows, hf_rope_permute, peft_config, peft_name_and_rope, save_peft_dir, titan_rope_permute,
 )
-from titan_lora.titan.llama3 import TransformerModelArgs
+from titan_lora.model_shape import DecoderShape
 from titan_lora.models.llama3 import LLAMA3
 
 
@@ -50,7 +50,8 @@ def test_save_writes_contiguous_cpu_copies(tmp_path) -> None:
 
 
 def test_peft_names_of_modules_outside_the_layers_and_their_head_counts() -> None:
-    layout = LLAMA3.peft_layout(TransformerModelArgs(dim=64, n_heads=4, n_kv_heads=2))
+    layout = LLAMA3.peft_layout(DecoderShape(dim=64, n_layers=12, n_heads=4, n_kv_heads=2, head_dim=16,
+                                                ffn_hidden_dim=192, vocab_size=256, norm_eps=1e-5, rope_theta=1e4))
     lm_head = ("base_model.model.lm_head.lora_B.weight", None)
     assert peft_name_and_rope("output.lora_B", layout) == lm_head
     assert peft_name_and_rope("layers.11.attention.wk.lora_B", layout) == (

@@ -15,24 +15,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from torchtitan.models.llama3 import Transformer, TransformerModelArgs
-from torchtitan.models.llama3.model.args import RoPEScalingArgs
-from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter
 
 from titan_lora.config import LoRA
 from titan_lora.export.peft import peft_config, save_peft_dir, to_peft_names
 from titan_lora.lora.converter import apply_lora
 from titan_lora.lora.layer import adapter_params, is_adapter_param, lora_modules
 from titan_lora.lora.targets import hf_leaf_names
+from titan_lora.model_shape import DecoderShape
 from titan_lora.models.llama3 import LLAMA3
+from titan_lora.titan.models import StateDictAdapter
 from titan_lora.sync.adapter_source import AdapterSource
 
 # dim 64, 4 query heads and 2 KV heads of 16: GQA, so a permutation with the wrong head count differs.
-ARGS = TransformerModelArgs(
-    dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=32, norm_eps=1e-5,
-    rope_theta=1e4, rope_scaling_args=RoPEScalingArgs(scaling_factor=1.0), max_seq_len=64,
-)
-FFN_HIDDEN = 192  # torchtitan: 32 * ceil(int(2 * 4 * 64 / 3) / 32)
+ARGS = DecoderShape(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_hidden_dim=192, vocab_size=256,
+                    norm_eps=1e-5, rope_theta=1e4, max_seq_len=64)
+FFN_HIDDEN = ARGS.ffn_hidden_dim
 TOKENS = torch.randint(0, ARGS.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
 
 
@@ -57,10 +54,11 @@ def _hf_model():  # noqa: ANN202
 
 def _titan_lora_model(
     hf_state: dict[str, torch.Tensor], lora: LoRA
-) -> tuple[torch.nn.Module, Llama3StateDictAdapter]:
-    sd_adapter = Llama3StateDictAdapter(ARGS, None)
-    model = Transformer(ARGS)
+) -> tuple[torch.nn.Module, StateDictAdapter]:
+    sd_adapter = LLAMA3.architecture.state_dict_adapter(ARGS, None)
+    model = LLAMA3.architecture.meta_model(ARGS)
     apply_lora(model, lora, LLAMA3.leaf_names)
+    model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights()
     missing, unexpected = model.load_state_dict(sd_adapter.from_hf(hf_state), strict=False)
@@ -73,7 +71,7 @@ def _titan_lora_model(
     return model.eval(), sd_adapter
 
 
-def _export(titan: torch.nn.Module, sd_adapter: Llama3StateDictAdapter, lora: LoRA, path: Path) -> None:
+def _export(titan: torch.nn.Module, sd_adapter: StateDictAdapter, lora: LoRA, path: Path) -> None:
     """The file export: to_peft_names + peft_config + save_peft_dir."""
     named = {n: p.detach() for n, p in adapter_params(titan)}
     assert any(n.endswith("attention.wk.lora_B") for n in named), "the test needs an adapter on wk"
@@ -82,7 +80,7 @@ def _export(titan: torch.nn.Module, sd_adapter: Llama3StateDictAdapter, lora: Lo
 
 
 def _sync_snapshot(
-    titan: torch.nn.Module, sd_adapter: Llama3StateDictAdapter, lora: LoRA, path: Path
+    titan: torch.nn.Module, sd_adapter: StateDictAdapter, lora: LoRA, path: Path
 ) -> None:
     """The hot path's snapshot (gather with the RoPE layout folded into its scatter), saved as PEFT."""
     AdapterSource(titan, LLAMA3.peft_layout(ARGS), lora).export(path)

@@ -12,19 +12,18 @@ from model_helpers import DEBUG_LORA, build_from, job_config_from, randomize_ada
 from titan_lora.export.peft import PEFT_PREFIX, hf_rope_permute
 from titan_lora.lora.layer import adapter_params
 from titan_lora.models.family import (
-    ModelFamily, families_for_model_type, lora_train_spec, model_family, register_model_family,
-    registered_model_families,
+    ModelFamily, families_for_model_type, model_family, register_model_family, registered_model_families,
 )
+from titan_lora.model_shape import DecoderShape
 from titan_lora.models.llama3 import HF_MODULES, LLAMA3
 from titan_lora.models.smollm2 import SMOLLM2, pretrained_dir
 from titan_lora.sync.adapter_source import AdapterSource
-from titan_lora.titan.llama3 import RoPEScalingArgs, TransformerModelArgs, llama3_train_spec, tensor_parallel
 
 # A Llama 3 variant as a plug-in would write it: its own flavor, an HF naming whose attention
 # projections are query/key/value/dense, and rotate-half rows in the trainer (no RoPE permutation).
 RENAMED_HF = {"wq": "query", "wk": "key", "wv": "value", "wo": "dense"}
-TINY = TransformerModelArgs(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=49152, multiple_of=32,
-                            rope_theta=1e5, rope_scaling_args=RoPEScalingArgs(scaling_factor=1.0))
+TINY = DecoderShape(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, ffn_hidden_dim=96,
+                    vocab_size=49152, norm_eps=1e-5, rope_theta=1e5)
 
 
 def _renamed(titan: str, hf: str) -> str:
@@ -34,9 +33,10 @@ def _renamed(titan: str, hf: str) -> str:
 
 RENAMED = register_model_family(ModelFamily(
     name="test_llama3_renamed",
-    train_spec=lora_train_spec(llama3_train_spec(), {"tiny": TINY}, tensor_parallel),
+    architecture=LLAMA3.architecture,
+    flavors={"tiny": TINY},
     hf_modules={titan: _renamed(titan, hf) for titan, hf in HF_MODULES.items()},
-    rope_rows=lambda args: {},
+    rope_rows=lambda shape: {},
     default_assets=SMOLLM2.default_assets,
 ))
 RENAMED_TOML = DEBUG_LORA.replace('name = "smollm2"', f'name = "{RENAMED.name}"').replace(
@@ -47,8 +47,8 @@ def test_the_built_in_names_select_the_llama3_families() -> None:
     assert {"smollm2", "llama3_lora", RENAMED.name} <= set(registered_model_families())
     assert model_family("smollm2") is SMOLLM2 and model_family("llama3_lora") is LLAMA3
     assert model_family("titan_lora.models.llama3:LLAMA3") is LLAMA3, "a plug-in by module path"
-    assert sorted(SMOLLM2.train_spec.model_args) == ["135M", "debug"]
-    assert {"8B", "70B"} <= set(LLAMA3.train_spec.model_args)
+    assert sorted(SMOLLM2.flavors) == ["135M", "debug"]
+    assert {"8B", "70B"} <= set(LLAMA3.flavors) and "8B_flex" not in LLAMA3.flavors, "attention titan_lora runs"
     assert LLAMA3.leaf_names["wq"] == "q_proj" and LLAMA3.leaf_names["output"] == "lm_head"
 
 
@@ -91,6 +91,7 @@ def test_targets_are_resolved_in_the_selected_familys_hf_names() -> None:
 def test_a_registered_family_is_built_named_and_laid_out_by_its_own_description() -> None:
     built = build_from(RENAMED_TOML)
     assert len(built.model.layers) == 1 and built.model.tok_embeddings.weight.shape == (49152, 32)
+    assert built.model.layers["0"].feed_forward.w1.weight.shape == (96, 32), "the flavor's FFN width"
     randomize_adapters(built.model)
     params = dict(adapter_params(built.model))
     modules = ("attention.wq", "attention.wv", "feed_forward.w2")

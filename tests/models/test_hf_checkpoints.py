@@ -5,6 +5,7 @@ weights. On 2 CPU ranks a pretrained build is quiet about DTensor's per-rank ran
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import warnings
@@ -16,44 +17,53 @@ from dist_helpers import run_ranks
 from model_helpers import DEBUG_LORA, build_from, job_config_from
 from tiny_checkpoints import SMOLLM2_VOCAB, hf_model, hf_toml, tiny_llama, tiny_qwen3
 
-from titan_lora.models.llama3 import args_from_hf as llama_args
-from titan_lora.models.qwen3 import args_from_hf as qwen3_args
+from titan_lora.model_shape import DecoderShape
+from titan_lora.models.llama3 import shape_from_hf as llama_shape
+from titan_lora.models.qwen3 import shape_from_hf as qwen3_shape
+from titan_lora.models.llama3 import LLAMA3
+from titan_lora.models.qwen3 import QWEN3
 from titan_lora.models.resolve import resolve_model
 from titan_lora.models.smollm2 import FLAVORS, SMOLLM2
 
 TOKENS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
 
 
-def _shapes(family, args) -> dict[str, tuple[int, ...]]:  # noqa: ANN001
-    with torch.device("meta"):
-        model = family.train_spec.model_cls(args)
-    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+def _shapes(family, shape: DecoderShape) -> dict[str, tuple[int, ...]]:  # noqa: ANN001
+    return {n: tuple(p.shape) for n, p in family.architecture.meta_model(shape).named_parameters()}
 
 
 def test_smollm2s_config_json_gives_the_shape_of_its_flavor(smollm2_dir: Path) -> None:
-    args = llama_args(json.loads((smollm2_dir / "config.json").read_text()))
-    assert _shapes(SMOLLM2, args) == _shapes(SMOLLM2, FLAVORS["135M"])
-    assert (args.rope_theta, args.rope_scaling_args.scaling_factor) == (1e5, 1.0)
+    shape = llama_shape(json.loads((smollm2_dir / "config.json").read_text()))
+    assert _shapes(SMOLLM2, shape) == _shapes(SMOLLM2, FLAVORS["135M"])
+    assert (shape.rope_theta, shape.rope_scaling, shape.tied) == (1e5, None, True)
 
 
 def test_an_ffn_narrower_than_torchtitans_default_keeps_its_size() -> None:
     # int(8 * 64 / 3) = 170 > 160: torchtitan needs ffn_dim_multiplier to land on 160.
     config = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1, "intermediate_size": 160,
               "vocab_size": 256, "rope_theta": 1e4}
-    shapes = _shapes(SMOLLM2, llama_args(config))
+    shapes = _shapes(SMOLLM2, llama_shape(config))
     assert shapes["layers.0.feed_forward.w1.weight"] == (160, 64)
 
 
-def test_qwen3_args_keep_head_dim_norms_and_tying() -> None:
+def test_qwen3_shapes_keep_head_dim_norms_and_tying() -> None:
     config = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
               "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 256, "rms_norm_eps": 1e-6,
               "rope_theta": 1e6, "tie_word_embeddings": True}
-    args = qwen3_args(config)
-    assert (args.head_dim, args.qk_norm, args.enable_weight_tying, args.rope_theta) == (32, True, True, 1e6)
+    shape = qwen3_shape(config)
+    assert (shape.head_dim, shape.qk_norm, shape.tied, shape.rope_theta) == (32, True, True, 1e6)
+    built = _shapes(QWEN3, shape)  # what torchtitan's Qwen3 builds of it
+    assert built["layers.0.attention.wq.weight"] == (4 * 32, 64) and built["layers.0.attention.q_norm.weight"] == (32,)
+    assert built["layers.0.feed_forward.w1.weight"] == (128, 64)
+    assert "output.weight" not in built, "the tied head is the embedding (one parameter)"
     with pytest.raises(ValueError, match="rope_type = 'yarn'.*another family"):
-        qwen3_args({**config, "rope_scaling": {"type": "yarn", "factor": 4.0}})
+        qwen3_shape({**config, "rope_scaling": {"type": "yarn", "factor": 4.0}})
     with pytest.raises(ValueError, match="attention_bias = True"):
-        llama_args({**config, "attention_bias": True, "head_dim": 16})
+        llama_shape({**config, "attention_bias": True, "head_dim": 16})
+    with pytest.raises(ValueError, match="no q/k norms.*qwen3"):
+        LLAMA3.architecture.model_args(dataclasses.replace(shape, head_dim=16))
+    with pytest.raises(ValueError, match="head_dim = dim / n_heads = 16.*32"):
+        LLAMA3.architecture.model_args(dataclasses.replace(shape, qk_norm=False))
 
 
 @pytest.mark.parametrize("name, make, tied", [("llama3", tiny_llama, True), ("qwen3", tiny_qwen3, False),
@@ -103,7 +113,7 @@ def test_a_random_init_flavor_smaller_than_the_tokenizer_is_refused_naming_the_f
         job_config_from(toml)
     message = str(err.value)
     assert "vocabulary holds 2048" in message and f"flavor with vocab_size >= {SMOLLM2_VOCAB}" in message, message
-    assert resolve_model(job_config_from(toml.replace('"debugmodel"', '"8B"')).model).args.vocab_size == 128256
+    assert resolve_model(job_config_from(toml.replace('"debugmodel"', '"8B"')).model).shape.vocab_size == 128256
 
 
 def test_missing_weights_are_refused_before_the_model_is_built(tmp_path: Path) -> None:

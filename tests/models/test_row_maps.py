@@ -8,15 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from torchtitan.models.llama3 import TransformerModelArgs
-from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter
-from torchtitan.models.qwen3 import Qwen3ModelArgs
-from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
+from titan_lora.model_shape import DecoderShape
+from titan_lora.models.llama3 import LLAMA3
+from titan_lora.models.qwen3 import QWEN3
 from titan_lora.models.row_maps import row_maps
 from titan_lora.models.slices import SliceReader
 
-LLAMA = TransformerModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=1, vocab_size=33)
+LLAMA = DecoderShape(dim=64, n_layers=1, n_heads=4, n_kv_heads=1, head_dim=16, ffn_hidden_dim=192, vocab_size=33,
+                     norm_eps=1e-5, rope_theta=1e4)
 Q, K = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"
 
 
@@ -28,7 +28,7 @@ def _llama_shapes() -> dict[str, tuple[int, ...]]:
 
 
 def test_llamas_q_and_k_rows_are_reordered_per_head_and_the_rest_kept() -> None:
-    maps = row_maps(Llama3StateDictAdapter(LLAMA, None).from_hf, _llama_shapes())
+    maps = row_maps(LLAMA3.architecture.state_dict_adapter(LLAMA, None).from_hf, _llama_shapes())
     assert {n for n, m in maps.items() if m is not None} == {"layers.{}.attention.wq.weight",
                                                             "layers.{}.attention.wk.weight"}
     # one head of 16: interleaved row 2j is rotate-half row j, row 2j + 1 is row 8 + j
@@ -36,10 +36,11 @@ def test_llamas_q_and_k_rows_are_reordered_per_head_and_the_rest_kept() -> None:
 
 
 def test_qwen3_keeps_every_row() -> None:
-    args = Qwen3ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=32, vocab_size=33)
+    shape = DecoderShape(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=32, ffn_hidden_dim=128, vocab_size=33,
+                         norm_eps=1e-6, rope_theta=1e6, qk_norm=True)
     shapes = {"model.embed_tokens.weight": (33, 64), Q: (128, 64), K: (64, 64),
               "model.layers.0.self_attn.q_norm.weight": (32,), "lm_head.weight": (33, 64)}
-    assert all(m is None for m in row_maps(Qwen3StateDictAdapter(args, None).from_hf, shapes).values())
+    assert all(m is None for m in row_maps(QWEN3.architecture.state_dict_adapter(shape, None).from_hf, shapes).values())
 
 
 def test_an_adapter_that_moves_columns_is_refused() -> None:
@@ -52,7 +53,7 @@ def test_an_adapter_that_moves_columns_is_refused() -> None:
 
 @pytest.mark.parametrize("name", [Q, K])
 def test_every_row_window_read_through_the_map_is_the_adapters_output_cut(tmp_path: Path, name: str) -> None:
-    adapter = Llama3StateDictAdapter(LLAMA, None)
+    adapter = LLAMA3.architecture.state_dict_adapter(LLAMA, None)
     hf = {n: torch.randn(s) for n, s in _llama_shapes().items()}
     save_file(hf, str(tmp_path / "model.safetensors"))
     titan = adapter.from_hf(dict(hf))

@@ -10,7 +10,6 @@ checkpointing, compile and the meshes are torchtitan's, through the seam (`titan
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -21,15 +20,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from titan_lora.lora.layer import adapter_params, local_part, lora_modules
 from titan_lora.lora.replicated import ReplicatedGradSum
 from titan_lora.titan.configs import TORCH_DTYPE_MAP
-from titan_lora.titan.models import output_head
+from titan_lora.titan.models import TensorParallel, output_head
 from titan_lora.titan.parallel import ParallelDims, checkpoint_and_compile, data_parallel_mesh
 
 logger = logging.getLogger(__name__)
-
-TensorParallel = Callable[[nn.Module, DeviceMesh, object], None]
-"""A family's TP plan: `(model, tp_mesh, job_config)`, applied in place to the meta-device model."""
-ParallelizeFn = Callable[[nn.Module, ParallelDims, object], nn.Module]
-
 
 def adapter_tp_placements(weight_placement: Shard) -> tuple[Replicate | Shard, Replicate | Shard]:
     """(lora_A, lora_B) placements that follow the base weight's TP placement."""
@@ -64,24 +58,22 @@ def place_adapters_for_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         _replace_with_placement(module, "lora_B", tp_mesh, b_place)
 
 
-def lora_parallelize(tensor_parallel: TensorParallel) -> ParallelizeFn:
-    """torchtitan's `parallelize_fn` for a LoRA model whose TP plan is `tensor_parallel`."""
-
-    def parallelize(model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:  # noqa: ANN001
-        if parallel_dims.tp_enabled:
-            tp_mesh = parallel_dims.get_mesh("tp")
-            frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
-            tensor_parallel(model, tp_mesh, job_config)
-            place_adapters_for_tp(model, tp_mesh)
-            # TP styles re-register the params they shard or replicate as new nn.Parameters, which require
-            # grad: without this, LoRA + TP would train the base (and FSDP would refuse a group mixing fp32
-            # base weights with bf16 adapters as trainable).
-            for name, param in model.named_parameters():
-                if name in frozen:
-                    param.requires_grad_(False)
-        return _ac_and_fsdp(model, parallel_dims, job_config)
-
-    return parallelize
+def lora_parallelize(model: nn.Module, parallel_dims: ParallelDims, job_config,  # noqa: ANN001
+                     tensor_parallel: TensorParallel) -> nn.Module:
+    """TP by `tensor_parallel` (a torchtitan plan) with the adapters placed to match, then activation
+    checkpointing, compile and FSDP: torchtitan's parallelize for a LoRA model."""
+    if parallel_dims.tp_enabled:
+        tp_mesh = parallel_dims.get_mesh("tp")
+        frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
+        tensor_parallel(model, tp_mesh, job_config)
+        place_adapters_for_tp(model, tp_mesh)
+        # TP styles re-register the params they shard or replicate as new nn.Parameters, which require
+        # grad: without this, LoRA + TP would train the base (and FSDP would refuse a group mixing fp32
+        # base weights with bf16 adapters as trainable).
+        for name, param in model.named_parameters():
+            if name in frozen:
+                param.requires_grad_(False)
+    return _ac_and_fsdp(model, parallel_dims, job_config)
 
 
 def grads_take_param_placements(model: nn.Module) -> None:

@@ -1,7 +1,7 @@
 """Model families: what titan_lora needs to build, adapt and export one kind of model; a lazy registry.
 
-`[model] name` selects a `ModelFamily`. It carries torchtitan's train spec (flavors, model class,
-LoRA-aware parallelization, state-dict adapter), the torchtitan <-> HF module names (the leaf names
+`[model] name` selects a `ModelFamily`. It carries the torchtitan architecture it builds on (through the seam),
+its flavors and its reading of config.json as `DecoderShape`s, the torchtitan <-> HF module names (the leaf names
 that `[lora] target_modules` accepts and the PEFT export writes), which lora_B rows need the RoPE
 permutation, and where its default HF assets come from. Callers ask the family, never a model's
 constants. Built-in families load lazily (`titan_lora.registry`); a plug-in is registered with
@@ -15,13 +15,17 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch.nn as nn
+
 from titan_lora.export.peft import PeftLayout, RopeRows
 from titan_lora.lora.converter import LoRAConverter
 from titan_lora.lora.parallelize import lora_parallelize
 from titan_lora.lora.targets import leaf_names_of
+from titan_lora.model_shape import DecoderShape
 from titan_lora.registry import Registry
 from titan_lora.titan.converters import register_converter
-from titan_lora.titan.models import TrainSpec, family_train_spec
+from titan_lora.titan.models import Architecture
+from titan_lora.titan.parallel import ParallelDims
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,28 +33,35 @@ class ModelFamily:
     """One `[model] name`: how to build its model, name its adapters and find its HF assets."""
 
     name: str
-    train_spec: TrainSpec
-    """torchtitan's spec: flavors (`model_args`), model class, LoRA-aware parallelize_fn, sd adapter."""
+    architecture: Architecture
+    """The torchtitan decoder it builds (model, state-dict adapter, TP plan), from the seam."""
+    flavors: Mapping[str, DecoderShape]
+    """`[model] flavor` -> the shape of a random-init model."""
     hf_modules: Mapping[str, str]
     """torchtitan module -> HF module, `{}` for the layer:
     `layers.{}.attention.wq` -> `model.layers.{}.self_attn.q_proj`."""
-    rope_rows: Callable[[Any], Mapping[str, RopeRows]]
-    """For a flavor's model args: the modules whose output rows torchtitan keeps in interleaved RoPE order."""
+    rope_rows: Callable[[DecoderShape], Mapping[str, RopeRows]]
+    """For a shape: the modules whose output rows torchtitan keeps in interleaved RoPE order."""
     default_assets: Callable[[bool], Path] | None = None
     """The HF directory (config, tokenizer; weights when the bool says so); None: `[model] hf_assets_path`."""
     model_types: tuple[str, ...] = ()
     """The config.json `model_type`s of the checkpoints this family loads (`("qwen3",)`)."""
-    args_from_hf: Callable[[Mapping[str, Any]], Any] | None = None
-    """config.json -> torchtitan model args (raising on what the model cannot express); None: flavors only."""
+    shape_from_hf: Callable[[Mapping[str, Any]], DecoderShape] | None = None
+    """config.json -> the model's shape (raising on what the model cannot express); None: flavors only."""
 
     @property
     def leaf_names(self) -> dict[str, str]:
         """torchtitan leaf -> HF leaf (`wq` -> `q_proj`): the names `[lora] target_modules` accepts."""
         return leaf_names_of(self.hf_modules)
 
-    def peft_layout(self, model_args: Any) -> PeftLayout:  # noqa: ANN401 (each family has its own args)
-        """The PEFT naming and RoPE rows of a model built from `model_args`."""
-        return PeftLayout(hf_modules=self.hf_modules, rope=self.rope_rows(model_args))
+    def peft_layout(self, shape: DecoderShape) -> PeftLayout:
+        """The PEFT naming and RoPE rows of a model of `shape`."""
+        return PeftLayout(hf_modules=self.hf_modules, rope=self.rope_rows(shape))
+
+    def parallelize(self, model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:  # noqa: ANN001
+        """TP (the architecture's plan, adapters placed alongside), activation checkpointing, compile and FSDP,
+        LoRA-aware."""
+        return lora_parallelize(model, parallel_dims, job_config, self.architecture.tensor_parallel)
 
     def hf_dir(self, hf_assets_path: str, need_weights: bool) -> str:
         """The HF checkpoint directory: the family's own assets, else `[model] hf_assets_path`."""
@@ -89,13 +100,6 @@ def families_for_model_type(model_type: str) -> list[str]:
     loading = [(f.default_assets is not None, name) for name, f in named
                if model_type in f.model_types and f.name == name]
     return [name for _, name in sorted(loading)]
-
-
-def lora_train_spec(base: TrainSpec, flavors: Mapping[str, Any],
-                    tensor_parallel: Callable[..., None]) -> TrainSpec:
-    """torchtitan's `base` spec with `flavors` and LoRA-aware parallelization over `tensor_parallel`
-    (`(model, tp_mesh, job_config)`); no pipelining, which the LoRA parallelization does not do."""
-    return family_train_spec(base, flavors, lora_parallelize(tensor_parallel))
 
 
 class FamilyLoRAConverter(LoRAConverter):

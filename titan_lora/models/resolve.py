@@ -1,7 +1,7 @@
-"""`[model]` resolved: the family, the model args, the HF directory; what cannot work is refused here.
+"""`[model]` resolved: the family, the model's shape, the HF directory; what cannot work is refused here.
 
 With `load_pretrained = true` the model's shape comes from the directory's config.json (the family's
-`args_from_hf`) and `flavor` is not used; with `false`, `flavor` gives the shape of a random-init model.
+`shape_from_hf`) and `flavor` is not used; with `false`, `flavor` gives the shape of a random-init model.
 Before any model is built this refuses a config.json of another family (naming the `[model] name` that
 loads it), a tokenizer whose ids do not fit the model's vocabulary (otherwise an IndexError in the first
 forward), and a checkpoint that lacks or misshapes a weight.
@@ -15,10 +15,11 @@ from typing import Any
 
 import torch.nn as nn
 
+from titan_lora.model_shape import DecoderShape
 from titan_lora.models.checkpoint import has_tokenizer, read_hf_config, tied_embeddings, tokenizer_size
 from titan_lora.models.family import ModelFamily, families_for_model_type, model_family
 from titan_lora.models.load import check_weights
-from titan_lora.titan import models as titan_models
+from titan_lora.titan.models import StateDictAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -28,32 +29,33 @@ class ResolvedModel:
     """What `[model]` selects, checked: `meta_model` builds it (on the meta device)."""
 
     family: ModelFamily
-    args: Any
-    """torchtitan model args (a copy: `update_from_config` may change it)."""
+    shape: DecoderShape
     hf_dir: str
     """The HF directory: tokenizer, config.json, and the weights when `load_pretrained`."""
     load_pretrained: bool
-    tied: bool
-    """The output head is the embedding: config.json's `tie_word_embeddings` when loading, else the flavor's
-    weight tying; the engine then ties lm_head itself, so the base stream leaves it out."""
+
+    @property
+    def tied(self) -> bool:
+        """The output head is the embedding (config.json's `tie_word_embeddings` when loading, else the
+        flavor's): the engine then ties lm_head itself, so the base stream leaves it out."""
+        return self.shape.tied
 
     def meta_model(self) -> nn.Module:
         """The model on the meta device (shapes only, no memory)."""
-        return titan_models.meta_model(self.family.train_spec, self.args)
+        return self.family.architecture.meta_model(self.shape)
 
-    def name_mapper(self) -> titan_models.StateDictAdapter:
-        """The family's torchtitan <-> HF state-dict adapter for these args, for names and shapes only (no HF
+    def name_mapper(self) -> StateDictAdapter:
+        """The family's torchtitan <-> HF state-dict adapter for this shape, for names and shapes only (no HF
         save index)."""
-        return titan_models.state_dict_adapter(self.family.train_spec, self.args, None)
+        return self.family.architecture.state_dict_adapter(self.shape, None)
 
 
-def _flavor_args(family: ModelFamily, model_cfg) -> Any:  # noqa: ANN001, ANN401
-    known = titan_models.flavors(family.train_spec)
-    if model_cfg.flavor not in known:
+def _flavor_shape(family: ModelFamily, model_cfg) -> DecoderShape:  # noqa: ANN001
+    if model_cfg.flavor not in family.flavors:
         raise ValueError(f"[model] flavor = {model_cfg.flavor!r} is unknown for {model_cfg.name!r}; "
-                         f"choose one of {sorted(known)}, or set load_pretrained = true to take the "
+                         f"choose one of {sorted(family.flavors)}, or set load_pretrained = true to take the "
                          "shape from [model] hf_assets_path's config.json")
-    return dataclasses.replace(known[model_cfg.flavor])
+    return family.flavors[model_cfg.flavor]
 
 
 def _check_model_type(family: ModelFamily, name: str, config: dict[str, Any], hf_dir: str) -> None:
@@ -67,10 +69,10 @@ def _check_model_type(family: ModelFamily, name: str, config: dict[str, Any], hf
                      f"{hf_dir}/config.json is model_type {model_type!r}; {fix}")
 
 
-def _check_vocab(hf_dir: str, args: Any, from_config: bool) -> None:  # noqa: ANN401
+def _check_vocab(hf_dir: str, shape: DecoderShape, from_config: bool) -> None:
     if not has_tokenizer(hf_dir):
         return  # nothing to compare; a job that needs the tokenizer fails on loading it
-    tokens, vocab = tokenizer_size(hf_dir), args.vocab_size
+    tokens, vocab = tokenizer_size(hf_dir), shape.vocab_size
     if tokens <= vocab:
         return
     fix = ("config.json's vocab_size is smaller than the tokenizer beside it: use the tokenizer that "
@@ -82,7 +84,7 @@ def _check_vocab(hf_dir: str, args: Any, from_config: bool) -> None:  # noqa: AN
 
 
 def resolve_model(model_cfg) -> ResolvedModel:  # noqa: ANN001 (the [model] section)
-    """The family, args and HF directory `[model]` names; ValueError, naming the fix, for what cannot work."""
+    """The family, shape and HF directory `[model]` names; ValueError, naming the fix, for what cannot work."""
     family = model_family(model_cfg.name)
     if family.default_assets and model_cfg.hf_assets_path:
         raise ValueError(f"[model] name = {model_cfg.name!r} brings its own checkpoint, so hf_assets_path = "
@@ -91,16 +93,17 @@ def resolve_model(model_cfg) -> ResolvedModel:  # noqa: ANN001 (the [model] sect
     load = model_cfg.load_pretrained
     hf_dir = family.hf_dir(model_cfg.hf_assets_path, need_weights=load)
     config = read_hf_config(hf_dir) if load else {}
-    from_config = load and family.args_from_hf is not None
+    from_config = load and family.shape_from_hf is not None
     if from_config:
         _check_model_type(family, model_cfg.name, config, hf_dir)
-        args = family.args_from_hf(config)
+        shape = family.shape_from_hf(config)
         logger.info("[model] shape from %s/config.json ([model] flavor is not used)", hf_dir)
     else:
-        args = _flavor_args(family, model_cfg)
-    _check_vocab(hf_dir, args, from_config)
-    tied = tied_embeddings(config) if load else bool(getattr(args, "enable_weight_tying", False))
-    resolved = ResolvedModel(family, args, hf_dir, load, tied)
+        shape = _flavor_shape(family, model_cfg)
+        if load:  # a flavor's shape over a checkpoint: its head is tied as the checkpoint says
+            shape = dataclasses.replace(shape, tied=tied_embeddings(config))
+    _check_vocab(hf_dir, shape, from_config)
+    resolved = ResolvedModel(family, shape, hf_dir, load)
     if load:
         check_weights(resolved.meta_model(), hf_dir, resolved.name_mapper(), resolved.tied)
     return resolved

@@ -13,25 +13,21 @@ import os
 import time
 from pathlib import Path
 
+from titan_lora.model_shape import DecoderShape
 from titan_lora.models.llama3 import llama3_family
-from titan_lora.titan.llama3 import RoPEScalingArgs, TransformerModelArgs
 
 logger = logging.getLogger(__name__)
 
 PRETRAINED_ID = "smollm2-135m-instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-FLAVORS: dict[str, TransformerModelArgs] = {
-    # Matches the HF checkpoint; scaling_factor=1 turns off torchtitan's Llama-3.1 RoPE scaling.
-    "135M": TransformerModelArgs(
-        dim=576, n_layers=30, n_heads=9, n_kv_heads=3, vocab_size=49152, multiple_of=256,
-        norm_eps=1e-5, rope_theta=1e5, rope_scaling_args=RoPEScalingArgs(scaling_factor=1.0),
-    ),
+FLAVORS: dict[str, DecoderShape] = {
+    # Matches the HF checkpoint (RoPE unscaled).
+    "135M": DecoderShape(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, ffn_hidden_dim=1536,
+                         vocab_size=49152, norm_eps=1e-5, rope_theta=1e5, max_seq_len=131072),
     # Random-init model with SmolLM2's vocabulary and head layout, for fast tests.
-    "debug": TransformerModelArgs(
-        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=49152, multiple_of=32,
-        norm_eps=1e-5, rope_theta=1e5, rope_scaling_args=RoPEScalingArgs(scaling_factor=1.0),
-    ),
+    "debug": DecoderShape(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_hidden_dim=192,
+                          vocab_size=49152, norm_eps=1e-5, rope_theta=1e5, max_seq_len=131072),
 }
 
 

@@ -7,7 +7,8 @@ TP plans, is the next step (`../shared/research/torchtitan-0.3.md`, issue 34). T
 layer: it imports no other titan_lora package, and titan_lora objects come in as arguments.
 
 One concern a module: `configs` (the JobConfig schema that titan_lora parses TOML and overrides into),
-`converters` (the model-converter hook into the build), `models` (train specs, meta-device builds, state-dict
-adapters), `llama3` and `qwen3` (each family's args, flavors, names and TP plan), `parallel` (ParallelDims,
+`converters` (the model-converter hook into the build), `models` (the `Architecture`: a neutral
+`DecoderShape` to torchtitan's model on the meta device, its state-dict adapter), `llama3` and `qwen3` (each
+architecture: shape to args, torchtitan's flavors as shapes, HF names and TP plan), `parallel` (ParallelDims,
 meshes, activation checkpointing, compile) and `optim` (optimizers, LR schedules, gradient clipping).
 """

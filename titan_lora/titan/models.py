@@ -1,8 +1,9 @@
-"""torchtitan's model protocols: the train spec a family builds on (its flavors, its model on the meta
-device), and the state-dict adapter that maps its weights to and from HF names.
+"""torchtitan's model architectures, built from a neutral `DecoderShape`: the model on the meta device, the
+state-dict adapter that maps its weights to and from HF names, its TP plan, its own flavors as shapes.
 
-Part of the seam (`titan_lora.titan`): 0.3.0 replaces `TrainSpec` with one `ModelSpec` per flavor and builds
-models from config trees.
+Part of the seam (`titan_lora.titan`): the families above it describe models as `DecoderShape`s and never
+see torchtitan's model args, so 0.3.0's config trees (one `ModelSpec` per flavor, q/k/v fused by default,
+TP declared on configs) change `to_args` and the builders here, not the families.
 """
 
 from __future__ import annotations
@@ -13,46 +14,55 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 from torchtitan.protocols.train_spec import TrainSpec
 
+from titan_lora.model_shape import DecoderShape
 from titan_lora.titan.configs import titan_job_config
 
-__all__ = ["OUTPUT_HEAD", "StateDictAdapter", "TrainSpec", "family_train_spec", "flavors", "job_model_args",
-           "meta_model", "output_head", "state_dict_adapter"]
+__all__ = ["OUTPUT_HEAD", "Architecture", "StateDictAdapter", "TensorParallel", "output_head"]
 
 OUTPUT_HEAD = "output"
 """The attribute that holds a torchtitan decoder's output head (0.3.0 renames it `lm_head`)."""
 
-
-def family_train_spec(base: TrainSpec, flavors: Mapping[str, Any],
-                      parallelize_fn: Callable[..., Any]) -> TrainSpec:
-    """torchtitan's `base` spec with `flavors` and `parallelize_fn`, and no pipelining."""
-    return dataclasses.replace(base, model_args=dict(flavors), pipelining_fn=None,
-                               parallelize_fn=parallelize_fn)
+TensorParallel = Callable[[nn.Module, DeviceMesh, Any], None]
+"""An architecture's TP plan: `(model, tp_mesh, job_config)`, applied in place to the meta-device model."""
 
 
-def flavors(spec: TrainSpec) -> Mapping[str, Any]:
-    """The spec's flavors: name -> model args."""
-    return spec.model_args
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    """One torchtitan decoder: shapes in, its model, state-dict adapter and TP plan out."""
 
+    name: str
+    train_spec: Callable[[], TrainSpec]
+    """torchtitan's spec factory (model class, state-dict adapter class)."""
+    to_args: Callable[[DecoderShape], Any]
+    """A shape as this architecture's model args (ValueError for a shape it cannot build)."""
+    tensor_parallel: TensorParallel
+    """torchtitan's TP plan for it, `(model, tp_mesh, job_config)`, adapters left to the caller."""
+    flavors: Mapping[str, DecoderShape]
+    """torchtitan's own flavors of it (those titan_lora can run), as shapes."""
+    hf_weight_map: Callable[[], dict[str, str | None]]
+    """HF weight name -> torchtitan's (`{}` for the layer), from torchtitan's own state-dict adapter."""
 
-def job_model_args(args: Any, job_config) -> Any:  # noqa: ANN001, ANN401 (each family has its own args)
-    """A copy of `args` updated from the job's config (`update_from_config`); `args` stay as they were."""
-    args = dataclasses.replace(args)
-    args.update_from_config(titan_job_config(job_config))
-    return args
+    def model_args(self, shape: DecoderShape, job_config: Any = None) -> Any:  # noqa: ANN401
+        """The model args for `shape`, updated from the job's config when one is given (`max_seq_len` from
+        `[training] seq_len`, as torchtitan's Trainer does)."""
+        args = self.to_args(shape)
+        if job_config is not None:
+            args.update_from_config(titan_job_config(job_config))
+        return args
 
+    def meta_model(self, shape: DecoderShape, job_config: Any = None) -> nn.Module:  # noqa: ANN401
+        """The model for `shape` on the meta device (shapes only, no memory)."""
+        args = self.model_args(shape, job_config)
+        with torch.device("meta"):
+            return self.train_spec().model_cls(args)
 
-def meta_model(spec: TrainSpec, args: Any) -> nn.Module:  # noqa: ANN401
-    """The spec's model for `args` on the meta device (shapes only, no memory)."""
-    with torch.device("meta"):
-        return spec.model_cls(args)
-
-
-def state_dict_adapter(spec: TrainSpec, args: Any, hf_dir: str | None) -> StateDictAdapter:  # noqa: ANN401
-    """The spec's torchtitan <-> HF state-dict adapter for `args` (`hf_dir` None: no HF save index)."""
-    return spec.state_dict_adapter(args, hf_dir)
+    def state_dict_adapter(self, shape: DecoderShape, hf_dir: str | None) -> StateDictAdapter:
+        """torchtitan's <-> HF state-dict adapter for `shape` (`hf_dir` None: no HF save index)."""
+        return self.train_spec().state_dict_adapter(self.to_args(shape), hf_dir)
 
 
 def output_head(model: nn.Module) -> nn.Module | None:

@@ -1,6 +1,6 @@
 """Build the (LoRA, sharded, initialised, optionally pretrained) model the way torchtitan's Trainer does.
 
-torchtitan's parts (train spec, converters, ParallelDims) come through the seam (`titan_lora.titan`)."""
+torchtitan's parts (the family's architecture, converters, ParallelDims) come through the seam (`titan_lora.titan`)."""
 
 from __future__ import annotations
 
@@ -18,13 +18,7 @@ from titan_lora.models.family import FamilyLoRAConverter  # noqa: F401 (register
 from titan_lora.models.load import load_base_weights
 from titan_lora.models.resolve import ResolvedModel, resolve_model
 from titan_lora.titan.converters import convert_model
-from titan_lora.titan.models import (
-    StateDictAdapter,
-    TrainSpec,
-    job_model_args,
-    meta_model,
-    state_dict_adapter,
-)
+from titan_lora.titan.models import StateDictAdapter
 from titan_lora.titan.parallel import ParallelDims, build_parallel_dims
 
 logger = logging.getLogger(__name__)
@@ -35,7 +29,6 @@ class BuiltModel:
     """The model and the torchtitan parts that describe it."""
 
     model: nn.Module
-    train_spec: TrainSpec
     sd_adapter: StateDictAdapter
     hf_dir: str
     """HF checkpoint directory (weights, config, tokenizer) of the base model."""
@@ -51,11 +44,10 @@ def build_model(job_config, parallel_dims: ParallelDims, device: torch.device,  
 
     `resolved` is `[model]` as `load_job` resolved and checked it (None: resolved here)."""
     resolved = resolved or resolve_model(job_config.model)
-    family, spec, hf_dir = resolved.family, resolved.family.train_spec, resolved.hf_dir
-    args = job_model_args(resolved.args, job_config)  # a copy: the resolved args stay as read
-    model = meta_model(spec, args)
+    family, shape, hf_dir = resolved.family, resolved.shape, resolved.hf_dir
+    model = family.architecture.meta_model(shape, job_config)
     convert_model(model, job_config, parallel_dims)
-    model = spec.parallelize_fn(model, parallel_dims, job_config)
+    model = family.parallelize(model, parallel_dims, job_config)
     model.to_empty(device=device)
     with torch.no_grad(), warnings.catch_warnings():
         if resolved.load_pretrained:
@@ -66,13 +58,13 @@ def build_model(job_config, parallel_dims: ParallelDims, device: torch.device,  
                                     UserWarning)
         model.init_weights(buffer_device=None)
     add_grad_hooks(model, parallel_dims, job_config)
-    sd_adapter = state_dict_adapter(spec, args, hf_dir)
+    sd_adapter = family.architecture.state_dict_adapter(shape, hf_dir)
     if resolved.load_pretrained:
         load_base_weights(model, hf_dir, sd_adapter, resolved.tied)
         logger.info("loaded pretrained weights from %s", hf_dir)
     model.train()
-    return BuiltModel(model=model, train_spec=spec, sd_adapter=sd_adapter, hf_dir=hf_dir,
-                      peft_layout=family.peft_layout(args), tied=resolved.tied)
+    return BuiltModel(model=model, sd_adapter=sd_adapter, hf_dir=hf_dir,
+                      peft_layout=family.peft_layout(shape), tied=resolved.tied)
 
 
 def build_from_toml(toml: str, *overrides: str, device: torch.device | None = None) -> BuiltModel:
