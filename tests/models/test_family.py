@@ -49,7 +49,7 @@ def test_the_built_in_names_select_the_llama3_families() -> None:
     assert model_family("titan_lora.models.llama3:LLAMA3") is LLAMA3, "a plug-in by module path"
     assert sorted(SMOLLM2.flavors) == ["135M", "debug"]
     assert {"8B", "70B"} <= set(LLAMA3.flavors) and "8B_flex" not in LLAMA3.flavors, "attention titan_lora runs"
-    assert LLAMA3.leaf_names["wq"] == "q_proj" and LLAMA3.leaf_names["output"] == "lm_head"
+    assert LLAMA3.leaf_names["wq"] == "q_proj" and LLAMA3.leaf_names["lm_head"] == "lm_head"
 
 
 def test_the_families_that_load_a_model_type_are_named_once() -> None:
@@ -94,7 +94,7 @@ def test_a_registered_family_is_built_named_and_laid_out_by_its_own_description(
     assert built.model.layers["0"].feed_forward.w1.weight.shape == (96, 32), "the flavor's FFN width"
     randomize_adapters(built.model)
     params = dict(adapter_params(built.model))
-    modules = ("attention.wq", "attention.wv", "feed_forward.w2")
+    modules = ("attention.qkv_linear.wq", "attention.qkv_linear.wv", "feed_forward.w2")
     assert sorted(params) == sorted(f"layers.0.{m}.lora_{ab}" for m in modules for ab in "AB")
     source = AdapterSource(built.model, built.peft_layout, job_config_from(RENAMED_TOML).lora)
     payload = source.snapshot(version=1)
@@ -103,7 +103,7 @@ def test_a_registered_family_is_built_named_and_laid_out_by_its_own_description(
     mlp = f"{PEFT_PREFIX}model.layers.0.mlp"
     hf_modules = (f"{attn}.query", f"{attn}.value", f"{mlp}.down_proj")
     assert set(payload.tensors) == {f"{m}.lora_{ab}.weight" for m in hf_modules for ab in "AB"}
-    wq_b = params["layers.0.attention.wq.lora_B"]
+    wq_b = params["layers.0.attention.qkv_linear.wq.lora_B"]
     # The family keeps rotate-half rows: no permutation, where Llama's layout would permute them.
     assert torch.equal(payload.tensors[f"{attn}.query.lora_B.weight"], wq_b)
     assert not torch.equal(hf_rope_permute(wq_b, 2, 16), wq_b)

@@ -53,17 +53,17 @@ def test_qwen3_shapes_keep_head_dim_norms_and_tying() -> None:
     shape = qwen3_shape(config)
     assert (shape.head_dim, shape.qk_norm, shape.tied, shape.rope_theta) == (32, True, True, 1e6)
     built = _shapes(QWEN3, shape)  # what torchtitan's Qwen3 builds of it
-    assert built["layers.0.attention.wq.weight"] == (4 * 32, 64) and built["layers.0.attention.q_norm.weight"] == (32,)
+    assert built["layers.0.attention.qkv_linear.wq.weight"] == (4 * 32, 64) and built["layers.0.attention.q_norm.weight"] == (32,)
     assert built["layers.0.feed_forward.w1.weight"] == (128, 64)
-    assert "output.weight" not in built, "the tied head is the embedding (one parameter)"
+    assert "lm_head.weight" not in built, "the tied head is the embedding (one parameter)"
     with pytest.raises(ValueError, match="rope_type = 'yarn'.*another family"):
         qwen3_shape({**config, "rope_scaling": {"type": "yarn", "factor": 4.0}})
     with pytest.raises(ValueError, match="attention_bias = True"):
         llama_shape({**config, "attention_bias": True, "head_dim": 16})
     with pytest.raises(ValueError, match="no q/k norms.*qwen3"):
-        LLAMA3.architecture.model_args(dataclasses.replace(shape, head_dim=16))
+        LLAMA3.architecture.to_config(dataclasses.replace(shape, head_dim=16))
     with pytest.raises(ValueError, match="head_dim = dim / n_heads = 16.*32"):
-        LLAMA3.architecture.model_args(dataclasses.replace(shape, qk_norm=False))
+        LLAMA3.architecture.to_config(dataclasses.replace(shape, qk_norm=False))
 
 
 @pytest.mark.parametrize("name, make, tied", [("llama3", tiny_llama, True), ("qwen3", tiny_qwen3, False),
@@ -81,7 +81,7 @@ def test_a_sharded_checkpoint_with_an_index_loads(tmp_path: Path) -> None:
     shards = sorted(p.name for p in hf_dir.glob("*.safetensors"))
     assert (hf_dir / "model.safetensors.index.json").exists() and len(shards) >= 2, shards
     built = build_from(hf_toml("llama3", hf_dir))
-    assert built.model.layers["1"].attention.wk.weight.shape == (32, 64)  # GQA: 2 KV heads of 16
+    assert built.model.layers["1"].attention.qkv_linear.wk.weight.shape == (32, 64)  # GQA: 2 KV heads of 16
     with torch.no_grad():
         diff = (built.model(TOKENS).log_softmax(-1) - hf_model(hf_dir)(TOKENS).logits.log_softmax(-1)).abs().max()
     assert diff <= 1e-5
@@ -153,7 +153,7 @@ def test_tying_follows_the_model_not_a_config_json_of_another_shape(tmp_path: Pa
     random_init = hf_toml("qwen3", untied).replace("load_pretrained = true",
                                                    'load_pretrained = false\nflavor = "debug"')
     built = build_from(random_init)
-    assert built.tied and built.model.output.weight is built.model.tok_embeddings.weight, \
+    assert built.tied and built.model.lm_head.weight is built.model.tok_embeddings.weight, \
         "the debug flavor ties its head, whatever hf_assets_path's config.json says"
     assert not build_from(hf_toml("qwen3", untied)).tied, "loaded: config.json's tie_word_embeddings"
     assert build_from(hf_toml("llama3", tiny_llama(tmp_path / "tied", tied=True))).tied

@@ -29,10 +29,10 @@ def _llama_shapes() -> dict[str, tuple[int, ...]]:
 
 def test_llamas_q_and_k_rows_are_reordered_per_head_and_the_rest_kept() -> None:
     maps = row_maps(LLAMA3.architecture.state_dict_adapter(LLAMA, None).from_hf, _llama_shapes())
-    assert {n for n, m in maps.items() if m is not None} == {"layers.{}.attention.wq.weight",
-                                                            "layers.{}.attention.wk.weight"}
+    assert {n for n, m in maps.items() if m is not None} == {"layers.{}.attention.qkv_linear.wq.weight",
+                                                            "layers.{}.attention.qkv_linear.wk.weight"}
     # one head of 16: interleaved row 2j is rotate-half row j, row 2j + 1 is row 8 + j
-    assert maps["layers.{}.attention.wk.weight"].tolist() == [r for j in range(8) for r in (j, 8 + j)]
+    assert maps["layers.{}.attention.qkv_linear.wk.weight"].tolist() == [r for j in range(8) for r in (j, 8 + j)]
 
 
 def test_qwen3_keeps_every_row() -> None:
@@ -57,7 +57,7 @@ def test_every_row_window_read_through_the_map_is_the_adapters_output_cut(tmp_pa
     hf = {n: torch.randn(s) for n, s in _llama_shapes().items()}
     save_file(hf, str(tmp_path / "model.safetensors"))
     titan = adapter.from_hf(dict(hf))
-    titan_name = name.replace("model.layers.0.self_attn.", "layers.0.attention.").replace("q_proj", "wq")
+    titan_name = name.replace("model.layers.0.self_attn.", "layers.0.attention.qkv_linear.").replace("q_proj", "wq")
     titan_name = titan_name.replace("k_proj", "wk")
     rows = row_maps(adapter.from_hf, _llama_shapes())[titan_name.replace(".0.", ".{}.")]
     reader = SliceReader(dict.fromkeys(hf, tmp_path / "model.safetensors"))

@@ -1,9 +1,8 @@
-"""Parallelize a LoRA model: its family's TP plan, then adapter placements, then FSDP2.
+"""Parallelize a LoRA model: TP, then activation checkpointing and compile, then FSDP2.
 
-torchtitan's `parallelize_llama` (and each model's own) applies TP and FSDP in one call, but the
-adapters need their own TP placements in between: ColwiseParallel shards every param of a linear on
-dim 0 (wrong for lora_A) and RowwiseParallel leaves unknown params as plain tensors (which cannot mix
-with DTensors). So a family hands over only its TP step, and the rest is shared. Activation
+On torchtitan 0.3.0 TP is declared on the model's configs (the adapters' placements with them,
+`titan_lora.titan.lora_linear`) and applied by `Module.parallelize`; FSDP is applied here, not by 0.3.0's
+`apply_fsdp_to_decoder`, which has no `ignored_params` for `[lora] replicate_adapters`. Activation
 checkpointing, compile and the meshes are torchtitan's, through the seam (`titan_lora.titan.parallel`).
 """
 
@@ -15,64 +14,21 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor
 
-from titan_lora.lora.layer import adapter_params, local_part, lora_modules
+from titan_lora.lora.layer import adapter_params
 from titan_lora.lora.replicated import ReplicatedGradSum
 from titan_lora.titan.configs import TORCH_DTYPE_MAP
-from titan_lora.titan.models import TensorParallel, output_head
-from titan_lora.titan.parallel import ParallelDims, checkpoint_and_compile, data_parallel_mesh
+from titan_lora.titan.models import output_head
+from titan_lora.titan.parallel import ParallelDims, checkpoint_and_compile, data_parallel_mesh, tensor_parallel
 
 logger = logging.getLogger(__name__)
 
-def adapter_tp_placements(weight_placement: Shard) -> tuple[Replicate | Shard, Replicate | Shard]:
-    """(lora_A, lora_B) placements that follow the base weight's TP placement."""
-    if weight_placement.dim == 0:  # colwise: output dim sharded, so B's output dim is too
-        return Replicate(), Shard(0)
-    if weight_placement.dim == 1:  # rowwise: input dim sharded, so A's input dim is too
-        return Shard(1), Replicate()
-    raise ValueError(f"unsupported TP placement {weight_placement} for a LoRA base weight")
-
-
-def _replace_with_placement(module: nn.Module, name: str, mesh: DeviceMesh, placement) -> None:  # noqa: ANN001
-    # Runs on the meta-device model, before init_weights fills the adapters: only shapes matter.
-    param = getattr(module, name)
-    device = local_part(param).device
-    empty = torch.empty(param.shape, dtype=param.dtype, device=device)
-    dist = distribute_tensor(empty, mesh, [placement], src_data_rank=None)
-    module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
-
-
-def place_adapters_for_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Give each adapter the TP placement its base weight's plan implies (meta-device model)."""
-    for _, module in lora_modules(model):
-        weight = module.weight
-        if not isinstance(weight, DTensor):
-            raise ValueError(
-                f"{type(module).__name__} has a LoRA adapter but no TP plan; "
-                "remove it from [lora] target_modules or add it to the TP plan"
-            )
-        (placement,) = weight.placements
-        a_place, b_place = adapter_tp_placements(placement)
-        _replace_with_placement(module, "lora_A", tp_mesh, a_place)
-        _replace_with_placement(module, "lora_B", tp_mesh, b_place)
-
-
-def lora_parallelize(model: nn.Module, parallel_dims: ParallelDims, job_config,  # noqa: ANN001
-                     tensor_parallel: TensorParallel) -> nn.Module:
-    """TP by `tensor_parallel` (a torchtitan plan) with the adapters placed to match, then activation
-    checkpointing, compile and FSDP: torchtitan's parallelize for a LoRA model."""
+def lora_parallelize(model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:  # noqa: ANN001
+    """TP (the configs' shardings, adapters placed to match: `titan.lora_linear.adapter_shardings`), then
+    activation checkpointing, compile and FSDP: torchtitan's parallelize for a LoRA model."""
     if parallel_dims.tp_enabled:
-        tp_mesh = parallel_dims.get_mesh("tp")
-        frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
-        tensor_parallel(model, tp_mesh, job_config)
-        place_adapters_for_tp(model, tp_mesh)
-        # TP styles re-register the params they shard or replicate as new nn.Parameters, which require
-        # grad: without this, LoRA + TP would train the base (and FSDP would refuse a group mixing fp32
-        # base weights with bf16 adapters as trainable).
-        for name, param in model.named_parameters():
-            if name in frozen:
-                param.requires_grad_(False)
+        tensor_parallel(model, parallel_dims)
     return _ac_and_fsdp(model, parallel_dims, job_config)
 
 
@@ -97,7 +53,7 @@ def _reduce_to_param_placements(param: torch.Tensor) -> None:
 def _ac_and_fsdp(model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:  # noqa: ANN001
     # Pipeline and context parallelism have no keys in titan_lora's schema (`run_sections.DROPPED_KEYS`
     # refuses torchtitan's). The order is torchtitan's: AC, compile, FSDP.
-    checkpoint_and_compile(model, job_config)
+    checkpoint_and_compile(model, job_config, parallel_dims)
     if parallel_dims.fsdp_enabled:
         shard_model(model, data_parallel_mesh(parallel_dims), job_config)
     return model

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch.nn as nn
 
@@ -23,7 +23,12 @@ def leaf_names_of(hf_modules: Mapping[str, str]) -> dict[str, str]:
 
 def resolve_targets(model: nn.Module, target_modules: list[str] | str, names: LeafNames) -> list[str]:
     """Qualified names of the linears to adapt; raises if a named target matches nothing."""
-    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    return resolve_target_names([n for n, m in model.named_modules() if isinstance(m, nn.Linear)],
+                                target_modules, names)
+
+
+def resolve_target_names(linears: Sequence[str], target_modules: list[str] | str, names: LeafNames) -> list[str]:
+    """Of the linears' qualified names, those to adapt; raises if a named target matches nothing."""
     if target_modules == "all-linear":
         return [n for n in linears if _leaf(n) not in HEAD_NAMES]
     to_titan = {hf: titan for titan, hf in names.items()}

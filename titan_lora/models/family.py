@@ -39,7 +39,7 @@ class ModelFamily:
     """`[model] flavor` -> the shape of a random-init model."""
     hf_modules: Mapping[str, str]
     """torchtitan module -> HF module, `{}` for the layer:
-    `layers.{}.attention.wq` -> `model.layers.{}.self_attn.q_proj`."""
+    `layers.{}.attention.qkv_linear.wq` -> `model.layers.{}.self_attn.q_proj`."""
     rope_rows: Callable[[DecoderShape], Mapping[str, RopeRows]]
     """For a shape: the modules whose output rows torchtitan keeps in interleaved RoPE order."""
     default_assets: Callable[[bool], Path] | None = None
@@ -59,9 +59,9 @@ class ModelFamily:
         return PeftLayout(hf_modules=self.hf_modules, rope=self.rope_rows(shape))
 
     def parallelize(self, model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:  # noqa: ANN001
-        """TP (the architecture's plan, adapters placed alongside), activation checkpointing, compile and FSDP,
+        """TP (the configs' shardings, adapters placed alongside), activation checkpointing, compile and FSDP,
         LoRA-aware."""
-        return lora_parallelize(model, parallel_dims, job_config, self.architecture.tensor_parallel)
+        return lora_parallelize(model, parallel_dims, job_config)
 
     def hf_dir(self, hf_assets_path: str, need_weights: bool) -> str:
         """The HF checkpoint directory: the family's own assets, else `[model] hf_assets_path`."""

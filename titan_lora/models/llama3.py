@@ -20,12 +20,13 @@ from titan_lora.titan.llama3 import LLAMA3 as ARCHITECTURE
 # One source for the names: torchtitan's own state-dict adapter, which loads and exports the base.
 HF_MODULES = hf_module_names(ARCHITECTURE.hf_weight_map())
 MODEL = "Llama 3"
+# The torchtitan modules of HF's q_proj and k_proj (`layers.{}.attention.qkv_linear.wq` on 0.3.0).
+_Q, _K = ({titan for titan, hf in HF_MODULES.items() if hf.endswith(f".{leaf}")}.pop() for leaf in ("q_proj", "k_proj"))
 
 
 def rope_rows(shape: DecoderShape) -> dict[str, RopeRows]:
-    """wq, wk: torchtitan's Llama keeps their rows interleaved, HF rotate-half."""
-    return {"layers.{}.attention.wq": RopeRows(shape.n_heads, shape.head_dim),
-            "layers.{}.attention.wk": RopeRows(shape.n_kv_heads, shape.head_dim)}
+    """q and k (wq, wk): torchtitan's Llama keeps their rows interleaved, HF rotate-half."""
+    return {_Q: RopeRows(shape.n_heads, shape.head_dim), _K: RopeRows(shape.n_kv_heads, shape.head_dim)}
 
 
 def _rope_scaling(rope: Mapping[str, Any]) -> RopeScaling | None:

@@ -21,7 +21,7 @@ from titan_lora.lora.layer import clean_fqn, is_adapter_param
 from titan_lora.models.checkpoint import NO_WEIGHTS_FIX, read_hf_state_dict, weight_files, weight_shapes
 from titan_lora.models.row_maps import abstract_name, row_maps
 from titan_lora.models.slices import SliceReader, local_box
-from titan_lora.titan.models import StateDictAdapter
+from titan_lora.titan.models import OUTPUT_HEAD, StateDictAdapter
 
 
 def _known(sd_adapter: StateDictAdapter, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -60,7 +60,7 @@ def check_weights(model: nn.Module, hf_dir: str | Path, sd_adapter: StateDictAda
     missing = sorted(set(expected) - set(titan))
     if missing:
         hint = (" (an untied output head: if the checkpoint ties it to the embedding, its config.json "
-                "needs tie_word_embeddings = true)" if "output.weight" in missing else "")
+                "needs tie_word_embeddings = true)" if f"{OUTPUT_HEAD}.weight" in missing else "")
         raise ValueError(f"the checkpoint in {hf_dir} lacks {len(missing)} weights the model needs, e.g. "
                          f"{missing[:3]}{hint}; {NO_WEIGHTS_FIX}")
     wrong = [f"{n}: {tuple(titan[n].shape)} in the checkpoint, {shape} in the model"

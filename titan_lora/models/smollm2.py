@@ -22,9 +22,9 @@ PRETRAINED_ID = "smollm2-135m-instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 FLAVORS: dict[str, DecoderShape] = {
-    # Matches the HF checkpoint (RoPE unscaled).
+    # Matches the HF checkpoint (RoPE unscaled, head tied to the embedding: torchtitan 0.3.0's Llama ties).
     "135M": DecoderShape(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, ffn_hidden_dim=1536,
-                         vocab_size=49152, norm_eps=1e-5, rope_theta=1e5, max_seq_len=131072),
+                         vocab_size=49152, norm_eps=1e-5, rope_theta=1e5, tied=True, max_seq_len=131072),
     # Random-init model with SmolLM2's vocabulary and head layout, for fast tests.
     "debug": DecoderShape(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_hidden_dim=192,
                           vocab_size=49152, norm_eps=1e-5, rope_theta=1e5, max_seq_len=131072),

@@ -1,26 +1,32 @@
-"""titan_lora's run sections (`titan_lora.run_sections`, taken as arguments) turned into the config objects
-torchtitan 0.2.2's builders take: its optimizer, LR-scheduler, activation-checkpoint and compile sections,
-and the JobConfig a model's args update from.
+"""titan_lora's run sections (`titan_lora.run_sections`, taken as arguments) turned into torchtitan 0.3.0's
+config objects: its optimizer (parameter groups), LR-scheduler, activation-checkpoint policy, compile and
+parallelism configs.
 
-Part of the seam (`titan_lora.titan`): titan_lora owns its TOML schema and parses it itself, so a torchtitan
-that reshapes its configs (0.3.0: no TOML, parameter groups, an AC union, a root `Trainer.Config`) changes
-these functions, not a user's TOML.
+Part of the seam (`titan_lora.titan`): torchtitan 0.3.0 reads no TOML; titan_lora keeps parsing its own TOML
+schema and builds these here, so a user's file does not change. Where 0.3.0 lost a setting titan_lora's
+schema keeps, this module keeps its meaning: `[activation_checkpoint] selective_ac_option = N` (every N-th
+block, gone from 0.3.0's per-op selective policy) is `EveryNthBlockAC`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, TypeVar
+from typing import Any
 
-from torchtitan.config import TORCH_DTYPE_MAP
-from torchtitan.config import JobConfig as TitanJobConfig
-from torchtitan.config.job_config import ActivationCheckpoint, Compile, LRScheduler, Optimizer
+import torch.nn as nn
+from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
+from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
+from torchtitan.config import TORCH_DTYPE_MAP, CompileConfig, ParallelismConfig
+from torchtitan.distributed.activation_checkpoint import (
+    ActivationCheckpointing,
+    FullAC,
+    SelectiveAC,
+    ptd_checkpoint_wrapper,
+)
 
-__all__ = ["TORCH_DTYPE_MAP", "quiet_torchtitan_asset_warnings", "titan_ac", "titan_compile", "titan_job_config",
-           "titan_lr_scheduler", "titan_optimizer"]
-
-_Section = TypeVar("_Section")
+__all__ = ["SPMD_BACKEND", "TORCH_DTYPE_MAP", "EveryNthBlockAC", "quiet_torchtitan_asset_warnings", "titan_ac",
+           "titan_compile", "titan_lr_scheduler", "titan_optimizer", "titan_parallelism"]
 
 
 class _TorchtitanAssetNoise(logging.Filter):
@@ -41,37 +47,71 @@ def quiet_torchtitan_asset_warnings() -> None:
     logging.getLogger().addFilter(_ASSET_NOISE)  # adding the same filter twice keeps one
 
 
-def _as_titan(cls: type[_Section], section: Any) -> _Section:  # noqa: ANN401 (a titan_lora section)
-    """torchtitan's section `cls` with the keys `section` shares with it; the others keep torchtitan's defaults."""
-    return cls(**{f.name: getattr(section, f.name) for f in dataclasses.fields(cls) if hasattr(section, f.name)})
+ALL_PARAMS = ".*"
+"""The one parameter group: every trainable parameter (titan_lora trains only the adapters)."""
+
+SPMD_BACKEND = "partial_dtensor"
+"""DTensors on the model-parallel axes only, FSDP on its own mesh: the path titan_lora's replicated adapters
+and TP placements are built on (0.3.0's default `spmd_types` wants every parameter on the full mesh)."""
 
 
-def titan_optimizer(section: Any) -> Optimizer:  # noqa: ANN401
-    """`[optimizer]` as torchtitan's optimizer builder takes it."""
-    return _as_titan(Optimizer, section)
+def titan_optimizer(section: Any) -> OptimizersContainer.Config:  # noqa: ANN401 ([optimizer])
+    """`[optimizer]` as one catch-all parameter group of 0.3.0's optimizer container."""
+    kwargs = {"lr": section.lr, "eps": section.eps, "weight_decay": section.weight_decay,
+              "betas": (section.beta1, section.beta2)}
+    return OptimizersContainer.Config(
+        param_groups=[ParamGroupConfig(pattern=ALL_PARAMS, optimizer_name=section.name, optimizer_kwargs=kwargs)],
+        implementation=section.implementation,
+    )
 
 
-def titan_lr_scheduler(section: Any) -> LRScheduler:  # noqa: ANN401
-    """`[lr_scheduler]` as torchtitan's LR-scheduler builder takes it."""
-    return _as_titan(LRScheduler, section)
+def titan_lr_scheduler(section: Any) -> LRSchedulersContainer.Config:  # noqa: ANN401 ([lr_scheduler])
+    """`[lr_scheduler]`: 0.3.0 kept every key and its meaning."""
+    return LRSchedulersContainer.Config(**{f.name: getattr(section, f.name) for f in dataclasses.fields(section)})
 
 
-def titan_ac(section: Any) -> ActivationCheckpoint:  # noqa: ANN401
-    """`[activation_checkpoint]` as torchtitan's `apply_ac` takes it."""
-    return _as_titan(ActivationCheckpoint, section)
+class EveryNthBlockAC(FullAC):
+    """torchtitan 0.2.2's layer-wise selective checkpointing: full recompute of every N-th block (the
+    N-th, 2N-th, ... counting from 1), which 0.3.0's per-op `SelectiveAC` no longer offers."""
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(FullAC.Config):
+        every: int = 2
+
+    def apply(self, model: nn.Module) -> None:
+        """Wrap every `every`-th block of `model.layers` in place."""
+        layers = model.get_submodule("layers")
+        for count, (layer_id, block) in enumerate(list(layers.named_children()), start=1):
+            if count % self.config.every == 0:
+                layers.register_module(layer_id, ptd_checkpoint_wrapper(
+                    block, preserve_rng_state=self.config.preserve_rng_state,
+                    determinism_check=self.config.determinism_check, early_stop=False, debug=self.config.debug))
 
 
-def titan_compile(section: Any) -> Compile:  # noqa: ANN401
-    """`[compile]` as torchtitan's `apply_compile` takes it."""
-    return _as_titan(Compile, section)
+def titan_ac(section: Any) -> ActivationCheckpointing.Config | None:  # noqa: ANN401 ([activation_checkpoint])
+    """`[activation_checkpoint]` as a 0.3.0 policy config (`.build(dump_folder=...).apply(model)`), None for
+    `mode = "none"`."""
+    if section.mode == "none":
+        return None
+    if section.mode == "full":
+        return FullAC.Config()
+    if section.selective_ac_option == "op":
+        return SelectiveAC.Config()
+    return EveryNthBlockAC.Config(every=int(section.selective_ac_option))
 
 
-def titan_job_config(job_config: Any) -> TitanJobConfig:  # noqa: ANN401 (titan_lora's JobConfig)
-    """torchtitan's JobConfig with every key titan_lora's shares with it (a model's args `update_from_config`
-    from it); torchtitan's other keys keep their defaults."""
-    titan = TitanJobConfig()
-    for section in dataclasses.fields(titan):
-        if hasattr(job_config, section.name):
-            ours = getattr(job_config, section.name)
-            setattr(titan, section.name, _as_titan(type(getattr(titan, section.name)), ours))
-    return titan
+def titan_compile(section: Any) -> CompileConfig:  # noqa: ANN401 ([compile])
+    """`[compile]`: 0.3.0 kept its keys."""
+    return CompileConfig(enable=section.enable, components=list(section.components), backend=section.backend)
+
+
+def titan_parallelism(section: Any) -> ParallelismConfig:  # noqa: ANN401 ([parallelism])
+    """`[parallelism]` on 0.3.0's partial-DTensor backend. `disable_loss_parallel` has no 0.3.0 key: the
+    seam keeps the output head's logits whole itself (titan_lora's losses read whole-vocabulary rows)."""
+    return ParallelismConfig(
+        data_parallel_replicate_degree=section.data_parallel_replicate_degree,
+        data_parallel_shard_degree=section.data_parallel_shard_degree,
+        fsdp_reshard_after_forward=section.fsdp_reshard_after_forward,
+        tensor_parallel_degree=section.tensor_parallel_degree,
+        spmd_backend=SPMD_BACKEND,
+    )

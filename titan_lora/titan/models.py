@@ -1,68 +1,102 @@
-"""torchtitan's model architectures, built from a neutral `DecoderShape`: the model on the meta device, the
-state-dict adapter that maps its weights to and from HF names, its TP plan, its own flavors as shapes.
+"""torchtitan 0.3.0's model architectures, built from a neutral `DecoderShape`: the model's config tree and
+the model on the meta device, the state-dict adapter that maps its weights to and from HF names, its own
+flavors as shapes.
 
-Part of the seam (`titan_lora.titan`): the families above it describe models as `DecoderShape`s and never
-see torchtitan's model args, so 0.3.0's config trees (one `ModelSpec` per flavor, q/k/v fused by default,
-TP declared on configs) change `to_args` and the builders here, not the families.
+Part of the seam (`titan_lora.titan`): the families above it describe models as `DecoderShape`s and never see
+torchtitan's configs. 0.3.0 builds a model from a `Module.Config` tree; model converters (LoRA) rewrite the
+tree before the build (`ModelConfigConverter`), and TP is declared on the configs (`update_from_config`
+fills every sub-config's `sharding_config` from `[parallelism]`), so an architecture has no TP plan of its own.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import spmd_types as spmd
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
+from torchtitan.models.common.decoder_sharding import dense_activation_placement
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
-from torchtitan.protocols.train_spec import TrainSpec
 
 from titan_lora.model_shape import DecoderShape
-from titan_lora.titan.configs import titan_job_config
 
-__all__ = ["OUTPUT_HEAD", "Architecture", "StateDictAdapter", "TensorParallel", "output_head"]
+__all__ = ["OUTPUT_HEAD", "Architecture", "ConfigConverter", "StateDictAdapter", "output_head"]
 
-OUTPUT_HEAD = "output"
-"""The attribute that holds a torchtitan decoder's output head (0.3.0 renames it `lm_head`)."""
+OUTPUT_HEAD = "lm_head"
+"""The attribute that holds a torchtitan decoder's output head (0.2.2 called it `output`)."""
 
-TensorParallel = Callable[[nn.Module, DeviceMesh, Any], None]
-"""An architecture's TP plan: `(model, tp_mesh, job_config)`, applied in place to the meta-device model."""
+ConfigConverter = Callable[[Any], Any]
+"""A model converter: an unbuilt config tree in, the (rewritten) tree out."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Architecture:
-    """One torchtitan decoder: shapes in, its model, state-dict adapter and TP plan out."""
+    """One torchtitan decoder: shapes in, its config tree, model and state-dict adapter out."""
 
     name: str
-    train_spec: Callable[[], TrainSpec]
-    """torchtitan's spec factory (model class, state-dict adapter class)."""
-    to_args: Callable[[DecoderShape], Any]
-    """A shape as this architecture's model args (ValueError for a shape it cannot build)."""
-    tensor_parallel: TensorParallel
-    """torchtitan's TP plan for it, `(model, tp_mesh, job_config)`, adapters left to the caller."""
+    to_config: Callable[[DecoderShape], Any]
+    """A shape as this architecture's config tree (ValueError for a shape it cannot build)."""
+    state_dict_adapter_cls: type[StateDictAdapter]
     flavors: Mapping[str, DecoderShape]
     """torchtitan's own flavors of it (those titan_lora can run), as shapes."""
+    titan_flavors: Mapping[str, Callable[[], Any]]
+    """torchtitan's own flavor factories (its config trees, as it builds them), by flavor name."""
     hf_weight_map: Callable[[], dict[str, str | None]]
     """HF weight name -> torchtitan's (`{}` for the layer), from torchtitan's own state-dict adapter."""
+    parallelize_fn: Callable[..., nn.Module]
+    """torchtitan's parallelize function for the model (TP through `Module.parallelize`, AC, compile, FSDP)."""
 
-    def model_args(self, shape: DecoderShape, job_config: Any = None) -> Any:  # noqa: ANN401
-        """The model args for `shape`, updated from the job's config when one is given (`max_seq_len` from
-        `[training] seq_len`, as torchtitan's Trainer does)."""
-        args = self.to_args(shape)
+    def model_config(self, shape: DecoderShape, job_config: Any = None,  # noqa: ANN401
+                     converters: Sequence[ConfigConverter] = ()) -> Any:  # noqa: ANN401
+        """The config tree for `shape`, its RoPE sized to `[training] seq_len` when a job config is given (as
+        0.2.2's `update_from_config` did), rewritten by `converters` in order."""
         if job_config is not None:
-            args.update_from_config(titan_job_config(job_config))
-        return args
+            shape = dataclasses.replace(shape, max_seq_len=job_config.training.seq_len)
+        config = self.to_config(shape)
+        for convert in converters:
+            config = convert(config)
+        return config
 
-    def meta_model(self, shape: DecoderShape, job_config: Any = None) -> nn.Module:  # noqa: ANN401
-        """The model for `shape` on the meta device (shapes only, no memory)."""
-        args = self.model_args(shape, job_config)
-        with torch.device("meta"):
-            return self.train_spec().model_cls(args)
+    def meta_model(self, shape: DecoderShape, job_config: Any = None,  # noqa: ANN401
+                   converters: Sequence[ConfigConverter] = (), parallelism: Any = None) -> nn.Module:  # noqa: ANN401
+        """The model for `shape` on the meta device (shapes only, no memory); with `parallelism` (0.3.0's
+        `ParallelismConfig`) its sub-configs get their sharding first."""
+        config = self.model_config(shape, job_config, converters)
+        return build_meta(config, parallelism)
 
     def state_dict_adapter(self, shape: DecoderShape, hf_dir: str | None) -> StateDictAdapter:
         """torchtitan's <-> HF state-dict adapter for `shape` (`hf_dir` None: no HF save index)."""
-        return self.train_spec().state_dict_adapter(self.to_args(shape), hf_dir)
+        return self.state_dict_adapter_cls(self.to_config(shape), hf_dir)
+
+
+@dataclasses.dataclass
+class _ConfigView:
+    """What `Decoder.Config.update_from_config` reads from a non-Trainer caller (decoder.py:111-135)."""
+
+    parallelism: Any
+
+
+def build_meta(config: Any, parallelism: Any = None) -> nn.Module:  # noqa: ANN401
+    """Build a config tree on the meta device (sharding filled from `parallelism` first, when given)."""
+    if parallelism is not None:
+        config.update_from_config(config=_ConfigView(parallelism))
+        replicated_logits(config)
+    with torch.device("meta"):
+        model = config.build()
+    model.verify_module_protocol()
+    return model
+
+
+def replicated_logits(config: Any) -> None:  # noqa: ANN401
+    """Under TP, the head's output all-gathered to whole-vocabulary logits (0.3.0 leaves them vocab-sharded,
+    decoder_sharding.py:330-336): titan_lora's losses read whole rows (`[parallelism] disable_loss_parallel`'s
+    meaning in 0.2.2)."""
+    sharding = getattr(config.lm_head, "sharding_config", None)
+    if sharding is not None:
+        config.lm_head.sharding_config = dataclasses.replace(
+            sharding, out_dst_shardings=dense_activation_placement(tp=spmd.R))
 
 
 def output_head(model: nn.Module) -> nn.Module | None:

@@ -1,8 +1,10 @@
 """torchtitan's parallelism: ParallelDims from `[parallelism]`, its device meshes, which share of the data a
 rank trains on, and activation checkpointing and compile on a model's blocks.
 
-Part of the seam (`titan_lora.titan`): 0.3.0 drops `etp`, renames the FSDP mesh axes under its default
-`spmd_types` backend and moves `apply_ac` and `apply_compile` behind config objects.
+Part of the seam (`titan_lora.titan`), on torchtitan 0.3.0: its `spmd_backend` is forced to
+"partial_dtensor" (DTensors on the model-parallel axes only, FSDP on its own "fsdp" mesh: titan_lora's
+replicated adapters and TP placements are built on it; 0.3.0's default "spmd_types" fails at FSDP wrap time on
+torch 2.13). TP is `Module.parallelize` on the configs' shardings; AC and compile go through config objects.
 """
 
 from __future__ import annotations
@@ -15,13 +17,13 @@ import torch.nn as nn
 import torchtitan.distributed.parallel_dims as titan_parallel_dims
 from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.distributed import ParallelDims
-from torchtitan.distributed.activation_checkpoint import apply_ac
-from torchtitan.models.llama3.infra.parallelize import apply_compile
+from torchtitan.distributed.compile import apply_compile
+from torchtitan.distributed.utils import set_spmd_backend
 
-from titan_lora.titan.configs import titan_ac, titan_compile
+from titan_lora.titan.configs import SPMD_BACKEND, titan_ac, titan_compile
 
 __all__ = ["DataParallelInfo", "ParallelDims", "build_parallel_dims", "checkpoint_and_compile",
-           "data_parallel_info", "data_parallel_mesh", "data_parallel_size", "parallel_dims"]
+           "data_parallel_info", "data_parallel_mesh", "data_parallel_size", "parallel_dims", "tensor_parallel"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +41,8 @@ def parallel_dims(parallelism, world_size: int) -> ParallelDims:  # noqa: ANN001
         return ParallelDims(
             dp_shard=parallelism.data_parallel_shard_degree,
             dp_replicate=parallelism.data_parallel_replicate_degree,
-            cp=1, tp=parallelism.tensor_parallel_degree, pp=1, ep=1, etp=1, world_size=world_size,
+            cp=1, tp=parallelism.tensor_parallel_degree, pp=1, ep=1, world_size=world_size,
+            spmd_backend=SPMD_BACKEND,
         )
     except AssertionError as err:  # torchtitan's asserts often carry no text: say what must hold
         raise ValueError(
@@ -57,6 +60,7 @@ def build_parallel_dims(parallelism, world_size: int, device: torch.device) -> P
     titan_parallel_dims.device_type = device.type
     dims = parallel_dims(parallelism, world_size)
     dims.build_mesh()
+    set_spmd_backend(SPMD_BACKEND)  # as torchtitan's Trainer does (trainer.py:319)
     return dims
 
 
@@ -81,12 +85,20 @@ def data_parallel_mesh(parallel_dims: ParallelDims) -> DeviceMesh:
     return parallel_dims.get_mesh(names)
 
 
-def checkpoint_and_compile(model: nn.Module, job_config) -> None:  # noqa: ANN001
+def tensor_parallel(model: nn.Module, parallel_dims: ParallelDims) -> None:
+    """TP on a meta-device model built from configs whose shardings `[parallelism]` filled
+    (`Architecture.meta_model(..., parallelism=...)`): each module's params placed by its config, adapters
+    included (`lora_linear.adapter_shardings`); requires_grad is kept (protocols/module.py:377)."""
+    model.parallelize(parallel_dims)
+
+
+def checkpoint_and_compile(model: nn.Module, job_config, parallel_dims: ParallelDims) -> None:  # noqa: ANN001
     """`[activation_checkpoint]`, then `[compile]`, on the model's blocks, in place (torchtitan's order: FSDP
     comes after both)."""
-    if job_config.activation_checkpoint.mode != "none":
-        apply_ac(model, titan_ac(job_config.activation_checkpoint), base_folder=job_config.job.dump_folder)
+    ac = titan_ac(job_config.activation_checkpoint)
+    if ac is not None:
+        ac.build(dump_folder=job_config.job.dump_folder).apply(model)
     if job_config.compile.enable and "model" in job_config.compile.components:
         # Each block compiles once (they share code); parameter names gain "_orig_mod.", which every name
         # titan_lora reads drops (`lora.layer.clean_fqn`).
-        apply_compile(model, titan_compile(job_config.compile))
+        apply_compile(model, compile_config=titan_compile(job_config.compile), parallel_dims=parallel_dims)

@@ -13,11 +13,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from titan_lora.export.peft import PeftLayout
+from titan_lora.lora.layer import freeze_base
 from titan_lora.lora.parallelize import add_grad_hooks
 from titan_lora.models.family import FamilyLoRAConverter  # noqa: F401 (registers the "lora" converter)
 from titan_lora.models.load import load_base_weights
 from titan_lora.models.resolve import ResolvedModel, resolve_model
-from titan_lora.titan.converters import convert_model
+from titan_lora.titan.configs import titan_parallelism
+from titan_lora.titan.converters import model_converters
 from titan_lora.titan.models import StateDictAdapter
 from titan_lora.titan.parallel import ParallelDims, build_parallel_dims
 
@@ -45,15 +47,18 @@ def build_model(job_config, parallel_dims: ParallelDims, device: torch.device,  
     `resolved` is `[model]` as `load_job` resolved and checked it (None: resolved here)."""
     resolved = resolved or resolve_model(job_config.model)
     family, shape, hf_dir = resolved.family, resolved.shape, resolved.hf_dir
-    model = family.architecture.meta_model(shape, job_config)
-    convert_model(model, job_config, parallel_dims)
+    # 0.3.0: converters rewrite the config tree, and `[parallelism]` fills its shardings, before the build.
+    model = family.architecture.meta_model(
+        shape, job_config, model_converters(job_config, parallel_dims),
+        parallelism=titan_parallelism(job_config.parallelism) if parallel_dims.tp_enabled else None)
+    freeze_base(model)  # before FSDP wraps: it reads requires_grad
     model = family.parallelize(model, parallel_dims, job_config)
     model.to_empty(device=device)
     with torch.no_grad(), warnings.catch_warnings():
         if resolved.load_pretrained:
             # On a CPU mesh, DTensor draws the sharded base's random init from each rank's own RNG and
             # warns so on every rank; harmless here: load_base_weights replaces every base weight below
-            # (or fails), and the adapters come from their own seeded generator (init_adapters).
+            # (or fails), and the adapters come from their own seeded generator (their param_init).
             warnings.filterwarnings("ignore", "DTensor random operators may not have complete support",
                                     UserWarning)
         model.init_weights(buffer_device=None)
