@@ -18,7 +18,7 @@ import torch
 
 from titan_lora.config import LoRA
 from titan_lora.export.peft import peft_config, save_peft_dir, to_peft_names
-from titan_lora.lora.converter import apply_lora
+from titan_lora.lora.converter import lora_converter
 from titan_lora.lora.layer import adapter_params, is_adapter_param, lora_modules
 from titan_lora.lora.targets import hf_leaf_names
 from titan_lora.model_shape import DecoderShape
@@ -56,8 +56,7 @@ def _titan_lora_model(
     hf_state: dict[str, torch.Tensor], lora: LoRA
 ) -> tuple[torch.nn.Module, StateDictAdapter]:
     sd_adapter = LLAMA3.architecture.state_dict_adapter(ARGS, None)
-    model = LLAMA3.architecture.meta_model(ARGS)
-    apply_lora(model, lora, LLAMA3.leaf_names)
+    model = LLAMA3.architecture.meta_model(ARGS, converters=[lora_converter(lora, LLAMA3.leaf_names)])
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights()
@@ -74,7 +73,7 @@ def _titan_lora_model(
 def _export(titan: torch.nn.Module, sd_adapter: StateDictAdapter, lora: LoRA, path: Path) -> None:
     """The file export: to_peft_names + peft_config + save_peft_dir."""
     named = {n: p.detach() for n, p in adapter_params(titan)}
-    assert any(n.endswith("attention.wk.lora_B") for n in named), "the test needs an adapter on wk"
+    assert any(n.endswith("attention.qkv_linear.wk.lora_B") for n in named), "the test needs an adapter on wk"
     targets = hf_leaf_names([n for n, _ in lora_modules(titan)], LLAMA3.leaf_names)
     save_peft_dir(path, to_peft_names(named, LLAMA3.peft_layout(ARGS)), peft_config(lora, targets))
 

@@ -207,7 +207,7 @@ def test_built_model_scale_follows_the_config() -> None:
     assert [m.scale for _, m in lora_modules(rs.model)] == pytest.approx([8 / 8**0.5] * 14)
     # The scale is what the forward applies: a non-zero adapter moves the output by scale * x A^T B^T.
     randomize_adapters(rs.model)
-    wq = rs.model.layers["0"].attention.wq
+    wq = rs.model.layers["0"].attention.qkv_linear.wq
     x = torch.randn(3, wq.in_features)
     with torch.no_grad():
         delta = wq(x) - F.linear(x, wq.weight)
@@ -220,7 +220,7 @@ def test_step_zero_equals_the_base_model() -> None:
     torch.manual_seed(0)
     built = build_from(DEBUG_LORA)
     lora = built.model
-    assert not any(isinstance(m, LoRALinear) for m in base.modules())
+    assert not any(isinstance(m, LoRALayer) for m in base.modules())
     assert len(list(lora_modules(lora))) == 14
 
     # Same base weights (the converter does not disturb the base init) ...

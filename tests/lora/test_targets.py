@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 from model_helpers import DEBUG_LORA, build_from
 
-from titan_lora.lora.layer import LoRALinear, lora_modules
+from titan_lora.lora.layer import LoRALayer, lora_modules
 from titan_lora.lora.targets import hf_leaf_names, resolve_targets
 from titan_lora.models.llama3 import LLAMA3
 
@@ -23,7 +23,7 @@ class Tiny(nn.Module):
         self.tok_embeddings = nn.Embedding(10, 4)
         self.block = nn.ModuleDict({"wq": nn.Linear(4, 4), "w2": nn.Linear(4, 4)})
         self.norm = nn.LayerNorm(4)
-        self.output = nn.Linear(4, 10)
+        self.lm_head = nn.Linear(4, 10)
 
 
 def _targets(toml: str) -> list[str]:
@@ -39,16 +39,17 @@ def test_all_linear_excludes_the_output_head_and_embeddings() -> None:
     names = _targets(DEBUG_LORA)
     assert sorted({n.rsplit(".", 1)[-1] for n in names}) == ALL_LINEAR_LEAVES
     assert len(names) == 2 * 7, "every linear of both transformer blocks"
-    assert "output" not in names
+    assert "lm_head" not in names
 
 
-@pytest.mark.parametrize("head", ["output", "lm_head"])
+@pytest.mark.parametrize("head", ["lm_head"])  # 0.3.0: torchtitan and HF both name the head lm_head
 def test_the_output_head_is_adapted_when_named(head: str) -> None:
-    assert resolve_targets(Tiny(), [head], LLAMA3.leaf_names) == ["output"]
+    assert resolve_targets(Tiny(), [head], LLAMA3.leaf_names) == ["lm_head"]
     model = build_from(_with_targets(f'["{head}", "wq"]')).model
-    assert isinstance(model.output, LoRALinear)
-    assert model.output.lora_B.shape == (49152, 8) and model.output.lora_A.shape == (8, 64)
-    assert [n for n, _ in lora_modules(model)] == ["layers.0.attention.wq", "layers.1.attention.wq", "output"]
+    assert isinstance(model.lm_head, LoRALayer)
+    assert model.lm_head.lora_B.shape == (49152, 8) and model.lm_head.lora_A.shape == (8, 64)
+    assert [n for n, _ in lora_modules(model)] == ["layers.0.attention.qkv_linear.wq",
+                                                   "layers.1.attention.qkv_linear.wq", "lm_head"]
     with torch.no_grad():
         assert model(torch.zeros(1, 4, dtype=torch.long)).shape == (1, 4, 49152)
 
@@ -57,8 +58,8 @@ def test_hf_names_are_accepted_and_mean_the_same_linears() -> None:
     hf = _targets(_with_targets('["q_proj", "v_proj", "down_proj"]'))
     titan = _targets(_with_targets('["wq", "wv", "w2"]'))
     assert hf == titan == [
-        "layers.0.attention.wq", "layers.0.attention.wv", "layers.0.feed_forward.w2",
-        "layers.1.attention.wq", "layers.1.attention.wv", "layers.1.feed_forward.w2",
+        "layers.0.attention.qkv_linear.wq", "layers.0.attention.qkv_linear.wv", "layers.0.feed_forward.w2",
+        "layers.1.attention.qkv_linear.wq", "layers.1.attention.qkv_linear.wv", "layers.1.feed_forward.w2",
     ]
     assert _targets(_with_targets('["q_proj", "wv"]')) == [n for n in hf if not n.endswith("w2")], "mixed naming"
     names = LLAMA3.leaf_names
@@ -80,7 +81,7 @@ def test_a_target_that_matches_nothing_names_the_key_and_the_choices() -> None:
     assert "all-linear" in message
 
 
-@pytest.mark.parametrize("targets", ['"all-linear"', '["q_proj", "wv", "output"]'])
+@pytest.mark.parametrize("targets", ['"all-linear"', '["q_proj", "wv", "lm_head"]'])
 def test_targets_resolved_from_the_config_name_the_built_adapters(targets: str) -> None:
     # A resume compares the checkpoint's adapted modules with the config's before the build: both
     # sides must name them alike.

@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import logging
 
-import torch
-import torch.nn as nn
-
 from titan_lora.config import LoRA, validate_lora
-from titan_lora.lora.layer import convert_linear, freeze_base, lora_class, lora_scale
-from titan_lora.lora.targets import LeafNames, resolve_target_names, resolve_targets
+from titan_lora.lora.layer import lora_class, lora_scale
+from titan_lora.lora.targets import LeafNames, resolve_target_names
 from titan_lora.titan.lora_linear import LoRAConfigConverter
 
 logger = logging.getLogger(__name__)
@@ -34,11 +31,7 @@ class LoRAConverter:
 
     def convert(self, model_config):  # noqa: ANN001, ANN201 (torchtitan's config tree)
         """The tree with the targeted linears as LoRA linears (the base is frozen once built: `freeze_base`)."""
-        converter = LoRAConfigConverter(
-            lora_class=lora_class, select=lambda linears: resolve_target_names(linears, self.cfg.target_modules,
-                                                                             self.names),
-            rank=self.cfg.rank, scale=lora_scale(self.cfg.rank, self.cfg.alpha, self.cfg.use_rslora),
-            dropout=self.cfg.dropout, dtype=self.cfg.dtype, seed=self.seed)
+        converter = lora_converter(self.cfg, self.names, self.seed)
         model_config = converter(model_config)
         self.targets = converter.targets
         logger.info(
@@ -48,13 +41,11 @@ class LoRAConverter:
         return model_config
 
 
-def apply_lora(model: nn.Module, cfg: LoRA, names: LeafNames) -> list[str]:
-    """Convert the targeted linears of a built `model` in place (class swap, adapters uninitialised: see
-    `init_adapters`); returns their qualified names. The build goes through `LoRAConverter` instead."""
-    targets = resolve_targets(model, cfg.target_modules, names)
-    scale = lora_scale(cfg.rank, cfg.alpha, cfg.use_rslora)
-    dtype = getattr(torch, cfg.dtype)
-    for name in targets:
-        convert_linear(model.get_submodule(name), cfg.rank, scale, cfg.dropout, dtype)
-    freeze_base(model)
-    return targets
+
+def lora_converter(cfg: LoRA, names: LeafNames, seed: int = 0) -> LoRAConfigConverter:
+    """`[lora]` as a config-tree converter (`Architecture.meta_model(..., converters=[...])`): the targeted
+    linears of `names`' family become LoRA linears, adapters seeded as `init_adapters` seeds them."""
+    return LoRAConfigConverter(
+        lora_class=lora_class, select=lambda linears: resolve_target_names(linears, cfg.target_modules, names),
+        rank=cfg.rank, scale=lora_scale(cfg.rank, cfg.alpha, cfg.use_rslora), dropout=cfg.dropout, dtype=cfg.dtype,
+        seed=seed)
