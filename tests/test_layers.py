@@ -26,8 +26,6 @@ def test_import_contracts_are_kept() -> None:
 def test_only_the_seam_imports_torchtitan() -> None:
     graph = grimp.build_graph("titan_lora", include_external_packages=True)
     seam = {"titan_lora.titan", *graph.find_descendants("titan_lora.titan")}
-    # The 0.3.0 prototype (branch tt03) beside the seam, imported by nothing else.
-    seam |= {"titan_lora.titan03", *graph.find_descendants("titan_lora.titan03")}
     outside = graph.find_modules_that_directly_import("torchtitan") - seam
     assert not outside, f"torchtitan imported outside titan_lora/titan/: {sorted(outside)}"
     fenced = {d["line_contents"] for d in graph.get_import_details(

@@ -18,9 +18,11 @@ import torchtitan.distributed.parallel_dims as titan_parallel_dims
 from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.compile import apply_compile
+from torch.distributed.tensor import DTensor
 from torchtitan.distributed.utils import set_spmd_backend
 
 from titan_lora.titan.configs import SPMD_BACKEND, titan_ac, titan_compile
+from titan_lora.titan.models import output_head
 
 __all__ = ["DataParallelInfo", "ParallelDims", "build_parallel_dims", "checkpoint_and_compile",
            "data_parallel_info", "data_parallel_mesh", "data_parallel_size", "parallel_dims", "tensor_parallel"]
@@ -88,8 +90,22 @@ def data_parallel_mesh(parallel_dims: ParallelDims) -> DeviceMesh:
 def tensor_parallel(model: nn.Module, parallel_dims: ParallelDims) -> None:
     """TP on a meta-device model built from configs whose shardings `[parallelism]` filled
     (`Architecture.meta_model(..., parallelism=...)`): each module's params placed by its config, adapters
-    included (`lora_linear.adapter_shardings`); requires_grad is kept (protocols/module.py:377)."""
+    included (`lora_linear.adapter_shardings`); requires_grad is kept (protocols/module.py:377).
+
+    The head's logits, all-gathered to whole rows (`models.replicated_logits`), come out as this rank's plain
+    tensor, as 0.2.2's `ColwiseParallel(use_local_output=True)` gave them: titan_lora's losses mix them with
+    plain tensors (labels, masks). Each TP rank computes the same loss, so the local copy's gradient is the
+    replicated gradient."""
     model.parallelize(parallel_dims)
+    head = output_head(model)
+    if head is not None:
+        head.register_forward_hook(_local_logits)
+
+
+def _local_logits(module: nn.Module, args: object, output: torch.Tensor) -> torch.Tensor:
+    if isinstance(output, DTensor) and all(p.is_replicate() for p in output.placements):
+        return output.to_local()
+    return output
 
 
 def checkpoint_and_compile(model: nn.Module, job_config, parallel_dims: ParallelDims) -> None:  # noqa: ANN001

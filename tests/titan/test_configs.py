@@ -15,7 +15,7 @@ import torch.nn as nn  # noqa: E402
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper  # noqa: E402
 
 from titan_lora.config import JobConfig  # noqa: E402
-from titan_lora.titan03.configs import (  # noqa: E402
+from titan_lora.titan.configs import (  # noqa: E402
     EveryNthBlockAC, titan_ac, titan_compile, titan_lr_scheduler, titan_optimizer, titan_parallelism,
 )
 
