@@ -38,11 +38,11 @@ class RopeRows:
 class PeftLayout:
     """Where one model's adapter tensors go in PEFT naming, and which lora_B rows are RoPE-permuted.
 
-    Keys are torchtitan module names with `{}` for the layer index (`layers.{}.attention.wq`).
+    Keys are torchtitan module names with `{}` for the layer index (`layers.{}.attention.qkv_linear.wq`).
     """
 
     hf_modules: Mapping[str, str]
-    """torchtitan module -> HF module: `layers.{}.attention.wq` -> `model.layers.{}.self_attn.q_proj`."""
+    """torchtitan module -> HF module: `layers.{}.attention.qkv_linear.wq` -> `model.layers.{}.self_attn.q_proj`."""
     rope: Mapping[str, RopeRows]
     """The modules whose lora_B rows need the RoPE permutation, with their heads."""
 
@@ -77,7 +77,7 @@ def titan_rope_permute(rows: torch.Tensor, n_heads: int, head_dim: int) -> torch
 def peft_name_and_rope(name: str, layout: PeftLayout) -> tuple[str, RopeRows | None]:
     """PEFT name of adapter tensor `name`, and the RoPE rows its permutation needs (None: no permutation).
 
-    `layers.0.attention.wq.lora_B` -> (`base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight`,
+    `layers.0.attention.qkv_linear.wq.lora_B` -> (`base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight`,
     RopeRows(n_heads, head_dim)) for Llama; lora_A, and modules outside `layout.rope`, get None.
     """
     module, suffix = name.rsplit(".", 1)
@@ -89,7 +89,7 @@ def peft_name_and_rope(name: str, layout: PeftLayout) -> tuple[str, RopeRows | N
 
 
 def to_peft_names(adapter: Mapping[str, torch.Tensor], layout: PeftLayout) -> dict[str, torch.Tensor]:
-    """Map {`layers.0.attention.wq.lora_B`: t} to {`base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight`: t'}.
+    """Map {`layers.0.attention.qkv_linear.wq.lora_B`: t} to {`base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight`: t'}.
 
     t' is t with the RoPE row permutation where the layout asks for it. The order of `adapter` is kept.
     """

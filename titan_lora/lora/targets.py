@@ -17,7 +17,7 @@ def _leaf(name: str) -> str:
 
 
 def leaf_names_of(hf_modules: Mapping[str, str]) -> dict[str, str]:
-    """The leaf-name map of a module-name map (`layers.{}.attention.wq` -> `...self_attn.q_proj`)."""
+    """The leaf-name map of a module-name map (`layers.{}.attention.qkv_linear.wq` -> `...self_attn.q_proj`)."""
     return {_leaf(titan): _leaf(hf) for titan, hf in hf_modules.items()}
 
 

@@ -18,7 +18,7 @@ import torch
 
 
 def abstract_name(name: str) -> str:
-    """A weight name with its layer index as `{}` (`layers.3.attention.wq.weight` -> `layers.{}...`)."""
+    """A weight name with its layer index as `{}` (`layers.3.attention.qkv_linear.wq.weight` -> `layers.{}...`)."""
     return re.sub(r"\d+", "{}", name, count=1)
 
 

@@ -1,16 +1,16 @@
 """The seam: the one package in titan_lora that imports torchtitan (pinned: 0.3.0).
 
 Every other package takes the torchtitan names it needs from here (an import-linter contract in
-`.importlinter` keeps torchtitan out of them, and tests/test_layers.py checks it with grimp), so a torchtitan
-break lands in this package only (`../shared/research/torchtitan-0.3.md`, issue 34). This package is the bottom
-layer: it imports no other titan_lora package but `titan_lora.model_shape`, and titan_lora objects (the LoRA
-mixin's `lora_class`, target selection, run sections) come in as arguments.
+`.importlinter` keeps torchtitan out of them, and tests/test_layers.py checks it with grimp), so a
+torchtitan break lands in this package only (`../shared/research/torchtitan-0.3.md`, issue 34). This package
+is the bottom layer: it imports no other titan_lora package but `titan_lora.model_shape`, and titan_lora
+objects (the LoRA mixin's `lora_class`, target selection, run sections) come in as arguments.
 
 One concern a module: `configs` (titan_lora's run sections as 0.3.0's optimizer, LR, AC, compile and
-parallelism configs), `converters` (the registered model converters, which rewrite a model's config tree before
-the build), `decoder` (0.3.0 config trees from a neutral `DecoderShape`, and back), `lora_linear` (LoRA linears
-as a config-tree converter), `models` (the `Architecture`: shape to config tree, meta model, state-dict adapter;
-lm_head's logits kept whole under TP), `llama3` and `qwen3` (each architecture), `parallel` (ParallelDims on the
-partial-DTensor backend, meshes, TP, activation checkpointing, compile) and `optim` (optimizers, LR schedules,
-gradient clipping).
+parallelism configs), `converters` (the registered model converters, which rewrite a model's config tree
+before the build), `decoder` (0.3.0 config trees from a neutral `DecoderShape`, and back), `lora_linear`
+(LoRA linears as a config-tree converter), `models` (the `Architecture`: shape to config tree, meta model,
+state-dict adapter; lm_head's logits kept whole under TP), `llama3` and `qwen3` (each architecture),
+`parallel` (ParallelDims on the partial-DTensor backend, meshes, TP, activation checkpointing, compile) and
+`optim` (optimizers, LR schedules, gradient clipping).
 """

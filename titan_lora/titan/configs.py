@@ -25,8 +25,8 @@ from torchtitan.distributed.activation_checkpoint import (
     ptd_checkpoint_wrapper,
 )
 
-__all__ = ["SPMD_BACKEND", "TORCH_DTYPE_MAP", "EveryNthBlockAC", "quiet_torchtitan_asset_warnings", "titan_ac",
-           "titan_compile", "titan_lr_scheduler", "titan_optimizer", "titan_parallelism"]
+__all__ = ["SPMD_BACKEND", "TORCH_DTYPE_MAP", "EveryNthBlockAC", "quiet_torchtitan_asset_warnings",
+           "titan_ac", "titan_compile", "titan_lr_scheduler", "titan_optimizer", "titan_parallelism"]
 
 
 class _TorchtitanAssetNoise(logging.Filter):

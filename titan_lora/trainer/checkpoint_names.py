@@ -22,7 +22,7 @@ _OPTIMIZER_SECTIONS = ("state.", "param_groups.")
 
 
 def peft_names(fqns: list[str], layout: PeftLayout) -> dict[str, str]:
-    """Each adapter parameter's PEFT name: `layers.0.attention.wq.lora_A` ->
+    """Each adapter parameter's PEFT name: `layers.0.attention.qkv_linear.wq.lora_A` ->
     `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`."""
     names = {fqn: peft_name_and_rope(fqn, layout)[0] for fqn in fqns}
     if len(set(names.values())) != len(names):
