@@ -53,11 +53,11 @@ def test_peft_names_of_modules_outside_the_layers_and_their_head_counts() -> Non
     layout = LLAMA3.peft_layout(DecoderShape(dim=64, n_layers=12, n_heads=4, n_kv_heads=2, head_dim=16,
                                                 ffn_hidden_dim=192, vocab_size=256, norm_eps=1e-5, rope_theta=1e4))
     lm_head = ("base_model.model.lm_head.lora_B.weight", None)
-    assert peft_name_and_rope("output.lora_B", layout) == lm_head
-    assert peft_name_and_rope("layers.11.attention.wk.lora_B", layout) == (
+    assert peft_name_and_rope("lm_head.lora_B", layout) == lm_head
+    assert peft_name_and_rope("layers.11.attention.qkv_linear.wk.lora_B", layout) == (
         "base_model.model.model.layers.11.self_attn.k_proj.lora_B.weight", RopeRows(n_heads=2, head_dim=16))
-    assert peft_name_and_rope("layers.3.attention.wq.lora_B", layout)[1] == RopeRows(n_heads=4, head_dim=16)
-    assert peft_name_and_rope("layers.3.attention.wq.lora_A", layout)[1] is None
+    assert peft_name_and_rope("layers.3.attention.qkv_linear.wq.lora_B", layout)[1] == RopeRows(n_heads=4, head_dim=16)
+    assert peft_name_and_rope("layers.3.attention.qkv_linear.wq.lora_A", layout)[1] is None
 
 
 def test_save_creates_missing_parent_directories(tmp_path) -> None:
