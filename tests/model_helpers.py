@@ -103,7 +103,7 @@ class StubSdAdapter:
     """A state-dict adapter stand-in: renames by a table (None: no HF weight) and doubles the values."""
 
     names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-             "output.weight": "lm_head.weight", "freqs_cis": None}
+             "lm_head.weight": "lm_head.weight", "freqs_cis": None}
 
     def __init__(self) -> None:
         self.seen: list[tuple[str, torch.device, tuple[int, ...]]] = []
@@ -126,7 +126,7 @@ class StubBaseModel(torch.nn.Module):
         self.a.lora_B = torch.nn.Parameter(torch.ones(2, 1))  # an adapter param first: skipped, not the end
         self.tok_embeddings = torch.nn.Embedding(4, 2)
         self.norm = torch.nn.LayerNorm(2, bias=False)
-        self.output = torch.nn.Linear(2, 4, bias=False)
+        self.lm_head = torch.nn.Linear(2, 4, bias=False)
         self.freqs_cis = torch.nn.Parameter(torch.ones(3))
         self.q = torch.nn.Module()
         self.q.lora_A = torch.nn.Parameter(torch.ones(1, 2))  # an adapter param: never part of the base

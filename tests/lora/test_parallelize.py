@@ -20,7 +20,7 @@ TOKENS = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(
 def _step_tied(rank: int, world: int, toml: str) -> None:
     model = build_from(toml).model
     randomize_adapters(model)
-    embedding, output = model.tok_embeddings, model.output
+    embedding, output = model.tok_embeddings, model.lm_head
     assert output.weight is embedding.weight, "the tiny checkpoint's head is not tied: this test proves nothing"
     assert fully_shard.state(embedding) is fully_shard.state(output), "the tied pair is in two FSDP groups"
     assert fully_shard.state(model.layers["0"]) is not fully_shard.state(output)
@@ -59,7 +59,7 @@ def _step_in_bf16(rank: int, world: int, toml: str) -> None:
         trained = {p.dtype for p in model.parameters() if p.requires_grad}
         assert frozen == {torch.bfloat16 if stored == "bf16" else torch.float32}, frozen
         assert trained == {torch.float32}, "the adapters keep [lora] dtype"
-        assert model.output.weight is model.tok_embeddings.weight, "the cast untied the head"
+        assert model.lm_head.weight is model.tok_embeddings.weight, "the cast untied the head"
         logits = model(TOKENS[:, :-1])
         loss = F.cross_entropy(logits.float().flatten(0, 1), TOKENS[:, 1:].flatten())
         loss.backward()

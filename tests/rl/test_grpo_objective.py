@@ -278,7 +278,7 @@ def _head_on_completions(rank: int, world: int, out: str) -> None:
     mask = torch.zeros(3, 20)
     mask[0, 15:], mask[1, 12:19], mask[2, 19:] = 1, 1, 1  # ragged completions, as GRPO batches are
     head_rows = []
-    hook = model.output.register_forward_pre_hook(lambda _m, args: head_rows.append(args[0].shape[:-1]))
+    hook = model.lm_head.register_forward_pre_hook(lambda _m, args: head_rows.append(args[0].shape[:-1]))
     results = {}
     for name, m in (("cut", mask), ("whole", None)):
         model.zero_grad()

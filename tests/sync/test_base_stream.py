@@ -123,7 +123,7 @@ def test_the_base_stream_yields_each_hf_weight_converted_and_skips_adapters_and_
     want = ["model.embed_tokens.weight", "model.norm.weight"] + ([] if tied else ["lm_head.weight"])
     assert [n for n, _ in got] == want
     params = {"model.embed_tokens.weight": model.tok_embeddings.weight, "model.norm.weight": model.norm.weight,
-              "lm_head.weight": model.output.weight}
+              "lm_head.weight": model.lm_head.weight}
     for name, t in got:
         assert torch.equal(t, params[name].detach() * 2), "the converted tensor, not the param"
     # names are found on meta tensors of the param's shape, then each kept tensor is converted alone

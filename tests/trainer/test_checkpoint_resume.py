@@ -84,7 +84,7 @@ def test_resume_from_step_2_reproduces_steps_3_and_4(tmp_path) -> None:
     # Stored under PEFT's names (they survive torchtitan's module renames), with the signature saying so.
     keys = set(dcp.FileSystemReader(str(first / "checkpoint" / "step-2")).read_metadata().state_dict_metadata)
     assert "adapter." + PEFT_Q_A in keys and "optimizer.state." + PEFT_Q_A + ".exp_avg" in keys, sorted(keys)[:8]
-    assert not [k for k in keys if "attention.wq" in k], "a torchtitan module path in the checkpoint"
+    assert not [k for k in keys if "attention.qkv_linear.wq" in k], "a torchtitan module path in the checkpoint"
     signature = json.loads((first / "checkpoint" / "step-2" / SIGNATURE_FILE).read_text())
     assert signature["names"] == "peft" and signature["row_order"] == "torchtitan-interleaved-rope"
 

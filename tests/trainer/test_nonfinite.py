@@ -18,7 +18,7 @@ from titan_lora.lora.layer import adapter_params
 
 REPO = Path(__file__).resolve().parents[2]
 NAN_STEP = 3
-FIRST_ADAPTER = "layers.0.attention.wq.lora_A"  # the first adapter tensor in module order
+FIRST_ADAPTER = "layers.0.attention.qkv_linear.wq.lora_A"  # the first adapter tensor in module order
 
 
 def _toml(policy: str, export_dir: Path) -> str:
