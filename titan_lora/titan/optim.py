@@ -8,15 +8,19 @@ every trainable parameter).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
 import torch.nn as nn
+from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.utils import clip_grad_norm_
 
-from titan_lora.titan.configs import titan_lr_scheduler, titan_optimizer
+from titan_lora.titan.configs import titan_compile, titan_lr_scheduler, titan_optimizer
 
-__all__ = ["build_lr_schedulers", "build_optimizers", "clip_grad_norm_"]
+__all__ = ["build_loss", "build_lr_schedulers", "build_optimizers", "clip_grad_norm_"]
 
 
 def build_optimizers(model: nn.Module, job_config, parallel_dims: ParallelDims) -> OptimizersContainer:  # noqa: ANN001
@@ -28,3 +32,9 @@ def build_lr_schedulers(optimizers: OptimizersContainer, job_config) -> LRSchedu
     """`[lr_scheduler]` over `[training] steps`."""
     return titan_lr_scheduler(job_config.lr_scheduler).build(optimizers=optimizers,
                                                              training_steps=job_config.training.steps)
+
+
+def build_loss(job_config) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:  # noqa: ANN001
+    """torchtitan's summed token cross-entropy, compiled when `[compile] components` names "loss"."""
+    loss = CrossEntropyLoss(CrossEntropyLoss.Config(), compile_config=titan_compile(job_config.compile))
+    return lambda logits, labels: loss(logits, labels)[0]

@@ -51,7 +51,8 @@ def build_model(job_config, parallel_dims: ParallelDims, device: torch.device,  
     model = family.architecture.meta_model(
         shape, job_config, model_converters(job_config, parallel_dims),
         parallelism=titan_parallelism(job_config.parallelism) if parallel_dims.tp_enabled else None)
-    freeze_base(model)  # before FSDP wraps: it reads requires_grad
+    if "lora" in job_config.model.converters:
+        freeze_base(model)  # before FSDP wraps: it reads requires_grad (no LoRA: full fine-tuning)
     model = family.parallelize(model, parallel_dims, job_config)
     model.to_empty(device=device)
     with torch.no_grad(), warnings.catch_warnings():
