@@ -128,7 +128,6 @@ seq_len = 64
 mode = "none"
 [parallelism]
 tensor_parallel_degree = {tp}
-disable_loss_parallel = {str(tp > 1).lower()}
 """
 
 

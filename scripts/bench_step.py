@@ -96,7 +96,6 @@ implementation = "{args.optimizer_impl}"
 mode = "none"
 [parallelism]
 tensor_parallel_degree = {args.tp}
-disable_loss_parallel = {str(args.tp > 1).lower()}
 [compile]
 enable = {str(args.compile).lower()}
 components = ["model"]

@@ -117,8 +117,9 @@ class Parallelism:
     """Free the gathered parameters after forward (always), keep them to backward (never), or torch's choice."""
     tensor_parallel_degree: int = 1
     """Ranks each layer's weights are split over (TP); 1: none."""
-    disable_loss_parallel: bool = False
-    """Must be true with tensor_parallel_degree > 1: the objectives read whole-vocabulary log-probs."""
+    disable_loss_parallel: bool = True
+    """Always true: the objectives read whole-vocabulary log-probs, so the head's logits are gathered under TP
+    (false, loss parallelism, is refused)."""
 
 
 @dataclass

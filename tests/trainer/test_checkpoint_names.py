@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from titan_lora.export.peft import PeftLayout
-from titan_lora.trainer.checkpoint_names import peft_names, renamed_optimizer_state, renamed_params
+from titan_lora.trainer.checkpoint_names import (
+    from_torchtitan_022,
+    hf_targets,
+    peft_names,
+    renamed_optimizer_state,
+    renamed_params,
+    saved_hf_targets,
+    to_torchtitan_022,
+)
 
 LAYOUT = PeftLayout(hf_modules={"layers.{}.attention.wq": "model.layers.{}.self_attn.q_proj",
                                 "layers.{}.feed_forward.w1": "model.layers.{}.mlp.gate_proj"}, rope={})
@@ -38,3 +46,28 @@ def test_two_parameters_on_one_peft_name_are_refused() -> None:
                                    "layers.{}.attention.wk": "model.layers.{}.self_attn.q_proj"}, rope={})
     with pytest.raises(ValueError, match="PeftLayout is wrong"):
         peft_names(["layers.0.attention.wq.lora_A", "layers.0.attention.wk.lora_A"], clash)
+
+
+@pytest.mark.parametrize(("old", "new"), [
+    ("layers.0.attention.wq", "layers.0.attention.qkv_linear.wq"),
+    ("layers.11.attention.wv.lora_B", "layers.11.attention.qkv_linear.wv.lora_B"),
+    ("layers.3.attention.wk.lora_A", "layers.3.attention.qkv_linear.wk.lora_A"),
+    ("output", "lm_head"), ("output.lora_A", "lm_head.lora_A"),
+    ("layers.0.attention.wo", "layers.0.attention.wo"), ("layers.2.feed_forward.w1.lora_A", "layers.2.feed_forward.w1.lora_A"),
+    ("tok_embeddings", "tok_embeddings"), ("layers.0.attention_norm", "layers.0.attention_norm"),
+])
+def test_torchtitan_022_module_paths_map_to_030_and_back(old: str, new: str) -> None:
+    assert from_torchtitan_022(old) == new
+    assert to_torchtitan_022(new) == old
+
+
+def test_signatures_compare_by_hf_module_names_whichever_release_wrote_them() -> None:
+    hf_modules = {"layers.{}.attention.qkv_linear.wq": "model.layers.{}.self_attn.q_proj",
+                  "layers.{}.feed_forward.w1": "model.layers.{}.mlp.gate_proj", "lm_head": "lm_head"}
+    ours = hf_targets(["layers.1.feed_forward.w1", "layers.0.attention.qkv_linear.wq", "lm_head"], hf_modules)
+    assert ours == ["lm_head", "model.layers.0.self_attn.q_proj", "model.layers.1.mlp.gate_proj"]
+    written_on_022 = {"lora_rank": 8, "target_modules": ["layers.0.attention.wq", "layers.1.feed_forward.w1", "output"]}
+    assert saved_hf_targets(written_on_022, hf_modules) == ours
+    assert saved_hf_targets({"lora_rank": 8, "target_modules": ours, "targets": "hf"}, hf_modules) == ours
+    unknown = {"lora_rank": 8, "target_modules": ["layers.0.attention.wq", "layers.0.moe.router"]}
+    assert saved_hf_targets(unknown, hf_modules) == ["layers.0.moe.router", "model.layers.0.self_attn.q_proj"]

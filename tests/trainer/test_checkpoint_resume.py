@@ -87,9 +87,13 @@ def test_resume_from_step_2_reproduces_steps_3_and_4(tmp_path) -> None:
     assert not [k for k in keys if "attention.qkv_linear.wq" in k], "a torchtitan module path in the checkpoint"
     signature = json.loads((first / "checkpoint" / "step-2" / SIGNATURE_FILE).read_text())
     assert signature["names"] == "peft" and signature["row_order"] == "torchtitan-interleaved-rope"
+    assert signature["targets"] == "hf" and "model.layers.1.mlp.down_proj" in signature["target_modules"]
 
-    # Start the second run from the step-2 checkpoint alone.
+    # Start the second run from the step-2 checkpoint alone, its signature as titan_lora wrote it on
+    # torchtitan 0.2.2 (the same tensors, the targets listed by 0.2.2's module paths): it resumes.
     shutil.copytree(first / "checkpoint" / "step-2", second / "checkpoint" / "step-2")
+    (second / "checkpoint" / "step-2" / SIGNATURE_FILE).write_text(json.dumps(
+        {**{k: v for k, v in signature.items() if k != "targets"}, "target_modules": ALL_LINEARS}))
     run_ranks(2, _train, str(second), str(tmp_path / "second.pt"))
     resumed = torch.load(tmp_path / "second.pt")
 
@@ -104,24 +108,30 @@ def test_resume_from_step_2_reproduces_steps_3_and_4(tmp_path) -> None:
         assert torch.equal(resumed["final"][name], value), f"{name} differs after the resumed run"
 
 
-def _train_saving_torchtitan_names(rank: int, world: int, dump: str, out: str) -> None:
-    """`_train`, its checkpoints written as before PEFT names: keyed by torchtitan's module paths (on 0.3.0 its
-    own paths; a real 0.2.2 checkpoint's `attention.wq` paths are not mapped yet)."""
+def _train_saving_torchtitan_022_names(rank: int, world: int, dump: str, out: str) -> None:
+    """`_train`, its checkpoints written as titan_lora wrote them on torchtitan 0.2.2 before PEFT names: keyed
+    by 0.2.2's module paths (`layers.0.attention.wq.lora_A`), the signature listing those paths."""
+    from titan_lora.lora.layer import lora_modules
     from titan_lora.trainer.checkpoint import AdapterCheckpointer
+    from titan_lora.trainer.checkpoint_names import to_torchtitan_022
 
     state, signature = AdapterCheckpointer._state, AdapterCheckpointer._signature
     AdapterCheckpointer._state = lambda self, step, peft_named=True: state(self, step, False)
     AdapterCheckpointer._signature = lambda self: {
-        k: v for k, v in signature(self).items() if k not in ("names", "row_order")}
+        "lora_rank": signature(self)["lora_rank"],
+        "target_modules": sorted(to_torchtitan_022(name) for name, _ in lora_modules(self.model))}
     _train(rank, world, dump, out)
 
 
-def test_a_checkpoint_keyed_by_torchtitan_module_paths_still_resumes(tmp_path) -> None:
+def test_a_checkpoint_keyed_by_torchtitan_022_module_paths_still_resumes(tmp_path) -> None:
     """Checkpoints saved before PEFT names (torchtitan 0.2.2's paths, no `names` in the signature)."""
     old, new = tmp_path / "old", tmp_path / "new"
-    run_ranks(2, _train_saving_torchtitan_names, str(old), str(tmp_path / "old.pt"))
+    run_ranks(2, _train_saving_torchtitan_022_names, str(old), str(tmp_path / "old.pt"))
     keys = set(dcp.FileSystemReader(str(old / "checkpoint" / "step-2")).read_metadata().state_dict_metadata)
-    assert "adapter.layers.0.attention.qkv_linear.wq.lora_A" in keys, sorted(keys)[:8]
+    assert "adapter.layers.0.attention.wq.lora_A" in keys, sorted(keys)[:8]
+    assert "optimizer.state.layers.1.attention.wv.lora_B.exp_avg" in keys, sorted(keys)[:8]
+    signature = json.loads((old / "checkpoint" / "step-2" / SIGNATURE_FILE).read_text())
+    assert "layers.0.attention.wq" in signature["target_modules"] and "names" not in signature
     full = torch.load(tmp_path / "old.pt")
     shutil.copytree(old / "checkpoint" / "step-2", new / "checkpoint" / "step-2")
     run_ranks(2, _train, str(new), str(tmp_path / "new.pt"))
@@ -166,23 +176,31 @@ def test_a_checkpoint_of_fsdp_sharded_adapters_resumes_with_replicated_ones(tmp_
         torch.testing.assert_close(resumed["final"][name], value, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def _fake_checkpoint(dump: Path, step: int, rank: int, targets: list[str]) -> Path:
+def _fake_checkpoint(dump: Path, step: int, rank: int, targets: list[str], hf_names: bool = False) -> Path:
     path = dump / "checkpoint" / f"step-{step}"
     path.mkdir(parents=True)
     (path / ".metadata").write_bytes(b"")
-    (path / "titan_lora_adapter.json").write_text(json.dumps({"lora_rank": rank, "target_modules": targets}))
+    signature = {"lora_rank": rank, "target_modules": targets, **({"targets": "hf"} if hf_names else {})}
+    (path / "titan_lora_adapter.json").write_text(json.dumps(signature))
     return path
 
 
 ALL_LINEARS = [f"layers.{i}.{m}" for i in range(2) for m in (
-    "attention.qkv_linear.wq", "attention.qkv_linear.wk", "attention.qkv_linear.wv", "attention.wo",
-    "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")]
+    "attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1", "feed_forward.w2",
+    "feed_forward.w3")]
+"""The debug model's linears as a signature written on torchtitan 0.2.2 lists them."""
+ALL_HF_LINEARS = [f"model.layers.{i}.{m}" for i in range(2) for m in (
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+    "mlp.down_proj", "mlp.up_proj")]
+"""The same as a signature lists them now: HF module names."""
 
 
 def test_a_resume_with_another_rank_or_other_targets_is_refused_before_the_build(tmp_path) -> None:
     args = (f"--job.dump_folder={tmp_path}",)
-    _fake_checkpoint(tmp_path, 2, 8, ALL_LINEARS)
+    _fake_checkpoint(tmp_path, 1, 8, ALL_HF_LINEARS, hf_names=True)
     assert job_config_from(TRAIN, *args).lora.rank == 8, "the same rank and targets resume"
+    _fake_checkpoint(tmp_path, 2, 8, ALL_LINEARS)
+    assert job_config_from(TRAIN, *args).lora.rank == 8, "the same, listed by torchtitan 0.2.2's paths, resume"
     newest = _fake_checkpoint(tmp_path, 4, 16, ALL_LINEARS)
     with pytest.raises(ValueError) as err:
         job_config_from(TRAIN, *args)
@@ -191,7 +209,11 @@ def test_a_resume_with_another_rank_or_other_targets_is_refused_before_the_build
     assert "another [checkpoint] folder" in str(err.value)
     shutil.rmtree(newest)
     newest = _fake_checkpoint(tmp_path, 6, 8, [n for n in ALL_LINEARS if "attention" in n])
-    with pytest.raises(ValueError, match=r"saved with other \[lora\] target_modules .*feed_forward"):
+    with pytest.raises(ValueError, match=r"saved with other \[lora\] target_modules .*model.layers.0.mlp.down_proj"):
+        job_config_from(TRAIN, *args)
+    shutil.rmtree(newest)
+    _fake_checkpoint(tmp_path, 8, 8, [n for n in ALL_HF_LINEARS if "q_proj" not in n], hf_names=True)
+    with pytest.raises(ValueError, match=r"saved with other \[lora\] target_modules .*model.layers.0.self_attn.q_proj"):
         job_config_from(TRAIN, *args)
 
 

@@ -137,9 +137,9 @@ BAD = {
         ["[parallelism] pipeline_parallel_degree is torchtitan 0.2.2's key", "data (FSDP/HSDP) and tensor "
          "parallelism only; delete the line"],
     ),
-    "tensor parallelism with loss parallelism": (
-        DEBUG_LORA + "[parallelism]\ntensor_parallel_degree = 2\n",
-        ["tensor_parallel_degree = 2", "disable_loss_parallel = true"],
+    "loss parallelism": (
+        DEBUG_LORA + "[parallelism]\ndisable_loss_parallel = false\n",
+        ["[parallelism] disable_loss_parallel = false asks for loss parallelism", "remove the key"],
     ),
     "SFT data that is missing": (
         DEBUG_LORA + '[data]\npath = "/nonexistent/sft.jsonl"\n',

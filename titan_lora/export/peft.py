@@ -81,11 +81,15 @@ def peft_name_and_rope(name: str, layout: PeftLayout) -> tuple[str, RopeRows | N
     RopeRows(n_heads, head_dim)) for Llama; lora_A, and modules outside `layout.rope`, get None.
     """
     module, suffix = name.rsplit(".", 1)
-    abstract = re.sub(r"\d+", "{}", module, count=1)
+    rope = layout.rope.get(re.sub(r"\d+", "{}", module, count=1)) if suffix == "lora_B" else None
+    return f"{PEFT_PREFIX}{hf_module_name(module, layout.hf_modules)}.{suffix}.weight", rope
+
+
+def hf_module_name(module: str, hf_modules: Mapping[str, str]) -> str:
+    """The HF module of torchtitan module `module` (`layers.0.attention.qkv_linear.wq` ->
+    `model.layers.0.self_attn.q_proj`); KeyError when `hf_modules` has no such module."""
     layer = re.search(r"\d+", module)
-    hf_module = layout.hf_modules[abstract].format(layer.group(0) if layer else "")
-    rope = layout.rope.get(abstract) if suffix == "lora_B" else None
-    return f"{PEFT_PREFIX}{hf_module}.{suffix}.weight", rope
+    return hf_modules[re.sub(r"\d+", "{}", module, count=1)].format(layer.group(0) if layer else "")
 
 
 def to_peft_names(adapter: Mapping[str, torch.Tensor], layout: PeftLayout) -> dict[str, torch.Tensor]:

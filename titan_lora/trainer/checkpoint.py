@@ -11,6 +11,7 @@ import logging
 import re
 import shutil
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import torch.distributed as dist
@@ -23,16 +24,20 @@ from titan_lora.lora.layer import adapter_params, lora_modules
 from titan_lora.trainer.checkpoint_names import (
     NAMES,
     ROW_ORDER,
+    TARGETS,
+    hf_targets,
     peft_names,
     renamed_optimizer_state,
     renamed_params,
+    saved_hf_targets,
+    to_torchtitan_022,
 )
 
 logger = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 SIGNATURE_FILE = "titan_lora_adapter.json"
-"""Beside DCP's files: the LoRA rank and adapted modules, compared before a resume, and the tensor names
-(`checkpoint_names.NAMES`) and row order the checkpoint is stored in."""
+"""Beside DCP's files: the LoRA rank and adapted modules (HF module names), compared before a resume, and the
+tensor names (`checkpoint_names.NAMES`) and row order the checkpoint is stored in."""
 DATA_STATE_FILE = "titan_lora_data.json"
 """Beside DCP's files, when the objective has one: its data position (the async loop's groups trained)."""
 
@@ -45,13 +50,15 @@ def complete_steps(folder: Path) -> list[int]:
     return sorted(s for s in found if (folder / f"step-{s}" / ".metadata").exists())
 
 
-def adapter_signature(rank: int, targets: list[str]) -> dict[str, Any]:
-    """What a checkpoint's adapter shapes depend on: the LoRA rank and the adapted linears."""
-    return {"lora_rank": rank, "target_modules": sorted(targets)}
+def adapter_signature(rank: int, targets: list[str], hf_modules: Mapping[str, str]) -> dict[str, Any]:
+    """What a checkpoint's adapter shapes depend on: the LoRA rank and the adapted linears, named as in the
+    HF checkpoint (torchtitan's module paths change between releases)."""
+    return {"lora_rank": rank, "target_modules": hf_targets(targets, hf_modules), "targets": TARGETS}
 
 
-def check_resume_compatible(folder: Path, rank: int, targets: list[str]) -> None:
-    """Refuse to resume from a checkpoint whose adapter has another rank or other targets."""
+def check_resume_compatible(folder: Path, rank: int, targets: list[str], hf_modules: Mapping[str, str]) -> None:
+    """Refuse to resume from a checkpoint whose adapter has another rank or other targets (torchtitan module
+    paths `targets`, compared by their HF names through `hf_modules`)."""
     steps = complete_steps(folder)
     if not steps:
         return
@@ -60,7 +67,7 @@ def check_resume_compatible(folder: Path, rank: int, targets: list[str]) -> None
     if not meta.exists():
         return  # written before signatures existed: DCP's own shape check is all there is
     saved = json.loads(meta.read_text())
-    diff = sorted(set(saved["target_modules"]) ^ set(targets))
+    diff = sorted(set(saved_hf_targets(saved, hf_modules)) ^ set(hf_targets(targets, hf_modules)))
     if saved["lora_rank"] == rank and not diff:
         return
     if saved["lora_rank"] != rank:
@@ -93,6 +100,7 @@ class AdapterCheckpointer:
         self.folder = Path(folder)
         self.model = model
         self.names = peft_names([name for name, _ in adapter_params(model)], layout)
+        self.hf_modules = layout.hf_modules
         self.optimizers = optimizers
         self.lr_schedulers = lr_schedulers
         self.interval = interval
@@ -104,11 +112,16 @@ class AdapterCheckpointer:
         # The adapter version is the step, and so is the data position of the sync loop (data is drawn
         # per step from a seeded order); the async loop's position goes beside it (DATA_STATE_FILE).
         adapter, optimizer = dict(adapter_params(self.model)), self.optimizers.state_dict()
-        if peft_named:  # else torchtitan 0.2.2's module paths, as checkpoints before NAMES were keyed
-            adapter = renamed_params(adapter, self.names)
-            optimizer = renamed_optimizer_state(optimizer, self.names)
+        names = self._stored_names(peft_named)
+        adapter = renamed_params(adapter, names)
+        optimizer = renamed_optimizer_state(optimizer, names)
         return {"adapter": adapter, "optimizer": optimizer, "lr_scheduler": self.lr_schedulers.state_dict(),
                 "trainer": {"step": step}}
+
+    def _stored_names(self, peft_named: bool) -> dict[str, str]:
+        """Each adapter parameter's key in a checkpoint: its PEFT name, or (checkpoints written before
+        NAMES) its torchtitan 0.2.2 module path."""
+        return self.names if peft_named else {fqn: to_torchtitan_022(fqn) for fqn in self.names}
 
     def steps(self) -> list[int]:
         """Steps that have a complete checkpoint, oldest first."""
@@ -145,7 +158,7 @@ class AdapterCheckpointer:
     def _signature(self) -> dict[str, Any]:
         modules = list(lora_modules(self.model))
         rank = modules[0][1].lora_A.shape[0] if modules else 0  # the global shape, also for DTensors
-        signature = adapter_signature(rank, [name for name, _ in modules])
+        signature = adapter_signature(rank, [name for name, _ in modules], self.hf_modules)
         return {**signature, "names": NAMES, "row_order": ROW_ORDER}
 
     def load_latest(self) -> int:
@@ -153,8 +166,8 @@ class AdapterCheckpointer:
         steps = self.steps()
         if not steps:
             return 0
-        signature = self._signature()
-        check_resume_compatible(self.folder, signature["lora_rank"], signature["target_modules"])
+        modules = [name for name, _ in lora_modules(self.model)]
+        check_resume_compatible(self.folder, self._signature()["lora_rank"], modules, self.hf_modules)
         path = self.folder / f"step-{steps[-1]}"
         saved = json.loads((path / SIGNATURE_FILE).read_text()) if (path / SIGNATURE_FILE).exists() else {}
         peft_named = saved.get("names") == NAMES
@@ -163,9 +176,8 @@ class AdapterCheckpointer:
                            "names): resumed as such; the next checkpoint uses PEFT names", path)
         state = self._state(0, peft_named)
         dcp.load(state, checkpoint_id=str(path))
-        if peft_named:  # the optimizer takes its own parameter names back
-            ours = {peft: fqn for fqn, peft in self.names.items()}
-            state["optimizer"] = renamed_optimizer_state(state["optimizer"], ours)
+        ours = {stored: fqn for fqn, stored in self._stored_names(peft_named).items()}
+        state["optimizer"] = renamed_optimizer_state(state["optimizer"], ours)  # its own parameter names back
         self.optimizers.load_state_dict(state["optimizer"])
         self.lr_schedulers.load_state_dict(state["lr_scheduler"])
         data = path / DATA_STATE_FILE

@@ -8,14 +8,23 @@ torchtitan's interleaved order: the signature says so), so a save is a rename, n
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
-from titan_lora.export.peft import PeftLayout, peft_name_and_rope
+from titan_lora.export.peft import PeftLayout, hf_module_name, peft_name_and_rope
 
 NAMES = "peft"
 """The signature's `names` for checkpoints keyed by PEFT names; a signature without `names` is keyed by
 torchtitan 0.2.2's module paths (written before this module)."""
+TARGETS = "hf"
+"""The signature's `targets` when its `target_modules` are HF module names (`model.layers.0.self_attn.q_proj`);
+a signature without `targets` lists torchtitan 0.2.2's module paths (`layers.0.attention.wq`)."""
+_FROM_TORCHTITAN_022 = ((r"(^|\.)attention\.(w[qkv])(?=\.|$)", r"\1attention.qkv_linear.\2"),
+                        (r"^output(?=\.|$)", "lm_head"))
+"""The module paths torchtitan 0.3.0 renamed: 0.2.2 pattern -> 0.3.0 path."""
+_TO_TORCHTITAN_022 = ((r"(^|\.)attention\.qkv_linear\.(w[qkv])(?=\.|$)", r"\1attention.\2"),
+                      (r"^lm_head(?=\.|$)", "output"))
 ROW_ORDER = "torchtitan-interleaved-rope"
 """The signature's `row_order`: the RoPE rows of q/k lora_B as the trainer holds them, not permuted."""
 _OPTIMIZER_SECTIONS = ("state.", "param_groups.")
@@ -28,6 +37,40 @@ def peft_names(fqns: list[str], layout: PeftLayout) -> dict[str, str]:
     if len(set(names.values())) != len(names):
         raise ValueError("two adapter parameters map to one PEFT name; the family's PeftLayout is wrong")
     return names
+
+
+def from_torchtitan_022(path: str) -> str:
+    """A torchtitan 0.2.2 module or parameter path as 0.3.0 names it (`layers.0.attention.wq.lora_A` ->
+    `layers.0.attention.qkv_linear.wq.lora_A`, `output` -> `lm_head`); other paths are unchanged."""
+    for pattern, replacement in _FROM_TORCHTITAN_022:
+        path = re.sub(pattern, replacement, path)
+    return path
+
+
+def to_torchtitan_022(path: str) -> str:
+    """A torchtitan 0.3.0 module or parameter path as 0.2.2 named it (the inverse of `from_torchtitan_022`)."""
+    for pattern, replacement in _TO_TORCHTITAN_022:
+        path = re.sub(pattern, replacement, path)
+    return path
+
+
+def hf_targets(modules: list[str], hf_modules: Mapping[str, str]) -> list[str]:
+    """The HF module names of torchtitan modules `modules`, sorted (a name with no HF module is kept as is,
+    so a comparison shows it)."""
+    def hf(module: str) -> str:
+        try:
+            return hf_module_name(module, hf_modules)
+        except KeyError:
+            return module
+    return sorted(hf(module) for module in modules)
+
+
+def saved_hf_targets(signature: Mapping[str, Any], hf_modules: Mapping[str, str]) -> list[str]:
+    """A checkpoint signature's adapted modules as HF module names, also from a signature that lists
+    torchtitan 0.2.2's module paths (written before `TARGETS`)."""
+    if signature.get("targets") == TARGETS:
+        return sorted(signature["target_modules"])
+    return hf_targets([from_torchtitan_022(m) for m in signature["target_modules"]], hf_modules)
 
 
 def renamed_params(state: Mapping[str, Any], names: Mapping[str, str]) -> dict[str, Any]:

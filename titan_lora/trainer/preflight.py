@@ -20,13 +20,12 @@ from titan_lora.transfer.transport import SHM_DIR
 
 
 def check_parallelism(job_config) -> None:  # noqa: ANN001
-    """Refuse tensor parallelism with loss parallelism (the objectives need whole-vocabulary logits)."""
-    par = job_config.parallelism
-    if par.tensor_parallel_degree > 1 and not par.disable_loss_parallel:
+    """Refuse loss parallelism (the objectives need whole-vocabulary logits)."""
+    if not job_config.parallelism.disable_loss_parallel:
         raise ValueError(
-            f"[parallelism] tensor_parallel_degree = {par.tensor_parallel_degree} with loss parallelism: "
-            "titan_lora's objectives (SFT, GRPO log-probs) read each token's log-prob over the whole "
-            "vocabulary; set [parallelism] disable_loss_parallel = true"
+            "[parallelism] disable_loss_parallel = false asks for loss parallelism, which titan_lora does not "
+            "offer: its objectives (SFT, GRPO log-probs) read each token's log-prob over the whole vocabulary, "
+            "so the output head's logits are always gathered; remove the key (true is the default)"
         )
 
 
@@ -153,4 +152,5 @@ def preflight(job_config, targets: list[str] | None) -> None:  # noqa: ANN001
         folder = Path(job_config.job.dump_folder) / job_config.checkpoint.folder
         check_steps_left(folder, job_config.training.steps)
         if targets is not None:
-            check_resume_compatible(folder, job_config.lora.rank, targets)
+            check_resume_compatible(folder, job_config.lora.rank, targets,
+                                    model_family(job_config.model.name).hf_modules)
