@@ -1,15 +1,15 @@
 """titan_lora's own config parse (TOML plus `--section.key value` overrides, no tyro) into its own schema: every
-key it kept has the value torchtitan 0.2.2's ConfigManager gave, and the overrides it refused are refused by
-name."""
+key it kept has the value torchtitan 0.2.2's ConfigManager gave (recorded in toml_0_2_2.json), and the overrides
+it refused are refused by name."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from pathlib import Path
 
 import pytest
-from torchtitan.config import ConfigManager
 
 from titan_lora.config import ConfigError
 from titan_lora.trainer.job_config import config_schema, is_flag, parse_job
@@ -57,48 +57,55 @@ def _typed(value: object) -> object:
     return type(value).__name__, value
 
 
-# The defaults titan_lora changed on purpose: torchtitan's -> titan_lora's (run_sections.py says why).
-CHANGED_DEFAULTS = {("model", "hf_assets_path"): ("./tests/assets/tokenizer", ""),
-                    ("compile", "components"): (["model", "loss"], ["model"])}
+RECORD = json.loads(Path(__file__).with_name("toml_0_2_2.json").read_text())
+"""What torchtitan 0.2.2's ConfigManager (TOML + tyro) parsed, cut to the keys titan_lora kept, as `section.key:
+[type, value]` (32 and 32.0 differ): `configs` for every shipped config x OVERRIDES set (each set as its
+difference from "none"), `task` for TASK_TOML without and with TASK_OVERRIDES. Recorded with torchtitan 0.2.2
+installed (by the live comparison this test made up to main ac88096), at the switch to 0.3.0 (which has no TOML), with the two defaults titan_lora changed on purpose
+(`[model] hf_assets_path = ""`, `[compile] components = ["model"]`) applied."""
+CHANGED_AT_030 = {"parallelism.disable_loss_parallel": ["bool", True]}
+"""Keys whose value changed at the switch to 0.3.0: loss parallelism is not offered (the head's logits are always
+gathered), so the key is always true."""
 
 
-def _kept(theirs: dict, ours: dict) -> dict:
-    """torchtitan's parsed config cut to the sections and keys titan_lora's schema kept."""
-    return {k: _kept(v, ours[k]) if isinstance(v, dict) and isinstance(ours.get(k), dict) and k != "task" else v
-            for k, v in theirs.items() if k in ours}
-
-
-def _torchtitans(argv: list[str]) -> dict:
-    config = ConfigManager().parse_args([*argv, "--job.custom_config_module=titan_lora.config"])
-    for (section, key), (old, new) in CHANGED_DEFAULTS.items():
-        if getattr(getattr(config, section), key) == old:
-            setattr(getattr(config, section), key, new)
-    return _typed(_kept(dataclasses.asdict(config), dataclasses.asdict(parse_job([])[0])))
+def _typed_flat(value: object, prefix: str = "") -> dict:
+    """`value` flattened to `section.key` -> [type name, value], as RECORD holds it."""
+    if isinstance(value, dict):
+        return {k: v for key, item in value.items() for k, v in _typed_flat(item, f"{prefix}{key}.").items()}
+    def typed(leaf: object) -> object:
+        return [typed(v) for v in leaf] if isinstance(leaf, list) else [type(leaf).__name__, leaf]
+    return {prefix.removesuffix("."): json.loads(json.dumps(typed(value)))}
 
 
 def _ours(argv: list[str]) -> dict:
-    return _typed(dataclasses.asdict(parse_job(argv)[0]))
+    return _typed_flat(dataclasses.asdict(parse_job(argv)[0]))
 
 
 @pytest.mark.parametrize("overrides", list(OVERRIDES))
-@pytest.mark.parametrize("config", SHIPPED)
+@pytest.mark.parametrize("config", sorted(RECORD["configs"]))
 def test_every_shipped_config_parses_as_torchtitan_0_2_2_parsed_it(config: str, overrides: str, monkeypatch) -> None:
     """The no-behaviour-change guarantee of titan_lora's own parser and schema: every section and key it kept
-    has the value and type torchtitan 0.2.2's ConfigManager (TOML + tyro) gave (but the two defaults changed on
-    purpose). It needs torchtitan 0.2.2's ConfigManager, so it goes at the switch to 0.3.0 (which has no TOML)."""
+    has the value and type torchtitan 0.2.2's ConfigManager (TOML + tyro) gave (but the defaults changed on
+    purpose, and CHANGED_AT_030)."""
     monkeypatch.chdir(REPO)
     logging.getLogger().setLevel(logging.ERROR)  # torchtitan's asset warnings
-    argv = ["--job.config_file", config, *OVERRIDES[overrides]]
-    assert _ours(argv) == _torchtitans(argv)
+    recorded = RECORD["configs"][config]
+    assert _ours(["--job.config_file", config, *OVERRIDES[overrides]]) == {
+        **recorded["none"], **recorded[overrides], **CHANGED_AT_030}
+
+
+def test_the_record_covers_the_configs_shipped_before_the_switch() -> None:
+    assert set(RECORD["configs"]) <= set(SHIPPED), set(RECORD["configs"]) - set(SHIPPED)
+    assert all(set(sets) == set(OVERRIDES) for sets in RECORD["configs"].values())
 
 
 def test_a_free_form_table_is_overridden_as_torchtitan_0_2_2_did(tmp_path) -> None:
-    """[task]: only the keys its TOML sets, each typed by its TOML value (removed with the test above)."""
+    """[task]: only the keys its TOML sets, each typed by its TOML value."""
     config = tmp_path / "task.toml"
     config.write_text(TASK_TOML)
-    for overrides in ([], TASK_OVERRIDES):
-        argv = ["--job.config_file", str(config), *overrides]
-        assert _ours(argv) == _torchtitans(argv)
+    for name, overrides in (("none", []), ("overrides", TASK_OVERRIDES)):
+        ours = _ours(["--job.config_file", str(config), *overrides])
+        assert ours == {**RECORD["task"][name], "job.config_file": ["str", str(config)], **CHANGED_AT_030}
     task = parse_job(["--job.config_file", str(config), *TASK_OVERRIDES])[0].task
     assert task == {"path": "b.jsonl", "n": -5, "f": 3.0, "on": False, "words": ["c,d", "e"], "ints": [3, 4],
                     "mixed": [3, 4.5], "empty": [], "sub": {"k": 7}}
@@ -192,20 +199,19 @@ def test_torchtitan_0_2_2_keys_titan_lora_does_not_honour_are_refused_with_the_r
 
 
 def test_every_torchtitan_0_2_2_key_is_kept_or_refused_and_every_refused_one_is_torchtitans() -> None:
-    """No torchtitan key falls through as a bare "unknown key", and the refused list names no key of ours."""
-    from torchtitan.config import JobConfig as TitanJobConfig
-
+    """No torchtitan 0.2.2 key (RECORD's list of its JobConfig) falls through as a bare "unknown key", and the
+    refused list names no key of ours."""
     from titan_lora.run_sections import DROPPED_KEYS, DROPPED_SECTIONS
 
     ours = {f.name: f.type for f in dataclasses.fields(config_schema())}
-    for section in dataclasses.fields(TitanJobConfig):
-        if section.name in DROPPED_SECTIONS:
-            assert section.name not in ours
+    titan = {section: set(keys) for section, keys in RECORD["torchtitan_0_2_2_keys"].items()}
+    for section, keys in titan.items():
+        if section in DROPPED_SECTIONS:
+            assert section not in ours
             continue
-        kept = {f.name for f in dataclasses.fields(ours[section.name])}
-        for key in dataclasses.fields(section.type):
-            assert (key.name in kept) != ((section.name, key.name) in DROPPED_KEYS), (section.name, key.name)
-    titan = {f.name: {k.name for k in dataclasses.fields(f.type)} for f in dataclasses.fields(TitanJobConfig)}
+        kept = {f.name for f in dataclasses.fields(ours[section])}
+        for key in keys:
+            assert (key in kept) != ((section, key) in DROPPED_KEYS), (section, key)
     assert all(key in titan[section] for section, key in DROPPED_KEYS)
     assert set(DROPPED_SECTIONS) <= set(titan)
 
