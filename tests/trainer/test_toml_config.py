@@ -61,7 +61,8 @@ RECORD = json.loads(Path(__file__).with_name("toml_0_2_2.json").read_text())
 """What torchtitan 0.2.2's ConfigManager (TOML + tyro) parsed, cut to the keys titan_lora kept, as `section.key:
 [type, value]` (32 and 32.0 differ): `configs` for every shipped config x OVERRIDES set (each set as its
 difference from "none"), `task` for TASK_TOML without and with TASK_OVERRIDES. Recorded with torchtitan 0.2.2
-installed (by the live comparison this test made up to main ac88096), at the switch to 0.3.0 (which has no TOML), with the two defaults titan_lora changed on purpose
+installed (by the live comparison this test made up to main ac88096), at the switch to 0.3.0 (which has
+no TOML), with the two defaults titan_lora changed on purpose
 (`[model] hf_assets_path = ""`, `[compile] components = ["model"]`) applied."""
 CHANGED_AT_030 = {"parallelism.disable_loss_parallel": ["bool", True]}
 """Keys whose value changed at the switch to 0.3.0: loss parallelism is not offered (the head's logits are always

@@ -14,3 +14,11 @@ state-dict adapter; lm_head's logits kept whole under TP), `llama3` and `qwen3` 
 `parallel` (ParallelDims on the partial-DTensor backend, meshes, TP, activation checkpointing, compile) and
 `optim` (optimizers, LR schedules, gradient clipping).
 """
+
+import torch.distributed.fsdp as _fsdp
+
+if not hasattr(_fsdp, "DataParallelMeshDims"):  # before torchtitan's own import fails on it, less clearly
+    import torch as _torch
+
+    raise ImportError(f"torchtitan 0.3.0 needs torch >= 2.12 (torch.distributed.fsdp.DataParallelMeshDims); this is "
+                      f"torch {_torch.__version__}: pip install 'torch>=2.12' (scripts/setup.sh installs 2.13.0)")
