@@ -81,6 +81,11 @@ def test_a_target_that_matches_nothing_names_the_key_and_the_choices() -> None:
     assert "all-linear" in message
 
 
+def test_torchtitan_022s_head_name_is_refused_with_its_new_name() -> None:
+    with pytest.raises(ValueError, match="torchtitan 0.3.0 names the output head lm_head .*: write lm_head"):
+        resolve_targets(Tiny(), ["wq", "output"], LLAMA3.leaf_names)
+
+
 @pytest.mark.parametrize("targets", ['"all-linear"', '["q_proj", "wv", "lm_head"]'])
 def test_targets_resolved_from_the_config_name_the_built_adapters(targets: str) -> None:
     # A resume compares the checkpoint's adapted modules with the config's before the build: both

@@ -38,9 +38,11 @@ def resolve_target_names(linears: Sequence[str], target_modules: list[str] | str
     if missing:
         hf = sorted(names[p] for p in present if p in names)
         by_hf = f" (or by HF name: {', '.join(hf)})" if hf else ""
+        renamed = ("; torchtitan 0.3.0 names the output head lm_head (0.2.2 named it output): write lm_head"
+                   if "output" in missing and "lm_head" in present else "")
         raise ValueError(
             f"[lora] target_modules {missing} match no linear layer of this model; "
-            f"its linears are: {', '.join(sorted(present))}{by_hf}, or use \"all-linear\""
+            f"its linears are: {', '.join(sorted(present))}{by_hf}, or use \"all-linear\"{renamed}"
         )
     return [n for n in linears if _leaf(n) in wanted]
 
