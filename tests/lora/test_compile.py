@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._dynamo.eval_frame import OptimizedModule
 from dist_helpers import needs_gpus, rank_device, run_ranks
 from model_helpers import DEBUG_LORA, build_from, full_copy, randomize_adapters
 
@@ -33,9 +32,9 @@ def _loss_and_grads(toml: str) -> tuple[float, dict[str, torch.Tensor], torch.nn
 def _compiled_matches_eager(rank: int, world: int, backend: str, rtol: float) -> None:
     eager_loss, eager_grads, _ = _loss_and_grads(DEBUG_LORA)
     loss, grads, model = _loss_and_grads(COMPILED.format(backend=backend))
-    assert isinstance(model.layers["0"], OptimizedModule), f"the blocks were not compiled: {type(model.layers['0'])}"
-    assert any("_orig_mod." in n for n, _ in model.named_parameters()), "compile left the param names alone"
-    assert grads.keys() == eager_grads.keys() and all("_orig_mod" not in n for n in grads)
+    # torchtitan 0.3.0 compiles each block in place (`Module.compile`): its names stay as they were.
+    assert all(block._compiled_call_impl is not None for block in model.layers.values()), "blocks not compiled"
+    assert grads.keys() == eager_grads.keys()
     assert abs(loss - eager_loss) <= rtol * abs(eager_loss), (loss, eager_loss)
     for name, grad in grads.items():
         assert grad.abs().sum() > 0, f"{name}: no gradient reached the adapter"

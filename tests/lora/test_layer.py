@@ -184,8 +184,8 @@ def test_adapters_disabled_runs_the_base_and_restores_every_scale() -> None:
 
 
 def test_clean_fqn_drops_wrapper_segments() -> None:
-    name = "layers.0._checkpoint_wrapped_module.attention._orig_mod.wq.lora_A"
-    assert clean_fqn(name) == "layers.0.attention.wq.lora_A"
+    name = "layers.0._checkpoint_wrapped_module.attention.qkv_linear.wq.lora_A"
+    assert clean_fqn(name) == "layers.0.attention.qkv_linear.wq.lora_A"
     assert clean_fqn("layers.0.attention.wq") == "layers.0.attention.wq"
 
 

@@ -83,8 +83,9 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def clean_fqn(name: str) -> str:
-    """A parameter or module name without wrapper segments (activation checkpointing, compile)."""
-    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+    """A parameter or module name without activation checkpointing's wrapper segment (torchtitan 0.3.0
+    compiles blocks in place, so compile adds none)."""
+    return name.replace("_checkpoint_wrapped_module.", "")
 
 
 def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALayer]]:

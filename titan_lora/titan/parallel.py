@@ -115,6 +115,5 @@ def checkpoint_and_compile(model: nn.Module, job_config, parallel_dims: Parallel
     if ac is not None:
         ac.build(dump_folder=job_config.job.dump_folder).apply(model)
     if job_config.compile.enable and "model" in job_config.compile.components:
-        # Each block compiles once (they share code); parameter names gain "_orig_mod.", which every name
-        # titan_lora reads drops (`lora.layer.clean_fqn`).
+        # Each block compiles once (they share code), in place: parameter names do not change.
         apply_compile(model, compile_config=titan_compile(job_config.compile), parallel_dims=parallel_dims)
