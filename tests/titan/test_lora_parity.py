@@ -151,15 +151,19 @@ def test_logits_and_adapter_grads_match_peft(family: str) -> None:
 
 
 def test_adapter_init_is_titan_lora_init() -> None:
-    """The converter's param_init gives titan_lora's init_adapters values (kaiming-uniform A, zero B)."""
+    """The converter's param_init gives titan_lora's init_adapters values (kaiming-uniform A, zero B), seeded by
+    the module's index in the built model's order (the head last, though 0.3.0's config declares it first)."""
     shape = DecoderShape(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_hidden_dim=64,
                          vocab_size=100, norm_eps=1e-5, rope_theta=1e4)
-    model = LLAMA3.architecture.meta_model(shape, converters=[lora_converter(LoRA(rank=2), LLAMA3.leaf_names, seed=7)])
+    targets = ["wq", "wk", "wv", "wo", "w1", "w2", "w3", "lm_head"]
+    converter = lora_converter(LoRA(rank=2, target_modules=targets), LLAMA3.leaf_names, seed=7)
+    model = LLAMA3.architecture.meta_model(shape, converters=[converter])
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights()
     got = {n: p.detach().clone() for n, p in adapter_params(model)}
-    assert len(got) == 28 and all(torch.count_nonzero(v) == 0 for n, v in got.items() if n.endswith("lora_B"))
+    assert len(got) == 30 and all(torch.count_nonzero(v) == 0 for n, v in got.items() if n.endswith("lora_B"))
+    assert list(got)[-2:] == ["lm_head.lora_A", "lm_head.lora_B"], list(got)[-4:]
     init_adapters(model, seed=7)
     assert all(torch.equal(got[n], p) for n, p in adapter_params(model))
 

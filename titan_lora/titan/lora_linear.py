@@ -118,6 +118,16 @@ def init_zeros(param: torch.Tensor) -> None:
         param.zero_()
 
 
+BUILT_ORDER = ("tok_embeddings", "layers", "norm", "lm_head")
+"""The order `Decoder.__init__` builds its children in (its config declares lm_head first): a module's index,
+and so its adapter's seed, follows the built model's module order, as titan_lora's numbering always did."""
+
+
+def _built_position(fqn: str) -> int:
+    top = fqn.split(".", 1)[0]
+    return BUILT_ORDER.index(top) if top in BUILT_ORDER else len(BUILT_ORDER)
+
+
 def linear_names(model_config: Module.Config) -> list[str]:
     """The qualified names of the linears a config tree builds, in build order (q/k/v split first)."""
     split_all_qkv(model_config)
@@ -143,11 +153,10 @@ class LoRAConfigConverter:
 
     def __call__(self, model_config: Module.Config) -> Module.Config:
         wanted = set(self.select(linear_names(model_config)))
+        found = [entry for entry in model_config.traverse(Linear.Config, recurse=False) if entry[0] in wanted]
         index = 0
         self.targets = []
-        for fqn, cfg, parent, attr in list(model_config.traverse(Linear.Config, recurse=False)):
-            if fqn not in wanted:
-                continue
+        for fqn, cfg, parent, attr in sorted(found, key=lambda entry: _built_position(entry[0])):
             if cfg.param_init is None:
                 raise ValueError(f"{fqn}: a LoRA target needs a param_init for its base weight")
             new = lora_linear_class(cfg._owner, self.lora_class).Config(
