@@ -97,6 +97,10 @@ def tensor_parallel(model: nn.Module, parallel_dims: ParallelDims) -> None:
     plain tensors (labels, masks). Each TP rank computes the same loss, so the local copy's gradient is the
     replicated gradient."""
     model.parallelize(parallel_dims)
+    if getattr(model, "enable_weight_tying", False):
+        # parallelize gives each module a DTensor of its own; FSDP must see the tied pair as one parameter (the
+        # two have the same placement: vocabulary rows sharded over tp).
+        model.tok_embeddings.weight = model.lm_head.weight
     head = output_head(model)
     if head is not None:
         head.register_forward_hook(_local_logits)
