@@ -22,7 +22,6 @@ from torchtitan.distributed.activation_checkpoint import (
     ActivationCheckpointing,
     FullAC,
     SelectiveAC,
-    ptd_checkpoint_wrapper,
 )
 
 __all__ = ["SPMD_BACKEND", "TORCH_DTYPE_MAP", "EveryNthBlockAC", "quiet_torchtitan_asset_warnings",
@@ -78,14 +77,11 @@ class EveryNthBlockAC(FullAC):
     class Config(FullAC.Config):
         every: int = 2
 
-    def apply(self, model: nn.Module) -> None:
-        """Wrap every `every`-th block of `model.layers` in place."""
-        layers = model.get_submodule("layers")
-        for count, (layer_id, block) in enumerate(list(layers.named_children()), start=1):
-            if count % self.config.every == 0:
-                layers.register_module(layer_id, ptd_checkpoint_wrapper(
-                    block, preserve_rng_state=self.config.preserve_rng_state,
-                    determinism_check=self.config.determinism_check, early_stop=False, debug=self.config.debug))
+    def _wrap_block(self, module: nn.Module, *, base_fqn: str | None = None) -> nn.Module:
+        """Full recompute of block `layers.<id>` when it is the N-th, 2N-th, ... (ids count from 0); the base's
+        `apply` walks the blocks (and sets what every AC policy needs, as 0.2.2's `apply_ac` did)."""
+        position = int((base_fqn or "").rsplit(".", 1)[-1]) + 1
+        return super()._wrap_block(module, base_fqn=base_fqn) if position % self.config.every == 0 else module
 
 
 def titan_ac(section: Any) -> ActivationCheckpointing.Config | None:  # noqa: ANN401 ([activation_checkpoint])
