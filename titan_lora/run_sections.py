@@ -118,8 +118,8 @@ class Parallelism:
     tensor_parallel_degree: int = 1
     """Ranks each layer's weights are split over (TP); 1: none."""
     disable_loss_parallel: bool = True
-    """Always true: the objectives read whole-vocabulary log-probs, so the head's logits are gathered under TP
-    (false, loss parallelism, is refused)."""
+    """True: the objectives read whole-vocabulary log-probs, so under TP the head's logits are gathered (false
+    with tensor_parallel_degree > 1, loss parallelism, is refused)."""
 
 
 @dataclass

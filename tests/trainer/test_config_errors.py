@@ -138,8 +138,9 @@ BAD = {
          "parallelism only; delete the line"],
     ),
     "loss parallelism": (
-        DEBUG_LORA + "[parallelism]\ndisable_loss_parallel = false\n",
-        ["[parallelism] disable_loss_parallel = false asks for loss parallelism", "remove the key"],
+        DEBUG_LORA + "[parallelism]\ntensor_parallel_degree = 2\ndisable_loss_parallel = false\n",
+        ["tensor_parallel_degree = 2 with disable_loss_parallel = false asks for loss parallelism",
+         "remove the key"],
     ),
     "SFT data that is missing": (
         DEBUG_LORA + '[data]\npath = "/nonexistent/sft.jsonl"\n',

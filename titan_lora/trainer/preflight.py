@@ -20,12 +20,14 @@ from titan_lora.transfer.transport import SHM_DIR
 
 
 def check_parallelism(job_config) -> None:  # noqa: ANN001
-    """Refuse loss parallelism (the objectives need whole-vocabulary logits)."""
-    if not job_config.parallelism.disable_loss_parallel:
+    """Refuse loss parallelism under TP (the objectives need whole-vocabulary logits)."""
+    par = job_config.parallelism
+    if par.tensor_parallel_degree > 1 and not par.disable_loss_parallel:
         raise ValueError(
-            "[parallelism] disable_loss_parallel = false asks for loss parallelism, which titan_lora does not "
-            "offer: its objectives (SFT, GRPO log-probs) read each token's log-prob over the whole vocabulary, "
-            "so the output head's logits are always gathered; remove the key (true is the default)"
+            f"[parallelism] tensor_parallel_degree = {par.tensor_parallel_degree} with disable_loss_parallel = "
+            "false asks for loss parallelism, which titan_lora does not offer: its objectives (SFT, GRPO "
+            "log-probs) read each token's log-prob over the whole vocabulary, so the head's logits are gathered; "
+            "remove the key (true is the default)"
         )
 
 
