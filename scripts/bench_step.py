@@ -142,7 +142,7 @@ def build(args: argparse.Namespace, variant: str, device: torch.device, dims):  
 def step_fn(cfg, built, variant: str, tokens: torch.Tensor, labels: torch.Tensor, dims) -> Callable[[], None]:  # noqa: ANN001
     """One training step of `variant` (the floor: forward + backward only)."""
     model = built.model
-    loss_fn = build_loss(cfg)
+    loss_fn = build_loss()
     n_tokens = labels.numel()
     if variant == "floor":
         return lambda: (loss_fn(model(tokens), labels) / n_tokens).backward()

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn as nn
 from dist_helpers import rank_device
 
-from titan_lora.lora.layer import fill_param, is_adapter_param, lora_modules
+from titan_lora.lora.layer import LoRALayer, fill_param, is_adapter_param, lora_class, lora_modules
 from titan_lora.trainer.build import BuiltModel, build_from_toml
 from titan_lora.trainer.job_config import job_config_from_toml
 
@@ -142,3 +145,32 @@ def full_copy(t: torch.Tensor) -> torch.Tensor:
 def full_adapter(named) -> dict[str, torch.Tensor]:  # noqa: ANN001
     """`full_copy` of every (name, param) pair, e.g. of `adapter_params(model)` (collective)."""
     return {n: full_copy(p) for n, p in named}
+
+
+LoRALinear = lora_class(nn.Linear)
+"""The LoRA subclass of a plain `nn.Linear`, for tests of the LoRA mixin outside a torchtitan model."""
+
+
+def convert_linear(linear: nn.Linear, rank: int, scale: float, dropout: float, dtype: torch.dtype) -> LoRALayer:
+    """Turn a plain `linear` into its class's LoRA subclass in place (same object, same `.weight`/`.bias`), as
+    titan_lora did on torchtitan 0.2.2's built models: the LoRA mixin's tests run on it."""
+    device = linear.weight.device
+    linear.__class__ = lora_class(type(linear))
+    linear.lora_A = nn.Parameter(torch.empty(rank, linear.in_features, device=device, dtype=dtype))
+    linear.lora_B = nn.Parameter(torch.empty(linear.out_features, rank, device=device, dtype=dtype))
+    linear.scale = scale
+    linear.lora_dropout_p = dropout
+    return linear  # type: ignore[return-value]
+
+
+@torch.no_grad()
+def init_adapters(model: nn.Module, seed: int = 0) -> None:
+    """The adapter init titan_lora has always given, as a reference: kaiming-uniform A drawn whole from a generator
+    seeded by (seed, the module's index in module order), zero B; the same for any number of ranks."""
+    for index, (_, module) in enumerate(lora_modules(model)):
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
+        full_a = torch.empty(module.lora_A.shape, dtype=torch.float32)
+        bound = 1.0 / math.sqrt(module.in_features)  # kaiming_uniform_ with a=sqrt(5)
+        full_a.uniform_(-bound, bound, generator=gen)
+        fill_param(module.lora_A, full_a.to(module.lora_A.dtype))
+        fill_param(module.lora_B, torch.zeros(module.lora_B.shape, dtype=module.lora_B.dtype))

@@ -7,16 +7,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from dist_helpers import run_ranks
-from model_helpers import DEBUG_LORA, build_from, full_copy, randomize_adapters
+from model_helpers import DEBUG_LORA, LoRALinear, build_from, convert_linear, full_copy, randomize_adapters
 from torch.distributed.tensor import DTensor
 
 from titan_lora.lora.layer import (
     LoRALayer,
-    LoRALinear,
     adapter_params,
     adapters_disabled,
     clean_fqn,
-    convert_linear,
     freeze_base,
     is_adapter_param,
     lora_class,

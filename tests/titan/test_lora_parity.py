@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_helpers import init_adapters
 
 from titan_lora.config import LoRA
 from titan_lora.lora.converter import lora_converter
-from titan_lora.lora.layer import adapter_params, freeze_base, init_adapters, lora_modules
+from titan_lora.lora.layer import adapter_params, freeze_base, lora_modules
 from titan_lora.model_shape import DecoderShape
 from titan_lora.models.llama3 import LLAMA3
 from titan_lora.models.qwen3 import QWEN3

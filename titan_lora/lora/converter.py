@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 class LoRAConverter:
     """The "lora" model converter: rewrites the targeted linears of the model's config tree into LoRA linears
     (`titan_lora.titan.lora_linear`), their adapters initialised by the build (kaiming-uniform A from a
-    per-module seeded generator, zero B: `init_adapters`'s values)."""
+    per-module seeded generator, zero B)."""
 
     def __init__(self, job_config, parallel_dims, names: LeafNames) -> None:  # noqa: ANN001 (torchtitan's)
         self.cfg: LoRA = job_config.lora
@@ -44,7 +44,7 @@ class LoRAConverter:
 
 def lora_converter(cfg: LoRA, names: LeafNames, seed: int = 0) -> LoRAConfigConverter:
     """`[lora]` as a config-tree converter (`Architecture.meta_model(..., converters=[...])`): the targeted
-    linears of `names`' family become LoRA linears, adapters seeded as `init_adapters` seeds them."""
+    linears of `names`' family become LoRA linears, adapters seeded per module (seed, index)."""
     return LoRAConfigConverter(
         lora_class=lora_class, select=lambda linears: resolve_target_names(linears, cfg.target_modules, names),
         rank=cfg.rank, scale=lora_scale(cfg.rank, cfg.alpha, cfg.use_rslora), dropout=cfg.dropout, dtype=cfg.dtype,

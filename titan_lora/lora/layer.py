@@ -1,12 +1,11 @@
-"""LoRA on a linear that stays the linear it was: same object, same class family, same `.weight`.
+"""LoRA on a linear that stays the linear it was: a subclass of its own class, with the same `.weight`.
 
-torchtitan's `init_weights`, TP plans, float8 converters and state-dict adapters all read
-`linear.weight`, so a wrapper module would break them. Instead the linear's class is swapped for a
-subclass of that very class (`lora_class`) that owns two extra parameters, `lora_A` (rank x in) and
-`lora_B` (out x rank). They are created on the module before sharding, so `fully_shard` turns them into
-DTensors like any other param. Subclassing the linear's own class (not `nn.Linear`) keeps whatever base the
-framework's linear has: torchtitan 0.3.0's `Linear` is also a torchtitan `Module`, whose protocol checks and
-initialisers must still see it.
+torchtitan's initialisers, shardings and state-dict adapters all read `linear.weight`, so a wrapper module would
+break them. Instead the model is built with a subclass of the linear's very class (`lora_class`, built in by the
+LoRA config-tree converter, `titan/lora_linear.py`) that owns two extra parameters, `lora_A` (rank x in) and
+`lora_B` (out x rank). They exist from the meta build on, so TP and `fully_shard` place them like any other
+param. Subclassing the linear's own class (not `nn.Linear`) keeps what torchtitan 0.3.0's `Linear` is besides:
+a torchtitan `Module`, whose protocol checks and initialisers must still see it.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ class LoRALayer:
     lora_A: nn.Parameter
     lora_B: nn.Parameter
     scale: float
-    # A float, not an nn.Dropout child: TP styles visit every child of a linear and read `.weight`.
+    # A float, not an nn.Dropout child: a child module would need its own config, param_init and sharding.
     lora_dropout_p: float
     training: bool  # nn.Module's, from the linear's class after this mixin
 
@@ -54,27 +53,9 @@ def lora_class(linear_cls: type[nn.Linear]) -> type[nn.Linear]:
     return type(f"LoRA{linear_cls.__name__}", (LoRALayer, linear_cls), {"__module__": __name__})
 
 
-LoRALinear = lora_class(nn.Linear)
-"""The LoRA subclass of a plain `nn.Linear` (torchtitan 0.2.2's linears are plain ones)."""
-
-
 def lora_scale(rank: int, alpha: float, use_rslora: bool) -> float:
     """The LoRA scaling factor: alpha / rank, or alpha / sqrt(rank) with rsLoRA."""
     return alpha / math.sqrt(rank) if use_rslora else alpha / rank
-
-
-def convert_linear(
-    linear: nn.Linear, rank: int, scale: float, dropout: float, dtype: torch.dtype
-) -> LoRALayer:
-    """Turn `linear` into its class's LoRA subclass in place (same object, same `.weight`/`.bias`)."""
-    device = linear.weight.device
-    linear.__class__ = lora_class(type(linear))
-    lora = linear  # the same object, now a LoRALayer
-    lora.lora_A = nn.Parameter(torch.empty(rank, linear.in_features, device=device, dtype=dtype))
-    lora.lora_B = nn.Parameter(torch.empty(linear.out_features, rank, device=device, dtype=dtype))
-    lora.scale = scale
-    lora.lora_dropout_p = dropout
-    return lora  # type: ignore[return-value]
 
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
@@ -120,22 +101,6 @@ def fill_param(param: torch.Tensor, full: torch.Tensor) -> None:
             param.to_local().copy_(shard.to_local())
         else:
             param.copy_(full)
-
-
-@torch.no_grad()
-def init_adapters(model: nn.Module, seed: int = 0) -> None:
-    """Kaiming-uniform A and zero B, so that step 0 equals the base model.
-
-    The full A of each module is drawn from a generator seeded by (seed, module index), so the
-    result is the same for any number of ranks and any sharding.
-    """
-    for index, (_, module) in enumerate(lora_modules(model)):
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
-        full_a = torch.empty(module.lora_A.shape, dtype=torch.float32)
-        bound = 1.0 / math.sqrt(module.in_features)  # kaiming_uniform_ with a=sqrt(5)
-        full_a.uniform_(-bound, bound, generator=gen)
-        fill_param(module.lora_A, full_a.to(module.lora_A.dtype))
-        fill_param(module.lora_B, torch.zeros(module.lora_B.shape, dtype=module.lora_B.dtype))
 
 
 @contextlib.contextmanager

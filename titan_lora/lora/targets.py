@@ -9,7 +9,7 @@ import torch.nn as nn
 LeafNames = Mapping[str, str]
 """A family's linear leaf names, torchtitan -> HF/PEFT (`wq` -> `q_proj`); users may write either."""
 # Excluded from "all-linear" unless named: PEFT does the same for the output head.
-HEAD_NAMES = frozenset({"output", "lm_head", "tok_embeddings", "embed_tokens"})
+HEAD_NAMES = frozenset({"lm_head", "tok_embeddings", "embed_tokens"})
 
 
 def _leaf(name: str) -> str:

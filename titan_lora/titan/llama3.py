@@ -11,7 +11,6 @@ from typing import Any
 
 from torchtitan.models.llama3 import llama3_configs
 from torchtitan.models.llama3.model import Llama3Model, Llama3TransformerBlock
-from torchtitan.models.llama3.parallelize import parallelize_llama
 from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 
 from titan_lora.model_shape import DecoderShape
@@ -53,5 +52,5 @@ _FLAVORS = {name: _titan_flavor(name) for name in llama3_configs}
 LLAMA3 = Architecture(
     "llama3", model_config, Llama3StateDictAdapter,
     flavors={name: shape_of(make()) for name, make in _FLAVORS.items()},
-    titan_flavors=_FLAVORS, hf_weight_map=hf_weight_map, parallelize_fn=parallelize_llama,
+    titan_flavors=_FLAVORS, hf_weight_map=hf_weight_map,
 )

@@ -6,7 +6,7 @@ Part of the seam (`titan_lora.titan`), the bottom layer: titan_lora's LoRA half 
 from its config's `param_init` (protocols/module.py:160-209: a param with no entry raises) and places them by
 its `sharding_config.state_shardings` (module.py:340-347: likewise), so the LoRA config carries
 - `param_init` for `lora_A` (kaiming-uniform as peft, drawn whole from a generator seeded per module, so the
-  values do not depend on the sharding: bit-identical to titan_lora's `init_adapters`) and `lora_B` (zeros);
+  values do not depend on the sharding: the values titan_lora gave on 0.2.2) and `lora_B` (zeros);
 - adapter shardings derived at build time from the base weight's (0.3.0 fills sharding configs after the
   converters ran, in `update_from_config`): colwise base (tp S(0)) -> A replicated, B S(0); rowwise
   (tp S(1)) -> A S(1), B replicated.
@@ -140,7 +140,7 @@ class LoRAConfigConverter:
     """Rewrites the linears `select` picks (from the tree's linear names, in build order) into LoRA linears.
 
     `lora_class` is titan_lora's `lora_class` (its `LoRALayer` mixin); `seed` seeds the adapters as
-    titan_lora's `init_adapters` does: (seed, index of the LoRA module in module order)."""
+    titan_lora always did: (seed, index of the LoRA module in the built model's order)."""
 
     lora_class: Callable[[type], type]
     select: Callable[[Sequence[str]], Sequence[str]]

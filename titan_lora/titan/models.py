@@ -45,8 +45,6 @@ class Architecture:
     """torchtitan's own flavor factories (its config trees, as it builds them), by flavor name."""
     hf_weight_map: Callable[[], dict[str, str | None]]
     """HF weight name -> torchtitan's (`{}` for the layer), from torchtitan's own state-dict adapter."""
-    parallelize_fn: Callable[..., nn.Module]
-    """torchtitan's parallelize function for the model (TP through `Module.parallelize`, AC, compile, FSDP)."""
 
     def model_config(self, shape: DecoderShape, job_config: Any = None,  # noqa: ANN401
                      converters: Sequence[ConfigConverter] = ()) -> Any:  # noqa: ANN401

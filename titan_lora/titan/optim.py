@@ -1,5 +1,5 @@
-"""torchtitan 0.3.0's optimizers and LR schedulers (from `[optimizer]`, `[lr_scheduler]`) and its gradient
-clipping.
+"""torchtitan 0.3.0's optimizers and LR schedulers (from `[optimizer]`, `[lr_scheduler]`), its gradient
+clipping and its summed cross-entropy.
 
 Part of the seam (`titan_lora.titan`): 0.3.0 builds optimizers and schedulers from their config objects
 (`config.build(...)`) and describes `[optimizer]` as parameter groups (`configs.titan_optimizer`: one group,
@@ -18,7 +18,7 @@ from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.utils import clip_grad_norm_
 
-from titan_lora.titan.configs import titan_compile, titan_lr_scheduler, titan_optimizer
+from titan_lora.titan.configs import titan_lr_scheduler, titan_optimizer
 
 __all__ = ["build_loss", "build_lr_schedulers", "build_optimizers", "clip_grad_norm_"]
 
@@ -34,7 +34,7 @@ def build_lr_schedulers(optimizers: OptimizersContainer, job_config) -> LRSchedu
                                                              training_steps=job_config.training.steps)
 
 
-def build_loss(job_config) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:  # noqa: ANN001
-    """torchtitan's summed token cross-entropy, compiled when `[compile] components` names "loss"."""
-    loss = CrossEntropyLoss(CrossEntropyLoss.Config(), compile_config=titan_compile(job_config.compile))
+def build_loss() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """torchtitan's summed token cross-entropy (eager: `[compile] components` is ["model"] only)."""
+    loss = CrossEntropyLoss(CrossEntropyLoss.Config())
     return lambda logits, labels: loss(logits, labels)[0]

@@ -11,7 +11,6 @@ from typing import Any
 
 from torchtitan.models.qwen3 import qwen3_configs
 from torchtitan.models.qwen3.model import Qwen3Model, Qwen3TransformerBlock
-from torchtitan.models.qwen3.parallelize import parallelize_qwen3
 from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 
 from titan_lora.model_shape import DecoderShape
@@ -53,5 +52,5 @@ _FLAVORS = {name: _titan_flavor(name) for name in qwen3_configs if _dense(name)}
 QWEN3 = Architecture(
     "qwen3", model_config, Qwen3StateDictAdapter,
     flavors={name: shape_of(make()) for name, make in _FLAVORS.items()},
-    titan_flavors=_FLAVORS, hf_weight_map=hf_weight_map, parallelize_fn=parallelize_qwen3,
+    titan_flavors=_FLAVORS, hf_weight_map=hf_weight_map,
 )
