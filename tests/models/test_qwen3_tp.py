@@ -1,9 +1,6 @@
-"""Qwen3 under TP=2 (2 gloo ranks): the adapters' placements follow torchtitan's own Qwen3 plan.
-
-Only the placements are checked on CPU: torchtitan's Qwen3 plan keeps q/k/v as DTensors through
-attention (its q/k norms are sequence-parallel over heads), and DTensor has no sharding rule for the
-CPU sdpa kernel (`_scaled_dot_product_flash_attention_for_cpu`), so a TP forward needs GPUs: it runs
-in tests/export/test_family_parity.py under `pytest -m gpu`.
+"""Qwen3 under TP (gloo ranks): the adapters' placements follow the base's shardings (TP=2), and a tied head
+stays one parameter in one FSDP group (TP=2 x FSDP=2). A Qwen3 TP forward runs in
+tests/export/test_family_parity.py under `pytest -m gpu`.
 """
 
 from __future__ import annotations
