@@ -42,14 +42,16 @@ def peft_names(fqns: list[str], layout: PeftLayout) -> dict[str, str]:
 def from_torchtitan_022(path: str) -> str:
     """A torchtitan 0.2.2 module or parameter path as 0.3.0 names it (`layers.0.attention.wq.lora_A` ->
     `layers.0.attention.qkv_linear.wq.lora_A`, `output` -> `lm_head`); other paths are unchanged."""
-    for pattern, replacement in _FROM_TORCHTITAN_022:
-        path = re.sub(pattern, replacement, path)
-    return path
+    return _rewritten(path, _FROM_TORCHTITAN_022)
 
 
 def to_torchtitan_022(path: str) -> str:
     """A torchtitan 0.3.0 module or parameter path as 0.2.2 named it (the inverse of `from_torchtitan_022`)."""
-    for pattern, replacement in _TO_TORCHTITAN_022:
+    return _rewritten(path, _TO_TORCHTITAN_022)
+
+
+def _rewritten(path: str, rules: tuple[tuple[str, str], ...]) -> str:
+    for pattern, replacement in rules:
         path = re.sub(pattern, replacement, path)
     return path
 
