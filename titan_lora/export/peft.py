@@ -77,8 +77,8 @@ def titan_rope_permute(rows: torch.Tensor, n_heads: int, head_dim: int) -> torch
 def peft_name_and_rope(name: str, layout: PeftLayout) -> tuple[str, RopeRows | None]:
     """PEFT name of adapter tensor `name`, and the RoPE rows its permutation needs (None: no permutation).
 
-    `layers.0.attention.qkv_linear.wq.lora_B` -> (`base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight`,
-    RopeRows(n_heads, head_dim)) for Llama; lora_A, and modules outside `layout.rope`, get None.
+    `layers.0.attention.qkv_linear.wq.lora_B` ->
+    (`base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight`, RopeRows(n_heads, head_dim)) for Llama; lora_A, and modules outside `layout.rope`, get None.
     """
     module, suffix = name.rsplit(".", 1)
     rope = layout.rope.get(re.sub(r"\d+", "{}", module, count=1)) if suffix == "lora_B" else None
@@ -93,7 +93,8 @@ def hf_module_name(module: str, hf_modules: Mapping[str, str]) -> str:
 
 
 def to_peft_names(adapter: Mapping[str, torch.Tensor], layout: PeftLayout) -> dict[str, torch.Tensor]:
-    """Map {`layers.0.attention.qkv_linear.wq.lora_B`: t} to {`base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight`: t'}.
+    """Map {`layers.0.attention.qkv_linear.wq.lora_B`: t} to
+    {`base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight`: t'}.
 
     t' is t with the RoPE row permutation where the layout asks for it. The order of `adapter` is kept.
     """
