@@ -78,7 +78,8 @@ def peft_name_and_rope(name: str, layout: PeftLayout) -> tuple[str, RopeRows | N
     """PEFT name of adapter tensor `name`, and the RoPE rows its permutation needs (None: no permutation).
 
     `layers.0.attention.qkv_linear.wq.lora_B` ->
-    (`base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight`, RopeRows(n_heads, head_dim)) for Llama; lora_A, and modules outside `layout.rope`, get None.
+    (`base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight`, RopeRows(n_heads, head_dim)) for Llama;
+    lora_A, and modules outside `layout.rope`, get None.
     """
     module, suffix = name.rsplit(".", 1)
     rope = layout.rope.get(re.sub(r"\d+", "{}", module, count=1)) if suffix == "lora_B" else None
