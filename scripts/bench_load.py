@@ -46,9 +46,10 @@ from titan_lora.trainer.job_config import job_from_toml  # noqa: E402
 
 GiB = 1 << 30
 # Llama-3.2-1B's width (untied here), Llama-3-8B, Llama-3-70B: (dim, heads, kv rows, ffn, vocab, layers);
-# "tiny" (an odd vocabulary above SmolLM2 tokenizer's ids, one KV head) is the smoke tests'.
+# "tiny" (an odd vocabulary above SmolLM2 tokenizer's ids, two KV heads: TP=2 must divide them) is the smoke
+# tests'.
 SHAPES = {"1b": (2048, 32, 512, 8192, 128256, 16), "8b": (4096, 32, 1024, 14336, 128256, 32),
-          "70b": (8192, 64, 1024, 28672, 128256, 80), "tiny": (256, 4, 64, 512, 49157, 2)}
+          "70b": (8192, 64, 1024, 28672, 128256, 80), "tiny": (256, 4, 128, 512, 49157, 2)}
 PATHS = {"old": "full read on every rank", "new": "slices of the rank's own shards"}
 
 

@@ -2,8 +2,9 @@
 
 2 gloo ranks, FSDP and TP=2 (and 4 ranks, FSDP x TP), Llama (RoPE rows permuted per head) and Qwen3
 (head_dim != dim / heads).
-The shapes split unevenly: a vocabulary of 257 rows, and one KV head of 16 rows, so the 2 ranks cut it
-inside the head and the RoPE permutation must be applied to a slice.
+The shapes split unevenly: a vocabulary of 257 rows, and one KV head of 16 rows, so the 2 FSDP ranks cut it
+inside the head and the RoPE permutation must be applied to a slice (under TP, two KV heads: torchtitan 0.3.0
+needs the TP degree to divide them; FSDP over TP then cuts each rank's head).
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ from titan_lora.models.load import load_base_weights, load_base_weights_full
 VOCAB = 257  # odd: FSDP and TP split the embedding and the output head unevenly
 
 
-def _checkpoints(root: Path) -> list[tuple[str, Path]]:
-    return [("llama3", tiny_llama(root / "llama", vocab=VOCAB, tied=True, kv_heads=1)),
-            ("qwen3", tiny_qwen3(root / "qwen3", vocab=VOCAB, tied=False, kv_heads=1))]
+def _checkpoints(root: Path, kv_heads: int = 1) -> list[tuple[str, Path]]:
+    return [("llama3", tiny_llama(root / "llama", vocab=VOCAB, tied=True, kv_heads=kv_heads)),
+            ("qwen3", tiny_qwen3(root / "qwen3", vocab=VOCAB, tied=False, kv_heads=kv_heads))]
 
 
 def _base_locals(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -62,7 +63,7 @@ def _sliced_equals_full(rank: int, world: int, checkpoints: list[tuple[str, Path
 @pytest.mark.parametrize("overrides", [(), TP2], ids=["fsdp2", "tp2"])
 def test_the_sliced_load_gives_the_full_reads_parameters_bit_for_bit(tmp_path: Path,
                                                                    overrides: tuple[str, ...]) -> None:
-    run_ranks(2, _sliced_equals_full, _checkpoints(tmp_path), overrides)
+    run_ranks(2, _sliced_equals_full, _checkpoints(tmp_path, kv_heads=2 if overrides else 1), overrides)
 
 
 def _sliced_equals_from_hf(rank: int, world: int, checkpoints: list[tuple[str, Path]]) -> None:
@@ -78,4 +79,4 @@ def _sliced_equals_from_hf(rank: int, world: int, checkpoints: list[tuple[str, P
 def test_the_sliced_load_reads_fsdps_strided_shards_over_tp(tmp_path: Path) -> None:
     # FSDP x TP shards dim 0 twice (a strided shard), unevenly here: the former full read cannot load
     # that (DTensor's scatter asserts even chunks), so the reference is the adapter's own full mapping.
-    run_ranks(4, _sliced_equals_from_hf, _checkpoints(tmp_path))
+    run_ranks(4, _sliced_equals_from_hf, _checkpoints(tmp_path, kv_heads=2))

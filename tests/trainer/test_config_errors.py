@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -330,3 +331,18 @@ def test_run_section_values_torchtitan_or_the_first_step_would_refuse_are_refuse
                           "--activation_checkpoint.selective_ac_option", "op", "--compile.enable",
                           "--compile.backend", "eager", "--training.global_batch_size", "4")
     assert (cfg.activation_checkpoint.selective_ac_option, cfg.compile.backend) == ("op", "eager")
+
+
+def test_a_tp_degree_that_does_not_divide_the_heads_is_refused_naming_a_fit() -> None:
+    from titan_lora.model_shape import DecoderShape
+    from titan_lora.trainer.preflight import check_tensor_parallel_heads
+
+    shape = DecoderShape(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=8, ffn_hidden_dim=128,
+                         vocab_size=100, norm_eps=1e-5, rope_theta=1e4)
+    check_tensor_parallel_heads(2, shape)
+    check_tensor_parallel_heads(1, dataclasses.replace(shape, n_kv_heads=1))
+    with pytest.raises(ValueError) as err:
+        check_tensor_parallel_heads(4, shape)
+    assert str(err.value) == ("[parallelism] tensor_parallel_degree = 4 must divide the model's 8 attention heads "
+                              "and 2 KV heads (torchtitan shards attention by whole heads); choose a TP degree "
+                              "that divides 2")

@@ -191,7 +191,7 @@ def load_job(argv: list[str]) -> tuple[Any, ResolvedModel]:
     named = "keep_versions" in {**toml.get("weight_sync", {}), **overrides.get("weight_sync", {})}
     derive_keep_versions(job_config, named)
     ours.validate_grpo(job_config.grpo, job_config.weight_sync)
-    preflight(job_config, targets)
+    preflight(job_config, targets, model.shape)
     return job_config, model
 
 

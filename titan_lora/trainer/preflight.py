@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import torch
 from titan_lora.clients.kinds import EngineKind, engine_kind
 from titan_lora.config import Engine, attached_urls
 from titan_lora.lora.targets import hf_leaf_names
+from titan_lora.model_shape import DecoderShape
 from titan_lora.models.family import model_family
 from titan_lora.titan.parallel import data_parallel_size
 from titan_lora.trainer.checkpoint import check_resume_compatible, check_steps_left
@@ -28,6 +30,17 @@ def check_parallelism(job_config) -> None:  # noqa: ANN001
             "false asks for loss parallelism, which titan_lora does not offer: its objectives (SFT, GRPO "
             "log-probs) read each token's log-prob over the whole vocabulary, so the head's logits are gathered; "
             "remove the key (true is the default)"
+        )
+
+
+def check_tensor_parallel_heads(tp: int, shape: DecoderShape) -> None:
+    """Refuse a TP degree that does not divide the model's query and KV heads (torchtitan 0.3.0 shards attention
+    by whole heads), before anything is built."""
+    if tp > 1 and (shape.n_heads % tp or shape.n_kv_heads % tp):
+        raise ValueError(
+            f"[parallelism] tensor_parallel_degree = {tp} must divide the model's {shape.n_heads} attention heads "
+            f"and {shape.n_kv_heads} KV heads (torchtitan shards attention by whole heads); choose a TP degree "
+            f"that divides {math.gcd(shape.n_heads, shape.n_kv_heads)}"
         )
 
 
@@ -140,11 +153,12 @@ def check_sft_data(job_config, dp_size: int) -> None:  # noqa: ANN001
                          f"{job_config.data.path!r}: lower it")
 
 
-def preflight(job_config, targets: list[str] | None) -> None:  # noqa: ANN001
-    """Every cross-section check; `targets` are the adapted linears (None: no LoRA)."""
+def preflight(job_config, targets: list[str] | None, shape: DecoderShape) -> None:  # noqa: ANN001
+    """Every cross-section check; `targets` are the adapted linears (None: no LoRA), `shape` the model's."""
     check_parallelism(job_config)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     dp = data_parallel_size(job_config.parallelism, world_size)  # refuses degrees that do not fit the ranks
+    check_tensor_parallel_heads(job_config.parallelism.tensor_parallel_degree, shape)
     check_sft_data(job_config, dp)
     check_rollback(job_config)
     check_engine(job_config, targets)
