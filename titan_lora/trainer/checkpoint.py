@@ -10,8 +10,8 @@ import json
 import logging
 import re
 import shutil
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist

@@ -20,11 +20,9 @@ torchtitan 0.2.2's module paths (written before this module)."""
 TARGETS = "hf"
 """The signature's `targets` when its `target_modules` are HF module names (`model.layers.0.self_attn.q_proj`);
 a signature without `targets` lists torchtitan 0.2.2's module paths (`layers.0.attention.wq`)."""
-_FROM_TORCHTITAN_022 = ((r"(^|\.)attention\.(w[qkv])(?=\.|$)", r"\1attention.qkv_linear.\2"),
-                        (r"^output(?=\.|$)", "lm_head"))
-"""The module paths torchtitan 0.3.0 renamed: 0.2.2 pattern -> 0.3.0 path."""
-_TO_TORCHTITAN_022 = ((r"(^|\.)attention\.qkv_linear\.(w[qkv])(?=\.|$)", r"\1attention.\2"),
-                      (r"^lm_head(?=\.|$)", "output"))
+RENAMED_AT_030 = (("attention.wq", "attention.qkv_linear.wq"), ("attention.wk", "attention.qkv_linear.wk"),
+                  ("attention.wv", "attention.qkv_linear.wv"), ("output", "lm_head"))
+"""The module paths torchtitan 0.3.0 renamed, as (0.2.2 path, 0.3.0 path), each matched on whole segments."""
 ROW_ORDER = "torchtitan-interleaved-rope"
 """The signature's `row_order`: the RoPE rows of q/k lora_B as the trainer holds them, not permuted."""
 _OPTIMIZER_SECTIONS = ("state.", "param_groups.")
@@ -42,17 +40,17 @@ def peft_names(fqns: list[str], layout: PeftLayout) -> dict[str, str]:
 def from_torchtitan_022(path: str) -> str:
     """A torchtitan 0.2.2 module or parameter path as 0.3.0 names it (`layers.0.attention.wq.lora_A` ->
     `layers.0.attention.qkv_linear.wq.lora_A`, `output` -> `lm_head`); other paths are unchanged."""
-    return _rewritten(path, _FROM_TORCHTITAN_022)
+    return _renamed(path, RENAMED_AT_030)
 
 
 def to_torchtitan_022(path: str) -> str:
     """A torchtitan 0.3.0 module or parameter path as 0.2.2 named it (the inverse of `from_torchtitan_022`)."""
-    return _rewritten(path, _TO_TORCHTITAN_022)
+    return _renamed(path, tuple((new, old) for old, new in RENAMED_AT_030))
 
 
-def _rewritten(path: str, rules: tuple[tuple[str, str], ...]) -> str:
-    for pattern, replacement in rules:
-        path = re.sub(pattern, replacement, path)
+def _renamed(path: str, renames: tuple[tuple[str, str], ...]) -> str:
+    for old, new in renames:  # whole dotted segments: after the start or a dot, before a dot or the end
+        path = re.sub(rf"(?<![^.]){re.escape(old)}(?![^.])", new, path)
     return path
 
 
