@@ -146,7 +146,7 @@ def step_fn(cfg, built, variant: str, tokens: torch.Tensor, labels: torch.Tensor
     n_tokens = labels.numel()
     if variant == "floor":
         return lambda: (loss_fn(model(tokens), labels) / n_tokens).backward()
-    optimizers = build_optimizers(model, cfg, dims)
+    optimizers = build_optimizers(model, cfg)
     trainable = [p for p in model.parameters() if p.requires_grad]
 
     def step(marks: list[float] | None = None) -> None:

@@ -8,7 +8,8 @@ import torch
 import torch.nn as nn
 from dist_helpers import rank_device
 
-from titan_lora.lora.layer import LoRALayer, fill_param, is_adapter_param, lora_class, lora_modules
+from titan_lora.lora.layer import LoRALayer, is_adapter_param, lora_class, lora_modules
+from titan_lora.titan.lora_linear import fill_param
 from titan_lora.trainer.build import BuiltModel, build_from_toml
 from titan_lora.trainer.job_config import job_config_from_toml
 

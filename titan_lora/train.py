@@ -51,7 +51,7 @@ class TrainingRun:
         torch.manual_seed(job_config.debug.seed or 0)
         self.built = build_model(job_config, self.dims, self.device, model)
         self.model = self.built.model
-        self.optimizers = build_optimizers(self.model, job_config, self.dims)
+        self.optimizers = build_optimizers(self.model, job_config)
         self.lr_schedulers = build_lr_schedulers(self.optimizers, job_config)
         dump = job_config.job.dump_folder
         self.metrics = MetricsLogger(os.path.join(dump, "tb"), enabled=self.rank == 0)

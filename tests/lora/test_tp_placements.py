@@ -17,8 +17,9 @@ from model_helpers import (
     randomize_adapters,
 )
 
-from titan_lora.lora.layer import adapter_params, fill_param
+from titan_lora.lora.layer import adapter_params
 from titan_lora.sync.gather import ShardGatherer
+from titan_lora.titan.lora_linear import fill_param
 
 TOKENS = torch.randint(0, 49152, (2, 16), generator=torch.Generator().manual_seed(0))
 

@@ -14,7 +14,8 @@ from model_helpers import DEBUG_LORA, TP2, TP2_FSDP2, full_copy, job_config_from
 
 from torch.distributed.tensor import DTensor
 
-from titan_lora.lora.layer import adapter_params, fill_param, is_adapter_param
+from titan_lora.lora.layer import adapter_params, is_adapter_param
+from titan_lora.titan.lora_linear import fill_param
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = DEBUG_LORA + """

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 ADAPTER_SUFFIXES = ("lora_A", "lora_B")
 
@@ -90,17 +90,6 @@ def freeze_base(model: nn.Module) -> None:
     """Make only the adapter parameters trainable."""
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter_param(name))
-
-
-def fill_param(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy a full tensor into `param`, keeping only this rank's shard if it is a DTensor."""
-    with torch.no_grad():
-        if isinstance(param, DTensor):
-            # src_data_rank=None: every rank holds `full`, so each slices its own shard, no comm.
-            shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-            param.to_local().copy_(shard.to_local())
-        else:
-            param.copy_(full)
 
 
 @contextlib.contextmanager

@@ -14,14 +14,10 @@ from torchtitan.models.llama3.model import Llama3Model, Llama3TransformerBlock
 from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 
 from titan_lora.model_shape import DecoderShape
-from titan_lora.titan.decoder import decoder_config, shape_of_config
-from titan_lora.titan.models import Architecture
+from titan_lora.titan.decoder import decoder_config
+from titan_lora.titan.models import architecture
 
-__all__ = ["LLAMA3", "model_config", "shape_of"]
-
-ATTENTION = "flex"
-"""The attention torchtitan's own flavor factories are called with (they refuse sdpa): only their shapes are
-read; titan_lora builds every shape with SDPA (`decoder_config`)."""
+__all__ = ["LLAMA3", "model_config"]
 
 
 def model_config(shape: DecoderShape) -> Any:  # noqa: ANN401 (Llama3Model.Config)
@@ -34,23 +30,4 @@ def model_config(shape: DecoderShape) -> Any:  # noqa: ANN401 (Llama3Model.Confi
     return decoder_config(shape, Llama3Model, Llama3TransformerBlock, complex_rope=True)
 
 
-def shape_of(config: Any) -> DecoderShape:  # noqa: ANN401
-    """torchtitan's Llama config tree as a shape."""
-    return shape_of_config(config)
-
-
-def _titan_flavor(name: str):  # noqa: ANN202
-    return lambda: llama3_configs[name](attn_backend=ATTENTION)
-
-
-def hf_weight_map() -> dict[str, str | None]:
-    """HF weight name -> torchtitan's (`{}` for the layer), from torchtitan's own Llama state-dict adapter."""
-    return dict(Llama3StateDictAdapter(llama3_configs["debugmodel"](attn_backend=ATTENTION), None).from_hf_map)
-
-
-_FLAVORS = {name: _titan_flavor(name) for name in llama3_configs}
-LLAMA3 = Architecture(
-    "llama3", model_config, Llama3StateDictAdapter,
-    flavors={name: shape_of(make()) for name, make in _FLAVORS.items()},
-    titan_flavors=_FLAVORS, hf_weight_map=hf_weight_map,
-)
+LLAMA3 = architecture("llama3", model_config, Llama3StateDictAdapter, llama3_configs)

@@ -32,7 +32,7 @@ from torchtitan.protocols.sharding import ShardingConfig
 
 from titan_lora.titan.decoder import split_all_qkv
 
-__all__ = ["LoRAConfigConverter", "adapter_shardings", "linear_names", "lora_linear_class"]
+__all__ = ["LoRAConfigConverter", "adapter_shardings", "fill_param", "linear_names", "lora_linear_class"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,12 +94,14 @@ def lora_linear_class(linear_cls: type, lora_class: Callable[[type], type]) -> t
     return LoRALinear
 
 
-def _fill(param: torch.Tensor, full: torch.Tensor) -> None:
-    if isinstance(param, DTensor):  # every rank holds `full`: each slices its own shard, no comm
-        param.to_local().copy_(distribute_tensor(full, param.device_mesh, param.placements,
-                                                 src_data_rank=None).to_local())
-    else:
-        param.copy_(full)
+def fill_param(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a full tensor into `param`, keeping only this rank's shard if it is a DTensor."""
+    with torch.no_grad():
+        if isinstance(param, DTensor):  # every rank holds `full`: each slices its own shard, no comm
+            param.to_local().copy_(distribute_tensor(full, param.device_mesh, param.placements,
+                                                     src_data_rank=None).to_local())
+        else:
+            param.copy_(full)
 
 
 def init_lora_A(seed: int) -> Callable[[torch.Tensor], None]:
@@ -108,8 +110,7 @@ def init_lora_A(seed: int) -> Callable[[torch.Tensor], None]:
         full = torch.empty(param.shape, dtype=torch.float32)
         full.uniform_(-1.0 / math.sqrt(param.shape[1]), 1.0 / math.sqrt(param.shape[1]),
                       generator=torch.Generator().manual_seed(seed))
-        with torch.no_grad():
-            _fill(param, full.to(param.dtype))
+        fill_param(param, full.to(param.dtype))
     return init
 
 

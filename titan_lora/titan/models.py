@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import spmd_types as spmd
@@ -21,8 +22,9 @@ from torchtitan.models.common.decoder_sharding import dense_activation_placement
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
 from titan_lora.model_shape import DecoderShape
+from titan_lora.titan.decoder import shape_of_config
 
-__all__ = ["OUTPUT_HEAD", "Architecture", "ConfigConverter", "StateDictAdapter", "output_head"]
+__all__ = ["OUTPUT_HEAD", "Architecture", "ConfigConverter", "StateDictAdapter", "architecture", "output_head"]
 
 OUTPUT_HEAD = "lm_head"
 """The attribute that holds a torchtitan decoder's output head (0.2.2 called it `output`)."""
@@ -67,6 +69,28 @@ class Architecture:
     def state_dict_adapter(self, shape: DecoderShape, hf_dir: str | None) -> StateDictAdapter:
         """torchtitan's <-> HF state-dict adapter for `shape` (`hf_dir` None: no HF save index)."""
         return self.state_dict_adapter_cls(self.to_config(shape), hf_dir)
+
+
+FLAVOR_ATTENTION = "flex"
+"""The attention torchtitan's own flavor factories are called with (they refuse sdpa): only their shapes are
+read; titan_lora builds every shape with SDPA (`decoder_config`)."""
+
+
+def architecture(name: str, to_config: Callable[[DecoderShape], Any], adapter_cls: type[StateDictAdapter],
+                 titan_configs: Mapping[str, Callable[..., Any]],
+                 include: Callable[[str], bool] = lambda flavor: True) -> Architecture:
+    """The `Architecture` of a torchtitan family: its flavors are the entries of its config registry
+    (`titan_configs`, flavor -> factory) that `include` keeps, read as shapes; its HF names are those its own
+    state-dict adapter maps."""
+    factories = {flavor: partial(make, attn_backend=FLAVOR_ATTENTION) for flavor, make in titan_configs.items()
+                 if include(flavor)}
+
+    def hf_weight_map() -> dict[str, str | None]:
+        return dict(adapter_cls(titan_configs["debugmodel"](attn_backend=FLAVOR_ATTENTION), None).from_hf_map)
+
+    return Architecture(name, to_config, adapter_cls,
+                        flavors={flavor: shape_of_config(make()) for flavor, make in factories.items()},
+                        titan_flavors=factories, hf_weight_map=hf_weight_map)
 
 
 @dataclasses.dataclass

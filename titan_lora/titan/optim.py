@@ -15,7 +15,6 @@ import torch.nn as nn
 from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
-from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.utils import clip_grad_norm_
 
 from titan_lora.titan.configs import titan_lr_scheduler, titan_optimizer
@@ -23,8 +22,9 @@ from titan_lora.titan.configs import titan_lr_scheduler, titan_optimizer
 __all__ = ["build_loss", "build_lr_schedulers", "build_optimizers", "clip_grad_norm_"]
 
 
-def build_optimizers(model: nn.Module, job_config, parallel_dims: ParallelDims) -> OptimizersContainer:  # noqa: ANN001
-    """`[optimizer]` over `model`'s trainable params."""
+def build_optimizers(model: nn.Module, job_config) -> OptimizersContainer:  # noqa: ANN001
+    """`[optimizer]` over `model`'s trainable params (no parallel dims: 0.3.0 reads them only for MoE load
+    balancing, and titan_lora's families are dense)."""
     return titan_optimizer(job_config.optimizer).build(model_parts=[model])
 
 
