@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_timing import alternating, p, timed  # noqa: E402,F401 (bench_transport imports them here)
 
-from titan_lora.lora.layer import adapter_params, fill_param, lora_modules  # noqa: E402
+from titan_lora.lora.layer import adapter_params, lora_modules  # noqa: E402
+from titan_lora.titan.lora_linear import fill_param  # noqa: E402
 from titan_lora.trainer.build import build_from_toml  # noqa: E402
 from titan_lora.trainer.job_config import job_config_from_toml, job_from_toml  # noqa: E402
 
