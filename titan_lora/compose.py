@@ -70,7 +70,7 @@ def embedded_engine(kind: EngineKind, engine: Engine, ws: WeightSync, hf_dir: st
                                      base_digests=ws.base == "verify"))
     return EmbeddedEngine(plan.module, engine.port, plan.args, os.path.join(dump_folder, log_name),
                           start_timeout_s=ws.engine_start_timeout_s, api_key=engine.api_key,
-                          health_timeout_s=ws.health_timeout_s)
+                          health_timeout_s=ws.health_timeout_s, env=plan.env)
 
 
 @dataclasses.dataclass

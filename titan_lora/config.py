@@ -77,6 +77,9 @@ class Engine:
     """vLLM started by titan_lora: --max-model-len."""
     kv_cache_gib: int = 2
     """vLLM started by titan_lora: KV-cache size in GiB."""
+    cpu_threads: int = 0
+    """vLLM started by titan_lora on CPU: its torch threads (OMP_NUM_THREADS); 0: the cores this process may
+    use, shared among the replicas it starts. (torchrun gives each rank 1, which the engine would inherit.)"""
     pause_mode: str = "none"
     """SGLang only: none | abort | retract | in_place."""
     disk_dir: str = ""
@@ -260,6 +263,7 @@ RANGES: dict[tuple[str, str], Range] = {
     ("engine", "tcp_port"): _PORT,
     ("engine", "max_model_len"): _AT_LEAST_1,
     ("engine", "kv_cache_gib"): _AT_LEAST_1,
+    ("engine", "cpu_threads"): Range(0, fix="0 lets titan_lora use every core this process may use"),
     ("engine", "replicas"): Range(1, fix="start at least 1 engine (1 is one engine)"),
     ("weight_sync", "bucket_mb"): _AT_LEAST_1,
     ("weight_sync", "keep_versions"): Range(2, fix="keep at least 2 (max staleness 1 + 1) so that rollouts "

@@ -64,6 +64,20 @@ def test_the_launchers_plan_the_engine_processes() -> None:
                                                       "--titan-skip-base-digests"]
 
 
+
+def test_a_cpu_engine_gets_the_cores_not_a_ranks_one_thread(monkeypatch) -> None:
+    """torchrun sets OMP_NUM_THREADS=1 on every rank and the engine would inherit it: a CPU engine's plan sets
+    its threads to `[engine] cpu_threads`, or the cores this process may use shared among the replicas; a GPU
+    engine's plan sets nothing."""
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5})
+    cpu = LaunchRequest(Engine(), 2, "/hf", torch.device("cpu"), 8)
+    assert engine_kind("vllm").launch(cpu).env == {"OMP_NUM_THREADS": "6"}
+    assert engine_kind("vllm").launch(dataclasses.replace(cpu, engine=Engine(replicas=4))).env == {
+        "OMP_NUM_THREADS": "1"}
+    assert engine_kind("vllm").launch(dataclasses.replace(cpu, engine=Engine(cpu_threads=3))).env == {
+        "OMP_NUM_THREADS": "3"}
+    assert engine_kind("vllm").launch(dataclasses.replace(cpu, device=torch.device("cuda", 0))).env == {}
+
 def test_a_registered_plug_in_is_selected_by_name(registry: dict) -> None:
     mine = register_engine_kind(EngineKind("echo", _echo_emitter))
     assert engine_kind("echo") is mine and "echo" in kinds.registered_engine_kinds()

@@ -55,7 +55,7 @@ def ns_engine(ns: Netns, model_dir: Path, log: Path, *extra: str) -> EmbeddedEng
     args = list(plan.args)
     args[args.index("--host") + 1] = ns.addr
     return EmbeddedEngine(plan.module, 0, [*args, *extra], str(log), start_timeout_s=300, api_key=API_KEY,
-                          prefix=ns.prefix, host=ns.addr)
+                          prefix=ns.prefix, host=ns.addr, env=plan.env)
 
 
 def started_in(ns: Netns, model_dir: Path, log: Path, *extra: str) -> Iterator[EmbeddedEngine]:

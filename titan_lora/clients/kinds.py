@@ -39,6 +39,8 @@ class LaunchPlan:
 
     module: str
     args: list[str]
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Set in the engine's environment, over the trainer's own."""
 
 
 EmitterFactory = Callable[[WeightSync, Engine, Endpoint], Emitter]

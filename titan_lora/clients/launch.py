@@ -82,12 +82,14 @@ class EmbeddedEngine:
     `prefix` is a command the engine runs under (e.g. `ip netns exec NS`: the tests' engine in its own
     network namespace), `host` the address it is reached at (its `--host` in `args` must serve it). The
     port is reserved on this host's loopback: an engine under a prefix that changes its network stack
-    relies on the nonce alone to prove it is ours."""
+    relies on the nonce alone to prove it is ours. `env` is set in its environment over ours (its launch plan's:
+    a CPU engine's thread count)."""
 
     def __init__(self, module: str, port: int, args: list[str], log_path: str, start_timeout_s: float = 600.0,
                  api_key: str = "", health_timeout_s: float = 10.0, prefix: tuple[str, ...] = (),
-                 host: str = "127.0.0.1") -> None:
+                 host: str = "127.0.0.1", env: dict[str, str] | None = None) -> None:
         self.module = module
+        self.env = dict(env or {})
         self.prefix = prefix
         # An open engine API is anyone's to rewrite. Clients read `key`: a fresh one at every start.
         self._fixed_key = api_key
@@ -113,7 +115,7 @@ class EmbeddedEngine:
         # and read the key a client sent it cannot use it on the next engine.
         self.key.value = self._fixed_key or secrets.token_urlsafe(32)
         cmd = [*self.prefix, sys.executable, "-m", self.module, "--port", str(self.port), *self.args]
-        env = {**os.environ, protocol.API_KEY_ENV: self.api_key, protocol.NONCE_ENV: self.nonce}
+        env = {**os.environ, **self.env, protocol.API_KEY_ENV: self.api_key, protocol.NONCE_ENV: self.nonce}
         logger.info("starting %s (log: %s)", self.module, self.log_path)
         with open(self.log_path, "ab") as log:
             # Its own process group: a kill reaches vLLM's engine core and workers too, which a SIGTERM from

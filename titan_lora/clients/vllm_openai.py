@@ -5,6 +5,7 @@ over `/v1/completions`. The `vllm-disk` baseline (`clients/disk.py`) runs on the
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from titan_lora.clients.kinds import EngineKind, LaunchPlan, LaunchRequest
 from titan_lora.clients.launch import engine_lora_rank
@@ -17,6 +18,7 @@ def vllm_openai_launch(req: LaunchRequest) -> LaunchPlan:
     """`vllm serve` flags for the job: fp32 on the trainer's model, adapter slots for every live version
     plus one being installed, bound to localhost; no base digests where nobody asks for them."""
     skip = [] if req.base_digests else [protocol.SKIP_BASE_DIGESTS_FLAG]
+    env = {"OMP_NUM_THREADS": str(cpu_threads(req))} if req.device.type == "cpu" else {}
     return LaunchPlan("titan_lora.engines.vllm_openai", [
         req.hf_dir, "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--seed", "0",
         "--max-lora-rank", str(engine_lora_rank(req.lora_rank)),
@@ -24,7 +26,14 @@ def vllm_openai_launch(req: LaunchRequest) -> LaunchPlan:
         "--max-model-len", str(req.engine.max_model_len), "--max-num-seqs", "64",
         "--max-num-batched-tokens", str(max(4096, req.engine.max_model_len)),
         "--kv-cache-memory-bytes", str(req.engine.kv_cache_gib * 2**30), "--disable-uvicorn-access-log", *skip,
-    ])
+    ], env)
+
+
+def cpu_threads(req: LaunchRequest) -> int:
+    """A CPU engine's torch threads: `[engine] cpu_threads`, or this process's cores shared among the replicas.
+    Under torchrun the engine would inherit a rank's OMP_NUM_THREADS=1: its forward passes (the rollouts of a
+    sync-loop step, while the trainer waits) would use one core of the machine."""
+    return req.engine.cpu_threads or max(1, len(os.sched_getaffinity(0)) // req.engine.replicas)
 
 
 def check_installed_vllm() -> None:
