@@ -20,6 +20,7 @@ the first.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -87,17 +88,16 @@ def send_base(shapes: list[tuple[str, tuple[int, ...]]], made: dict[str, torch.T
     untimed) into a fresh receiver; `graph_base`: one that captures a graph per base bucket, as before."""
     from titan_lora.clients.http import JsonClient
     from titan_lora.clients.launch import EmbeddedEngine
-    from titan_lora.clients.vllm import VLLMBucketEmitter
+    from titan_lora.clients.vllm import VLLMBucketEmitter, receiver_plan
 
     saved = os.environ.get("PYTHONPATH")
     with tempfile.TemporaryDirectory() as wrapper_dir:
-        module = "titan_lora.engines.receiver"
+        plan = receiver_plan(device)
         if graph_base:  # the receiver process runs a wrapper module that the environment makes importable
             Path(wrapper_dir, "bench_graph_base_receiver.py").write_text(GRAPH_BASE_RECEIVER)
             os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [saved, wrapper_dir]))
-            module = "bench_graph_base_receiver"
-        engine = EmbeddedEngine(module, 0, ["--device", "cuda"] if device.type == "cuda" else [],
-                                os.path.join(tempfile.gettempdir(), "titan_lora_bench_base_receiver.log"),
+            plan = dataclasses.replace(plan, module="bench_graph_base_receiver")
+        engine = EmbeddedEngine(plan, 0, os.path.join(tempfile.gettempdir(), "titan_lora_bench_base_receiver.log"),
                                 start_timeout_s=120.0)
         engine.start()
         emitter = VLLMBucketEmitter(JsonClient(engine.url, engine.key), bucket_mb=bucket_mb)

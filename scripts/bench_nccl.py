@@ -34,7 +34,7 @@ from bench_timing import alternating, p, timed  # noqa: E402
 from titan_lora.clients.base import AdapterPayload  # noqa: E402
 from titan_lora.clients.http import JsonClient  # noqa: E402
 from titan_lora.clients.launch import EmbeddedEngine  # noqa: E402
-from titan_lora.clients.vllm import VLLMBucketEmitter  # noqa: E402
+from titan_lora.clients.vllm import VLLMBucketEmitter, receiver_plan  # noqa: E402
 from titan_lora.transfer.placement import choose_transport  # noqa: E402
 
 # Llama-3-8B: (in, out) of q, k, v, o, gate, up, down; 32 layers.
@@ -84,8 +84,8 @@ def main() -> None:
     far = fars[0]
     baseline, backend = ("cuda_ipc", "nccl") if gpu else ("shm", "gloo")
     log = os.path.join(tempfile.gettempdir(), "titan_lora_bench_nccl_{}.log")
-    engines = [EmbeddedEngine("titan_lora.engines.receiver", 0, ["--device", str(fars[i])] if gpu else [],
-                              log.format(i), start_timeout_s=120) for i in range(args.receivers)]
+    engines = [EmbeddedEngine(receiver_plan(fars[i]), 0, log.format(i), start_timeout_s=120)
+               for i in range(args.receivers)]
     emitters: dict[str, list[VLLMBucketEmitter]] = {}
     pool = ThreadPoolExecutor(args.receivers)
     try:

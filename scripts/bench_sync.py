@@ -85,8 +85,7 @@ def cpu_bench(iters: int) -> None:
     # The gather writes into shared memory, as the bucket emitter lends it in training (the disk path reads it too).
     source = AdapterSource(built.model, built.peft_layout, job_config_from_toml(CPU_TOML).lora, lend=lend_buffer)
     plan = vllm_openai_launch(LaunchRequest(Engine(), 3, built.hf_dir, torch.device("cpu"), 16))  # 4 slots
-    engine = EmbeddedEngine(plan.module, free_port(), plan.args,
-                            os.path.join(tempfile.gettempdir(), "titan_lora_bench_engine.log"))
+    engine = EmbeddedEngine(plan, free_port(), os.path.join(tempfile.gettempdir(), "titan_lora_bench_engine.log"))
     engine.start()
     try:
         client = JsonClient(engine.url, engine.key)
@@ -333,16 +332,14 @@ def end_to_end(model, built, cfg, device: torch.device, iters: int, rank: int,  
     `before` runs last. Returns (end-to-end times, round trips of a no-op request on the same channel)."""
     from titan_lora.clients.http import JsonClient
     from titan_lora.clients.launch import EmbeddedEngine
-    from titan_lora.clients.vllm import VLLMBucketEmitter
+    from titan_lora.clients.vllm import VLLMBucketEmitter, receiver_plan
     from titan_lora.sync.adapter_source import AdapterSource
     from titan_lora.sync.versions import versioned_name
     from titan_lora.transfer.transport import plain_buffer
 
     engine, emitter = None, None
     if rank == 0:
-        engine = EmbeddedEngine("titan_lora.engines.receiver", 0,
-                                ["--device", str(device)] if device.type == "cuda" else [],
-                                os.path.join(tempfile.gettempdir(), "titan_lora_bench_receiver.log"),
+        engine = EmbeddedEngine(receiver_plan(device), 0, os.path.join(tempfile.gettempdir(), "titan_lora_bench_receiver.log"),
                                 start_timeout_s=60.0)
         engine.start()
         emitter = VLLMBucketEmitter(JsonClient(engine.url, engine.key), bucket_mb=256)

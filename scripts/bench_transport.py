@@ -29,7 +29,7 @@ from bench_sync import CPU_TOML, alternating, p, randomize, timed  # noqa: E402
 
 from titan_lora.clients.http import JsonClient  # noqa: E402
 from titan_lora.clients.launch import EmbeddedEngine  # noqa: E402
-from titan_lora.clients.vllm import VLLMBucketEmitter  # noqa: E402
+from titan_lora.clients.vllm import VLLMBucketEmitter, receiver_plan  # noqa: E402
 from titan_lora.config import WeightSync  # noqa: E402
 from titan_lora.sync.adapter_source import AdapterSource  # noqa: E402
 from titan_lora.trainer.build import build_from_toml  # noqa: E402
@@ -75,8 +75,7 @@ def main() -> None:
     built = build_from_toml(CPU_TOML, device=torch.device("cpu"))
     randomize(built.model)
     lora = job_config_from_toml(CPU_TOML).lora
-    engine = EmbeddedEngine("titan_lora.engines.receiver", 0, [],
-                            os.path.join(tempfile.gettempdir(), "titan_lora_bench_transport.log"), start_timeout_s=60)
+    engine = EmbeddedEngine(receiver_plan(torch.device("cpu")), 0, os.path.join(tempfile.gettempdir(), "titan_lora_bench_transport.log"), start_timeout_s=60)
     engine.start()
     emitters: dict[str, VLLMBucketEmitter] = {}
     try:

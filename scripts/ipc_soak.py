@@ -33,10 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan_lora.clients.base import AdapterPayload  # noqa: E402
 from titan_lora.clients.http import JsonClient  # noqa: E402
-from titan_lora.clients.kinds import LaunchRequest  # noqa: E402
 from titan_lora.clients.launch import EmbeddedEngine  # noqa: E402
-from titan_lora.clients.vllm import VLLMBucketEmitter, receiver_launch  # noqa: E402
-from titan_lora.config import Engine  # noqa: E402
+from titan_lora.clients.vllm import VLLMBucketEmitter, receiver_plan  # noqa: E402
 from titan_lora.transfer.errors import TransferError  # noqa: E402
 from titan_lora.transfer.transport import SHM_DIR  # noqa: E402
 
@@ -52,8 +50,7 @@ def shm_entries() -> set[str]:
 
 def receiver(device: torch.device, log_path: str) -> EmbeddedEngine:
     """The receiver as a job would start it, bound to `device` (not started)."""
-    plan = receiver_launch(LaunchRequest(Engine(), 2, "", device, 1))  # it reads only the device
-    return EmbeddedEngine(plan.module, 0, plan.args, log_path, start_timeout_s=120.0)
+    return EmbeddedEngine(receiver_plan(device), 0, log_path, start_timeout_s=120.0)
 
 
 def allocation_history(device: torch.device, model_gib: float, free_gib: float) -> list[torch.Tensor]:

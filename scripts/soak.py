@@ -131,7 +131,7 @@ def engine(model_dir: str, keep_versions: int, log_path: Path, start_timeout_s: 
     gets adapters only, so nobody asks for its base digests."""
     plan = vllm_openai_launch(LaunchRequest(Engine(max_model_len=256, kv_cache_gib=1), keep_versions, model_dir,
                                             torch.device("cpu"), RANK, base_digests=False))
-    return EmbeddedEngine(plan.module, 0, plan.args, str(log_path), start_timeout_s=start_timeout_s)
+    return EmbeddedEngine(plan, 0, str(log_path), start_timeout_s=start_timeout_s)
 
 
 class Sampler:

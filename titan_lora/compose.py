@@ -68,9 +68,9 @@ def embedded_engine(kind: EngineKind, engine: Engine, ws: WeightSync, hf_dir: st
     Its API key is `[engine] api_key`, or a random one; it reaches the engine by environment."""
     plan = kind.launch(LaunchRequest(engine, ws.keep_versions, hf_dir, device, lora_rank,
                                      base_digests=ws.base == "verify"))
-    return EmbeddedEngine(plan.module, engine.port, plan.args, os.path.join(dump_folder, log_name),
+    return EmbeddedEngine(plan, engine.port, os.path.join(dump_folder, log_name),
                           start_timeout_s=ws.engine_start_timeout_s, api_key=engine.api_key,
-                          health_timeout_s=ws.health_timeout_s, env=plan.env)
+                          health_timeout_s=ws.health_timeout_s)
 
 
 @dataclasses.dataclass

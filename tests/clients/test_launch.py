@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from titan_lora.clients.http import JsonClient
+from titan_lora.clients.kinds import LaunchPlan
 from titan_lora.clients.launch import EmbeddedEngine
 from titan_lora.transfer.errors import TransferError
 from titan_lora.transfer.protocol import API_KEY_ENV
@@ -27,7 +28,7 @@ def shim_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _engine(tmp_path: Path, port: int = 0, **kwargs) -> EmbeddedEngine:  # noqa: ANN003
-    return EmbeddedEngine(SHIM, port, [], str(tmp_path / "engine.log"), start_timeout_s=60, **kwargs)
+    return EmbeddedEngine(LaunchPlan(SHIM, []), port, str(tmp_path / "engine.log"), start_timeout_s=60, **kwargs)
 
 
 @pytest.fixture
@@ -63,13 +64,26 @@ def test_an_engine_that_does_not_echo_our_nonce_is_refused(tmp_path, monkeypatch
 
 
 def test_the_api_key_is_random_by_default_and_travels_by_environment_only(engine) -> None:  # noqa: ANN001
-    other = EmbeddedEngine(SHIM, 0, [], "unused.log")
+    other = EmbeddedEngine(LaunchPlan(SHIM, []), 0, "unused.log")
     other.stop()
     assert len(engine.api_key) >= 32 and engine.api_key != other.api_key
     assert not any(engine.api_key in arg or engine.nonce in arg for arg in engine.proc.args)
     environ = Path(f"/proc/{engine.proc.pid}/environ").read_bytes().split(b"\0")
     assert f"{API_KEY_ENV}={engine.api_key}".encode() in environ
     assert _info(engine)["nonce"] == engine.nonce
+
+
+def test_the_plans_environment_is_set_over_ours_in_every_incarnation(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as torchrun sets it on every rank
+    eng = EmbeddedEngine(LaunchPlan(SHIM, [], {"OMP_NUM_THREADS": "7"}), 0, str(tmp_path / "engine.log"),
+                         start_timeout_s=60)
+    try:
+        for _ in range(2):  # the start, then a restart
+            eng.start() if eng.proc is None else eng.restart()
+            environ = Path(f"/proc/{eng.proc.pid}/environ").read_bytes().split(b"\0")
+            assert b"OMP_NUM_THREADS=7" in environ and b"OMP_NUM_THREADS=1" not in environ
+    finally:
+        eng.stop()
 
 
 def test_a_dead_engine_is_detected_and_restarted_on_the_same_port(engine) -> None:  # noqa: ANN001

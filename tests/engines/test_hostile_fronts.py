@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from titan_lora.clients.http import JsonClient
+from titan_lora.clients.kinds import LaunchPlan
 from titan_lora.clients.launch import EmbeddedEngine
 from titan_lora.transfer.buckets import bucket_checksum, bucket_size, layout_id, pack, plan_buckets
 from titan_lora.transfer.frames import recv_frame, send_frame
@@ -30,12 +31,13 @@ DEADLINE_S = 1.0  # --peer-deadline-s: a greeting, or a request's line and heade
 CAP = 8  # --max-connections, per port
 MARGIN_S = 4.0  # on a loaded 2-core machine, a drop may come this much after its deadline
 FLAGS = ["--peer-deadline-s", str(DEADLINE_S), "--max-connections", str(CAP), "--idle-timeout-s", "60"]
+RECEIVER_PLAN = LaunchPlan("titan_lora.engines.receiver", FLAGS)
 
 
 @pytest.fixture(scope="module")
 def receiver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EmbeddedEngine, int]]:
     log = tmp_path_factory.mktemp("hostile") / "receiver.log"
-    engine = EmbeddedEngine("titan_lora.engines.receiver", 0, FLAGS, str(log), start_timeout_s=60, api_key=KEY)
+    engine = EmbeddedEngine(RECEIVER_PLAN, 0, str(log), start_timeout_s=60, api_key=KEY)
     engine.start()
     try:
         yield engine, JsonClient(engine.url, KEY, timeout_s=10).post("/titan/info")["frames_port"]
@@ -245,7 +247,7 @@ def test_a_frame_request_after_sigterm_finds_its_connection_closed(tmp_path: Pat
     frame connection is not served after the release (it would map the trainer's buffer again)."""
     import signal
 
-    engine = EmbeddedEngine("titan_lora.engines.receiver", 0, FLAGS, str(tmp_path / "receiver.log"),
+    engine = EmbeddedEngine(RECEIVER_PLAN, 0, str(tmp_path / "receiver.log"),
                             start_timeout_s=60, api_key=KEY)
     engine.start()
     try:

@@ -17,6 +17,7 @@ import torch
 from dist_helpers import free_port
 
 from titan_lora.clients.http import JsonClient
+from titan_lora.clients.kinds import LaunchPlan
 from titan_lora.clients.launch import EmbeddedEngine
 from titan_lora.engines.receiver import build_server, shut_down
 from titan_lora.transfer.buckets import bucket_checksum, bucket_size, layout_id, pack, plan_buckets
@@ -201,7 +202,7 @@ def test_sigterm_releases_the_mappings_and_exits_cleanly(tmp_path) -> None:  # n
     """An engine that exits while mapping the trainer's CUDA buffers leaves their IPC ref-counter files in
     /dev/shm: on SIGTERM the receiver must unwind and release its mappings (exit code 0, and it says so)."""
     log = tmp_path / "receiver.log"
-    engine = EmbeddedEngine("titan_lora.engines.receiver", 0, [], str(log), start_timeout_s=20.0)
+    engine = EmbeddedEngine(LaunchPlan("titan_lora.engines.receiver", []), 0, str(log), start_timeout_s=20.0)
     engine.start()  # returns once it answers /titan/info
     try:
         engine.proc.send_signal(signal.SIGTERM)

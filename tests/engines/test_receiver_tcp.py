@@ -23,7 +23,7 @@ from dist_helpers import needs_gpus
 from shm_helpers import mapped_segments
 
 from titan_lora.clients.base import AdapterPayload
-from titan_lora.clients.kinds import engine_kind
+from titan_lora.clients.kinds import LaunchPlan, engine_kind
 from titan_lora.clients.launch import EmbeddedEngine
 from titan_lora.compose import engine_endpoint
 from titan_lora.config import Engine, WeightSync
@@ -41,7 +41,7 @@ def _digest(t: torch.Tensor) -> str:
 
 def _start(tmp_path, monkeypatch, *args: str) -> EmbeddedEngine:  # noqa: ANN001
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [SHIM_DIR, os.environ.get("PYTHONPATH")])))
-    engine = EmbeddedEngine("receiver_shim", 0, list(args), str(tmp_path / "engine.log"), start_timeout_s=60,
+    engine = EmbeddedEngine(LaunchPlan("receiver_shim", list(args)), 0, str(tmp_path / "engine.log"), start_timeout_s=60,
                             health_timeout_s=2.0)
     engine.start()
     return engine

@@ -54,8 +54,8 @@ def ns_engine(ns: Netns, model_dir: Path, log: Path, *extra: str) -> EmbeddedEng
     plan = engine_kind("vllm").launch(request)
     args = list(plan.args)
     args[args.index("--host") + 1] = ns.addr
-    return EmbeddedEngine(plan.module, 0, [*args, *extra], str(log), start_timeout_s=300, api_key=API_KEY,
-                          prefix=ns.prefix, host=ns.addr, env=plan.env)
+    return EmbeddedEngine(dataclasses.replace(plan, args=[*args, *extra]), 0, str(log), start_timeout_s=300,
+                          api_key=API_KEY, prefix=ns.prefix, host=ns.addr)
 
 
 def started_in(ns: Netns, model_dir: Path, log: Path, *extra: str) -> Iterator[EmbeddedEngine]:

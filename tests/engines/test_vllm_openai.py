@@ -85,9 +85,8 @@ def ctx(smollm2_dir, tmp_path_factory) -> Ctx:
     plan = engine_kind("vllm-openai").launch(
         LaunchRequest(Engine(max_model_len=256, kv_cache_gib=1), 2, str(smollm2_dir), CPU, 8,
                       base_digests=False))  # its syncer pushes the base
-    engine = EmbeddedEngine(plan.module, free_port(), plan.args,
-                            str(tmp_path_factory.mktemp("engine") / "engine.log"), start_timeout_s=300,
-                            env=plan.env)
+    engine = EmbeddedEngine(plan, free_port(), str(tmp_path_factory.mktemp("engine") / "engine.log"),
+                            start_timeout_s=300)
     started = time.perf_counter()
     engine.start()
     FIGURES["engine_start_s"] = [time.perf_counter() - started]

@@ -67,7 +67,7 @@ def vllm_engine(model_dir: Path, log: Path, max_model_len: int = 256, keep_versi
     "push"` job does (the syncers here push the base), or with `base_digests` as a "verify" job does."""
     plan = engine_kind("vllm").launch(LaunchRequest(Engine(max_model_len=max_model_len, kv_cache_gib=1),
                                                     keep_versions, str(model_dir), CPU, 8, base_digests))
-    return EmbeddedEngine(plan.module, free_port(), plan.args, str(log), start_timeout_s=300, env=plan.env)
+    return EmbeddedEngine(plan, free_port(), str(log), start_timeout_s=300)
 
 
 def smollm2_engine(model_dir: Path, log: Path) -> EmbeddedEngine:

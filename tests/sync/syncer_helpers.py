@@ -12,6 +12,7 @@ from model_helpers import DEBUG_LORA, build_from, full_adapter, full_copy, job_c
 
 from titan_lora.clients.http import ApiKey, JsonClient
 from titan_lora.compose import EngineSide
+from titan_lora.clients.kinds import LaunchPlan
 from titan_lora.clients.launch import EmbeddedEngine
 from titan_lora.clients.vllm import VLLMBucketEmitter
 from titan_lora.config import WeightSync
@@ -41,7 +42,7 @@ def sync_cfg(**overrides) -> WeightSync:  # noqa: ANN003
 
 def start_receiver(tmp: str, max_loras: int = 8) -> EmbeddedEngine:
     """The receiver process, embedded: our nonce, a random key by environment."""
-    engine = EmbeddedEngine("receiver_shim", 0, ["--max-loras", str(max_loras)], f"{tmp}/engine.log",
+    engine = EmbeddedEngine(LaunchPlan("receiver_shim", ["--max-loras", str(max_loras)]), 0, f"{tmp}/engine.log",
                             start_timeout_s=60, health_timeout_s=2.0)
     engine.start()
     return engine

@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from titan_lora.clients.http import ApiKey, JsonClient
+from titan_lora.clients.kinds import LaunchPlan
 from titan_lora.transfer import protocol
 from titan_lora.transfer.errors import EngineDied, EngineHung, EngineUnreachable, TransferError
 
@@ -77,24 +78,25 @@ def _die_with_parent() -> None:
 
 
 class EmbeddedEngine:
-    """An engine child process (`python -m <module> --port N ...`); restarted if it dies or hangs.
+    """An engine child process (`python -m <plan.module> --port N *plan.args`, with `plan.env` set over our
+    environment); restarted if it dies or hangs. It takes the plan whole: a caller that passed module and
+    args alone would lose the environment the plan needs (a CPU engine's thread count).
 
     `prefix` is a command the engine runs under (e.g. `ip netns exec NS`: the tests' engine in its own
-    network namespace), `host` the address it is reached at (its `--host` in `args` must serve it). The
-    port is reserved on this host's loopback: an engine under a prefix that changes its network stack
-    relies on the nonce alone to prove it is ours. `env` is set in its environment over ours (its launch plan's:
-    a CPU engine's thread count)."""
+    network namespace), `host` the address it is reached at (its `--host` in the plan's args must serve
+    it). The port is reserved on this host's loopback: an engine under a prefix that changes its network
+    stack relies on the nonce alone to prove it is ours."""
 
-    def __init__(self, module: str, port: int, args: list[str], log_path: str, start_timeout_s: float = 600.0,
+    def __init__(self, plan: LaunchPlan, port: int, log_path: str, start_timeout_s: float = 600.0,
                  api_key: str = "", health_timeout_s: float = 10.0, prefix: tuple[str, ...] = (),
-                 host: str = "127.0.0.1", env: dict[str, str] | None = None) -> None:
-        self.module = module
-        self.env = dict(env or {})
+                 host: str = "127.0.0.1") -> None:
+        self.module = plan.module
+        self.args = list(plan.args)
+        self.env = dict(plan.env)
         self.prefix = prefix
         # An open engine API is anyone's to rewrite. Clients read `key`: a fresh one at every start.
         self._fixed_key = api_key
         self.key = ApiKey(api_key or secrets.token_urlsafe(32))
-        self.args = args
         self.log_path = Path(log_path)
         self.start_timeout_s = start_timeout_s
         self.health_timeout_s = health_timeout_s

@@ -429,8 +429,12 @@ def build_vllm_emitter(ws: WeightSync, engine: Engine, endpoint: Endpoint) -> VL
 
 def receiver_launch(req: LaunchRequest) -> LaunchPlan:
     """The receiver: vLLM's transfer protocol and copy-out with no inference, on the trainer's device."""
-    cuda = ["--device", str(req.device)] if req.device.type == "cuda" else []
-    return LaunchPlan("titan_lora.engines.receiver", cuda)
+    return receiver_plan(req.device)
+
+
+def receiver_plan(device: torch.device) -> LaunchPlan:
+    """The receiver's process on `device` (it needs nothing else of a launch request)."""
+    return LaunchPlan("titan_lora.engines.receiver", ["--device", str(device)] if device.type == "cuda" else [])
 
 
 RECEIVER = EngineKind("receiver", build_vllm_emitter, None, receiver_launch, shm_buckets=True)
