@@ -9,7 +9,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-from dist_helpers import free_port
 from model_helpers import SMOLLM2_LORA, build_from, job_config_from, randomize_adapters
 from safetensors.torch import load_file, save_file
 from vllm_helpers import CPU, assert_adapter_parity, rollouts_of, syncer_into, vllm_engine
@@ -75,9 +74,8 @@ def test_a_corrupted_tensor_alone_is_sent_and_a_dummy_engine_gets_the_whole_base
     finally:
         syncer.close()
 
-    plan_args = vllm_engine(smollm2_dir, tmp_path / "x.log", base_digests=True).args
-    dummy = type(engine)(engine.module, free_port(), [*plan_args, "--load-format", "dummy"],
-                         str(tmp_path / "dummy.log"), start_timeout_s=300)
+    dummy = vllm_engine(smollm2_dir, tmp_path / "dummy.log", base_digests=True,
+                        extra_args=("--load-format", "dummy"))
     dummy.start()
     syncer, streamed = _verifying_syncer(dummy, built, ws)
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import openai
@@ -61,12 +62,14 @@ def emitter_to(kind: str, endpoint: Endpoint, cfg: WeightSync, engine: Engine | 
 
 
 def vllm_engine(model_dir: Path, log: Path, max_model_len: int = 256, keep_versions: int = 2,
-                base_digests: bool = False) -> EmbeddedEngine:
+                base_digests: bool = False, extra_args: tuple[str, ...] = ()) -> EmbeddedEngine:
     """The default engine (vLLM's OpenAI server with titan's routes) on `model_dir`, as a job would start it
     for rank-8 adapters and `keep_versions` live versions (not started yet): as a `[weight_sync] base =
-    "push"` job does (the syncers here push the base), or with `base_digests` as a "verify" job does."""
+    "push"` job does (the syncers here push the base), or with `base_digests` as a "verify" job does;
+    `extra_args` go after the plan's (e.g. `--load-format dummy`)."""
     plan = engine_kind("vllm").launch(LaunchRequest(Engine(max_model_len=max_model_len, kv_cache_gib=1),
                                                     keep_versions, str(model_dir), CPU, 8, base_digests))
+    plan = dataclasses.replace(plan, args=[*plan.args, *extra_args])
     return EmbeddedEngine(plan, free_port(), str(log), start_timeout_s=300)
 
 
