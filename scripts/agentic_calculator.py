@@ -47,7 +47,8 @@ def main() -> None:
     if not args.url:
         plan = engine_kind("vllm").launch(LaunchRequest(Engine(max_model_len=512, kv_cache_gib=1), 2,
                                                         str(pretrained_dir()), torch.device("cpu"), 16))
-        engine = EmbeddedEngine(plan, free_port(), os.path.join(tempfile.gettempdir(), "titan_lora_agentic_engine.log"))
+        engine = EmbeddedEngine(plan, free_port(),
+                                os.path.join(tempfile.gettempdir(), "titan_lora_agentic_engine.log"))
         engine.start()
     try:
         url, key = (engine.url, engine.key) if engine else (args.url, os.environ.get(API_KEY_ENV, ""))

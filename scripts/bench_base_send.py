@@ -97,7 +97,8 @@ def send_base(shapes: list[tuple[str, tuple[int, ...]]], made: dict[str, torch.T
             Path(wrapper_dir, "bench_graph_base_receiver.py").write_text(GRAPH_BASE_RECEIVER)
             os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [saved, wrapper_dir]))
             plan = dataclasses.replace(plan, module="bench_graph_base_receiver")
-        engine = EmbeddedEngine(plan, 0, os.path.join(tempfile.gettempdir(), "titan_lora_bench_base_receiver.log"),
+        engine = EmbeddedEngine(plan, 0,
+                                os.path.join(tempfile.gettempdir(), "titan_lora_bench_base_receiver.log"),
                                 start_timeout_s=120.0)
         engine.start()
         emitter = VLLMBucketEmitter(JsonClient(engine.url, engine.key), bucket_mb=bucket_mb)

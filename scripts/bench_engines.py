@@ -44,7 +44,8 @@ def bench_kind(kind_name: str, built, source: AdapterSource, iters: int, prompts
     """Start, base, syncs and rollouts against one engine of `kind_name`."""
     kind, ws = engine_kind(kind_name), WeightSync(enabled=True)
     plan = kind.launch(LaunchRequest(Engine(), ws.keep_versions, built.hf_dir, CPU, 16))
-    engine = EmbeddedEngine(plan, free_port(), os.path.join(tempfile.gettempdir(), f"titan_lora_bench_{kind_name.replace(':', '_')}.log"))
+    log = os.path.join(tempfile.gettempdir(), f"titan_lora_bench_{kind_name.replace(':', '_')}.log")
+    engine = EmbeddedEngine(plan, free_port(), log)
     t0 = time.perf_counter()
     engine.start()
     figures = {"start_s": time.perf_counter() - t0}

@@ -85,7 +85,8 @@ def cpu_bench(iters: int) -> None:
     # The gather writes into shared memory, as the bucket emitter lends it in training (the disk path reads it too).
     source = AdapterSource(built.model, built.peft_layout, job_config_from_toml(CPU_TOML).lora, lend=lend_buffer)
     plan = vllm_openai_launch(LaunchRequest(Engine(), 3, built.hf_dir, torch.device("cpu"), 16))  # 4 slots
-    engine = EmbeddedEngine(plan, free_port(), os.path.join(tempfile.gettempdir(), "titan_lora_bench_engine.log"))
+    engine = EmbeddedEngine(plan, free_port(),
+                            os.path.join(tempfile.gettempdir(), "titan_lora_bench_engine.log"))
     engine.start()
     try:
         client = JsonClient(engine.url, engine.key)
@@ -339,7 +340,8 @@ def end_to_end(model, built, cfg, device: torch.device, iters: int, rank: int,  
 
     engine, emitter = None, None
     if rank == 0:
-        engine = EmbeddedEngine(receiver_plan(device), 0, os.path.join(tempfile.gettempdir(), "titan_lora_bench_receiver.log"),
+        engine = EmbeddedEngine(receiver_plan(device), 0,
+                                os.path.join(tempfile.gettempdir(), "titan_lora_bench_receiver.log"),
                                 start_timeout_s=60.0)
         engine.start()
         emitter = VLLMBucketEmitter(JsonClient(engine.url, engine.key), bucket_mb=256)

@@ -75,7 +75,8 @@ def main() -> None:
     built = build_from_toml(CPU_TOML, device=torch.device("cpu"))
     randomize(built.model)
     lora = job_config_from_toml(CPU_TOML).lora
-    engine = EmbeddedEngine(receiver_plan(torch.device("cpu")), 0, os.path.join(tempfile.gettempdir(), "titan_lora_bench_transport.log"), start_timeout_s=60)
+    engine = EmbeddedEngine(receiver_plan(torch.device("cpu")), 0,
+                            os.path.join(tempfile.gettempdir(), "titan_lora_bench_transport.log"), start_timeout_s=60)
     engine.start()
     emitters: dict[str, VLLMBucketEmitter] = {}
     try:

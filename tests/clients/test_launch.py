@@ -28,7 +28,8 @@ def shim_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _engine(tmp_path: Path, port: int = 0, **kwargs) -> EmbeddedEngine:  # noqa: ANN003
-    return EmbeddedEngine(LaunchPlan(SHIM, []), port, str(tmp_path / "engine.log"), start_timeout_s=60, **kwargs)
+    return EmbeddedEngine(LaunchPlan(SHIM, []), port, str(tmp_path / "engine.log"), start_timeout_s=60,
+                          **kwargs)
 
 
 @pytest.fixture
@@ -73,7 +74,8 @@ def test_the_api_key_is_random_by_default_and_travels_by_environment_only(engine
     assert _info(engine)["nonce"] == engine.nonce
 
 
-def test_the_plans_environment_is_set_over_ours_in_every_incarnation(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+def test_the_plans_environment_is_set_over_ours_in_every_incarnation(
+        tmp_path, monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as torchrun sets it on every rank
     eng = EmbeddedEngine(LaunchPlan(SHIM, [], {"OMP_NUM_THREADS": "7"}), 0, str(tmp_path / "engine.log"),
                          start_timeout_s=60)

@@ -41,7 +41,8 @@ def _digest(t: torch.Tensor) -> str:
 
 def _start(tmp_path, monkeypatch, *args: str) -> EmbeddedEngine:  # noqa: ANN001
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [SHIM_DIR, os.environ.get("PYTHONPATH")])))
-    engine = EmbeddedEngine(LaunchPlan("receiver_shim", list(args)), 0, str(tmp_path / "engine.log"), start_timeout_s=60,
+    engine = EmbeddedEngine(LaunchPlan("receiver_shim", list(args)), 0, str(tmp_path / "engine.log"),
+                            start_timeout_s=60,
                             health_timeout_s=2.0)
     engine.start()
     return engine

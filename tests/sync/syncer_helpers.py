@@ -42,7 +42,8 @@ def sync_cfg(**overrides) -> WeightSync:  # noqa: ANN003
 
 def start_receiver(tmp: str, max_loras: int = 8) -> EmbeddedEngine:
     """The receiver process, embedded: our nonce, a random key by environment."""
-    engine = EmbeddedEngine(LaunchPlan("receiver_shim", ["--max-loras", str(max_loras)]), 0, f"{tmp}/engine.log",
+    engine = EmbeddedEngine(LaunchPlan("receiver_shim", ["--max-loras", str(max_loras)]), 0,
+                            f"{tmp}/engine.log",
                             start_timeout_s=60, health_timeout_s=2.0)
     engine.start()
     return engine

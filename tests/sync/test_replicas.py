@@ -273,7 +273,8 @@ def test_engines_started_from_short_lived_threads_outlive_them(tmp_path):
     """PR_SET_PDEATHSIG follows the forking *thread*: before the spawner thread, both receivers got SIGTERM
     as start_engines' threads returned (and a revived replica as its revival thread did)."""
     shim_on_path()
-    engines = [EmbeddedEngine(LaunchPlan("receiver_shim", []), 0, str(tmp_path / f"engine{i}.log"), start_timeout_s=60,
+    engines = [EmbeddedEngine(LaunchPlan("receiver_shim", []), 0, str(tmp_path / f"engine{i}.log"),
+                              start_timeout_s=60,
                               health_timeout_s=2.0) for i in range(2)]
     try:
         start_engines(engines)

@@ -434,7 +434,8 @@ def receiver_launch(req: LaunchRequest) -> LaunchPlan:
 
 def receiver_plan(device: torch.device) -> LaunchPlan:
     """The receiver's process on `device` (it needs nothing else of a launch request)."""
-    return LaunchPlan("titan_lora.engines.receiver", ["--device", str(device)] if device.type == "cuda" else [])
+    cuda = ["--device", str(device)] if device.type == "cuda" else []
+    return LaunchPlan("titan_lora.engines.receiver", cuda)
 
 
 RECEIVER = EngineKind("receiver", build_vllm_emitter, None, receiver_launch, shm_buckets=True)
