@@ -1,6 +1,6 @@
-"""The composition root: every part of a job that talks to the engine, built once from its own config
-section and handed explicit arguments. Nothing below receives the run, and no config is rewritten:
-runtime facts (the embedded engine's address and key) travel as an `Endpoint`."""
+"""The composition root: every part of a job that talks to the engine (the adapter source included), built
+once from its own config section and handed explicit arguments. Nothing below receives the run, and no
+config is rewritten: runtime facts (the embedded engine's address and key) travel as an `Endpoint`."""
 
 from __future__ import annotations
 

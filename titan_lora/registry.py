@@ -1,4 +1,6 @@
-"""One lazy registry, shared by every plug-in point (engine kinds, tasks, rewards).
+"""The lazy registry behind the plug-ins a config names: model families, engine kinds, tasks, rewards.
+
+Transports (`transfer/transports/`) and model converters (`titan/converters.py`) keep registries of their own.
 
 Built-in entries are `module:attribute` strings imported on first use, so importing a registry imports
 none of its entries. A config may also name any `package.module:attribute`, which needs no registration.

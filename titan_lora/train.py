@@ -1,8 +1,8 @@
 """Entry point: `torchrun --nproc_per_node=N -m titan_lora.train --job.config_file train_configs/x.toml`.
 
-Reuses torchtitan's parts (TrainSpec, ParallelDims, parallelize, optimizers, LR schedules, state-dict
-adapters), all through the seam `titan_lora.titan`, with a device-agnostic loop, so the same job runs on
-CPU (gloo) and GPU (NCCL).
+Reuses torchtitan 0.3.0's parts (model config trees, ParallelDims, parallelize, optimizers, LR schedules,
+state-dict adapters), all through the seam `titan_lora.titan`, with a device-agnostic loop, so the same job
+runs on CPU (gloo) and GPU (NCCL).
 """
 
 from __future__ import annotations

@@ -147,7 +147,7 @@ def check_adapter(limits: EngineLimits, url: str, rank: int, modules: set[str]) 
 
 
 def _is_local(host: str) -> bool:
-    """True if `host` names this machine (loopback, or one of its addresses)."""
+    """True if `host` names the local host (loopback, or one of its addresses)."""
     try:
         addrs = {a[4][0] for a in socket.getaddrinfo(host, None)}
         mine = {a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None)}

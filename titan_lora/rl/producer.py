@@ -12,7 +12,7 @@ finishes on that version however many are published meanwhile, and no group mixe
 
 A step takes the B finished groups that come first in data order; it never waits on a particular group.
 A group finished under a version older than (step - 1) - S is never trained: it is dropped, counted and
-drawn again under the newest version (the straggler rule, docs/design.md); a group dropped so
+drawn again under the newest version (the straggler rule, docs/internals.md); a group dropped so
 `MAX_STALE_DRAWS` times (its generation outlasts S steps every time) is skipped, counted and logged, so it
 cannot pin old versions forever. A group whose request failed is drawn again too; a replica lost under an
 older pinned version (`NoLiveReplica` while a newer version is published) only redraws the group under the

@@ -2,8 +2,8 @@
 moves, only two int64 lanes per tensor in one all-reduce.
 
 An engine digests the same tensors in HF layout (`transfer.digest.tensor_digest`); equal digests prove
-it serves the trainer's base, and a mismatch names the tensors to send (docs/design.md, "The base: verified,
-not pushed").
+it serves the trainer's base, and a mismatch names the tensors to send (docs/internals.md, "The base:
+verified, not pushed").
 """
 
 from __future__ import annotations

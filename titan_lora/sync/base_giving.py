@@ -1,5 +1,5 @@
 """How the syncer gives an engine our base: verified by digest where the engine loaded one itself, the
-tensors that differ or the whole base streamed otherwise (`[weight_sync] base`; docs/design.md, "The base:
+tensors that differ or the whole base streamed otherwise (`[weight_sync] base`; docs/internals.md, "The base:
 verified, not pushed"). A mixin of `WeightSyncer`: it uses the syncer's collective helpers and state.
 """
 

@@ -2,7 +2,7 @@
 
 Every other package takes the torchtitan names it needs from here (an import-linter contract in
 `.importlinter` keeps torchtitan out of them, and tests/test_layers.py checks it with grimp), so a
-torchtitan break lands in this package only (`../shared/research/torchtitan-0.3.md`, issue 34). This package
+torchtitan break lands in this package only (docs/upgrading.md lists what 0.3.0 changed). This package
 is the bottom layer: it imports no other titan_lora package but `titan_lora.model_shape`, and titan_lora
 objects (the LoRA mixin's `lora_class`, target selection, run sections) come in as arguments.
 

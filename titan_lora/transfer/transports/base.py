@@ -55,7 +55,7 @@ class BucketBuffer(abc.ABC):
         self.tensor = self._allocate()
         # Once: every CUDA share takes a new slot in torch's IPC ref-counter files (cuda.shm.*) that the
         # producer keeps until the receiver lets go; sharing again on every post (~15k posts) ended in
-        # a segfault at exit and left cuda.shm.* files behind (issue 9).
+        # a segfault at exit and left cuda.shm.* files behind.
         self._desc = self._describe()
 
     @abc.abstractmethod
