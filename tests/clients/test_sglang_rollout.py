@@ -16,6 +16,7 @@ from test_sglang import PROMPT, SERVER, TINY, Driver, Trainer, calls, emitter_fo
 
 from titan_lora.clients.base import Endpoint
 from titan_lora.clients.kinds import engine_kind
+from titan_lora.clients.rollout import RequestRefused
 from titan_lora.clients.sglang_api import SGLangAuthError, SGLangClient, SGLangError, SGLangTimeout
 from titan_lora.clients.sglang_rollout import SGLangRolloutClient
 from titan_lora.config import WeightSync
@@ -236,3 +237,24 @@ def test_the_conformance_generate_answers_a_batch_as_a_list_and_ignores_unknown_
         assert status == 200 and [o["meta_info"]["id"] for o in out] == ["r_0", "r_1"]
         assert all(len(o["meta_info"]["output_token_logprobs"]) == len(o["output_ids"]) for o in out)
         assert srv.engine.ignored == ["/generate:lora_pth"]
+
+
+class _TooLong(Answering):
+    """An SGLang that refuses every prompt as over its context length (0.5.23's status and words)."""
+
+    status = 400
+
+    def answer(self, body: bytes) -> object:
+        return {"error": {"message": "The input (5 tokens) is longer than the model's context length "
+                                     "(4 tokens)."}}
+
+
+def test_a_prompt_sglang_refuses_is_the_requests_error_and_one_it_does_not_serve_the_replicas() -> None:
+    with serving(_TooLong) as url:
+        rollouts = SGLangRolloutClient(SGLangClient(url, retries=0), timeout_s=5.0)
+        with pytest.raises(RequestRefused, match=r"failed \(400\).*longer than the model's context length"):
+            rollouts.generate([PROMPT], None, 1, 0.0, None, [])
+    with ConformanceServer(TINY, **SERVER) as srv:  # an adapter it lacks (400 too): the replica's state
+        with pytest.raises(SGLangError, match="does not serve adapter 'policy-v9'") as raised:
+            rollouts_for(srv).generate([PROMPT], "policy-v9", 2, 0.0, None, [])
+        assert not isinstance(raised.value, RequestRefused)

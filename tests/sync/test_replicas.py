@@ -147,17 +147,49 @@ def test_a_wedged_replica_is_quarantined_within_its_health_timeout_and_its_reque
     assert adapters(hung)[-1] == "adapter policy-v2" and adapters(hung).count("base v1") == 1
 
 
-def test_with_no_live_replica_the_syncer_recovers_once_one_is_back(syncer_over, sleeps):
-    rs = replica_set(2)
+def test_a_version_every_replica_failed_is_not_published_until_a_revival_holds_it(syncer_over):
+    # The revivals are held until the sync saw every replica fail: a version no engine held was published.
+    rs = replica_set(2, embedded=True, health_timeout_s=0.2)  # the recovery polls every 0.2 s
     syncer = syncer_over(rs)
     syncer.sync(1)
+    gate = threading.Event()
     for r in rs.replicas:
         r.emitter.fail["adapter"] = [EngineUnreachable("down")]
-    syncer.sync(2)  # both fail, are quarantined; the syncer's recovery waits for a revival, then resends
-    assert syncer.versions.active.version == 2
-    assert syncer.counters["engine_recoveries"] == 1
+        r.engine.ensure_running = lambda r=r: (gate.wait(10), r.engine.events.append("restart"))
+    published_while_none_live: list[int] = []
+    publish = syncer.versions.publish
+
+    def checked_publish(version: int) -> None:
+        if not any(version in r.held for r in rs.live()):
+            published_while_none_live.append(version)
+        publish(version)
+
+    syncer.versions.publish = checked_publish
+    threading.Timer(0.5, gate.set).start()  # the recovery waits for a revival, then resends
+    syncer.sync(2)
+    assert published_while_none_live == []
+    assert syncer.versions.active.version == 2 and syncer.counters["engine_recoveries"] == 1
     wait_until(lambda: len(rs.live()) == 2, "both back")
     assert all(r.held.get(2) == "policy-v2" for r in rs.replicas)
+
+
+def test_a_set_whose_replicas_all_came_back_without_our_base_gets_it_from_the_next_sync(syncer_over):
+    # Plain emitters cannot verify a base by digest: each revival waits for the syncer to stream it.
+    rs = replica_set(2, embedded=True, engine_start_timeout_s=2.0)
+    syncer = syncer_over(rs)
+    syncer.sync(1)
+    syncer.sync(2)
+    for r in rs.replicas:
+        r.emitter.incarnation = "inc-2"  # restarted: its own base is not ours
+        rs.quarantine(r, "killed")
+    wait_until(lambda: all(r.awaiting_base for r in rs.replicas), "both revivals")
+    started = time.monotonic()
+    syncer.sync(3)
+    assert time.monotonic() - started < 1.0, "the sync waited for a live replica instead of sending the base"
+    assert [r.live for r in rs.replicas] == [True, True] and syncer.versions.active.version == 3
+    for r in rs.replicas:  # the base, the newest version the revival kept (v2), then this sync's v3
+        assert adapters(r)[-3:] == ["base v3", "adapter policy-v2", "adapter policy-v3"]
+        assert r.held.keys() >= {3}
 
 
 def test_the_router_spreads_groups_by_outstanding_work_and_pins_versions():
@@ -340,3 +372,22 @@ def test_a_base_send_longer_than_one_request_timeout_quarantines_no_replica(sync
     syncer.sync(1)
     assert [r.live for r in rs.replicas] == [True, True] and [r.quarantines for r in rs.replicas] == [0, 0]
     assert syncer.versions.active.version == 1
+
+
+def test_a_tensor_one_replica_holds_otherwise_is_sent_to_the_replicas_lacking_our_base():
+    # Replica 0's own base has our digests, replica 1's norm differs: one replica's match must not hide it.
+    ours = {"model.embed_tokens.weight": "e", "model.norm.weight": "n"}
+    records = [{"dtype": "float32", "digests": dict(ours)},
+               {"dtype": "float32", "digests": {**ours, "model.norm.weight": "other"}}]
+    replicas = [Replica(i, Endpoint(f"http://127.0.0.1:{8000 + i}"), VerifyingEmitter(rec), Rollouts(i), None)
+                for i, rec in enumerate(records)]
+    rs = ReplicaSet(replicas, cfg(timeout_s=5.0))
+    syncer = WeightSyncer(Source(), Base(), FanoutEmitter(rs), rs.cfg, torch.device("cpu"),
+                          versions=AdapterVersions("policy", 2), base_digests=lambda dtype: dict(ours))
+    try:
+        syncer.sync(1)
+        for r in replicas:
+            assert "base part v1: ['model.norm.weight']" in r.emitter.calls, r.emitter.calls
+        assert syncer.counters["base_sends"] == 1 and syncer.counters["base_verified"] == 0
+    finally:
+        syncer.close()

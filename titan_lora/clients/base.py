@@ -8,6 +8,7 @@ the syncer (`titan_lora.sync`), not here, so every emitter shares them.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
@@ -17,6 +18,9 @@ from titan_lora.clients.http import ApiKey
 from titan_lora.transfer.errors import TransferError
 from titan_lora.transfer.protocol import Ack, EngineLimits
 from titan_lora.transfer.transport import BucketBuffer, TransportChoice
+from titan_lora.transfer.transports.base import DEVICE_DEFAULTS
+
+logger = logging.getLogger(__name__)
 
 # (HF name, tensor) pairs, produced one by one (each may run a collective); a mapping is taken as its items.
 BaseTensors = Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
@@ -159,3 +163,22 @@ class Endpoint:
     def __post_init__(self) -> None:
         if isinstance(self.api_key, str):
             object.__setattr__(self, "api_key", ApiKey(self.api_key))
+
+
+def bucket_route(choice: TransportChoice) -> str:
+    """The bucket transport `choice`, in words: its kind and where the trainer serves it, if it does."""
+    if choice.kind is None:
+        defaults = ", ".join(f"{kind} on {device}" for device, kind in DEVICE_DEFAULTS.items())
+        return f"the trainer device's default transport ({defaults})"
+    options = dict(choice.options)
+    if "host" not in options:
+        return choice.kind
+    backend = f" (process group backend {options['backend']})" if options.get("backend") else ""
+    where = f"{options['host']}:{options['port']}" if options["port"] else f"{options['host']} (a free port)"
+    return f"{choice.kind}{backend}, served by the trainer on {where}"
+
+
+def log_route(url: str, route: str) -> None:
+    """Say at start, once per engine, how weights reach the engine at `url`: with an engine on another host
+    the route (which transport, which address) is otherwise found only by reading the code."""
+    logger.info("engine at %s: weights go %s", url, route)

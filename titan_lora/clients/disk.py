@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from titan_lora.clients.base import AdapterPayload, Endpoint
+from titan_lora.clients.base import AdapterPayload, Endpoint, bucket_route, log_route
 from titan_lora.clients.http import JsonClient
 from titan_lora.clients.vllm import VLLMBucketEmitter
 from titan_lora.clients.vllm_openai import VLLM
@@ -64,7 +64,11 @@ class DiskEmitter(VLLMBucketEmitter):
 
 def build_disk_emitter(ws: WeightSync, engine: Engine, endpoint: Endpoint) -> DiskEmitter:
     """The disk emitter (PEFT directories loaded by vLLM's own loader) to the engine at `endpoint`."""
-    return DiskEmitter(JsonClient(endpoint.url, endpoint.api_key, ws.timeout_s), ws.bucket_mb, engine.disk_dir)
+    client = JsonClient(endpoint.url, endpoint.api_key, ws.timeout_s)
+    emitter = DiskEmitter(client, ws.bucket_mb, engine.disk_dir)
+    log_route(endpoint.url, f"as PEFT directories under {emitter.directory} (adapters) and in buckets over "
+              f"{bucket_route(emitter.transport)} (the base)")
+    return emitter
 
 
 VLLM_DISK = dataclasses.replace(VLLM, name="vllm-disk", emitter=build_disk_emitter)

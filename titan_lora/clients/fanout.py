@@ -5,8 +5,10 @@ count, bytes, and each bucket's checksum inside the replica's own emitter) or fa
 fails, acks other figures, lets one request go past `[weight_sync] timeout_s` or fails its liveness check
 meanwhile (`ReplicaSet`: its requests then end at once) is quarantined
 (`ReplicaSet`), and the call returns with the others' acks: the syncer then publishes the version, so
-it is published when every live replica holds it. Only when no replica is left does it raise
-(`NoLiveReplica`, an engine fault: the syncer's bounded recovery waits for a revival).
+it is published when every live replica holds it. When none acknowledged and no replica is left live it
+raises (`NoLiveReplica`, an engine fault: the syncer's bounded recovery waits for a revival), so a version
+is never published with no replica holding it. A set whose replicas all came back without our base still
+answers for its incarnation: the next sync (or the recovery) sends them the base, which they wait for.
 
 All replicas read the gather's buffer in place when they share its transport (the same shared-memory
 segment, or the same tcp server); a replica on another transport gets the payload packed into its own
@@ -90,15 +92,17 @@ class FanoutEmitter:
         return combined_limits([r.emitter.engine_limits() for r in self.replicas.replicas])
 
     def engine_incarnation(self) -> str:
-        """One id for the whole set while any replica is live: a replica's own restart is its revival's
-        business (it verifies its base, or waits for the next sync: `waiting_for_base`), not the syncer's."""
-        if not self.replicas.live():
-            raise NoLiveReplica(f"none of the {len(self.replicas.replicas)} replicas is live; their revivals "
-                                "run in the background")
+        """One id for the whole set while any replica is live or waits for our base: a replica's own restart
+        is its revival's business (it verifies its base, or waits for the next sync: `waiting_for_base`),
+        not the syncer's; when all wait, the syncer must reach the set to send them the base."""
+        if not self.replicas.live() and not self.replicas.awaiting():
+            raise NoLiveReplica(f"none of the {len(self.replicas.replicas)} replicas is live or waits for "
+                                "the base; their revivals run in the background")
         return self._incarnation
 
     def check_live(self, timeout_s: float) -> None:
-        """Pass while any replica is live: each one's liveness is the replica set's watch."""
+        """Pass while any replica is live or waits for the base: each one's liveness is the replica set's
+        watch."""
         self.engine_incarnation()
 
     def interrupt(self, reason: str) -> None:
@@ -118,11 +122,12 @@ class FanoutEmitter:
 
     def _fan(self, targets: list[Replica], call: Callable[[Replica], Ack], check: Callable[[Ack], None],
              what: str, pump: Callable[[dict], None] | None = None) -> list[tuple[Replica, Ack]]:
-        """`call` on every target at once; the ones that fail or fail `check` are quarantined. No bound on
-        the whole call: each request has its own (`timeout_s`), and a replica that hangs meanwhile is
-        quarantined by the replica set's watch, which ends its requests. `pump(futures)` runs in this
-        thread meanwhile (feeding a stream). Raises NoLiveReplica when targets were given and none
-        acknowledged."""
+        """`call` on every target at once; the ones that fail or fail `check` are quarantined (a revived one
+        waiting for the base is revived again). No bound on the whole call: each request has its own
+        (`timeout_s`), and a replica that hangs meanwhile is quarantined by the replica set's watch, which
+        ends its requests. `pump(futures)` runs in this thread meanwhile (feeding a stream). Raises
+        NoLiveReplica when targets were given, none acknowledged and no replica is live: a live one not
+        targeted holds what was sent already (and a revival rejoins only with the newest adapter)."""
         def timed(replica: Replica) -> tuple[Ack, float]:
             started = time.perf_counter()
             return call(replica), (time.perf_counter() - started) * 1e3
@@ -140,12 +145,16 @@ class FanoutEmitter:
                 check(ack)
             except Exception as err:  # noqa: BLE001 (a failed replica is quarantined; the others go on)
                 failures.append(f"{replica}: {err}")
-                self.replicas.quarantine(replica, f"{what} failed: {err}")
+                if replica.awaiting_base:  # not live: its revival starts over
+                    self.replicas.revive_again(replica, f"{what} failed: {err}")
+                else:
+                    self.replicas.quarantine(replica, f"{what} failed: {err}")
                 continue
             replica.phases = {**ack.phases_ms, "total_ms": total_ms}
             acked.append((replica, ack))
-        if any(r.live for r in targets) and not acked:  # a revived replica's failure is its own
-            raise NoLiveReplica(f"{what}: no replica acknowledged it; " + "; ".join(failures))
+        if targets and not acked and not self.replicas.live():
+            raise NoLiveReplica(f"{what}: no replica acknowledged it and none is live; "
+                                + "; ".join(failures))
         return acked
 
     def _live_or_raise(self, what: str) -> list[Replica]:
@@ -207,8 +216,7 @@ class FanoutEmitter:
             self.replicas.based(replica, replica.emitter.engine_incarnation())
             return Ack(version, 0, 0)
 
-        acked = self._fan(targets, adopt, lambda _: None, "recording the verified base")
-        self._based(targets, [r for r, _ in acked], "the verified base")
+        self._rejoin(self._fan(targets, adopt, lambda _: None, "recording the verified base"))
 
     def send_base(self, tensors: BaseTensors, version: int) -> Ack:
         """Stream the whole base to every replica that lacks it at once; rank 0 keeps no copy."""
@@ -237,19 +245,15 @@ class FanoutEmitter:
                           pump=lambda futures: _stream(base_items(tensors), feeds, futures, sent))
         for replica, _ in acked:
             self.replicas.based(replica, incarnations[replica.index])
-        self._based(targets, [r for r, _ in acked], "the base")
+        self._rejoin(acked)
         return Ack(version, sent["tensors"], sent["bytes"], slowest([ack for _, ack in acked]))
 
-    def _based(self, targets: list[Replica], acked: list[Replica], what: str) -> None:
-        """A revived replica that now holds our base rejoins with the newest adapter version; one that
-        failed to take it is revived again (the sync goes on with the others)."""
-        for replica in targets:
-            if not replica.awaiting_base:
-                continue
-            if replica in acked:
+    def _rejoin(self, acked: list[tuple[Replica, Ack]]) -> None:
+        """A revived replica that now holds our base rejoins with the newest adapter version (one that
+        failed to take it was revived again by `_fan`; the sync goes on with the others)."""
+        for replica, _ in acked:
+            if replica.awaiting_base:
                 self.replicas.rejoin(replica)
-            else:
-                self.replicas.revive_again(replica, f"it did not take {what}")
 
     def send_adapter(self, payload: AdapterPayload) -> Ack:
         """Send `payload` to every live replica that lacks it, at once; quarantine the ones that fail."""

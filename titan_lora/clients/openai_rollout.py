@@ -25,7 +25,7 @@ from typing import Any
 
 from titan_lora.clients.base import Endpoint
 from titan_lora.clients.http import ApiKey, JsonClient
-from titan_lora.clients.rollout import Completion
+from titan_lora.clients.rollout import REFUSED_STATUSES, Completion, RequestRefused
 from titan_lora.config import WeightSync
 from titan_lora.transfer.errors import EngineHung, EngineUnreachable, TransferError
 
@@ -149,8 +149,10 @@ class OpenAIRolloutClient:
         except self._openai.OpenAIError as err:
             lost = engine_failure(err, str(self.client.base_url), f"within {self.timeout_s:g} s ([weight_sync] "
                                   "rollout_timeout_s); the engine aborts the request")
-            if lost is None and isinstance(err, self._openai.APIStatusError):  # a 4xx: the request was wrong
-                lost = TransferError(f"{self.client.base_url} failed with HTTP {err.status_code}: {err.message}")
+            if lost is None and isinstance(err, self._openai.APIStatusError):  # a 4xx
+                refused = err.status_code in REFUSED_STATUSES  # the request was wrong, not the engine
+                lost = (RequestRefused if refused else TransferError)(
+                    f"{self.client.base_url} failed with HTTP {err.status_code}: {err.message}")
             if lost is None:
                 raise
             raise lost from None

@@ -5,6 +5,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
+from titan_lora.transfer.errors import TransferError
+
+REFUSED_STATUSES = frozenset({400, 413, 422})
+"""HTTP statuses that say the request itself is wrong (malformed, too large, a prompt over the engine's
+max model length): every replica would refuse it. A 404 (an adapter the replica should hold) or a 5xx says
+something of the replica."""
+
+
+class RequestRefused(TransferError):
+    """The engine refused the request itself (`REFUSED_STATUSES`): the request's error, not the engine's."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Completion:

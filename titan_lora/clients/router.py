@@ -5,7 +5,9 @@ A generate call is cut into runs of identical prompts (a GRPO group: one request
 adapter it names and has the least work in flight (samples), so one step's groups spread over the
 replicas. A request is pinned to its adapter's versioned name, which only replicas that acknowledged that
 version are picked for. A replica whose request fails is quarantined and the run goes to another; when
-none is left the call raises `NoLiveReplica`, which the syncer's recovery waits out (bounded).
+none is left the call raises `NoLiveReplica`, which the syncer's recovery waits out (bounded). A request
+the engine refuses itself (`RequestRefused`: a prompt over its max model length) is the request's error:
+it is raised, naming the request, and no replica is quarantined (every one would refuse it).
 
 This is only for independent engines at separate URLs: one vLLM engine scales out by itself with
 `--data-parallel-size`, behind one URL, and needs no router.
@@ -19,7 +21,7 @@ from typing import TypeVar
 
 from titan_lora.clients.openai_rollout import MAX_CONCURRENT, prompt_runs
 from titan_lora.clients.replica_set import Replica, ReplicaSet
-from titan_lora.clients.rollout import Completion
+from titan_lora.clients.rollout import Completion, RequestRefused
 from titan_lora.transfer.errors import TransferError
 
 T = TypeVar("T")
@@ -32,9 +34,10 @@ class RolloutRouter:
         self.replicas = replicas
         self._pool = ThreadPoolExecutor(max_workers=MAX_CONCURRENT, thread_name_prefix="titan-router")
 
-    def _routed(self, adapter: str | None, work: int, call: Callable[[Replica], T], sampled: bool) -> T:
-        """`call` on the least busy live replica holding `adapter`; on failure it is quarantined and the
-        next one is tried."""
+    def _routed(self, adapter: str | None, work: int, call: Callable[[Replica], T], sampled: bool,
+                what: str) -> T:
+        """`call` (the request `what`) on the least busy live replica holding `adapter`; on failure it is
+        quarantined and the next one is tried, unless the engine refused the request itself."""
         tried: set[int] = set()
         while True:
             replica = self.replicas.pick(adapter, work, exclude=tried)  # raises when none is left
@@ -42,6 +45,9 @@ class RolloutRouter:
                 out = call(replica)
             except BaseException as err:
                 self.replicas.done(replica, work)
+                if isinstance(err, RequestRefused):
+                    raise RequestRefused(f"{what} under {adapter or 'the base'} was refused by {replica}, "
+                                         f"and would be by every replica: {err}") from err
                 if not isinstance(err, TransferError):
                     raise
                 tried.add(replica.index)
@@ -63,11 +69,16 @@ class RolloutRouter:
         def run(start: int, prompt: list[int], n: int) -> list[Completion]:
             run_seed = None if seed is None else seed + start
             return self._routed(adapter, n, lambda r: r.rollouts.generate(
-                [prompt] * n, adapter, max_tokens, temperature, run_seed, stop_token_ids), sampled=True)
+                [prompt] * n, adapter, max_tokens, temperature, run_seed, stop_token_ids), sampled=True,
+                what=f"sampling {n} completions of prompt {start} ({len(prompt)} tokens, "
+                     f"up to {max_tokens} new)")
 
         futures = [self._pool.submit(run, start, prompt, n) for start, prompt, n in prompt_runs(prompts)]
         return [c for f in futures for c in f.result()]
 
     def score(self, sequences: list[list[int]], adapter: str | None) -> list[list[float]]:
         """Per-token log-probs of `sequences` under `adapter`, from one replica that holds it."""
-        return self._routed(adapter, len(sequences), lambda r: r.rollouts.score(sequences, adapter), sampled=False)
+        longest = max((len(s) for s in sequences), default=0)
+        what = f"scoring {len(sequences)} sequences (longest: {longest} tokens)"
+        return self._routed(adapter, len(sequences), lambda r: r.rollouts.score(sequences, adapter),
+                            sampled=False, what=what)

@@ -36,7 +36,7 @@ import torch
 import torch.multiprocessing  # noqa: F401  (registers torch's reducers on ForkingPickler)
 from torch.multiprocessing import reductions
 
-from titan_lora.clients.base import AdapterPayload, BaseTensors, Endpoint, base_items
+from titan_lora.clients.base import AdapterPayload, BaseTensors, Endpoint, base_items, log_route
 from titan_lora.clients.kinds import EngineKind
 from titan_lora.clients.sglang_api import (
     LoadLoRAAdapterFromTensorsReqInput,
@@ -402,6 +402,8 @@ def _verified_checksums(bucket: Bucket, tensors: Mapping[str, torch.Tensor]) -> 
 
 def build_sglang_emitter(ws: WeightSync, engine: Engine, endpoint: Endpoint) -> SGLangEmitter:
     """The SGLang emitter to the server at `endpoint`."""
+    log_route(endpoint.url, "inside SGLang's HTTP requests (/update_weights_from_tensor, /load_lora_adapter_"
+              "from_tensors): the bytes from a CPU trainer, CUDA IPC handles from a GPU one")
     client = SGLangClient(endpoint.url, api_key=endpoint.api_key.value, timeout_s=ws.timeout_s, retries=ws.retries,
                           admin_api_key=engine.admin_api_key)
     return SGLangEmitter(client, keep_versions=ws.keep_versions, pause_mode=engine.pause_mode,

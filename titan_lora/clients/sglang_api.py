@@ -20,6 +20,7 @@ import urllib.parse
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+from titan_lora.clients.rollout import REFUSED_STATUSES, RequestRefused
 from titan_lora.clients.sglang_generate import GenerateOutput, GenerateReqInput, generate_output
 from titan_lora.clients.sockets import OpenSockets
 from titan_lora.transfer.errors import EngineHung, TransferError
@@ -49,6 +50,10 @@ class SGLangError(TransferError):
 
 class SGLangAuthError(SGLangError):
     """SGLang rejected the API key (401) or the endpoint needs its admin key (403)."""
+
+
+class SGLangRefused(SGLangError, RequestRefused):
+    """SGLang refused the request itself (HTTP 400, 413 or 422: e.g. a prompt over its context length)."""
 
 
 class SGLangTimeout(SGLangError, EngineHung):
@@ -464,6 +469,6 @@ class SGLangClient:
         status, out = self._call("POST", "/generate", _body(req), timeout_s=timeout_s)
         answers = out if isinstance(out, list) else [out]
         if status != 200 or not all(isinstance(a, dict) and "meta_info" in a for a in answers):
-            raise SGLangError(f"SGLang /generate failed ({status}) on adapter {req.lora_path!r}: "
-                              f"{_error_text(out)}")
+            error = SGLangRefused if status in REFUSED_STATUSES else SGLangError  # the request's fault?
+            raise error(f"SGLang /generate failed ({status}) on adapter {req.lora_path!r}: {_error_text(out)}")
         return [generate_output(a, req.logprob_start_len == 0) for a in answers]

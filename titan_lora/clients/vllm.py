@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from titan_lora.clients.base import AdapterPayload, BaseTensors, Endpoint, base_items
+from titan_lora.clients.base import AdapterPayload, BaseTensors, Endpoint, base_items, bucket_route, log_route
 from titan_lora.clients.http import JsonClient
 from titan_lora.clients.kinds import EngineKind, LaunchPlan, LaunchRequest
 from titan_lora.config import Engine, WeightSync
@@ -423,6 +423,7 @@ class VLLMBucketEmitter:
 
 def build_vllm_emitter(ws: WeightSync, engine: Engine, endpoint: Endpoint) -> VLLMBucketEmitter:
     """The bucket emitter to titan_lora's engine (vLLM or the receiver) at `endpoint`, over its transport."""
+    log_route(endpoint.url, f"in buckets over {bucket_route(endpoint.transport)}")
     return VLLMBucketEmitter(JsonClient(endpoint.url, endpoint.api_key, ws.timeout_s), ws.bucket_mb,
                              endpoint.transport)
 
