@@ -1,5 +1,6 @@
 """A CPU engine that misses LIVE's bound while computing is busy, not wedged: the rule on real processes
-titled as vLLM titles its engine core (one spinning, one SIGSTOPped), and on hand-made samples."""
+titled as vLLM titles its engine core (one spinning, one SIGSTOPped, one spinning on a host whose every core
+another process keeps busy), and on hand-made samples."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import pytest
 from titan_lora.engines.core_activity import CpuSample, busy_shares, engine_processes, were_busy
 
 # PR_SET_NAME (15) titles the process as vLLM does its engine core, then it spins or sleeps.
-CHILD = ("import ctypes, sys, time; ctypes.CDLL(None).prctl(15, b'VLLM::EngineCore', 0, 0, 0); "
+CHILD = ("import ctypes, os, sys, time; ctypes.CDLL(None).prctl(15, b'VLLM::EngineCore', 0, 0, 0); "
+         "os.nice(int(sys.argv[2]))\n"
          "print('ready', flush=True)\n"
          "if sys.argv[1] == 'spin':\n    while True: pass\nelse:\n    time.sleep(600)")
 
@@ -23,8 +25,8 @@ CHILD = ("import ctypes, sys, time; ctypes.CDLL(None).prctl(15, b'VLLM::EngineCo
 def child():  # noqa: ANN201
     procs: list[subprocess.Popen] = []
 
-    def start(mode: str) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, "-c", CHILD, mode], stdout=subprocess.PIPE, text=True)
+    def start(mode: str, nice: int = 0) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-c", CHILD, mode, str(nice)], stdout=subprocess.PIPE, text=True)
         assert proc.stdout.readline().strip() == "ready"
         procs.append(proc)
         return proc
@@ -64,3 +66,25 @@ def test_no_engine_process_or_one_gone_during_the_wait_is_not_busy() -> None:
     assert busy_shares(before, after) == {1: 0.5, 2: 0.0}, "a process gone meanwhile computed nothing"
     assert not were_busy(busy_shares(before, after))
     assert were_busy({1: 0.5, 3: 0.1}) and not were_busy({1: 0.5, 3: 0.09})
+
+
+def test_a_core_starved_by_other_processes_on_every_core_is_busy(child) -> None:  # noqa: ANN001
+    # The engine core at nice 19 beside one busy process per core at nice 0: it gets ~1.5% of a core, as
+    # when a trainer's ranks and another job share a small host, yet it is computing a step, not wedged.
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(len(os.sched_getaffinity(0)))]
+    try:
+        starved = child("spin", 19)
+        time.sleep(0.3)  # the hogs are up
+        procs = engine_processes()
+        cpu_before, sample = sum(procs[0].cpu_times()[:2]), CpuSample.now(procs)
+        time.sleep(1.5)
+        cpu_after, shares = sum(procs[0].cpu_times()[:2]), busy_shares(sample, CpuSample.now(procs))
+        cpu_share = (cpu_after - cpu_before) / 1.5
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    assert set(shares) == {starved.pid}
+    assert cpu_share < 0.1, f"the core was not starved (CPU time / wait {cpu_share:.2f}): the case is not made"
+    assert were_busy(shares), f"a starved, computing core read wedged: {shares}"

@@ -8,13 +8,11 @@ import json
 
 import pytest
 
-pytest.importorskip("starlette")  # the engine's web stack: GPU hosts without vLLM lack it (`pytest -m gpu`)
-
-from titan_lora.engines.episode_capture import (  # noqa: E402
+from titan_lora.engines.episode_capture import (
     CHAT_PATH, EpisodeRefused, episode_of, merged_stream, prepare_turn, recording_send, turn_of)
-from titan_lora.engines.episode_log import EpisodeLog, Pin  # noqa: E402
-from titan_lora.engines.episode_store import EpisodeStore  # noqa: E402
-from titan_lora.transfer import protocol  # noqa: E402
+from titan_lora.engines.episode_log import EpisodeLog, Pin
+from titan_lora.engines.episode_store import EpisodeStore
+from titan_lora.transfer import protocol
 
 V3 = Pin("policy-v3", "policy", 3)
 

@@ -8,6 +8,7 @@ import math
 import types
 
 import httpx
+import openai
 import pytest
 import torch
 
@@ -28,8 +29,6 @@ from titan_lora.titan.parallel import DataParallelInfo
 from titan_lora.transfer import protocol
 from titan_lora.transfer.episodes import EpisodeRecord, Segment
 from titan_lora.transfer.errors import EngineUnreachable, TransferError
-
-openai = pytest.importorskip("openai")  # the engine's client: GPU hosts without vLLM lack it (`pytest -m gpu`)
 
 STEP = 5  # the engine serves version STEP - 1 = 4; max_staleness 1 keeps versions >= 3
 UNIFORM = -math.log(VOCAB)  # the zero table's log-prob of every token: the policy that drew them

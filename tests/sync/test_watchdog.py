@@ -81,6 +81,31 @@ def test_nothing_is_checked_between_operations_and_one_wedge_is_reported_once() 
         dog.close()
 
 
+def test_an_on_wedge_that_raises_is_logged_and_the_watch_goes_on(caplog) -> None:
+    script, timeout_s = Script(), 0.2
+    failures = ["the engine's process did not exit within 30 s of SIGKILL"]
+
+    def on_wedge(reason: str) -> None:
+        if failures:  # the first kill times out (a process stuck in the kernel), the next one works
+            raise TimeoutError(failures.pop())
+        script.on_wedge(reason)
+
+    dog = Watchdog(script.check_live, on_wedge, timeout_s)
+    try:
+        script.wedged = True
+        with dog.watching("rollouts of step 7"):
+            assert script.ended.wait(5), "the watchdog stopped after on_wedge raised"
+        assert dog.wedges == 1 and script.reasons[0].startswith("rollouts of step 7: ")
+        assert any("ending the wait of rollouts of step 7 on the wedged engine failed" in r.getMessage()
+                   and r.exc_info for r in caplog.records), "the failure was not logged"
+        script.ended.clear()
+        with dog.watching("a base send"):  # a later wedge is seen too
+            assert script.ended.wait(5), "a later wedge was not seen"
+        assert dog.wedges == 2
+    finally:
+        dog.close()
+
+
 def _arm(marker: Path) -> None:
     marker.unlink()  # the receiver's next bucket touches it again and sleeps inside the transfer path
 

@@ -116,7 +116,7 @@ class JsonClient:
                               timeout_s=timeout_s)
             if reply.get("busy_s"):  # live, one long step in progress (a CPU engine computing: not a wedge)
                 logger.info("%s: one engine step has outlasted LIVE's %.1f s bound, its processes computing "
-                            "meanwhile (CPU time / wait: %s): busy, not wedged", self.base_url,
+                            "meanwhile (CPU demand / wait: %s): busy, not wedged", self.base_url,
                             reply["busy_s"], reply.get("cpu_shares"))
         except HTTPStatusError as err:
             if err.status == 401:

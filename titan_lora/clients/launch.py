@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import logging
 import os
 import secrets
@@ -23,6 +24,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import psutil
+
 from titan_lora.clients.http import ApiKey, JsonClient
 from titan_lora.clients.kinds import LaunchPlan
 from titan_lora.transfer import protocol
@@ -30,6 +33,9 @@ from titan_lora.transfer.errors import EngineDied, EngineHung, EngineUnreachable
 
 logger = logging.getLogger(__name__)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+JOB_ENV = "TITAN_LORA_ENGINE_JOB"
+"""Set in every engine's environment: '<pid>:<start time>' of the job process that started it, so that a
+later job finds an engine that a dead run left on its port (`clear_orphan_on`)."""
 
 
 def free_port() -> int:
@@ -39,14 +45,55 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def reserve_port(port: int = 0) -> socket.socket:
-    """A bound, non-listening socket holding `port` (0: any free one) until it is closed."""
+def job_id(proc: psutil.Process) -> str:
+    """A process's id that a later process with its pid does not share: '<pid>:<start time>'."""
+    return f"{proc.pid}:{proc.create_time():.2f}"
+
+
+def _job_alive(job: str) -> bool:
+    try:
+        return job_id(psutil.Process(int(job.partition(":")[0]))) == job
+    except (psutil.Error, ValueError):
+        return False
+
+
+def clear_orphan_on(port: int) -> bool:
+    """Kill the titan_lora engine listening on `port` when the job that started it has ended (its process
+    group: vLLM's engine core too); True when one was killed. A live job's engine and any other server are
+    left alone (and only this user's processes can be seen)."""
+    for conn in psutil.net_connections("tcp"):
+        if conn.status != psutil.CONN_LISTEN or conn.pid is None or not conn.laddr or conn.laddr.port != port:
+            continue
+        try:
+            proc = psutil.Process(conn.pid)
+            job = proc.environ().get(JOB_ENV)
+            group = os.getpgid(proc.pid)
+        except (psutil.Error, OSError):  # gone meanwhile, or not ours to read
+            continue
+        if job is None or _job_alive(job):
+            continue
+        logger.warning("port %d is held by a titan_lora engine (pid %d) that a run which has ended (pid %s) left "
+                       "running; killing it and the processes it started", port, proc.pid, job.partition(":")[0])
+        if group == proc.pid and group != os.getpgid(0):  # its own group (start_new_session): all of it
+            os.killpg(group, signal.SIGKILL)
+        else:
+            proc.kill()
+        psutil.wait_procs([proc], timeout=10)
+        return True
+    return False
+
+
+def reserve_port(port: int = 0, clear_orphan: bool = True) -> socket.socket:
+    """A bound, non-listening socket holding `port` (0: any free one) until it is closed; an engine that a
+    dead titan_lora run left on `port` is killed first (`clear_orphan_on`)."""
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(("127.0.0.1", port))
     except OSError as err:
         sock.close()
+        if err.errno == errno.EADDRINUSE and port and clear_orphan and clear_orphan_on(port):
+            return reserve_port(port, clear_orphan=False)
         if err.errno == errno.EADDRINUSE:
             raise TransferError(
                 f"port {port} is already in use (another titan_lora engine or another server listens "
@@ -71,10 +118,16 @@ def engine_lora_rank(rank: int) -> int:
 _SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="titan-engine-spawner")
 
 
-def _die_with_parent() -> None:
-    # Linux: a trainer killed with SIGKILL (OOM, lost node) must not leave its engine running.
+def _die_with_parent(parent: int) -> None:
+    # Linux: a trainer killed with SIGKILL (OOM, lost node) must not leave its engine running. SIGKILL, not
+    # SIGTERM: vLLM's API server answers SIGTERM with a graceful shutdown that first releases the trainer's
+    # buffers behind the engine's running steps (bounded at 25 s), then stops its engine core: a busy engine
+    # outlives its dead trainer by tens of seconds, holding its memory and port, while a dead trainer has
+    # nothing left to release. Its engine core dies with it (`engines.lifetime`).
     if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the trainer died before the call above took effect
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 class EmbeddedEngine:
@@ -117,13 +170,15 @@ class EmbeddedEngine:
         # and read the key a client sent it cannot use it on the next engine.
         self.key.value = self._fixed_key or secrets.token_urlsafe(32)
         cmd = [*self.prefix, sys.executable, "-m", self.module, "--port", str(self.port), *self.args]
-        env = {**os.environ, **self.env, protocol.API_KEY_ENV: self.api_key, protocol.NONCE_ENV: self.nonce}
+        env = {**os.environ, **self.env, protocol.API_KEY_ENV: self.api_key, protocol.NONCE_ENV: self.nonce,
+               JOB_ENV: job_id(psutil.Process())}
         logger.info("starting %s (log: %s)", self.module, self.log_path)
         with open(self.log_path, "ab") as log:
             # Its own process group: a kill reaches vLLM's engine core and workers too, which a SIGTERM from
             # their dying parent does not while they are stopped (SIGSTOP) or wedged.
             self.proc = _SPAWNER.submit(subprocess.Popen, cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                        preexec_fn=_die_with_parent, start_new_session=True).result()
+                                        preexec_fn=functools.partial(_die_with_parent, os.getpid()),
+                                        start_new_session=True).result()
         self.starts += 1
         try:
             self._wait_ready()

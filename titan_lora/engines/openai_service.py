@@ -84,7 +84,7 @@ class TitanService:
                         "cpu_shares": sorted(round(x, 3) for x in shares.values())}
             why = (": it is wedged (the API server is up), or one engine step outlasts that bound: then raise "
                    "[weight_sync] health_timeout_s") if not procs else (
-                   " and its processes hardly computed meanwhile (CPU time / wait: "
+                   " and its processes hardly computed or waited for a core meanwhile (CPU demand / wait: "
                    f"{', '.join(f'{x:.2f}' for x in sorted(shares.values()))}): it is wedged (the API server is up)")
             raise TimeoutError(f"the engine core or a worker did not answer a no-op collective_rpc within "
                                f"{timeout_s:g} s{why}") from None

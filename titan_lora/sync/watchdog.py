@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 class Watchdog:
     """Checks `check_live(timeout_s)` every `timeout_s / 2` while an operation is `watching`; on a failed
-    check calls `on_wedge(reason)` once for that operation."""
+    check calls `on_wedge(reason)` once for that operation (again at the next failed check if it raised)."""
 
     def __init__(self, check_live: Callable[[float], None], on_wedge: Callable[[str], None],
                  timeout_s: float) -> None:
@@ -72,19 +72,29 @@ class Watchdog:
             except EngineUnreachable as err:  # hung, dead or refusing: the operation cannot end well
                 with self._lock:
                     still = {op: v for op, v in ops.items() if op in self._watching}
-                if not still:  # it ended meanwhile: its own outcome tells
-                    continue
-                reported |= still.keys()
-                what, since = min(still.values(), key=lambda v: v[1])
-                self.wedges += 1
-                self.last_wedge_s = time.monotonic() - since
-                logger.warning("the engine failed its liveness check while %s was waiting on it (%.1f s in): "
-                               "%s; ending that wait now", what, self.last_wedge_s, err)
-                self._on_wedge(f"{what}: the engine failed its liveness check: {err}")
+                if still:  # else it ended meanwhile: its own outcome tells
+                    reported |= self._report(still, err)
             except Exception as err:  # noqa: BLE001 (a check that cannot be made says nothing of a wedge)
                 logger.debug("liveness check not made: %s", err)
             with self._lock:
                 reported &= self._watching.keys()
+
+    def _report(self, ops: dict[int, tuple[str, float]], err: Exception) -> set[int]:
+        """Call `on_wedge` for the waiting `ops`; the operations it ended (none when it raised: the next
+        failed check tries again, and the watch goes on either way)."""
+        what, since = min(ops.values(), key=lambda v: v[1])
+        waited_s = time.monotonic() - since
+        logger.warning("the engine failed its liveness check while %s was waiting on it (%.1f s in): "
+                       "%s; ending that wait now", what, waited_s, err)
+        try:
+            self._on_wedge(f"{what}: the engine failed its liveness check: {err}")
+        except Exception:  # e.g. a kill whose wait outlasts its bound on a process stuck in the kernel
+            logger.exception("ending the wait of %s on the wedged engine failed; the watchdog keeps watching "
+                             "and tries again at the next failed check", what)
+            return set()
+        self.wedges += 1
+        self.last_wedge_s = waited_s
+        return set(ops)
 
     def close(self) -> None:
         """Stop the watch thread."""
