@@ -362,3 +362,26 @@ def test_the_emitter_lends_the_gather_buffer(tmp_path: Path) -> None:
     for side in (EngineSide(), EngineSide(emitter=DiskEmitter(client, 1, str(tmp_path)))):
         tensor, home = side.lend(10, torch.float32, torch.device("cpu"))
         assert home is None and tensor.numel() == 10 and not tensor.any(), "plain memory: no segment to share"
+
+
+def test_compose_builds_the_adapter_source_on_the_engines_lent_buffer(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The adapter gathers into the buffer the engine side's emitter lends (no packing copy per sync), and
+    a job without the lora converter (full fine-tuning) has none."""
+    import types
+
+    from titan_lora import compose
+
+    made: list[tuple] = []
+    monkeypatch.setattr(compose, "AdapterSource",
+                        lambda *args, **kwargs: made.append((args, kwargs)) or "source")
+    emitter = types.SimpleNamespace(lend_buffer=lambda *args: None)
+    side = compose.EngineSide(None, emitter)
+    built = types.SimpleNamespace(model="model", peft_layout="layout", hf_dir="/hf")
+    lora = types.SimpleNamespace(rank=8)
+    job_config = types.SimpleNamespace(model=types.SimpleNamespace(converters=["lora"]), lora=lora,
+                                       weight_sync=WeightSync(lora_name="pol"))
+    assert compose.adapter_source(job_config, built, side) == "source"
+    assert made == [(("model", "layout", lora, "pol", "/hf"), {"lend": emitter.lend_buffer})]
+    job_config.model.converters = []
+    assert compose.adapter_source(job_config, built, side) is None and len(made) == 1

@@ -197,6 +197,15 @@ def engine_side(job_config, built: BuiltModel, device: torch.device) -> EngineSi
                           job_config.job.dump_folder, job_config.lora.rank)
 
 
+def adapter_source(job_config, built: BuiltModel, side: EngineSide) -> AdapterSource | None:  # noqa: ANN001
+    """Collective: the adapter as rank 0 publishes it, gathered into the buffer `side`'s emitter lends;
+    None for full fine-tuning (no "lora" converter: nothing to gather)."""
+    if "lora" not in job_config.model.converters:
+        return None
+    return AdapterSource(built.model, built.peft_layout, job_config.lora, job_config.weight_sync.lora_name,
+                         built.hf_dir, lend=side.lend)
+
+
 def build_sync(job_config, adapter: AdapterSource, built: BuiltModel, device: torch.device,  # noqa: ANN001
                side: EngineSide, task: Task | None) -> tuple[WeightSyncer, EngineRollouts]:
     """Collective: the syncer over `side` (from `engine_side`), and what objectives may use.

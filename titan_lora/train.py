@@ -18,12 +18,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from titan_lora.compose import EngineSide, build_objective, build_sync, check_plugins, engine_side
+from titan_lora.compose import (
+    EngineSide, adapter_source, build_objective, build_sync, check_plugins, engine_side,
+)
 from titan_lora.config import process_group_timeout_s
 from titan_lora.lora.finite import NonFiniteAdapterError, first_nonfinite_adapter
 from titan_lora.models.resolve import ResolvedModel
 from titan_lora.rl.task import Task
-from titan_lora.sync.adapter_source import AdapterSource
 from titan_lora.titan.optim import build_lr_schedulers, build_optimizers, clip_grad_norm_
 from titan_lora.titan.parallel import build_parallel_dims
 from titan_lora.trainer.build import build_model
@@ -80,11 +81,7 @@ class TrainingRun:
 
     def _build_sync_side(self, job_config, side: EngineSide, task: Task | None) -> None:  # noqa: ANN001
         """The adapter source (gathering into the buffer the emitter lends), the resumed step, the syncer."""
-        # Full fine-tuning (no "lora" converter) trains and checkpoints nothing here but runs.
-        self.adapter = AdapterSource(
-            self.model, self.built.peft_layout, job_config.lora, job_config.weight_sync.lora_name,
-            self.built.hf_dir, lend=side.lend,
-        ) if "lora" in job_config.model.converters else None
+        self.adapter = adapter_source(job_config, self.built, side)
         self.step = self.checkpointer.load_latest() if job_config.checkpoint.enable else 0
         self.syncer, self.engine_rollouts = None, None
         if job_config.weight_sync.enabled:

@@ -1,5 +1,5 @@
 """The nccl transport in isolation, over its gloo fallback (the same code as NCCL on GPUs): a bucket
-received over the trainer's group through `BufferCache.bucket` has the trainer's bytes and checksum, the
+received over the trainer's group through `BucketDesc.receive_into` has the trainer's bytes and checksum, the
 engine joins one group per incarnation and receives every bucket anew, refusals come back as words, and
 every wait is bounded: a receive that never comes, a worker that dies after asking."""
 
@@ -19,10 +19,18 @@ from wait_helpers import waited
 from titan_lora.transfer.buckets import bucket_checksum, bucket_size, copy_out, pack, plan_buckets
 from titan_lora.transfer.placement import choose_transport
 from titan_lora.transfer.transport import BufferCache, TransportChoice
+from titan_lora.transfer.transports.base import BucketDesc
 from titan_lora.transfer.transports import nccl
 from titan_lora.transfer.transports.tcp import TcpRefused
 
 CPU = torch.device("cpu")
+
+
+def _received(cache: BufferCache, desc: dict, nbytes: int) -> torch.Tensor:
+    """The `nbytes` bytes of the bucket `desc` names, as the engine receives them into its slab."""
+    into = torch.empty(nbytes, dtype=torch.uint8)
+    BucketDesc.parse(desc).receive_into(into, cache)
+    return into
 
 
 @pytest.fixture
@@ -57,8 +65,7 @@ def test_a_bucket_received_over_the_group_has_the_trainers_bytes_and_checksum(bu
     assert set(desc) == {"kind", "host", "port", "id", "token", "size", "backend", "offset"}
     assert (desc["kind"], desc["backend"]) == ("nccl", "gloo")
     cache = BufferCache()
-    with cache.bucket(desc, bucket_size(entries)) as received:
-        owned, views = copy_out(received, entries)
+    owned, views = copy_out(_received(cache, desc, bucket_size(entries)), entries)
     assert bucket_checksum(owned) == sent
     for name, t in tensors.items():
         assert torch.equal(views[name], t), name

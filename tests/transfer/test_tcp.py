@@ -1,5 +1,5 @@
 """The tcp transport in isolation: a trainer-side buffer served by this process's bucket server, fetched
-by the engine side through `BufferCache.bucket` (bytes, checksum, no stale copy), and every refusal:
+by the engine side through `BucketDesc.receive_into` (bytes, checksum, no stale copy), and every refusal:
 a wrong token, an unknown buffer, a range past the end, a short read, a silent server."""
 
 from __future__ import annotations
@@ -17,9 +17,17 @@ from wait_helpers import waited
 from titan_lora.transfer.buckets import bucket_checksum, bucket_size, copy_out, pack, plan_buckets
 from titan_lora.transfer.placement import choose_transport, transport_kind
 from titan_lora.transfer.transport import BufferCache, TransportChoice, lend_buffer, make_buffers
+from titan_lora.transfer.transports.base import BucketDesc
 from titan_lora.transfer.transports import tcp
 
 CPU = torch.device("cpu")
+
+
+def _received(cache: BufferCache, desc: dict, nbytes: int) -> torch.Tensor:
+    """The `nbytes` bytes of the bucket `desc` names, as the engine receives them into its slab."""
+    into = torch.empty(nbytes, dtype=torch.uint8)
+    BucketDesc.parse(desc).receive_into(into, cache)
+    return into
 
 
 @pytest.fixture
@@ -43,8 +51,7 @@ def test_a_bucket_fetched_over_tcp_has_the_trainers_bytes_and_checksum(buf: tcp.
     desc = _over_json(buf.describe(offset))
     assert set(desc) == {"kind", "host", "port", "id", "token", "size", "offset"} and desc["kind"] == "tcp"
     cache = BufferCache()
-    with cache.bucket(desc, bucket_size(entries)) as fetched:
-        owned, views = copy_out(fetched, entries)
+    owned, views = copy_out(_received(cache, desc, bucket_size(entries)), entries)
     assert bucket_checksum(owned) == sent
     for name, t in tensors.items():
         assert torch.equal(views[name], t), name
@@ -55,11 +62,9 @@ def test_every_bucket_is_fetched_anew_never_from_an_earlier_copy(buf: tcp.TcpBuf
     cache = BufferCache()
     desc = _over_json(buf.describe(0))
     buf.tensor[:1000] = 7
-    with cache.bucket(desc, 1000) as first:
-        assert int(first.sum()) == 7000
+    assert int(_received(cache, desc, 1000).sum()) == 7000
     buf.tensor[:1000] = 9  # the trainer reuses the buffer for the next bucket, same descriptor
-    with cache.bucket(desc, 1000) as second:
-        assert int(second.sum()) == 9000
+    assert int(_received(cache, desc, 1000).sum()) == 9000
 
 
 def test_connections_are_kept_and_reused(buf: tcp.TcpBuffer) -> None:
@@ -102,7 +107,7 @@ def test_a_wrong_token_or_an_unknown_buffer_is_refused(buf: tcp.TcpBuffer) -> No
 def test_a_range_past_the_end_is_refused_on_both_sides(buf: tcp.TcpBuffer) -> None:
     desc = buf.describe(0)
     with pytest.raises(ValueError, match=r"a bucket of 16 bytes at offset 1048570 does not fit"):
-        BufferCache().bucket({**desc, "offset": (1 << 20) - 6}, 16).__enter__()
+        _received(BufferCache(), {**desc, "offset": (1 << 20) - 6}, 16)
     # An engine told a larger size than the trainer holds: the server checks against the real one.
     with pytest.raises(tcp.TcpRefused, match=r"bytes \[1048570, 1048586\) are past the end .* \(1048576 bytes\)"):
         tcp.TcpFetcher().fetch({**desc, "size": 1 << 21}, (1 << 20) - 6, torch.empty(16, dtype=torch.uint8))
@@ -189,8 +194,8 @@ def test_a_cuda_buffer_is_staged_to_host_and_served() -> None:
     try:
         b.tensor.copy_(torch.arange(1 << 16, device="cuda").to(torch.uint8))
         b.synchronize()
-        with BufferCache().bucket(b.describe(128), 4096) as got:
-            assert torch.equal(got, b.tensor[128 : 128 + 4096].cpu())
+        got = _received(BufferCache(), b.describe(128), 4096)
+        assert torch.equal(got, b.tensor[128 : 128 + 4096].cpu())
     finally:
         b.close()
 

@@ -12,6 +12,7 @@ import torch
 from titan_lora.transfer import transport
 from titan_lora.transfer.transports import base, cuda_ipc, shm
 from titan_lora.transfer.transport import BucketBuffer, BufferCache, lend_buffer, make_buffers, offset_in
+from titan_lora.transfer.transports.base import BucketDesc
 
 
 def test_a_view_of_a_lent_tensor_is_sent_in_place_from_its_offset() -> None:
@@ -52,11 +53,11 @@ def _fake_ipc(storage_offset: int, offset: int = 0) -> dict:
 def test_two_buffers_of_one_cuda_segment_get_two_mappings(monkeypatch: pytest.MonkeyPatch) -> None:
     opened: list[int] = []
 
-    def fake_open(desc: dict) -> torch.Tensor:  # the storage's first byte says which buffer it is
+    def fake_open(_: cuda_ipc.CudaIpcOpener, desc: dict) -> torch.Tensor:  # its first byte says which buffer
         opened.append(desc["storage_offset"])
         return torch.full((1024,), desc["storage_offset"] // 1024, dtype=torch.uint8)
 
-    monkeypatch.setattr(transport, "_open", fake_open)
+    monkeypatch.setattr(cuda_ipc.CudaIpcOpener, "open", fake_open)
     cache = BufferCache()
     first, second = cache.get(_fake_ipc(0)), cache.get(_fake_ipc(1024))
     assert (int(first[0]), int(second[0])) == (0, 1), "the second buffer was served from the first's mapping"
@@ -82,8 +83,9 @@ def test_prune_releases_mappings_of_removed_segments_and_the_cache_is_bounded(
 ) -> None:
     bufs = make_buffers(3, 4096, torch.device("cpu"))
     opens = []
-    real_open = transport._open
-    monkeypatch.setattr(transport, "_open", lambda desc: opens.append(desc["name"]) or real_open(desc))
+    real_open = shm.ShmOpener.open
+    monkeypatch.setattr(shm.ShmOpener, "open",
+                        lambda self, desc: opens.append(desc["name"]) or real_open(self, desc))
     try:
         cache = BufferCache(max_entries=2)
         for buf in bufs:
@@ -221,7 +223,7 @@ def test_a_cuda_descriptor_rebuilds_the_same_ipc_tensor(fake_cuda, monkeypatch: 
     assert rebuilt == [(torch.Tensor, (64,), (1,), 0, torch.storage.UntypedStorage, torch.uint8, 1,
                         b"segment-handle", 8192, 128, False, b"ref-counter", 16, b"event", True)]
     rebuilt.clear()
-    transport._open({**desc, "event_handle": ""})
+    cuda_ipc.CudaIpcOpener().open({**desc, "event_handle": ""})
     assert rebuilt[0][13] == b"", "no event: an empty handle"
 
 
@@ -230,7 +232,7 @@ def test_an_unknown_device_or_transport_is_refused() -> None:
         BucketBuffer(64, torch.device("meta"))
     assert str(err.value) == "no bucket transport for device type 'meta'"
     with pytest.raises(ValueError) as err:
-        transport._open({"kind": "rdma"})
+        BucketDesc.parse({"kind": "rdma"})
     assert str(err.value) == ("unknown bucket transport 'rdma': this process has cuda_ipc, nccl, shm, tcp (a plug-in "
                               "transport must be registered with register_transport in the trainer and in the "
                               "engine process)")
@@ -328,8 +330,9 @@ def test_the_cache_holds_32_mappings_by_default() -> None:
 def test_prune_keeps_the_mappings_of_segments_that_still_exist(monkeypatch: pytest.MonkeyPatch) -> None:
     bufs = make_buffers(2, 4096, torch.device("cpu"))
     opens: list[str] = []
-    real_open = transport._open
-    monkeypatch.setattr(transport, "_open", lambda desc: opens.append(desc["name"]) or real_open(desc))
+    real_open = shm.ShmOpener.open
+    monkeypatch.setattr(shm.ShmOpener, "open",
+                        lambda self, desc: opens.append(desc["name"]) or real_open(self, desc))
     try:
         cache = BufferCache()
         for buf in bufs:
@@ -340,3 +343,10 @@ def test_prune_keeps_the_mappings_of_segments_that_still_exist(monkeypatch: pyte
         assert opens == [bufs[0]._shm.name, bufs[1]._shm.name], "the live segment's mapping was dropped"
     finally:
         bufs[0].close()
+
+
+def test_a_fetched_buffer_is_refused_as_a_mapping() -> None:
+    desc = {"kind": "tcp", "host": "127.0.0.1", "port": 1, "id": "00" * 16, "token": "00" * 16, "size": 8}
+    with pytest.raises(ValueError) as err:
+        BufferCache().get(desc)
+    assert str(err.value) == "tcp buffers cannot be mapped, only fetched per bucket"

@@ -37,7 +37,7 @@ from titan_lora.engines.http_server import (
     FrontServer,
     make_handler,
 )
-from titan_lora.engines.transfers import SlabPool, Staged, TransferStore, receive
+from titan_lora.engines.transfers import BucketRequest, SlabPool, Staged, TransferStore, receive
 from titan_lora.transfer import protocol
 from titan_lora.transfer.buckets import LayoutCache
 from titan_lora.transfer.errors import check_name
@@ -124,10 +124,9 @@ class ReceiverService:
     def bucket(self, req: dict) -> dict:
         """Copy one bucket out, check its checksum, then acknowledge it (`copy_ms`: this process's time)."""
         started = time.perf_counter()
-        entries = self.layouts.resolve(req["layout"], req.get("header"))
-        staged, slab, copied = receive(self.buffers, self._pool(req.get("kind", "adapter")), self.transfers, req,
-                                       entries)
-        ack = self.transfers.hold(req["transfer_id"], staged, slab, req.get("checksum"), req["layout"], copied)
+        bucket = BucketRequest.parse(req)
+        entries = self.layouts.resolve(bucket.layout, req.get("header"))
+        ack = receive(self.buffers, self._pool(bucket.kind), self.transfers, bucket, entries)
         ack["copy_ms"] = (time.perf_counter() - started) * 1e3
         if "commit" in req:  # an adapter's last bucket carries its commit
             ack["commit"] = self._keep_adapter({**req["commit"], "transfer_id": req["transfer_id"]})

@@ -1,7 +1,9 @@
 """Engine side of a transfer, shared by the vLLM worker extension and the receiver process.
 
-A bucket is copied once, out of the trainer's buffer into a slab the engine owns (`receive`); a
-fetching transport (tcp, nccl) receives it straight into that slab. Slabs
+A bucket request is parsed once at the engine's route (`BucketRequest.parse`: its descriptor to a
+`BucketDesc`, its transport found once), then `receive` walks it straight through: a slab, one call to the
+bucket's transport that puts the bytes into it (copied once out of a mapped buffer, shm or cuda_ipc; a
+fetching transport, tcp or nccl, receives straight into it), staging, the check, the ack. Slabs
 are pooled by bucket layout (`SlabPool`): a slab whose adapter was retired is filled again by a later
 bucket of the same layout, and its tensor views and byte count were made when it was first allocated,
 so a steady-state sync allocates nothing and runs no Python per tensor (an 8B adapter has 448 of them:
@@ -18,7 +20,7 @@ whole transfer.
 
 Fault injection, for the chaos tests (read at every bucket):
 - `TITAN_LORA_FAULT_BUCKET_PAUSE_S=<seconds>`: the engine sleeps inside the handling of each bucket,
-  after mapping the trainer's buffer (or fetching the bucket) and before copying it out (or checking it).
+  after its bytes are in the engine's slab (copied out or fetched) and before they are checked and acked.
 - `TITAN_LORA_FAULT_MARKER=<path>`: the pause becomes one-shot and armed by the file's absence: the
   engine pauses only while the file does not exist, and creates it (holding its pid) when it enters the pause. A test
   creates the file to disarm the hook, removes it to arm it, and waits for it to reappear to know that
@@ -37,9 +39,8 @@ from collections.abc import Callable
 import torch
 
 from titan_lora.transfer.buckets import Entry, bucket_checksum, bucket_size, tensor_views
-from titan_lora.transfer.host_copy import copy_flat
-from titan_lora.transfer.kernels import copy_with_checksum
 from titan_lora.transfer.transport import BufferCache
+from titan_lora.transfer.transports.base import BucketDesc
 
 PAUSE_ENV = "TITAN_LORA_FAULT_BUCKET_PAUSE_S"
 MARKER_ENV = "TITAN_LORA_FAULT_MARKER"
@@ -122,36 +123,44 @@ class SlabPool:
             self.give(layout, slab)
 
 
-def receive(buffers: BufferCache, pool: SlabPool, transfers: TransferStore, req: dict,
-            entries: list[Entry]) -> tuple[Staged, Slab, str | None]:
-    """Copy the bucket `req` names ("transfer_id", "kind", "segment", "layout") out of the trainer's
-    buffer into a slab of `pool`, once; returns its staging, the slab and, where the copy took it in the
-    same pass (a GPU bucket), the checksum of the bytes it wrote (pass all three to `hold`)."""
-    layout = req["layout"]
-    size = pool.size(layout, entries)
-    slab: Slab | None = None
-    copied: str | None = None
+@dataclasses.dataclass(frozen=True)
+class BucketRequest:
+    """One bucket as the engine's route reads it (`protocol.BUCKET`'s body, or the worker RPC's arguments)."""
+
+    transfer_id: str
+    kind: str
+    layout: str
+    checksum: str | None
+    source: BucketDesc
+    """Where the bucket's bytes are: the trainer's buffer, its transport and the offset in it."""
+
+    @classmethod
+    def parse(cls, body: dict) -> BucketRequest:
+        """The request in `body` ("transfer_id", "kind", "layout", "checksum", "segment"), checked before
+        any byte is read: a kind staging knows, a descriptor of a registered transport."""
+        kind = body.get("kind", "adapter")
+        if kind not in KEEP_UNCOMMITTED:
+            raise ValueError(f"bucket kind must be one of {sorted(KEEP_UNCOMMITTED)}, got {kind!r}")
+        return cls(body["transfer_id"], kind, body["layout"], body.get("checksum"),
+                   BucketDesc.parse(body.get("segment")))
+
+
+def receive(buffers: BufferCache, pool: SlabPool, transfers: TransferStore, req: BucketRequest,
+            entries: list[Entry]) -> dict:
+    """Put the bucket `req` names into a slab of `pool` (its transport copies or fetches it there, once),
+    stage it and check it against the trainer's checksum; the return value is the bucket's ack. A bucket
+    its transport refuses (a bare segment name, a wrong tcp token, a range past the buffer's end) stages
+    nothing and gives its slab back."""
+    size = pool.size(req.layout, entries)
+    slab = pool.take(req.layout, entries, req.source.device())
     try:
-        # A fetching transport (tcp, nccl) receives straight into the slab: its copy-out is the receive.
-        fetched_on = buffers.fetch_device(req["segment"])
-        slab = pool.take(layout, entries, fetched_on) if fetched_on is not None else None
-        # Refuses anything but a bare segment name, a wrong tcp token, a range past the buffer's end;
-        # nothing is staged for a refused bucket.
-        with buffers.bucket(req["segment"], size, into=slab.data if slab else None) as buffer:
-            staged = transfers.stage(req["transfer_id"], req.get("kind", "adapter"), buffers.prune)
-            fault_pause()
-            if slab is None:  # staged first: the older transfers it evicts give their slabs back for this one
-                slab = pool.take(layout, entries, buffer.device)
-            if buffer.data_ptr() != slab.data.data_ptr():
-                copied = copy_with_checksum(slab.data[:size], buffer[:size],
-                                            graphed=staged.kind in GRAPHED_KINDS)
-                if copied is None:
-                    copy_flat(slab.data, buffer[:size])
+        copied = req.source.receive_into(slab.data[:size], buffers, graphed=req.kind in GRAPHED_KINDS)
+        staged = transfers.stage(req.transfer_id, req.kind, buffers.prune)
+        fault_pause()
     except BaseException:
-        if slab is not None:
-            pool.give(layout, slab)
+        pool.give(req.layout, slab)
         raise
-    return staged, slab, copied
+    return transfers.hold(req.transfer_id, staged, slab, req.checksum, req.layout, copied)
 
 
 @dataclasses.dataclass
@@ -179,9 +188,8 @@ class TransferStore:
         self._lock = threading.Lock()
 
     def stage(self, transfer_id: str, kind: str, on_begin: Callable[[], None] = lambda: None) -> Staged:
-        """The staging of `transfer_id`; a new one evicts older ones of its kind and calls `on_begin`."""
-        if kind not in KEEP_UNCOMMITTED:
-            raise ValueError(f"bucket kind must be one of {sorted(KEEP_UNCOMMITTED)}, got {kind!r}")
+        """The staging of `transfer_id` (of a `kind` in KEEP_UNCOMMITTED, as `BucketRequest.parse`
+        checked); a new one evicts older ones of its kind and calls `on_begin`."""
         with self._lock:
             staged = self._staged.get(transfer_id)
             if staged is not None:

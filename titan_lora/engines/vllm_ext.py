@@ -28,7 +28,7 @@ import torch
 
 from titan_lora.engines import base_record
 from titan_lora.engines import vllm_compat as compat
-from titan_lora.engines.transfers import Slab, SlabPool, Staged, TransferStore, receive
+from titan_lora.engines.transfers import BucketRequest, Slab, SlabPool, Staged, TransferStore, receive
 from titan_lora.engines.vllm_compat import LoRAModel, LoRARequest
 from titan_lora.transfer.buckets import LayoutCache
 from titan_lora.transfer.transport import BufferCache
@@ -134,10 +134,10 @@ class TitanLoRAWorkerExtension:
                              kind: str = "adapter", checksum: str | None = None) -> dict:
         """Copy one bucket out of the trainer's buffer and check it; the return value is the ack."""
         state = self._titan_state()
+        bucket = BucketRequest.parse({"transfer_id": transfer_id, "kind": kind, "segment": segment,
+                                      "layout": layout, "checksum": checksum})
         entries = state.layouts.resolve(layout, header)
-        req = {"transfer_id": transfer_id, "kind": kind, "segment": segment, "layout": layout}
-        staged, slab, copied = receive(state.buffers, state.pool(kind), state.transfers, req, entries)
-        return state.transfers.hold(transfer_id, staged, slab, checksum, layout, copied)
+        return receive(state.buffers, state.pool(kind), state.transfers, bucket, entries)
 
     def titan_commit_adapter(self, transfer_id: str, lora_int_id: int, lora_name: str, peft_config: dict) -> dict:
         """Install the staged tensors as adapter `lora_int_id`; returns what was installed."""

@@ -1,9 +1,10 @@
 """Bucket buffers seen from both sides: the trainer lends and locates them, the engine caches mappings.
 
 Each transport is a trainer-side and engine-side pair in `transfer/transports/` (POSIX shared memory on
-CPU, CUDA IPC on GPU, TCP to any host), found by its descriptor's "kind" (`transports/base.py`). The
-trainer owns the buffers; the engine reads a bucket from a JSON descriptor (`BufferCache.bucket`: from
-its cached mapping, or fetched anew), copies it out and acknowledges.
+CPU, CUDA IPC on GPU, TCP or NCCL to any host), found by its descriptor's "kind" (`transports/base.py`).
+The trainer owns the buffers; the engine parses a bucket's JSON descriptor once (`BucketDesc`) and its
+transport puts the bucket into the engine's slab, copied out of a mapping this `BufferCache` keeps or
+fetched anew into it (through a slab the cache lends where the engine's lies on another device).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Iterator
 
 import torch
 
-from titan_lora.transfer.transports.base import BucketBuffer, Fetcher, transport_named
+from titan_lora.transfer.transports.base import BucketBuffer, BucketDesc, transport_named
 from titan_lora.transfer.transports.shm import SHM_DIR
 
 logger = logging.getLogger(__name__)
@@ -91,19 +92,10 @@ def offset_in(buf: BucketBuffer, tensor: torch.Tensor) -> int | None:
     return tensor.data_ptr() - buf.tensor.data_ptr()
 
 
-def _open(desc: dict) -> torch.Tensor:
-    """The whole buffer `desc` names, mapped by the engine side of the transport its "kind" names."""
-    opener = transport_named(desc.get("kind")).opener
-    if isinstance(opener, Fetcher):
-        raise ValueError(f"{desc.get('kind')} buffers cannot be mapped, only fetched per bucket: "
-                         "read them with BufferCache.bucket")
-    return opener.open(desc)
-
-
-def _mapping_key(desc: dict) -> str:
+def _mapping_key(bucket: BucketDesc) -> str:
     """Every field but the bucket offset: buffers of one CUDA segment share its handle and differ in
     `storage_offset`, so the handle alone would hand out another buffer's bytes."""
-    return json.dumps({k: v for k, v in desc.items() if k != "offset"}, sort_keys=True)
+    return json.dumps(bucket.fields, sort_keys=True)
 
 
 class _Slabs:
@@ -135,12 +127,12 @@ class _Slabs:
 
 
 class BufferCache:
-    """Engine side: open each trainer buffer once and reuse the mapping (at most `max_entries`); the
-    buffers of a fetching transport are read anew for every bucket and never cached."""
+    """Engine side: open each mapped trainer buffer once and reuse the mapping (at most `max_entries`),
+    and lend the slabs a fetching transport receives into where the engine's own lies elsewhere."""
 
     def __init__(self, max_entries: int = 32) -> None:
         self.max_entries = max_entries
-        self._open: collections.OrderedDict[str, tuple[dict, torch.Tensor]] = collections.OrderedDict()
+        self._open: collections.OrderedDict[str, tuple[BucketDesc, torch.Tensor]] = collections.OrderedDict()
         self._lock = threading.Lock()  # the engine serves buckets from several threads
         self._slabs = _Slabs()
 
@@ -149,45 +141,32 @@ class BufferCache:
         return len(self._open)
 
     def get(self, desc: dict) -> torch.Tensor:
-        """The uint8 tensor behind descriptor `desc`, from its bucket's offset on."""
-        key = _mapping_key(desc)
+        """The uint8 tensor behind the JSON descriptor `desc` of a mapped buffer, from its offset on."""
+        bucket = BucketDesc.parse(desc)
+        return self._mapping(bucket)[bucket.offset :]
+
+    def mapped(self, bucket: BucketDesc, nbytes: int) -> torch.Tensor:
+        """The `nbytes` bytes of `bucket` in its buffer's cached mapping (mapped now on first use)."""
+        view = self._mapping(bucket)[bucket.offset : bucket.offset + nbytes]
+        if view.numel() < nbytes:
+            raise ValueError(f"a bucket of {nbytes} bytes at offset {bucket.offset} runs past the end "
+                             f"of the {bucket.transport.kind} buffer it names")
+        return view
+
+    def _mapping(self, bucket: BucketDesc) -> torch.Tensor:
+        key = _mapping_key(bucket)
         with self._lock:
             if key in self._open:
                 self._open.move_to_end(key)
             else:
-                self._open[key] = (desc, _open(desc))
+                self._open[key] = (bucket, bucket.transport.opener.open(bucket.fields))
                 while len(self._open) > self.max_entries:  # least recently used first; users hold views
                     self._open.popitem(last=False)
-            mapped = self._open[key][1]
-        return mapped[int(desc.get("offset", 0)) :]
+            return self._open[key][1]
 
-    def fetch_device(self, desc: dict) -> torch.device | None:
-        """The device a fetching transport receives the bucket `desc` names on (the host, or the engine's
-        GPU for nccl); None for a mapped one."""
-        opener = transport_named(desc.get("kind")).opener
-        return opener.device(desc) if isinstance(opener, Fetcher) else None
-
-    @contextlib.contextmanager
-    def bucket(self, desc: dict, nbytes: int, into: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
-        """The `nbytes` bytes of the bucket `desc` names, valid until the block ends (copy them out in
-        it): a view of the cached mapping, or bytes fetched from the trainer now, straight into `into`
-        when it is contiguous uint8 on `fetch_device(desc)` (the caller's copy-out is then done), else
-        into a slab lent for the block."""
-        opener = transport_named(desc.get("kind")).opener
-        if isinstance(opener, Fetcher):
-            if into is not None and into.device == opener.device(desc) and into.is_contiguous():
-                opener.fetch(desc, int(desc.get("offset", 0)), into[:nbytes])
-                yield into[:nbytes]
-                return
-            with self._slabs.lease(nbytes, opener.device(desc)) as slab:
-                opener.fetch(desc, int(desc.get("offset", 0)), slab)
-                yield slab
-            return
-        view = self.get(desc)[:nbytes]
-        if view.numel() < nbytes:
-            raise ValueError(f"a bucket of {nbytes} bytes at offset {desc.get('offset', 0)} runs past the end "
-                             f"of the {desc.get('kind')} buffer it names")
-        yield view
+    def lease(self, nbytes: int, device: torch.device) -> contextlib.AbstractContextManager[torch.Tensor]:
+        """A slab of `nbytes` uint8 bytes on `device`, the caller's alone until the block ends."""
+        return self._slabs.lease(nbytes, device)
 
     def clear(self) -> None:
         """Release every mapping. A CUDA mapping's release is what lets the trainer free its IPC
@@ -199,8 +178,8 @@ class BufferCache:
         """Release the mappings of buffers their transport says are gone (a shared-memory segment whose
         trainer freed it or died); returns how many were released. The others (CUDA) go by the LRU bound."""
         with self._lock:
-            gone = [key for key, (desc, _) in self._open.items()
-                    if not transport_named(desc["kind"]).opener.exists(desc)]
+            gone = [key for key, (bucket, _) in self._open.items()
+                    if not bucket.transport.opener.exists(bucket.fields)]
             for key in gone:
                 del self._open[key]
         return len(gone)

@@ -2,9 +2,11 @@
 
 A transport is a pair in one file: a trainer-side `BucketBuffer` subclass (allocates bytes an engine
 process can reach and describes them once, as JSON: no pickle crosses) and an engine-side opener that
-refuses rather than guesses: an `Opener` maps the buffer once and the engine reads it in place (shm,
-cuda_ipc), a `Fetcher` copies each bucket's bytes anew from wherever they live (tcp), so that no copy
-of an earlier bucket is ever served again. The descriptor's "kind" names the pair. Built-ins
+refuses rather than guesses: an `Opener` maps the buffer once and the engine copies each bucket out of
+the mapping (shm, cuda_ipc), a `Fetcher` copies each bucket's bytes anew from wherever they live (tcp,
+nccl), so that no copy of an earlier bucket is ever served again. The descriptor's "kind" names the pair.
+The engine parses a descriptor once (`BucketDesc.parse`: its transport found by kind) and puts the bucket
+into its slab with one call (`BucketDesc.receive_into`), whichever side of the pair it is. Built-ins
 are `module:ATTRIBUTE` strings imported on first use; the engine resolves registered kinds only, so a
 descriptor never makes it import a module of the sender's choosing.
 
@@ -17,9 +19,23 @@ from __future__ import annotations
 import abc
 import dataclasses
 import importlib
-from typing import ClassVar
+import contextlib
+from typing import Any, ClassVar, Protocol
 
 import torch
+
+from titan_lora.transfer.host_copy import copy_flat
+from titan_lora.transfer.kernels import copy_with_checksum
+
+
+class EngineBuffers(Protocol):
+    """What the engine side of a transport needs of the engine (`transfer.transport.BufferCache`)."""
+
+    def mapped(self, bucket: BucketDesc, nbytes: int) -> torch.Tensor:
+        """The `nbytes` bytes of `bucket` in its buffer's cached mapping."""
+
+    def lease(self, nbytes: int, device: torch.device) -> contextlib.AbstractContextManager[torch.Tensor]:
+        """A slab of `nbytes` uint8 bytes on `device`, the caller's until the block ends."""
 
 BUILT_IN_TRANSPORTS = {
     "shm": "titan_lora.transfer.transports.shm:SHM",
@@ -89,7 +105,7 @@ class BucketBuffer(abc.ABC):
 
 
 class Opener(abc.ABC):
-    """The engine side of a transport: maps the buffers its trainer side describes."""
+    """The engine side of a transport whose buffers it maps once (cached by the engine's `BufferCache`)."""
 
     @abc.abstractmethod
     def open(self, desc: dict) -> torch.Tensor:
@@ -101,19 +117,52 @@ class Opener(abc.ABC):
         cannot tell says True and its mappings go by the cache's LRU bound alone."""
         return True
 
+    def device(self, desc: dict) -> torch.device:
+        """Where the mapped bytes of `desc`'s buffer lie (the host; a GPU transport says which GPU)."""
+        return torch.device("cpu")
+
+    def receive(self, bucket: BucketDesc, into: torch.Tensor, buffers: EngineBuffers,
+                graphed: bool) -> str | None:
+        """Copy the bucket out of its cached mapping into `into`; the checksum where the copy took it."""
+        return _copy_out(into, buffers.mapped(bucket, into.numel()), graphed)
+
 
 class Fetcher(abc.ABC):
     """The engine side of a transport whose buffers cannot be mapped (another host): it copies the bytes
     of each bucket anew, and the engine caches nothing of them."""
 
     def device(self, desc: dict) -> torch.device:
-        """Where the bytes of `desc`'s buffer arrive: the engine lends `fetch` a slab there."""
+        """Where the bytes of `desc`'s buffer arrive: the engine's slab for them should lie there."""
         return torch.device("cpu")
 
     @abc.abstractmethod
     def fetch(self, desc: dict, offset: int, into: torch.Tensor) -> None:
         """Fill `into` (uint8, on `device(desc)`) with the buffer's bytes [offset, offset + into.numel()). Anything
         short of all of them raises: the engine must never ack bytes it did not receive."""
+
+    def open(self, desc: dict) -> torch.Tensor:
+        """Refused: these buffers are fetched per bucket (`receive`), never mapped."""
+        raise ValueError(f"{desc.get('kind')} buffers cannot be mapped, only fetched per bucket")
+
+    def receive(self, bucket: BucketDesc, into: torch.Tensor, buffers: EngineBuffers,
+                graphed: bool) -> str | None:
+        """Fetch the bucket straight into `into` when it is contiguous on `device`, else into a slab
+        `buffers` lends there, then copy it out; the checksum where that copy took it."""
+        device = self.device(bucket.fields)
+        if into.device == device and into.is_contiguous():
+            self.fetch(bucket.fields, bucket.offset, into)
+            return None
+        with buffers.lease(into.numel(), device) as slab:
+            self.fetch(bucket.fields, bucket.offset, slab)
+            return _copy_out(into, slab, graphed)
+
+
+def _copy_out(into: torch.Tensor, source: torch.Tensor, graphed: bool) -> str | None:
+    """Copy `source` into `into`: on one GPU with its checksum in the same pass (returned), else plainly."""
+    copied = copy_with_checksum(into, source, graphed=graphed)
+    if copied is None:
+        copy_flat(into, source)
+    return copied
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +209,38 @@ def transport_named(kind: object) -> Transport:
         module, _, attr = found.partition(":")
         found = _TRANSPORTS[kind] = getattr(importlib.import_module(module), attr)
     return found
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketDesc:
+    """One bucket's descriptor as the engine reads it: its transport (found once, by the descriptor's
+    "kind"), its buffer's fields (the descriptor less the offset: what identifies the buffer) and where
+    the bucket starts in that buffer."""
+
+    transport: Transport
+    fields: dict[str, Any]
+    offset: int
+
+    @classmethod
+    def parse(cls, desc: object) -> BucketDesc:
+        """The descriptor a trainer sent (a JSON object), checked: a known kind, an offset of 0 or more."""
+        if not isinstance(desc, dict):
+            raise ValueError(f"a bucket's segment must be a JSON object, got {type(desc).__name__}")
+        offset = desc.get("offset", 0)
+        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+            raise ValueError(f"a bucket's segment offset must be a byte count of 0 or more, got {offset!r}")
+        transport = transport_named(desc.get("kind"))
+        return cls(transport, {k: v for k, v in desc.items() if k != "offset"}, offset)
+
+    def device(self) -> torch.device:
+        """Where this bucket's bytes lie (mapped) or arrive (fetched): its slab's natural device."""
+        return self.transport.opener.device(self.fields)
+
+    def receive_into(self, into: torch.Tensor, buffers: EngineBuffers, graphed: bool = False) -> str | None:
+        """Put this bucket's `into.numel()` bytes into `into` (uint8), through `buffers` (the engine's
+        mappings and fetch slabs); the checksum of `into` where the copy took it in the same pass.
+        `graphed`: the pair of buffers recurs (an adapter's), so a GPU copy replays a CUDA graph."""
+        return self.transport.opener.receive(self, into, buffers, graphed)
 
 
 def default_transport(device: torch.device) -> Transport:

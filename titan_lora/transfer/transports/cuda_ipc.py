@@ -49,5 +49,9 @@ class CudaIpcOpener(Opener):
             desc["ref_offset"], raw("event_handle"), desc["event_sync"],
         )
 
+    def device(self, desc: dict) -> torch.device:
+        """The GPU the buffer lies on (the one `open` rebuilds it on)."""
+        return torch.device("cuda", desc["device"])
+
 
 CUDA_IPC = Transport(CudaIpcBuffer, CudaIpcOpener())

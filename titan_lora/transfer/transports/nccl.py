@@ -10,10 +10,10 @@ runs NCCL for CUDA buffers and gloo for CPU ones: the same code, which is how it
 The engine still asks for each bucket (buffer id, token, byte range) over its join connection; the
 trainer checks the request as the tcp server does (`TcpRefused` for an unknown buffer, a wrong token, a
 range past the end), replies, and sends the range to that worker's rank over the group. The worker
-receives it into its own slab on its device (`BufferCache.bucket` lends it: never storage the trainer
-reuses), then the copy-out, checksum and ack are those of every transport. An engine of one worker gets
-each bucket by a broadcast in its group of two (NCCL runs a collective over all its channels, a send/recv
-pair over a few); the workers of a larger engine each get theirs by send/recv. Asking keeps the
+receives it into its own slab on its device (the engine's, or one `BufferCache.lease` lends: never
+storage the trainer reuses), then the copy-out, checksum and ack are those of every transport. An
+engine of one worker gets each bucket by a broadcast in its group of two (NCCL runs a collective over
+all its channels, a send/recv pair over a few); the workers of a larger engine each get theirs by send/recv. Asking keeps the
 `/titan/bucket` route and the worker RPCs unchanged, keeps concurrent buckets in order (one at a time
 per worker) and turns a refusal into words instead of a hung collective.
 
