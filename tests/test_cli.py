@@ -49,6 +49,23 @@ MISTAKES = {
                        "[training] steps must be >= 1, got -1; the number of optimizer steps: try steps = 20"),
     "negative temperature": (BASE + GRPO_NO_ROLLOUTS + "temperature = -1.0\n",
                              "[grpo] temperature must be > 0, got -1.0; try temperature = 1.0"),
+    # Accepted, then a traceback or a silent misbehaviour after the start (NaN passed every lower bound).
+    "an endless transfer timeout": (BASE + SYNC + "timeout_s = inf\n",
+                                    "[weight_sync] timeout_s must be a finite number > 0 and <= 86400 seconds"),
+    "a NaN KL weight": (BASE + GRPO_NO_ROLLOUTS + "kl_coef = nan\n",
+                        "[grpo] kl_coef must be a finite number >= 0, got nan; 0 skips the KL term"),
+    "an operator arith does not compute": (BASE + GRPO_NO_ROLLOUTS + 'task_ops = "+%"\n',
+                                           "[grpo] task_ops = '+%': '%' is not an operator arith computes"),
+    "an engine url that is no address": (BASE + SYNC + '[engine]\nurl = "not a url"\n',
+                                         "[engine] url: 'not a url' is not an engine address"),
+    "a seq_len shorter than the prompts": (
+        BASE.replace("seq_len = 64", "seq_len = 4") + GRPO_NO_ROLLOUTS,
+        "[training] seq_len = 4 cannot hold the task's longest prompt (44 tokens) plus [grpo] max_new_tokens = 8"),
+    "a max_model_len shorter than the prompts": (
+        BASE + SYNC + "[engine]\nmax_model_len = 40\n" + GRPO_NO_ROLLOUTS.replace("rollouts = false\n", ""),
+        "[engine] max_model_len = 40 cannot hold the task's longest prompt (44 tokens) plus [grpo] max_new_tokens"),
+    "more prompts per step than problems": (BASE + GRPO_NO_ROLLOUTS + "train_size = 1\n",
+                                            "[grpo] prompts_per_step = 2 is more than train_size = 1"),
     # Partly clear before this work.
     "unknown section": (BASE + SYNC.replace("weight_sync", "weightsync"),
                         "[weightsync] is not a config section; did you mean 'weight_sync'?"),
@@ -74,6 +91,13 @@ def test_each_mistake_is_one_line_naming_the_key(case: str, command: str, tmp_pa
     prefix = f"{config}: config error: " if command == "check" else "titan_lora: config error: "
     assert lines[0].startswith(prefix), lines[0]
     assert not out and not launched and not (tmp_path / "outputs").exists()
+
+
+def test_a_config_path_that_is_a_directory_is_one_line(tmp_path, capsys) -> None:
+    assert cli.main(["check", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"{tmp_path}: config error: --job.config_file {str(tmp_path)!r} cannot be read (Is a directory); "
+        "name a TOML file"]
 
 
 def test_several_mistakes_are_one_line_each_and_cli_overrides_are_checked(tmp_path, capsys) -> None:

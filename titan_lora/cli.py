@@ -26,13 +26,14 @@ def config_errors(path: str, overrides: list[str], nproc: int = 1) -> list[str]:
     job would start). Runs every check training runs before building (the TOML, the values, the model's
     checkpoint and targets, the engine settings, the task and its data); builds and starts nothing."""
     from titan_lora.compose import check_plugins
+    from titan_lora.rl.prompt_lengths import check_prompt_lengths
     from titan_lora.trainer.job_config import load_job
 
     saved = os.environ.get("WORLD_SIZE")
     os.environ["WORLD_SIZE"] = str(nproc)  # how the GRPO batch splits over data-parallel ranks
     try:
-        job_config, _ = load_job(["--job.config_file", path, *overrides])
-        check_plugins(job_config)
+        job_config, model = load_job(["--job.config_file", path, *overrides])
+        check_prompt_lengths(job_config, check_plugins(job_config), model.hf_dir)
     except (ValueError, FileNotFoundError) as err:
         return str(err).splitlines() or [repr(err)]
     finally:

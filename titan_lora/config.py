@@ -7,7 +7,9 @@ config fails in seconds with a message that names the key and the fix.
 import os
 import tempfile
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
+from titan_lora.config_ranges import ConfigError, raise_range_errors
 from titan_lora.run_sections import (
     ActivationCheckpoint,
     Checkpoint,
@@ -176,7 +178,7 @@ class GRPO:
     task_digits: int = 1
     """arith: operands of up to this many digits."""
     task_ops: str = "+-"
-    """arith: the operators drawn from."""
+    """arith: the operators drawn from, any of + - * (e.g. "+-*")."""
     train_size: int = 2000
     """Training problems the task draws (seeded)."""
     eval_size: int = 100
@@ -212,135 +214,11 @@ class JobConfig:
     """`[task]`: the options of the task `[grpo] task` names; that task checks them (rl/task.py)."""
 
 
-class ConfigError(ValueError):
-    """One or more config errors, one line each (`errors`), found before anything starts."""
-
-    def __init__(self, errors: list[str]) -> None:
-        """`errors`: one self-contained line per mistake, naming the key and the fix."""
-        super().__init__("\n".join(errors))
-        self.errors = list(errors)
-
-
-@dataclass(frozen=True)
-class Range:
-    """The values a numeric key accepts: `lo` <= value <= `hi` (None: unbounded; `*_open`: the bound
-    itself excluded); `text` replaces the generated wording, `fix` says what to write instead."""
-
-    lo: float | None = None
-    hi: float | None = None
-    lo_open: bool = False
-    hi_open: bool = False
-    text: str = ""
-    fix: str = ""
-
-    def describe(self) -> str:
-        """The accepted values in words, e.g. "> 0" or "in [0, 1)"."""
-        if self.text:
-            return self.text
-        if self.lo is not None and self.hi is not None:
-            return f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
-        if self.lo is not None:
-            return f"{'>' if self.lo_open else '>='} {self.lo:g}"
-        return f"{'<' if self.hi_open else '<='} {self.hi:g}"
-
-    def holds(self, value: float) -> bool:
-        """Whether `value` is accepted."""
-        if self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo):
-            return False
-        return self.hi is None or (value < self.hi if self.hi_open else value <= self.hi)
-
-
-_POSITIVE = Range(0, lo_open=True)
-_AT_LEAST_1 = Range(1)
-_NON_NEGATIVE = Range(0)
-_PORT = Range(0, 65535, fix="use a TCP port, or 0 to pick a free one")
-_SECONDS = Range(0, lo_open=True, text="> 0 seconds")
-RANGES: dict[tuple[str, str], Range] = {
-    ("lora", "rank"): Range(1, text="a positive integer", fix="try rank = 16"),
-    ("lora", "alpha"): Range(0, lo_open=True, fix="a common choice is 2 * rank"),
-    ("lora", "dropout"): Range(0, 1, hi_open=True),
-    ("engine", "port"): _PORT,
-    ("engine", "tcp_port"): _PORT,
-    ("engine", "max_model_len"): _AT_LEAST_1,
-    ("engine", "kv_cache_gib"): _AT_LEAST_1,
-    ("engine", "cpu_threads"): Range(0, fix="0 lets titan_lora use every core this process may use"),
-    ("engine", "replicas"): Range(1, fix="start at least 1 engine (1 is one engine)"),
-    ("weight_sync", "bucket_mb"): _AT_LEAST_1,
-    ("weight_sync", "keep_versions"): Range(2, fix="keep at least 2 (max staleness 1 + 1) so that rollouts "
-                                                   "pinned to the previous version can finish"),
-    ("weight_sync", "timeout_s"): _SECONDS,
-    ("weight_sync", "retire_timeout_s"): _SECONDS,
-    ("weight_sync", "rollout_timeout_s"): _SECONDS,
-    ("weight_sync", "health_timeout_s"): _SECONDS,
-    ("weight_sync", "engine_start_timeout_s"): _SECONDS,
-    ("weight_sync", "retries"): _NON_NEGATIVE,
-    ("weight_sync", "engine_restarts"): _NON_NEGATIVE,
-    ("weight_sync", "parity_every"): Range(0, fix="0 turns the probe off"),
-    ("weight_sync", "parity_tolerance"): _POSITIVE,
-    ("grpo", "prompts_per_step"): _AT_LEAST_1,
-    ("grpo", "group_size"): Range(2, fix="GRPO needs >= 2 samples per prompt"),
-    ("grpo", "max_new_tokens"): _AT_LEAST_1,
-    ("grpo", "temperature"): Range(0, lo_open=True, fix="try temperature = 1.0 (samples the policy as trained)"),
-    ("grpo", "kl_coef"): Range(0, fix="0 skips the KL term"),
-    ("grpo", "max_staleness"): _NON_NEGATIVE,
-    ("grpo", "stale_weight_cap"): Range(1, fix="1 weighs stale samples as fresh ones; try 2.0"),
-    ("grpo", "task_digits"): _AT_LEAST_1,
-    ("grpo", "train_size"): _AT_LEAST_1,
-    ("grpo", "eval_size"): _NON_NEGATIVE,
-    ("grpo", "eval_every"): Range(0, fix="0 turns evaluation off"),
-    # The run's sections (run_sections): checked here before the LR scheduler or optimizer meets them.
-    ("training", "steps"): Range(1, fix="the number of optimizer steps: try steps = 20"),
-    ("training", "local_batch_size"): _AT_LEAST_1,
-    ("training", "seq_len"): _AT_LEAST_1,
-    ("training", "max_norm"): Range(0, lo_open=True, fix="the norm gradients are clipped to: try max_norm = 1.0"),
-    ("optimizer", "lr"): Range(0, lo_open=True, fix="try lr = 2e-4 (a common LoRA rate)"),
-    ("optimizer", "eps"): _POSITIVE,
-    ("optimizer", "weight_decay"): _NON_NEGATIVE,
-    ("optimizer", "beta1"): Range(0, 1, hi_open=True),
-    ("optimizer", "beta2"): Range(0, 1, hi_open=True),
-    ("lr_scheduler", "warmup_steps"): _NON_NEGATIVE,
-    ("lr_scheduler", "decay_ratio"): Range(0, 1),
-    ("lr_scheduler", "min_lr_factor"): Range(0, 1),
-    ("lr_scheduler", "total_steps"): _AT_LEAST_1,
-    ("checkpoint", "interval"): _AT_LEAST_1,
-    ("checkpoint", "keep_latest_k"): _NON_NEGATIVE,
-}
-"""The range of every numeric key that has one (section, key); docs/config.md lists them."""
-
-
 def choices() -> dict[tuple[str, str], tuple[str, ...]]:
     """The string keys that take one of a fixed set of values (the validate_* functions refuse others);
     docs/config.md lists them."""
     return {("grpo", "loop"): GRPO_LOOPS, ("lora", "dtype"): ADAPTER_DTYPES, ("training", "on_nonfinite"): NONFINITE_POLICIES,
             ("engine", "pause_mode"): PAUSE_MODES, ("engine", "nccl_backend"): NCCL_BACKENDS}
-
-
-def range_error(section: str, key: str, value: object) -> str | None:
-    """The error line of `[section] key = value` when `RANGES` refuses it, else None."""
-    rule = RANGES.get((section, key))
-    # Wrong types are refused by name when the TOML is read; None means "derived" (e.g. decay_ratio).
-    if rule is None or isinstance(value, bool) or not isinstance(value, (int, float)) or rule.holds(value):
-        return None
-    return f"[{section}] {key} must be {rule.describe()}, got {value}" + (f"; {rule.fix}" if rule.fix else "")
-
-
-def range_errors(section: str, cfg: object) -> list[str]:
-    """One line per key of `cfg` (section `section`) outside its range in `RANGES`."""
-    found = (range_error(section, key, getattr(cfg, key, None)) for sec, key in RANGES if sec == section)
-    return [e for e in found if e is not None]
-
-
-def raise_range_errors(section: str, cfg: object) -> None:
-    """`range_errors`, raised as one ConfigError."""
-    errors = range_errors(section, cfg)
-    if errors:
-        raise ConfigError(errors)
-
-
-def all_range_errors(job_config: object) -> list[str]:
-    """`range_errors` of every section of a parsed JobConfig."""
-    return [e for section in dict.fromkeys(s for s, _ in RANGES)
-            for e in range_errors(section, getattr(job_config, section))]
 
 
 def validate_lora(cfg: LoRA) -> None:
@@ -378,6 +256,8 @@ NONFINITE_POLICIES = ("stop", "rollback")
 BACKOFF_CAP_S = 10.0
 """The longest sleep between two retries of one request."""
 DEFAULT_PG_TIMEOUT_S = 600.0
+MAX_PG_TIMEOUT_S = 7 * 86400.0
+"""The longest process-group timeout a config may derive: a week, far inside what torch's timeouts hold."""
 
 
 def rank0_wait_budget_s(ws: WeightSync) -> float:
@@ -427,15 +307,25 @@ def attached_urls(cfg: Engine) -> list[str]:
     return list(cfg.urls) or ([cfg.url] if cfg.url else [])
 
 
+def _is_address(url: str) -> bool:
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (raises on a port that is not a number in [0, 65535])
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname)
+
+
 def _check_replicas(cfg: Engine) -> None:
     if cfg.urls and cfg.url:
         raise ValueError("[engine] url and urls are both set: list every engine in urls and remove url")
     if cfg.urls and cfg.replicas > 1:
         raise ValueError(f"[engine] urls attaches to {len(cfg.urls)} running engines and replicas = {cfg.replicas} "
                          "starts engines: use one of them (remove replicas to attach, or urls to start)")
-    for url in cfg.urls:
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise ValueError(f"[engine] urls: {url!r} is not an engine address; use \"http://host:port\"")
+    for url in attached_urls(cfg):
+        if not _is_address(url):
+            raise ValueError(f"[engine] {'urls' if cfg.urls else 'url'}: {url!r} is not an engine address; "
+                             'use "http://host:port"')
     if len(set(cfg.urls)) != len(cfg.urls):
         dup = sorted({u for u in cfg.urls if cfg.urls.count(u) > 1})
         raise ValueError(f"[engine] urls names {dup} more than once: each replica is a separate engine")
@@ -450,6 +340,11 @@ BASE_MODES = ("verify", "push")
 def validate_weight_sync(cfg: WeightSync) -> None:
     """Reject a `[weight_sync]` section that cannot work."""
     raise_range_errors("weight_sync", cfg)
+    if cfg.enabled and process_group_timeout_s(cfg) > MAX_PG_TIMEOUT_S:
+        raise ValueError(f"[weight_sync] timeouts, retries and engine_restarts let rank 0 wait "
+                         f"{rank0_wait_budget_s(cfg):.0f} s between collectives, past the process-group timeout's "
+                         f"limit of {MAX_PG_TIMEOUT_S:g} s (a week); lower the *_timeout_s keys, retries or "
+                         "engine_restarts")
     if cfg.base not in BASE_MODES:
         raise ValueError(f'[weight_sync] base = {cfg.base!r}: use "verify" (the engine loads the base itself and '
                          'the trainer checks its digests) or "push" (the trainer sends it)')
@@ -473,6 +368,9 @@ def validate_grpo(cfg: GRPO, weight_sync: WeightSync) -> None:
         raise ValueError(f'[grpo] loop = {cfg.loop!r}: use "sync" or "async"')
     if not cfg.enabled:
         return
+    if cfg.prompts_per_step > cfg.train_size:
+        raise ValueError(f"[grpo] prompts_per_step = {cfg.prompts_per_step} is more than train_size = "
+                         f"{cfg.train_size}: a step draws distinct problems; lower it or raise train_size")
     if cfg.rollouts and not weight_sync.enabled:
         raise ValueError("[grpo] rollouts come from the engine: set [weight_sync] enabled = true "
                          "(or [grpo] rollouts = false to time training without an engine)")

@@ -24,6 +24,7 @@ from titan_lora.compose import (
 from titan_lora.config import process_group_timeout_s
 from titan_lora.lora.finite import NonFiniteAdapterError, first_nonfinite_adapter
 from titan_lora.models.resolve import ResolvedModel
+from titan_lora.rl.prompt_lengths import check_prompt_lengths
 from titan_lora.rl.task import Task
 from titan_lora.titan.optim import build_lr_schedulers, build_optimizers, clip_grad_norm_
 from titan_lora.titan.parallel import build_parallel_dims
@@ -216,6 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         job_config, model = load_job(sys.argv[1:] if argv is None else argv)
         task = check_plugins(job_config)
+        check_prompt_lengths(job_config, task, model.hf_dir)
     except (ValueError, FileNotFoundError) as err:
         if rank0:  # every rank read the same config: one copy of the message is enough
             report_config_errors(err)

@@ -12,7 +12,7 @@ from titan_lora.config import GRPO
 from titan_lora.rl import task as task_mod
 from titan_lora.rl.reverse import ReverseTask
 from titan_lora.rl.task import Problem, build_task, register_task, task_prompt, train_and_heldout
-from titan_lora.rl.tasks import ArithTask
+from titan_lora.rl.tasks import ArithTask, make_problems
 
 
 class EchoTask:
@@ -99,3 +99,43 @@ def test_a_plug_in_factorys_keywords_are_the_schema_of_its_task_section(monkeypa
             build_task(cfg, options)
         assert str(err.value).startswith(message)
     assert made == [(3, 2, ["+"]), (4, 1.0, None)]  # a refused section never reaches the factory
+
+
+def test_arith_computes_each_operator_it_draws() -> None:
+    """Every operator but "+" used to be computed as subtraction: "What is 3 * 4?" was answered -1."""
+    problems = make_problems(300, seed=0, max_digits=2, ops="+-*")
+    assert {p.question.split()[3] for p in problems} == {"+", "-", "*"}
+    for p in problems:
+        a, op, b = p.question.removeprefix("What is ").removesuffix("?").split()
+        assert p.answer == {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op], p
+    assert build_task(GRPO(task_ops="*")).problems(1, 3) == [Problem("What is 3 * 9?", 27)]
+
+
+@pytest.mark.parametrize(("ops", "message"), [
+    ("+%", "[grpo] task_ops = '+%': '%' is not an operator arith computes; use any of '+-*'"),
+    ("+/x", "[grpo] task_ops = '+/x': '/', 'x' is not an operator arith computes; use any of '+-*'"),
+    ("", "[grpo] task_ops = '': is empty; use any of '+-*'"),
+])
+def test_arith_refuses_an_operator_it_does_not_compute_when_built(ops: str, message: str) -> None:
+    with pytest.raises(ValueError) as err:
+        build_task(GRPO(task_ops=ops))
+    assert str(err.value) == message
+
+
+def test_a_plug_in_factory_that_cannot_be_called_or_raises_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_section() -> EchoTask:
+        return EchoTask()
+
+    def broken(cfg: GRPO) -> EchoTask:
+        raise KeyError("size")
+
+    monkeypatch.setitem(sys.modules, "my_broken", types.SimpleNamespace(no_section=no_section, broken=broken))
+    with pytest.raises(ValueError) as err:
+        build_task(GRPO(task="my_broken:no_section"))
+    assert str(err.value) == ("[grpo] task = 'my_broken:no_section': its factory cannot be called as "
+                              "factory([grpo] section, **[task] section) (too many positional arguments); "
+                              "give it that signature")
+    with pytest.raises(ValueError) as err:
+        build_task(GRPO(task="my_broken:broken"))
+    assert str(err.value) == "[grpo] task = 'my_broken:broken': its factory raised KeyError: 'size'"
+    assert isinstance(err.value.__cause__, KeyError), "the plug-in's traceback is kept"

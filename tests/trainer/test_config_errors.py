@@ -27,6 +27,7 @@ def _training(extra: str) -> str:
     return DEBUG_LORA.replace("[training]\n", f"[training]\n{extra}\n")
 
 
+WIDE_TARGETS = '["wq", "wo", "w1", "w2", "w3"]'
 GRPO_WITH_ROLLOUTS = "[grpo]\nenabled = true\nprompts_per_step = 2\ngroup_size = 2\n"
 
 
@@ -130,8 +131,9 @@ BAD = {
         _sync("bucket_mb = 100000000"),
         ["[weight_sync] bucket_mb = 100000000", "/dev/shm", "lower bucket_mb"],
     ),
-    "rank above vLLM's largest": (
-        _sync("").replace("rank = 8", "rank = 1024"), ["[lora] rank = 1024", "512"],
+    "rank above vLLM's largest": (  # 544: within the 135M model's q, o and FFN linears (576 and up)
+        _sync("").replace("rank = 8", "rank = 544").replace('"all-linear"', WIDE_TARGETS).replace(
+            'flavor = "debug"', 'flavor = "135M"'), ["[lora] rank = 544", "512"],
     ),
     "pipeline parallelism": (
         DEBUG_LORA + "[parallelism]\npipeline_parallel_degree = 2\n",
@@ -171,16 +173,36 @@ BAD = {
     ),
     "clip_eps, removed": (_sync("") + GRPO_WITH_ROLLOUTS + "clip_eps = 0.2\n",
                           ["[grpo] clip_eps was removed", "never bound", "Delete the line"]),
+    "an engine url that is no address": (_sync("", engine='url = "not a url"'),
+                                         ["[engine] url: 'not a url' is not an engine address", "http://host:port"]),
+    "an engine url with a port that is no number": (_sync("", engine='url = "http://e:port"'),
+                                                    ["[engine] url: 'http://e:port' is not an engine address"]),
+    "more prompts per step than training problems": (
+        DEBUG_LORA + "[grpo]\nenabled = true\nrollouts = false\nprompts_per_step = 8\ntrain_size = 4\n",
+        ["[grpo] prompts_per_step = 8 is more than train_size = 4", "raise train_size"]),
+    "rank above the model's dimensions": (
+        DEBUG_LORA.replace("rank = 8", "rank = 100"),
+        ["[lora] rank = 100 is above the model's dimensions", "use a rank of at most"]),
     "stale weight cap below 1": (_sync("") + GRPO_WITH_ROLLOUTS + "stale_weight_cap = 0.5\n",
                                  ["[grpo] stale_weight_cap must be >= 1, got 0.5"]),
 }
 
 
-def test_tcp_buckets_need_no_shared_memory() -> None:
-    cfg = job_config_from(_sync("bucket_mb = 100000000", engine='transport = "tcp"\ntcp_host = "127.0.0.1"'))
+def test_tcp_buckets_need_no_shared_memory_but_must_fit_host_memory() -> None:
+    host_mb = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2**20
+    fits = f"bucket_mb = {host_mb // 2}"  # two buckets: all of host memory, more than /dev/shm holds
+    cfg = job_config_from(_sync(fits, engine='transport = "tcp"\ntcp_host = "127.0.0.1"'))
     assert (cfg.engine.transport, cfg.engine.tcp_host, cfg.engine.tcp_port) == ("tcp", "127.0.0.1", 0)
-    remote = job_config_from(_sync("bucket_mb = 100000000", engine='url = "http://192.0.2.7:8000"'))
+    remote = job_config_from(_sync(fits, engine='url = "http://192.0.2.7:8000"'))
     assert remote.engine.transport == "auto", "auto takes tcp for a remote engine: /dev/shm is not sized"
+    for engine in ('transport = "tcp"', 'url = "http://192.0.2.7:8000"',
+                   'transport = "nccl"\nnccl_backend = "gloo"'):
+        with pytest.raises(ValueError) as err:
+            job_config_from(_sync("bucket_mb = 100000000", engine=engine))
+        assert str(err.value).startswith("[weight_sync] bucket_mb = 100000000: the emitter double-buffers, "
+                                         "which needs 200000000 MiB of host memory for transport ")
+        assert str(err.value).endswith(f"this host has {host_mb} MiB; lower bucket_mb to at most {host_mb // 2} "
+                                       "(the default is 32)")
 
 
 def test_cuda_ipc_on_a_trainer_without_cuda_is_refused_when_read(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -281,8 +303,12 @@ def test_the_engine_and_weight_sync_keys_parse_with_their_defaults() -> None:
     assert (attached.kind, attached.url, attached.api_key) == ("vllm-disk", "http://e:8000", "k")
 
 
-def test_the_timing_receiver_takes_any_rank() -> None:
-    assert job_config_from(_sync("", engine='kind = "receiver"').replace("rank = 8", "rank = 1024")).lora.rank == 1024
+def test_the_timing_receiver_takes_any_rank_the_model_can() -> None:
+    wide = _sync("", engine='kind = "receiver"').replace("rank = 8", "rank = 544").replace('"all-linear"', WIDE_TARGETS)
+    assert job_config_from(wide.replace('flavor = "debug"', 'flavor = "135M"')).lora.rank == 544
+    with pytest.raises(ValueError, match=r"rank = 544 is above the model's dimensions: the adapted linear w1 is "
+                                         r"64 -> \d+; use a rank of at most 64"):
+        job_config_from(wide)
 
 
 def test_a_grpo_batch_that_dp_ranks_cannot_share_is_refused(monkeypatch) -> None:

@@ -113,7 +113,19 @@ def build_task(cfg: GRPO, options: dict[str, Any] | None = None) -> Task:
     """The task `[grpo] task` names (a registered name or `package.module:factory`), built from `cfg` and
     `options` (the `[task]` section, validated by the task before any model is built)."""
     factory = _TASKS.get(cfg.task)
-    return factory(cfg, **task_options(factory, cfg.task, options or {}))
+    options = task_options(factory, cfg.task, options or {})
+    where = f"[grpo] task = {cfg.task!r}"
+    try:
+        inspect.signature(factory).bind(cfg, **options)
+    except TypeError as err:
+        raise ValueError(f"{where}: its factory cannot be called as factory([grpo] section, **[task] section) "
+                         f"({err}); give it that signature") from None
+    try:
+        return factory(cfg, **options)
+    except ValueError:  # the task's own one-line refusal of its options
+        raise
+    except Exception as err:  # a plug-in's bug: one line naming the task (the traceback stays in __cause__)
+        raise ValueError(f"{where}: its factory raised {type(err).__name__}: {err}") from err
 
 
 def task_prompt(tokenizer, task: Task, question: str, system: str = "") -> str:  # noqa: ANN001

@@ -12,6 +12,7 @@ import tempfile
 from typing import Any
 
 from titan_lora import config as ours
+from titan_lora.config_ranges import all_range_errors, range_error
 from titan_lora.lora.targets import resolve_targets
 from titan_lora.models.family import FamilyLoRAConverter  # noqa: F401 (registers the "lora" converter)
 from titan_lora.models.resolve import ResolvedModel, resolve_model
@@ -92,7 +93,7 @@ def _section_errors(section: str, given: dict, cls: type) -> list[str]:
             errors += _section_errors(f"{section}.{key}", value, known[key].type)
         elif not type_fits(value, known[key].type):
             errors.append(_type_error(section, key, value, known[key]))
-        elif (out_of_range := ours.range_error(section, key, value)) is not None:
+        elif (out_of_range := range_error(section, key, value)) is not None:
             errors.append(out_of_range)
     return errors
 
@@ -175,7 +176,7 @@ def load_job(argv: list[str]) -> tuple[Any, ResolvedModel]:
     `build_model`; raises ValueError on a bad config before anything is built."""
     quiet_torchtitan_asset_warnings()  # torchtitan warns while building
     job_config, toml, overrides = parse_job(argv)
-    errors = ours.all_range_errors(job_config)
+    errors = all_range_errors(job_config)
     if errors:  # every out-of-range value at once, before any check that builds on them
         raise ours.ConfigError(errors)
     if job_config.lora.export_dir:  # relative: under the run's folder, as [checkpoint] folder is

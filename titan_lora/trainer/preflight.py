@@ -44,6 +44,33 @@ def check_tensor_parallel_heads(tp: int, shape: DecoderShape) -> None:
         )
 
 
+def linear_dims(shape: DecoderShape) -> dict[str, tuple[int, int]]:
+    """The (in, out) features of each linear of a decoder of `shape`, by torchtitan leaf name."""
+    q, kv = shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
+    return {"wq": (shape.dim, q), "wk": (shape.dim, kv), "wv": (shape.dim, kv), "wo": (q, shape.dim),
+            "w1": (shape.dim, shape.ffn_hidden_dim), "w3": (shape.dim, shape.ffn_hidden_dim),
+            "w2": (shape.ffn_hidden_dim, shape.dim), "lm_head": (shape.dim, shape.vocab_size)}
+
+
+def check_lora_rank(rank: int, targets: list[str], shape: DecoderShape) -> None:
+    """Refuse a rank above the smallest dimension of an adapted linear (its update cannot have that rank)."""
+    dims = linear_dims(shape)
+    sizes = {leaf: min(dims[leaf]) for leaf in sorted({t.rsplit(".", 1)[-1] for t in targets}) if leaf in dims}
+    if sizes and rank > min(sizes.values()):
+        leaf = min(sizes, key=sizes.get)
+        raise ValueError(f"[lora] rank = {rank} is above the model's dimensions: the adapted linear {leaf} is "
+                         f"{dims[leaf][0]} -> {dims[leaf][1]}; use a rank of at most {sizes[leaf]}")
+
+
+def check_host_memory(bucket_mb: int, transport: str) -> None:
+    """Refuse buckets that do not fit in this host's memory (the emitter keeps two of them)."""
+    total_mb = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2**20
+    if 2 * bucket_mb > total_mb:
+        raise ValueError(f"[weight_sync] bucket_mb = {bucket_mb}: the emitter double-buffers, which needs "
+                         f"{2 * bucket_mb} MiB of host memory for transport {transport!r}, but this host has "
+                         f"{total_mb} MiB; lower bucket_mb to at most {total_mb // 2} (the default is 32)")
+
+
 def check_shared_memory(bucket_mb: int, shm_dir: str = SHM_DIR) -> None:
     """Refuse buckets that do not fit in the free shared memory (the emitter keeps two of them)."""
     if not os.path.isdir(shm_dir):
@@ -111,6 +138,8 @@ def check_engine(job_config, targets: list[str] | None) -> None:  # noqa: ANN001
     transport = check_transport(engine, kind)
     if kind.shm_buckets and (transport == "shm" or (transport is None and not torch.cuda.is_available())):
         check_shared_memory(ws.bucket_mb)
+    if kind.shm_buckets and transport in ("tcp", "nccl"):
+        check_host_memory(ws.bucket_mb, transport)
     if kind.max_lora_rank is not None and "lora" in job_config.model.converters:
         kind.max_lora_rank(job_config.lora.rank)  # raises when the engine cannot serve the rank
     if kind.check_targets is not None and targets:
@@ -159,6 +188,8 @@ def preflight(job_config, targets: list[str] | None, shape: DecoderShape) -> Non
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     dp = data_parallel_size(job_config.parallelism, world_size)  # refuses degrees that do not fit the ranks
     check_tensor_parallel_heads(job_config.parallelism.tensor_parallel_degree, shape)
+    if targets is not None:
+        check_lora_rank(job_config.lora.rank, targets, shape)
     check_sft_data(job_config, dp)
     check_rollback(job_config)
     check_engine(job_config, targets)

@@ -111,6 +111,8 @@ def read_toml(path: str) -> dict:
             return tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError([f"--job.config_file {path!r}: no such file"]) from None
+    except OSError as err:  # a directory, a file this user may not read
+        raise ConfigError([f"--job.config_file {path!r} cannot be read ({err.strerror}); name a TOML file"]) from None
     except tomllib.TOMLDecodeError as err:
         m = _TOML_POSITION.match(str(err))
         where = f"{path}:{m['line']}:{m['col']}" if m else path
