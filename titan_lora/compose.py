@@ -20,7 +20,7 @@ from titan_lora.clients.launch import EmbeddedEngine, start_engines
 from titan_lora.clients.replica_set import Replica, ReplicaSet
 from titan_lora.clients.rollout import RolloutClient
 from titan_lora.clients.router import RolloutRouter
-from titan_lora.config import GRPO, Engine, WeightSync, attached_urls
+from titan_lora.config import GRPO, Engine, JobConfig, WeightSync, attached_urls
 from titan_lora.rl.agent_objective import AgentObjective, check_agent_config
 from titan_lora.rl.agent_task import is_agent_task
 from titan_lora.rl.objective import GRPOObjective
@@ -38,6 +38,7 @@ from titan_lora.sync.syncer import WeightSyncer
 from titan_lora.sync.versions import AdapterVersions
 from titan_lora.sync.watchdog import Watchdog
 from titan_lora.titan.parallel import data_parallel_info
+from titan_lora.titan.parallel import ParallelDims
 from titan_lora.trainer.build import BuiltModel
 from titan_lora.trainer.metrics import MetricsLogger
 from titan_lora.trainer.objective import Objective
@@ -189,7 +190,7 @@ def build_syncer(ws: WeightSync, side: EngineSide, adapter: AdapterSource, model
     return syncer
 
 
-def engine_side(job_config, built: BuiltModel, device: torch.device) -> EngineSide:  # noqa: ANN001
+def engine_side(job_config: JobConfig, built: BuiltModel, device: torch.device) -> EngineSide:
     """Rank 0 starts or attaches the engine when `[weight_sync] enabled`; other ranks hold no handle."""
     if not job_config.weight_sync.enabled or dist.get_rank() != 0:
         return EngineSide()
@@ -197,7 +198,7 @@ def engine_side(job_config, built: BuiltModel, device: torch.device) -> EngineSi
                           job_config.job.dump_folder, job_config.lora.rank)
 
 
-def adapter_source(job_config, built: BuiltModel, side: EngineSide) -> AdapterSource | None:  # noqa: ANN001
+def adapter_source(job_config: JobConfig, built: BuiltModel, side: EngineSide) -> AdapterSource | None:
     """Collective: the adapter as rank 0 publishes it, gathered into the buffer `side`'s emitter lends;
     None for full fine-tuning (no "lora" converter: nothing to gather)."""
     if "lora" not in job_config.model.converters:
@@ -206,7 +207,7 @@ def adapter_source(job_config, built: BuiltModel, side: EngineSide) -> AdapterSo
                          built.hf_dir, lend=side.lend)
 
 
-def build_sync(job_config, adapter: AdapterSource, built: BuiltModel, device: torch.device,  # noqa: ANN001
+def build_sync(job_config: JobConfig, adapter: AdapterSource, built: BuiltModel, device: torch.device,
                side: EngineSide, task: Task | None) -> tuple[WeightSyncer, EngineRollouts]:
     """Collective: the syncer over `side` (from `engine_side`), and what objectives may use.
 
@@ -216,18 +217,18 @@ def build_sync(job_config, adapter: AdapterSource, built: BuiltModel, device: to
     return syncer, EngineRollouts(side.rollouts, syncer.versions, syncer.with_engine)
 
 
-def configured_task(job_config) -> Task:  # noqa: ANN001
+def configured_task(job_config: JobConfig) -> Task:
     """The task `[grpo] task` names, built from its `[task]` section."""
     return build_task(job_config.grpo, job_config.task)
 
 
-def task_in_use(job_config) -> bool:  # noqa: ANN001
+def task_in_use(job_config: JobConfig) -> bool:
     """Whether the job uses `[grpo] task`: GRPO trains on it, or the parity probe scores its prompts."""
     ws = job_config.weight_sync
     return job_config.grpo.enabled or (ws.enabled and bool(ws.parity_every))
 
 
-def check_plugins(job_config) -> Task | None:  # noqa: ANN001
+def check_plugins(job_config: JobConfig) -> Task | None:
     """Resolve the `[grpo]` task and reward by name, and let the task check `[task]`, before anything is
     built (a typo or a bad data file fails in seconds).
 
@@ -243,7 +244,7 @@ def check_plugins(job_config) -> Task | None:  # noqa: ANN001
     return task
 
 
-def build_objective(job_config, hf_dir: str, dims, device: torch.device, metrics: MetricsLogger,  # noqa: ANN001
+def build_objective(job_config: JobConfig, hf_dir: str, dims: ParallelDims, device: torch.device, metrics: MetricsLogger,
                     engine: EngineRollouts | None, task: Task | None, data_state: dict | None = None) -> Objective:
     """The objective the job config asks for: GRPO (`[grpo] enabled`) on `task` (from `check_plugins`),
     else SFT. `data_state`: what the resumed checkpoint kept of the data position."""

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from titan_lora.compose import (
     EngineSide, adapter_source, build_objective, build_sync, check_plugins, engine_side,
 )
-from titan_lora.config import process_group_timeout_s
+from titan_lora.config import JobConfig, process_group_timeout_s
 from titan_lora.lora.finite import NonFiniteAdapterError, first_nonfinite_adapter
 from titan_lora.models.resolve import ResolvedModel
 from titan_lora.rl.prompt_lengths import check_prompt_lengths
@@ -42,7 +42,7 @@ class TrainingRun:
 
     `task` is what `check_plugins` built (None when the job uses no task)."""
 
-    def __init__(self, job_config, task: Task | None = None,  # noqa: ANN001 (titan_lora's JobConfig)
+    def __init__(self, job_config: JobConfig, task: Task | None = None,
                  model: ResolvedModel | None = None) -> None:
         """`model`: `[model]` as `load_job` resolved it (None: resolved while building)."""
         self.cfg = job_config
@@ -80,7 +80,7 @@ class TrainingRun:
             100 * n_train / sum(p.numel() for p in self.model.parameters()), self.step,
         )
 
-    def _build_sync_side(self, job_config, side: EngineSide, task: Task | None) -> None:  # noqa: ANN001
+    def _build_sync_side(self, job_config: JobConfig, side: EngineSide, task: Task | None) -> None:
         """The adapter source (gathering into the buffer the emitter lends), the resumed step, the syncer."""
         self.adapter = adapter_source(job_config, self.built, side)
         self.step = self.checkpointer.load_latest() if job_config.checkpoint.enable else 0

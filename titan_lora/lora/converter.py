@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import logging
 
-from titan_lora.config import LoRA, validate_lora
+from titan_lora.config import JobConfig, LoRA, validate_lora
 from titan_lora.lora.layer import lora_class, lora_scale
 from titan_lora.lora.targets import LeafNames, resolve_target_names
 from titan_lora.titan.lora_linear import LoRAConfigConverter
+from titan_lora.titan.parallel import ParallelDims
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +23,7 @@ class LoRAConverter:
     (`titan_lora.titan.lora_linear`), their adapters initialised by the build (kaiming-uniform A from a
     per-module seeded generator, zero B)."""
 
-    def __init__(self, job_config, parallel_dims, names: LeafNames) -> None:  # noqa: ANN001 (torchtitan's)
+    def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims, names: LeafNames) -> None:
         self.cfg: LoRA = job_config.lora
         self.names = names
         validate_lora(self.cfg)

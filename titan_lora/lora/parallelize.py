@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from titan_lora.config import JobConfig
 from titan_lora.lora.layer import adapter_params
 from titan_lora.lora.replicated import ReplicatedGradSum
 from titan_lora.titan.configs import TORCH_DTYPE_MAP
@@ -24,7 +25,7 @@ from titan_lora.titan.parallel import ParallelDims, checkpoint_and_compile, data
 
 logger = logging.getLogger(__name__)
 
-def lora_parallelize(model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:  # noqa: ANN001
+def lora_parallelize(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
     """TP (the configs' shardings, adapters placed to match: `titan.lora_linear.adapter_shardings`), then
     activation checkpointing, compile and FSDP: torchtitan's parallelize for a LoRA model."""
     if parallel_dims.tp_enabled:
@@ -50,7 +51,7 @@ def _reduce_to_param_placements(param: torch.Tensor) -> None:
         param.grad = grad.redistribute(placements=param.placements)
 
 
-def _ac_and_fsdp(model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:  # noqa: ANN001
+def _ac_and_fsdp(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
     # Pipeline and context parallelism have no keys in titan_lora's schema (`run_sections.DROPPED_KEYS`
     # refuses torchtitan's). The order is torchtitan's: AC, compile, FSDP.
     checkpoint_and_compile(model, job_config, parallel_dims)
@@ -59,7 +60,7 @@ def _ac_and_fsdp(model: nn.Module, parallel_dims: ParallelDims, job_config) -> n
     return model
 
 
-def shard_model(model: nn.Module, mesh: DeviceMesh, job_config) -> None:  # noqa: ANN001
+def shard_model(model: nn.Module, mesh: DeviceMesh, job_config: JobConfig) -> None:
     """FSDP2 over `mesh` as torchtitan's `apply_fsdp` applies it, with `[training]`'s mixed precision
     (gloo-safe reductions on CPU). With `[lora] replicate_adapters` the adapters stay out of FSDP, whole
     on every rank (`add_grad_hooks` then sums their gradients)."""
@@ -94,7 +95,7 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, job_config) -> None:  # noqa
                 module.set_force_sum_reduction_for_comms(True)
 
 
-def add_grad_hooks(model: nn.Module, parallel_dims: ParallelDims, job_config) -> None:  # noqa: ANN001
+def add_grad_hooks(model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> None:
     """The gradient reductions FSDP does not do, hooked on the materialised params (hooks go with the
     tensors `to_empty` replaces): TP's partial sums outside FSDP, and the replicated adapters' sum."""
     data_parallel = parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch.nn as nn
 
+from titan_lora.config import JobConfig
 from titan_lora.export.peft import PeftLayout, RopeRows
 from titan_lora.lora.converter import LoRAConverter
 from titan_lora.lora.parallelize import lora_parallelize
@@ -58,7 +59,7 @@ class ModelFamily:
         """The PEFT naming and RoPE rows of a model of `shape`."""
         return PeftLayout(hf_modules=self.hf_modules, rope=self.rope_rows(shape))
 
-    def parallelize(self, model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:  # noqa: ANN001
+    def parallelize(self, model: nn.Module, parallel_dims: ParallelDims, job_config: JobConfig) -> nn.Module:
         """TP (the configs' shardings, adapters placed alongside), activation checkpointing, compile and FSDP,
         LoRA-aware."""
         return lora_parallelize(model, parallel_dims, job_config)
@@ -105,7 +106,7 @@ def families_for_model_type(model_type: str) -> list[str]:
 class FamilyLoRAConverter(LoRAConverter):
     """The "lora" converter, resolving `[lora] target_modules` in the selected family's leaf names."""
 
-    def __init__(self, job_config, parallel_dims) -> None:  # noqa: ANN001 (torchtitan's protocol)
+    def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims) -> None:
         super().__init__(job_config, parallel_dims, model_family(job_config.model.name).leaf_names)
 
 

@@ -5,7 +5,7 @@ seq_len rows, or the engine refusing the request)."""
 
 from __future__ import annotations
 
-from titan_lora.config import attached_urls
+from titan_lora.config import JobConfig, attached_urls
 from titan_lora.rl.agent_task import is_agent_task
 from titan_lora.rl.task import Task, task_prompt, train_and_heldout
 
@@ -17,7 +17,7 @@ def longest_prompt(tokenizer, task: Task, train_size: int, eval_size: int, seed:
     return max(len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"])
 
 
-def check_prompt_lengths(job_config, task: Task | None, hf_dir: str) -> None:  # noqa: ANN001
+def check_prompt_lengths(job_config: JobConfig, task: Task | None, hf_dir: str) -> None:
     """Refuse a `[training] seq_len` or `[engine] max_model_len` shorter than the longest prompt plus
     `[grpo] max_new_tokens` (an agent task's episodes cut their sequences to seq_len themselves)."""
     grpo = job_config.grpo

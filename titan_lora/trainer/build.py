@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from titan_lora.config import JobConfig
 from titan_lora.export.peft import PeftLayout
 from titan_lora.lora.layer import freeze_base
 from titan_lora.lora.parallelize import add_grad_hooks
@@ -40,7 +41,7 @@ class BuiltModel:
     """The output head is the embedding (`ResolvedModel.tied`): the base stream leaves lm_head out."""
 
 
-def build_model(job_config, parallel_dims: ParallelDims, device: torch.device,  # noqa: ANN001
+def build_model(job_config: JobConfig, parallel_dims: ParallelDims, device: torch.device,
                 resolved: ResolvedModel | None = None) -> BuiltModel:
     """Meta-init, convert (LoRA), parallelize, materialise on `device`, init, load pretrained weights.
 

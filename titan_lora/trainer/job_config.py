@@ -12,6 +12,7 @@ import tempfile
 from typing import Any
 
 from titan_lora import config as ours
+from titan_lora.config import JobConfig
 from titan_lora.config_ranges import all_range_errors, range_error
 from titan_lora.lora.targets import resolve_targets
 from titan_lora.models.family import FamilyLoRAConverter  # noqa: F401 (registers the "lora" converter)
@@ -128,7 +129,7 @@ def is_flag(option: str) -> bool:
     return schema_is_flag(option, config_schema())
 
 
-def check_targets(job_config, model: ResolvedModel | None = None) -> list[str] | None:  # noqa: ANN001
+def check_targets(job_config: JobConfig, model: ResolvedModel | None = None) -> list[str] | None:
     """Resolve `[lora] target_modules` on a meta-device copy of the model (milliseconds, no memory).
 
     Returns the qualified names of the linears to adapt; None without the "lora" converter.
@@ -139,7 +140,7 @@ def check_targets(job_config, model: ResolvedModel | None = None) -> list[str] |
     return resolve_targets(model.meta_model(), job_config.lora.target_modules, model.family.leaf_names)
 
 
-def derive_keep_versions(job_config, named: bool) -> None:  # noqa: ANN001
+def derive_keep_versions(job_config: JobConfig, named: bool) -> None:
     """Raise `[weight_sync] keep_versions` to what `[grpo]` needs when the config left it out (`named`
     False); a value the user wrote is checked by `validate_grpo` instead."""
     ws, need = job_config.weight_sync, ours.versions_needed(job_config.grpo)

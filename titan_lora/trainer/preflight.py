@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from titan_lora.clients.kinds import EngineKind, engine_kind
-from titan_lora.config import Engine, attached_urls
+from titan_lora.config import Engine, JobConfig, attached_urls
 from titan_lora.lora.targets import hf_leaf_names
 from titan_lora.model_shape import DecoderShape
 from titan_lora.models.family import model_family
@@ -21,7 +21,7 @@ from titan_lora.transfer.placement import AUTO, transport_kind
 from titan_lora.transfer.transport import SHM_DIR
 
 
-def check_parallelism(job_config) -> None:  # noqa: ANN001
+def check_parallelism(job_config: JobConfig) -> None:
     """Refuse loss parallelism under TP (the objectives need whole-vocabulary logits)."""
     par = job_config.parallelism
     if par.tensor_parallel_degree > 1 and not par.disable_loss_parallel:
@@ -116,7 +116,7 @@ def check_transport(engine: Engine, kind: EngineKind) -> str | None:
     return transport
 
 
-def check_engine(job_config, targets: list[str] | None) -> None:  # noqa: ANN001
+def check_engine(job_config: JobConfig, targets: list[str] | None) -> None:
     """The `[engine]` checks that need its kind's capabilities, the host or other sections."""
     ws, engine = job_config.weight_sync, job_config.engine
     if not ws.enabled:
@@ -150,14 +150,14 @@ def check_engine(job_config, targets: list[str] | None) -> None:  # noqa: ANN001
             raise ValueError(f"[engine] kind = {engine.kind!r}: {err}") from None
 
 
-def check_rollback(job_config) -> None:  # noqa: ANN001
+def check_rollback(job_config: JobConfig) -> None:
     """Rolling back needs checkpoints to roll back to."""
     if job_config.training.on_nonfinite == "rollback" and not job_config.checkpoint.enable:
         raise ValueError('[training] on_nonfinite = "rollback" reloads the last checkpoint: set '
                          '[checkpoint] enable = true (or on_nonfinite = "stop")')
 
 
-def check_sft_data(job_config, dp_size: int) -> None:  # noqa: ANN001
+def check_sft_data(job_config: JobConfig, dp_size: int) -> None:
     """The SFT job reads `[data] path` after the model is built: a missing or malformed file, or a global batch
     the data or the data-parallel ranks cannot serve, is refused now."""
     if job_config.grpo.enabled:
@@ -182,7 +182,7 @@ def check_sft_data(job_config, dp_size: int) -> None:  # noqa: ANN001
                          f"{job_config.data.path!r}: lower it")
 
 
-def preflight(job_config, targets: list[str] | None, shape: DecoderShape) -> None:  # noqa: ANN001
+def preflight(job_config: JobConfig, targets: list[str] | None, shape: DecoderShape) -> None:
     """Every cross-section check; `targets` are the adapted linears (None: no LoRA), `shape` the model's."""
     check_parallelism(job_config)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
