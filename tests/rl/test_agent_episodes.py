@@ -1,11 +1,17 @@
 """Agent tasks without an engine: hand-built episode records into samples (mask, segments, seq_len), the
 GRPO loss over exactly their mask-1 tokens and its staleness weights (hand-derived numbers, the logit-table
-model of test_grpo_objective.py), and a step's episode groups against a scripted agent and engine routes."""
+model of test_grpo_objective.py), and a step's episode groups against a scripted agent and engine routes;
+on a local server that never answers (a wedged engine), the rollout client's `interrupt` ends episodes."""
 
 from __future__ import annotations
 
 import math
+import threading
+import time
 import types
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TypeVar
 
 import httpx
 import openai
@@ -15,10 +21,12 @@ import torch
 from test_grpo_objective import VOCAB, LogitTable
 
 from titan_lora.clients.http import HTTPStatusError
+from titan_lora.clients.openai_rollout import OpenAIRolloutClient
 from titan_lora.config import GRPO
 from titan_lora.rl.agent_objective import AgentObjective, check_agent_config
 from titan_lora.rl.agent_task import is_agent_task
 from titan_lora.rl.calculator_agent import CalculatorAgentTask, calculator_agent_task, multiplication_problems
+from titan_lora.rl import episode_rollouts
 from titan_lora.rl.episode_rollouts import run_episode_groups
 from titan_lora.rl.episode_samples import EpisodeCounts, episode_samples
 from titan_lora.rl.rollout import Sample
@@ -28,8 +36,9 @@ from titan_lora.sync.versions import Lease
 from titan_lora.titan.parallel import DataParallelInfo
 from titan_lora.transfer import protocol
 from titan_lora.transfer.episodes import EpisodeRecord, Segment
-from titan_lora.transfer.errors import EngineUnreachable, TransferError
+from titan_lora.transfer.errors import EngineHung, EngineUnreachable, TransferError
 
+T = TypeVar("T")
 STEP = 5  # the engine serves version STEP - 1 = 4; max_staleness 1 keeps versions >= 3
 UNIFORM = -math.log(VOCAB)  # the zero table's log-prob of every token: the policy that drew them
 TOKENIZER = types.SimpleNamespace(eos_token_id=0, pad_token_id=None)  # all AgentObjective reads of one
@@ -142,10 +151,18 @@ def test_a_segment_that_starts_sampled_is_refused() -> None:
 
 
 class Engine:
-    """The engine's episode routes over a dict, and a scripted agent that 'captures' into it."""
+    """A rollout client, its episode routes over a dict, and a scripted agent that 'captures' into it."""
+
+    client = None  # the `openai` client the agent gets (the scripted agent makes no request)
 
     def __init__(self) -> None:
         self.records: dict[str, EpisodeRecord] = {}
+
+    def episode_routes(self) -> Engine:
+        return self
+
+    def wait_for(self, fn: Callable[[], T]) -> T:
+        return fn()
 
     def post(self, path: str, body: dict) -> dict:
         eid = body["episode_id"]
@@ -174,7 +191,7 @@ class Engine:
 def test_a_step_runs_its_groups_fetches_and_deletes_every_record_and_scores_a_failing_agent_0() -> None:
     engine = Engine()
     problems = [Problem("a", 1), Problem("boom", 1), Problem("silent", 0), Problem("b", 0)]
-    samples, counts = run_episode_groups(engine, None, engine, Lease("policy-v4", 4), problems, 2, 64)
+    samples, counts = run_episode_groups(engine, engine, Lease("policy-v4", 4), problems, 2, 64)
     assert engine.records == {}, "every episode is deleted once fetched"
     # Rewards by episode: 1 1 | 0 0 (raised) | 0 0 (silent, nothing to train) | 0 0.
     assert [s.group for s in samples] == [0, 0, 1, 1, 3, 3]
@@ -187,11 +204,11 @@ def test_a_step_runs_its_groups_fetches_and_deletes_every_record_and_scores_a_fa
 def test_an_agent_that_loses_the_engine_or_gets_its_5xx_raises_for_the_loops_recovery_and_one_off_its_model_is_refused() -> None:
     engine = Engine()
     with pytest.raises(EngineUnreachable, match="^an agent's request to the engine: Connection error"):
-        run_episode_groups(engine, None, engine, Lease("policy-v4", 4), [Problem("lost", 1)], 1, 64)
+        run_episode_groups(engine, engine, Lease("policy-v4", 4), [Problem("lost", 1)], 1, 64)
     with pytest.raises(TransferError, match="^an agent's request to the engine failed with HTTP 500: .*EngineCore"):
-        run_episode_groups(engine, None, engine, Lease("policy-v4", 4), [Problem("core died", 1)], 1, 64)
+        run_episode_groups(engine, engine, Lease("policy-v4", 4), [Problem("core died", 1)], 1, 64)
     with pytest.raises(RuntimeError, match="ran on 'policy-v9', not on 'policy-v4'"):
-        run_episode_groups(engine, None, engine, Lease("policy-v4", 4), [Problem("wrong model", 1)], 1, 64)
+        run_episode_groups(engine, engine, Lease("policy-v4", 4), [Problem("wrong model", 1)], 1, 64)
     assert engine.records == {}
 
 
@@ -205,8 +222,7 @@ def test_settings_an_agent_task_does_not_run_under_are_refused(overrides: dict, 
 
 
 def test_the_async_loop_draws_one_problems_episodes_as_a_group_and_a_step_counts_the_groups_it_took() -> None:
-    engine = Engine()
-    client = types.SimpleNamespace(client=None, episode_routes=lambda: engine)
+    client = engine = Engine()
     obj = AgentObjective(GRPO(enabled=True, task="calculator_agent", train_size=10, eval_size=2, loop="async",
                               prompts_per_step=2, group_size=3), build_task(GRPO(task="calculator_agent")),
                          TOKENIZER, EngineRollouts(client, None, lambda fn, what: fn()),
@@ -247,3 +263,89 @@ def test_the_calculator_agent_task_multiplies_3_digit_numbers() -> None:
         assert 100 <= a <= 999 and 100 <= b <= 999 and p.answer == a * b
     with pytest.raises(ValueError, match="digits = 12 must be 1 to 9"):
         calculator_agent_task(GRPO(), digits=12)
+
+
+class Wedged(ThreadingHTTPServer):
+    """An engine whose API server takes every request and never answers (a wedged engine core)."""
+
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _Swallow)
+        self.paths: list[str] = []
+        self.unwedge = threading.Event()
+
+
+class _Swallow(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self) -> None:  # noqa: N802
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.server.paths.append(self.path)
+        self.server.unwedge.wait(30)  # then the connection closes unanswered
+
+    def log_message(self, *args) -> None:  # noqa: ANN002
+        pass
+
+
+@pytest.fixture
+def wedged() -> Iterator[Wedged]:
+    srv = Wedged()
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield srv
+    srv.unwedge.set()
+    srv.shutdown()
+    srv.server_close()
+
+
+class OneTurnAgent:
+    """An agent whose episode is one chat turn through the client it is given (`turns`), or none."""
+
+    def __init__(self, turns: bool) -> None:
+        self.turns = turns
+
+    def run_episode(self, client: object, model: str, headers: dict[str, str], problem: Problem) -> float:
+        if self.turns:
+            client.chat.completions.create(model=model, max_tokens=4, extra_headers=headers,
+                                           messages=[{"role": "user", "content": problem.question}])
+        return 1.0
+
+
+@pytest.mark.parametrize(("turns", "path"), [(True, "/v1/chat/completions"),
+                                             (False, protocol.path(protocol.EPISODE))],
+                         ids=["agent turn", "record fetch"])
+def test_an_episode_on_a_wedged_engine_ends_at_the_interrupt_not_at_the_rollout_timeout(
+        wedged: Wedged, turns: bool, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # What the watchdog's on_wedge does for an attached engine: the rollout client's interrupt. The agent's
+    # `openai` client and the episode routes wait on the same engine, so the interrupt must end them too.
+    # Two episodes run at once and a third is queued: it must not begin after the interrupt.
+    monkeypatch.setattr(episode_rollouts, "MAX_EPISODES_AT_ONCE", 2)
+    client = OpenAIRolloutClient(f"http://127.0.0.1:{wedged.server_address[1]}", timeout_s=30.0)
+    obj = AgentObjective(GRPO(enabled=True, task="calculator_agent", train_size=10, eval_size=2, loop="async",
+                              prompts_per_step=1, group_size=3), build_task(GRPO(task="calculator_agent")),
+                         TOKENIZER, EngineRollouts(client, None, lambda fn, what: fn()),
+                         DataParallelInfo(0, 1, None), torch.device("cpu"), None, seq_len=64)
+    obj.agent = OneTurnAgent(turns)
+    raised: list[BaseException] = []
+
+    def draw() -> None:
+        try:
+            obj._draw_group(0, Lease("policy-v4", 4))
+        except BaseException as err:  # noqa: BLE001 (checked below)
+            raised.append(err)
+
+    group = threading.Thread(target=draw)
+    group.start()
+    deadline = time.monotonic() + 20
+    while len(wedged.paths) < 2 and time.monotonic() < deadline:  # both episodes wait on the engine
+        time.sleep(0.01)
+    time.sleep(0.1)
+    assert wedged.paths == [path, path]
+    started = time.monotonic()
+    client.interrupt("the engine core did not answer LIVE")
+    group.join(6)
+    assert not group.is_alive() and time.monotonic() - started < 2.0, "ended at the interrupt, not at 30 s"
+    assert len(raised) == 1 and isinstance(raised[0], EngineHung)
+    assert "abandoned: the engine core did not answer LIVE" in str(raised[0])
+    time.sleep(0.5)  # what the ended episodes, or the one queued, would send next
+    assert wedged.paths == [path, path], "no delete sent to the wedged engine, no episode begun after"

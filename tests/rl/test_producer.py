@@ -1,9 +1,12 @@
 """RolloutProducer's bookkeeping on real AdapterVersions with a scripted draw: admission bound, slots freed
-only by a published version, data order, the straggler rule, faults, and the data position."""
+only by a published version, data order, the straggler rule, faults, and the data position: saved and
+restored, every group is trained exactly once across a resume."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -53,13 +56,13 @@ class ScriptedDraw:
 
 
 @contextlib.contextmanager
-def _producer(state: ProducerState | None = None,
-              version: int = 0) -> Iterator[tuple[RolloutProducer, ScriptedDraw, AdapterVersions]]:
+def _producer(state: ProducerState | None = None, version: int = 0, per_step: int = B,
+              max_staleness: int = S) -> Iterator[tuple[RolloutProducer, ScriptedDraw, AdapterVersions]]:
     """A started producer over a scripted draw, `version` published; closed at the end."""
-    versions = AdapterVersions("policy", keep_versions=S + 2)
+    versions = AdapterVersions("policy", keep_versions=max_staleness + 2)
     versions.publish(version)  # the resumed step's adapter, as the syncer's first sync publishes it
     draw = ScriptedDraw()
-    producer = RolloutProducer(draw, versions, B, S, BusyClock(), state)
+    producer = RolloutProducer(draw, versions, per_step, max_staleness, BusyClock(), state)
     producer.start()
     try:
         yield producer, draw, versions
@@ -150,6 +153,77 @@ def test_a_resumed_producer_skips_groups_trained_ahead_and_draws_the_untrained_o
         draw.release(4, 6)
         assert [s.group for s in producer.take(3)] == [4, 6]
         assert producer.state() == ProducerState(7, [], B)
+
+
+def _train(producer: RolloutProducer, versions: AdapterVersions, steps: range,
+           held_back: tuple[int, ...] = ()) -> list[int]:
+    """Take `steps` in turn, publishing each step's version (unless a parity gate holds it back); the groups
+    trained, in the order trained."""
+    trained = []
+    for step in steps:
+        producer.take(step)
+        trained += producer.last_taken
+        if step not in held_back:
+            versions.publish(step)
+            producer.poke()
+    return trained
+
+
+def _covered(position: ProducerState) -> set[int]:
+    """The groups a data position says are trained."""
+    return set(range(position.next_group)) | set(position.trained_ahead)
+
+
+def _check_once(before: ProducerState, trained: list[int], after: ProducerState, drawn: set[int]) -> None:
+    """Across a resume at `before`: no group trained twice, the position `after` is exactly what was trained,
+    and no group below the last trained one passed over without being drawn."""
+    assert len(trained) == len(set(trained)), f"a group trained twice: {trained}"
+    assert not set(trained) & _covered(before), f"a group trained before the checkpoint again: {trained}"
+    assert _covered(after) == _covered(before) | set(trained), "the position is what was trained"
+    assert set(range(max(trained))) <= _covered(after) | drawn, "a group was skipped"
+
+
+@pytest.mark.parametrize(("per_step", "max_staleness", "state", "held_back"), [
+    (1, 0, ProducerState(10, [11], 1), ()),  # the watermark passes the next new group at step 11
+    (1, 1, ProducerState(10, [11], 1), (11,)),  # the parity gate holds back version 11
+    (1, 1, ProducerState(10, [12], 1), (12,)),
+    (1, 2, ProducerState(10, [11, 13], 1), (12,)),
+    (2, 0, ProducerState(10, [11, 12, 13], 2), ()),
+    (2, 1, ProducerState(10, [12, 14, 15], 2), (7,)),
+    (3, 1, ProducerState(9, [10, 11, 14], 3), (5, 7)),
+], ids=str)
+def test_a_resumed_producer_trains_every_group_once_whatever_was_trained_ahead(
+        per_step: int, max_staleness: int, state: ProducerState, held_back: tuple[int, ...]) -> None:
+    resumed_at = state.next_group // per_step  # the checkpoint's step
+    with _producer(state, resumed_at, per_step, max_staleness) as (producer, draw, versions):
+        with draw.cond:
+            draw.free_running = True
+            draw.cond.notify_all()
+        trained = _train(producer, versions, range(resumed_at + 1, resumed_at + 7), held_back)
+        _check_once(state, trained, producer.state(), set(draw.started))
+
+
+@pytest.mark.parametrize(("per_step", "max_staleness", "resumed_staleness"),
+                         [(1, 1, 1), (2, 1, 1), (2, 2, 2), (3, 1, 1), (2, 2, 0), (2, 1, 3), (1, 2, 0)])
+def test_every_group_is_trained_exactly_once_across_a_checkpoint_and_resume(
+        per_step: int, max_staleness: int, resumed_staleness: int) -> None:
+    # Group 0 straggles until after the checkpoint, so the position it keeps has groups trained ahead of
+    # it; the resumed run may have another max_staleness (the data position does not depend on it).
+    with _producer(per_step=per_step, max_staleness=max_staleness) as (producer, draw, versions):
+        with draw.cond:
+            draw.free_running, draw.held = True, {0}
+            draw.cond.notify_all()
+        before = _train(producer, versions, range(1, 3))
+        saved = producer.state()
+    assert saved == ProducerState(0, sorted(before), per_step), "the checkpoint holds groups trained ahead"
+    restored = ProducerState(**json.loads(json.dumps(dataclasses.asdict(saved))))  # as a checkpoint keeps it
+    with _producer(restored, 2, per_step, resumed_staleness) as (producer, draw, versions):
+        with draw.cond:
+            draw.free_running = True
+            draw.cond.notify_all()
+        after = _train(producer, versions, range(3, 9))
+        _check_once(restored, after, producer.state(), set(draw.started))
+    assert 0 in after, "the straggler is trained after the resume"
 
 
 def test_the_busy_clock_counts_time_with_any_request_in_flight_once() -> None:

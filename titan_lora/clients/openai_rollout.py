@@ -12,7 +12,8 @@ score: vLLM's `prompt_logprobs` with `max_tokens=1`, one sequence per request, t
 
 Every request ends within `timeout_s`; a request the client gave up on is aborted by vLLM when the
 connection drops. Requests run on the client's threads while the caller waits, so that `interrupt` (the
-engine was found wedged) ends the wait at once instead of after `timeout_s`.
+engine was found wedged) ends the wait at once instead of after `timeout_s`; so do an agent's episodes
+(`wait_for`, over `client`) and the requests of `episode_routes`.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import Any
+from typing import Any, TypeVar
 
 from titan_lora.clients.base import Endpoint
 from titan_lora.clients.http import ApiKey, JsonClient
@@ -32,6 +34,7 @@ from titan_lora.transfer.errors import EngineHung, EngineUnreachable, TransferEr
 MAX_CONCURRENT = 64
 """Requests in flight at once: the async loop keeps (max_staleness + 1) x prompts_per_step groups out, with
 the held-out eval and the parity probe beside them."""
+T = TypeVar("T")
 KEEPALIVE_EXPIRY_S = 2.0
 """How long an idle connection to the engine is kept for reuse: under every server's keep-alive (vLLM: 5 s)."""
 
@@ -75,6 +78,7 @@ class OpenAIRolloutClient:
         self._lock = threading.Lock()
         self._fresh()
         self._base: str | None = None
+        self._routes = JsonClient(self._url.removesuffix("/v1"), self._key, self.timeout_s)
 
     def _fresh(self) -> None:
         # No retries: a retried sample would be a second, different sample under the same seed slot. So an
@@ -95,8 +99,9 @@ class OpenAIRolloutClient:
         return self._client
 
     def episode_routes(self) -> JsonClient:
-        """A client of the engine's `/titan` routes (episode records), with this client's key and timeout."""
-        return JsonClient(self._url.removesuffix("/v1"), self._key, self.timeout_s)
+        """The client of the engine's `/titan` routes (episode records), with this client's key and timeout;
+        `interrupt` ends its requests too."""
+        return self._routes
 
     def interrupt(self, reason: str) -> None:
         """Fail every call waiting now with EngineHung (`reason`: the engine was found wedged). Their
@@ -108,6 +113,23 @@ class OpenAIRolloutClient:
         for waiting in waits:
             waiting.set_exception(EngineHung(f"{self.client.base_url}: abandoned: {reason}"))
         pool.shutdown(wait=False, cancel_futures=True)
+        self._routes.interrupt(reason)
+
+    def wait_for(self, fn: Callable[[], T]) -> T:
+        """`fn()` (an agent's episode, its turns over `client`), run on a thread of its own while the caller
+        waits, so that `interrupt` ends the wait at once; the abandoned thread ends with its request."""
+        done: Future = Future()
+
+        def run() -> None:
+            try:
+                done.set_result(fn())
+            except BaseException as err:  # noqa: BLE001 (the caller's to see)
+                done.set_exception(err)
+
+        # A daemon thread, not the pool: an episode holds it for many turns, and one hung on a wedged engine
+        # must not hold the process at exit.
+        threading.Thread(target=run, name="titan-episode-turns", daemon=True).start()
+        return self._await([done])[0]
 
     def _await(self, futures: list[Future]) -> list[Any]:
         """The results of `futures` in order; the first error raised at once, as is `interrupt`'s."""

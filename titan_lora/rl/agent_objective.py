@@ -9,14 +9,11 @@ episode ends, and a group finished under too old a version is dropped and drawn 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from titan_lora.clients.http import JsonClient
 from titan_lora.config import GRPO
 from titan_lora.rl.agent_task import AgentTask
-from titan_lora.rl.episode_rollouts import heldout_metrics, run_all, run_episode_groups
+from titan_lora.rl.episode_rollouts import EpisodeEngine, heldout_metrics, run_all, run_episode_groups
 from titan_lora.rl.episode_samples import EpisodeCounts, sum_counts
 from titan_lora.rl.objective import GRPOObjective
 from titan_lora.rl.producer import ProducerState
@@ -53,18 +50,17 @@ class AgentObjective(GRPOObjective):
     def _bind_task(self, task: AgentTask) -> None:
         self.agent = task  # its episodes write their own prompts and return their reward
 
-    def _clients(self) -> tuple[Any, JsonClient]:
-        """Rank 0: the `openai` client the agent gets and the client of the engine's episode routes."""
-        routes = getattr(self.engine.client, "episode_routes", None)
-        if routes is None:
+    def _clients(self) -> EpisodeEngine:
+        """Rank 0: the rollout client episodes run through (its `openai` client, episode routes and waits)."""
+        if getattr(self.engine.client, "episode_routes", None) is None:
             raise ValueError("an agent task needs an engine that captures episodes: [engine] kind = \"vllm\" "
                              f"with one replica (this rollout client is a {type(self.engine.client).__name__})")
-        return self.engine.client.client, routes()
+        return self.engine.client
 
     def _draw_step(self, problems: list, step: int) -> list[Sample]:
-        api, routes = self._clients()
+        engine = self._clients()
         with self.engine.versions.lease() as lease:
-            samples, self.counts = run_episode_groups(self.agent, api, routes, lease, problems,
+            samples, self.counts = run_episode_groups(self.agent, engine, lease, problems,
                                                       self.cfg.group_size, self.seq_len)
         return samples
 
@@ -72,8 +68,8 @@ class AgentObjective(GRPOObjective):
         """Rank 0, a producer thread: the episodes of group `index` (prompt index % B of step index // B + 1)
         under `lease`, which the producer holds until they all end."""
         step, k = divmod(index, self.cfg.prompts_per_step)
-        api, routes = self._clients()
-        samples, counts = run_episode_groups(self.agent, api, routes, lease, [self._problems_at(step + 1)[k]],
+        problem = self._problems_at(step + 1)[k]
+        samples, counts = run_episode_groups(self.agent, self._clients(), lease, [problem],
                                              self.cfg.group_size, self.seq_len)
         for s in samples:
             s.group = index
@@ -92,9 +88,9 @@ class AgentObjective(GRPOObjective):
     def _heldout_eval(self) -> dict[str, float]:
         """Rank 0: the held-out episodes' mean reward (`eval/accuracy`) and the stats they report, under the
         active version (the agent's own sampling)."""
-        api, routes = self._clients()
+        engine = self._clients()
         with self.engine.versions.lease() as lease:
-            return heldout_metrics(run_all(self.agent, api, routes, lease, self.heldout))
+            return heldout_metrics(run_all(self.agent, engine, lease, self.heldout))
 
     def progress_fields(self, metrics: dict[str, float]) -> dict[str, str]:
         """GRPOObjective's, and the held-out episodes' stats when measured (`tool_call_rate=0.950`)."""

@@ -4,7 +4,9 @@ each episode's record fetched from the engine and deleted, scored and turned int
 An agent that raises scores 0 (like a failing reward, `Sample.reward_error`) and the turns captured before
 the error are trained; an agent that loses the engine (the `openai` client's connection or timeout errors, or
 an HTTP 5xx: `clients.openai_rollout.engine_failure`) raises instead, so the loop's engine recovery runs and
-the step is drawn again.
+the step is drawn again. An episode's turns run while its caller waits in the rollout client's `wait_for`, and
+its record is fetched over the client's `episode_routes`, so a wedged engine's `interrupt` ends both at once
+(EngineHung) instead of at `rollout_timeout_s`.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import CancelledError, ThreadPoolExecutor
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -28,10 +31,29 @@ from titan_lora.rl.rollout import Sample
 from titan_lora.rl.task import Problem
 from titan_lora.sync.versions import Lease
 from titan_lora.transfer.episodes import EpisodeRecord, UnknownEpisode
+from titan_lora.transfer.errors import EngineHung
 
 logger = logging.getLogger(__name__)
 MAX_EPISODES_AT_ONCE = 32
 """Episodes in flight at once: each holds one request at a time, and the engine batches them."""
+T = TypeVar("T")
+
+
+class EpisodeEngine(Protocol):
+    """What episodes need of the engine's rollout client (`OpenAIRolloutClient`)."""
+
+    @property
+    def client(self) -> Any:
+        """The `openai.OpenAI` client an agent's turns go through."""
+        ...
+
+    def episode_routes(self) -> JsonClient:
+        """The client of the engine's episode-record routes."""
+        ...
+
+    def wait_for(self, fn: Callable[[], T]) -> T:
+        """`fn()` run while the caller waits; the client's `interrupt` ends the wait with EngineHung."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,30 +87,47 @@ def _reward(agent: AgentTask, api: Any, lease: Lease, episode: str,
         return 0.0, True, {}
 
 
-def run_one(agent: AgentTask, api: Any, routes: JsonClient, lease: Lease, problem: Problem) -> Outcome:
+def run_one(agent: AgentTask, engine: EpisodeEngine, lease: Lease, problem: Problem) -> Outcome:
     """Run one episode under `lease`, then fetch and delete its record."""
     episode = new_episode_id()
+    api, routes = engine.client, engine.episode_routes()
+    hung = False
     try:
-        reward, error, stats = _reward(agent, api, lease, episode, problem)
+        reward, error, stats = engine.wait_for(lambda: _reward(agent, api, lease, episode, problem))
         try:
             record = fetch_episode(routes, episode)
         except UnknownEpisode as err:  # no turn carried the headers, or the engine's bounds freed it
             logger.warning("episode %s has no record on the engine (%s); nothing of it is trained", episode, err)
             record = EpisodeRecord(episode, None, None, (), ())
+    except EngineHung:
+        hung = True  # a delete would wait out the timeout too; the engine's bounds free the record
+        raise
     finally:
-        delete_episode(routes, episode)
+        if not hung:
+            delete_episode(routes, episode)
     if record.segments and record.version != lease.version:
         raise RuntimeError(f"episode {episode} ran on {record.model!r}, not on {lease.name!r}: an agent's turns "
                            "must ask for the model run_episode is given")
     return Outcome(record, reward, error, stats)
 
 
-def run_all(agent: AgentTask, api: Any, routes: JsonClient, lease: Lease,
+def run_all(agent: AgentTask, engine: EpisodeEngine, lease: Lease,
             problems: Sequence[Problem]) -> list[Outcome]:
     """One episode per problem under `lease`, concurrently, in the order of `problems`."""
+    failed = threading.Event()
+
+    def one(problem: Problem) -> Outcome:
+        if failed.is_set():  # an episode queued behind a failed one would only meet the same engine
+            raise CancelledError("an earlier episode of this call failed")
+        try:
+            return run_one(agent, engine, lease, problem)
+        except BaseException:
+            failed.set()
+            raise
+
     with ThreadPoolExecutor(max_workers=max(1, min(len(problems), MAX_EPISODES_AT_ONCE)),
                             thread_name_prefix="titan-episode") as pool:
-        return list(pool.map(lambda p: run_one(agent, api, routes, lease, p), problems))
+        return list(pool.map(one, problems))  # raises the first failure: those queued after it are later
 
 
 def heldout_metrics(outcomes: Sequence[Outcome]) -> dict[str, float]:
@@ -101,11 +140,11 @@ def heldout_metrics(outcomes: Sequence[Outcome]) -> dict[str, float]:
     return {"eval/accuracy": sum(o.reward for o in outcomes) / max(len(outcomes), 1), **stats}
 
 
-def run_episode_groups(agent: AgentTask, api: Any, routes: JsonClient, lease: Lease, problems: Sequence[Problem],
+def run_episode_groups(agent: AgentTask, engine: EpisodeEngine, lease: Lease, problems: Sequence[Problem],
                        group_size: int, seq_len: int) -> tuple[list[Sample], EpisodeCounts]:
     """`group_size` episodes per problem under `lease`, concurrently; the samples (`Sample.group`: the
     problem's index in `problems`) and what building them counted."""
-    outcomes = run_all(agent, api, routes, lease, [p for p in problems for _ in range(group_size)])
+    outcomes = run_all(agent, engine, lease, [p for p in problems for _ in range(group_size)])
     rewards = [o.reward for o in outcomes]
     advantages = group_advantages(torch.tensor(rewards), group_size).tolist()
     counts = EpisodeCounts(agent_errors=sum(o.error for o in outcomes), reward_sum=sum(rewards))

@@ -165,6 +165,9 @@ class RolloutProducer:
     def _next_index(self) -> int:
         if self._redraw:
             return self._redraw.pop(0)
+        # A resume's trained-ahead groups join the watermark once the groups below them are trained, and
+        # leave `_trained` then: the watermark may pass `_next`, and every group below it is trained.
+        self._next = max(self._next, self._watermark)
         while self._next in self._trained:
             self._next += 1
         self._next += 1
