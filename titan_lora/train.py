@@ -30,7 +30,7 @@ from titan_lora.titan.optim import build_lr_schedulers, build_optimizers, clip_g
 from titan_lora.titan.parallel import build_parallel_dims
 from titan_lora.trainer.build import build_model
 from titan_lora.trainer.checkpoint import AdapterCheckpointer
-from titan_lora.trainer.distributed import device_for_rank, init_distributed, leave_distributed
+from titan_lora.trainer.distributed import device_for_rank, end_with_launcher, init_distributed, leave_distributed
 from titan_lora.trainer.job_config import load_job
 from titan_lora.trainer.metrics import MetricsLogger, peak_memory_mib
 
@@ -207,6 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     # SIGTERM (torchrun's, a scheduler's, `kill`) unwinds like Ctrl-C: the engine is stopped and the
     # shared-memory buffers are unlinked, which a default SIGTERM death leaves behind in /dev/shm.
     signal.signal(signal.SIGTERM, _exit_on_signal)
+    end_with_launcher()  # a rank must not outlive its torchrun agent (and keep the engine it started)
     rank0 = os.environ.get("RANK", "0") == "0"  # the other ranks would repeat every line; they keep warnings
     logging.basicConfig(
         level=logging.INFO if rank0 else logging.WARNING, format="[titan_lora %(asctime)s] %(message)s",

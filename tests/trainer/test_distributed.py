@@ -1,12 +1,18 @@
-"""Process-group start-up: one process without a launcher needs no free TCP port."""
+"""Process-group start-up: one process without a launcher needs no free TCP port; a rank under torchrun ends
+with its agent."""
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import psutil
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 START = """
@@ -41,3 +47,49 @@ def _start_two(env: dict[str, str]) -> None:
     for run, (out, err) in zip(runs, outs):
         assert run.returncode == 0, err[-2000:]
         assert out.strip() == "0 1 [1.0, 1.0]"
+
+
+RANK = """
+import os, sys, time
+from titan_lora.trainer.distributed import end_with_launcher
+armed = end_with_launcher() if sys.argv[1] == "armed" else False
+with open(sys.argv[2], "w") as f:
+    f.write(f"{os.getpid()} {armed}")
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("arm", ["armed", "plain"])
+def test_a_rank_ends_within_seconds_when_its_torchrun_agent_is_killed(tmp_path, arm: str) -> None:  # noqa: ANN001
+    """The job's process group SIGKILLed (torchrun's launcher and agent): its ranks, each in a session of its
+    own, end with the agent once armed (`end_with_launcher`, which `titan_lora.train` calls first); unarmed,
+    they run on, orphaned (which is what the job did before)."""
+    script, pid_file = tmp_path / "rank.py", tmp_path / "rank.pid"
+    script.write_text(RANK)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--standalone"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    agent = subprocess.Popen([*torchrun, str(script), arm, str(pid_file)], env=env, start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rank = None
+    try:
+        deadline = time.monotonic() + 120
+        while not (pid_file.exists() and pid_file.read_text()):
+            assert time.monotonic() < deadline and agent.poll() is None, "the rank did not start"
+            time.sleep(0.2)
+        pid, armed = pid_file.read_text().split()
+        rank = psutil.Process(int(pid))
+        assert os.getpgid(rank.pid) != os.getpgid(agent.pid), "torchrun no longer starts ranks in their own session"
+        assert armed == str(arm == "armed")
+        os.killpg(agent.pid, signal.SIGKILL)
+        agent.wait()
+        try:
+            rank.wait(timeout=5)
+            gone = True
+        except psutil.TimeoutExpired:
+            gone = False
+        assert gone == (arm == "armed"), f"{arm} rank {'ended' if gone else 'outlived its agent by 5 s'}"
+    finally:
+        if rank is not None and rank.is_running():
+            rank.kill()
+        if agent.poll() is None:
+            agent.kill()

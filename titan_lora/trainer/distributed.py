@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import gc
 import os
+import signal
+import sys
 
 import torch
 import torch.distributed as dist
@@ -17,6 +20,22 @@ def device_for_rank() -> torch.device:
         torch.cuda.set_device(device)
         return device
     return torch.device("cpu")
+
+
+def end_with_launcher() -> bool:
+    """Under torchrun on Linux: this rank is SIGKILLed when torchrun's agent, its parent, dies; True when armed.
+
+    torchrun starts every rank in a session of its own, so a kill of the job's process group (an OOM kill, a
+    lost node, `kill -9 -- -PGID`) reaches the agent alone: the ranks trained on, orphaned, holding the engine
+    rank 0 started (which ends with rank 0). SIGKILL, not SIGTERM: a rank blocked in a collective runs no
+    Python signal handler until the collective times out.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return False
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the agent died before the call above took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+    return True
 
 
 def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
