@@ -1,5 +1,12 @@
 """Run a function on N ranks with torch.multiprocessing, as torchrun would: gloo on CPU (the suite's
-default) or NCCL with one GPU per rank (`pytest -m gpu`)."""
+default) or NCCL with one GPU per rank (`pytest -m gpu`).
+
+Gloo ranks are forked from a forkserver that imported torch, torchtitan and transformers once
+(`PRELOAD`), not spawned: a spawned rank imported them again, 10-40 s per call on 2 shared cores, in every
+call of the suite's multi-rank tests. Each rank still starts from the caller's environment, working
+directory, `sys.path`, stdout and stderr as they are at the call (`_worker` applies them), as a spawned
+one did.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +23,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from wait_helpers import waited
+
+PRELOAD = ["torch", "torch.distributed", "titan_lora.trainer.build", "transformers"]
+"""What the forkserver imports once for every rank: torch, torchtitan behind the trainer's build, and HF
+transformers, each 10-15 s to import on 2 shared cores. None starts a thread or reads the environment at
+import, so forking from them is safe and a rank sees its caller's environment."""
 
 
 def free_port() -> int:
@@ -39,7 +51,31 @@ def rank_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: tuple, errors: Any) -> None:
+class _CallerStdio:
+    """The caller's stdout and stderr at the call (pytest's capture of the running test), sent to a rank with
+    its process: a forked rank would otherwise write where the forkserver's first caller did."""
+
+    def __reduce__(self) -> tuple[Callable, tuple]:
+        from multiprocessing.reduction import DupFd  # only while the process is being sent
+
+        return _write_to, (DupFd(1), DupFd(2))
+
+
+def _write_to(out: Any, err: Any) -> None:
+    """In the rank, as its process arrives: write to the caller's stdout and stderr."""
+    for target, wrapped in ((1, out), (2, err)):
+        fd = wrapped.detach()
+        os.dup2(fd, target)
+        os.close(fd)
+
+
+def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: tuple, errors: Any,
+            caller: tuple[dict[str, str], str, list[str], None]) -> None:
+    env, cwd, path, _ = caller  # the forkserver's own are those of its first caller
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.path[:] = path
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -84,10 +120,15 @@ def run_ranks(world: int, fn: Callable, *args: Any, backend: str = "gloo") -> No
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     if backend == "nccl" and torch.cuda.device_count() < world:
         raise RuntimeError(f"{world} NCCL ranks need {world} GPUs, this host has {torch.cuda.device_count()}")
-    ctx = mp.get_context("spawn")
+    # NCCL ranks (GPU hosts) are spawned: a forkserver whose imports touched CUDA could not fork them.
+    ctx = mp.get_context("forkserver" if backend == "gloo" else "spawn")
+    if backend == "gloo":
+        ctx.set_forkserver_preload(PRELOAD)  # read when the server starts, at the first call
     errors = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, backend, fn, args, errors)) for r in range(world)]
+    caller = (dict(os.environ), os.getcwd(), list(sys.path), _CallerStdio())
+    procs = [ctx.Process(target=_worker, args=(r, world, port, backend, fn, args, errors, caller))
+             for r in range(world)]
     for p in procs:
         p.start()
     finished = _wait(procs, errors, timeout_s=900)

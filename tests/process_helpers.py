@@ -14,3 +14,16 @@ def engine_core_pid(api_server_pid: int) -> int:
         except psutil.NoSuchProcess:
             continue
     raise AssertionError(f"no live VLLM::EngineCore process under pid {api_server_pid}")
+
+
+def engine_pid(job_pid: int) -> int | None:
+    """The live vLLM API server process (the engine) under a job's process tree, if any."""
+    import psutil
+
+    for proc in psutil.Process(job_pid).children(recursive=True):
+        try:
+            if "titan_lora.engines.vllm_openai" in " ".join(proc.cmdline()) and proc.status() != "zombie":
+                return proc.pid
+        except psutil.NoSuchProcess:
+            continue
+    return None

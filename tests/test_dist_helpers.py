@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import pytest
 from dist_helpers import run_ranks
@@ -19,3 +21,26 @@ def test_a_failed_rank_fails_the_test_and_its_waiting_peer_is_stopped() -> None:
     with pytest.raises(AssertionError, match="(?s)rank 0:.*ValueError: rank 0's assertion"):
         run_ranks(2, _rank0_fails_while_rank1_waits)
     assert time.monotonic() - started < 60, "reported after the grace period, not the 900 s timeout"
+
+
+def _quiet(rank: int, world: int) -> None:
+    pass
+
+
+def _report(rank: int, world: int, name: str) -> None:
+    print(f"rank {rank} stdout", flush=True)
+    os.write(2, f"rank {rank} stderr {os.environ.get(name)} {os.getcwd()}\n".encode())
+
+
+def test_a_rank_starts_from_the_callers_environment_directory_and_output_at_the_call(
+        capfd: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # Ranks fork from a server that the first call starts: here, outside this test's capture and before
+    # the variable and the directory change, as an earlier test would have.
+    with capfd.disabled():
+        run_ranks(2, _quiet)
+    monkeypatch.setenv("TITAN_LORA_TEST_RANK_ENV", "set-after-the-server")
+    monkeypatch.chdir(tmp_path)
+    run_ranks(2, _report, "TITAN_LORA_TEST_RANK_ENV")
+    out, err = capfd.readouterr()
+    assert sorted(out.splitlines()) == ["rank 0 stdout", "rank 1 stdout"]
+    assert sorted(err.splitlines()) == [f"rank {r} stderr set-after-the-server {tmp_path}" for r in (0, 1)]

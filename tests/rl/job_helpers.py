@@ -35,6 +35,18 @@ def short_config(tmp: Path, steps: int) -> Path:
                           eval_size=6, eval_every=2, parity_every=1, steps=steps, enable="false")
 
 
+def watched_engine(config: Path, port: int, api_key: str, health_timeout_s: float) -> Path:
+    """`config` with its engine on `port` behind `api_key` (so that a test can see its requests in flight),
+    rollout requests allowed 600 s and the liveness watch bounded by `health_timeout_s`: only the watch can
+    find a wedged engine core in time."""
+    text = config.read_text()
+    text = re.sub(r"^port = .*$", f'port = {port}\napi_key = "{api_key}"', text, count=1, flags=re.M)
+    timeouts = f"rollout_timeout_s = 600\nhealth_timeout_s = {health_timeout_s}\n"
+    text = re.sub(r"^\[weight_sync\]\n", "[weight_sync]\n" + timeouts, text, flags=re.M)
+    config.write_text(text)
+    return config
+
+
 def launch(config: Path, log: Path, entry: tuple[str, ...] = ("-m", "titan_lora.train"),
            env: dict[str, str] | None = None) -> subprocess.Popen:
     """torchrun the job (`entry`: the module, or a script wrapping it) in its own process group (so a kill

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 from dist_helpers import free_port
-from job_helpers import in_flight, kill_tree, launch, scalars, shipped_config, wait_for
-from process_helpers import engine_core_pid
-from test_grpo_chaos import engine_pid
+from job_helpers import in_flight, kill_tree, launch, scalars, shipped_config, wait_for, watched_engine
+from process_helpers import engine_core_pid, engine_pid
 from test_grpo_replicas import server_ports
 
 API_KEY = "async-test-key"
@@ -30,12 +29,7 @@ def async_config(tmp: Path, port: int) -> Path:
     path = shipped_config(tmp, "async.toml", prompts_per_step=PER_STEP, group_size=4, max_new_tokens=4,
                           eval_every=0, parity_every=1, steps=STEPS, interval=2, loop='"async"',
                           max_staleness=MAX_STALENESS)
-    text = path.read_text()
-    text = re.sub(r"^port = .*$", f'port = {port}\napi_key = "{API_KEY}"', text, count=1, flags=re.M)
-    text = re.sub(r"^\[weight_sync\]\n", "[weight_sync]\nrollout_timeout_s = 600\nhealth_timeout_s = 5\n", text,
-                  flags=re.M)
-    path.write_text(text)
-    return path
+    return watched_engine(path, port, API_KEY, health_timeout_s=5)
 
 
 def trained_groups(record: Path) -> dict[int, dict]:
