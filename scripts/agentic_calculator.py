@@ -22,14 +22,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from titan_lora.clients.kinds import LaunchRequest, engine_kind  # noqa: E402
-from titan_lora.clients.launch import EmbeddedEngine, free_port  # noqa: E402
-from titan_lora.clients.openai_rollout import OpenAIRolloutClient  # noqa: E402
-from titan_lora.config import Engine  # noqa: E402
-from titan_lora.models.smollm2 import pretrained_dir  # noqa: E402
-from titan_lora.rl.agentic import run_episode  # noqa: E402
-from titan_lora.rl.tasks import ArithTask  # noqa: E402
-from titan_lora.transfer.protocol import API_KEY_ENV  # noqa: E402
+from titan_lora.clients.kinds import LaunchRequest, engine_kind
+from titan_lora.clients.launch import EmbeddedEngine, free_port
+from titan_lora.clients.openai_rollout import OpenAIRolloutClient
+from titan_lora.config import Engine
+from titan_lora.models.smollm2 import pretrained_dir
+from titan_lora.rl.agentic import run_episode
+from titan_lora.rl.tasks import ArithTask
+from titan_lora.transfer.protocol import API_KEY_ENV
 
 
 def main() -> None:

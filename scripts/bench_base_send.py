@@ -32,10 +32,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_timing import p, timed  # noqa: E402
+from bench_timing import p, timed
 
-from titan_lora.transfer.buckets import bucket_checksum  # noqa: E402
-from titan_lora.transfer.cuda_graphs import capture_count  # noqa: E402
+from titan_lora.transfer.buckets import bucket_checksum
+from titan_lora.transfer.cuda_graphs import capture_count
 
 GiB = 1 << 30
 

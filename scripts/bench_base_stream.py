@@ -41,12 +41,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_load import SHAPES, job_toml, model_on_rank, reset_peak_rss, status_bytes, write_checkpoint  # noqa: E402
-from plot_run import read_scalars  # noqa: E402
+from bench_load import SHAPES, job_toml, model_on_rank, reset_peak_rss, status_bytes, write_checkpoint
+from plot_run import read_scalars
 
-from titan_lora.models.load import load_base_weights  # noqa: E402
-from titan_lora.models.smollm2 import pretrained_dir  # noqa: E402
-from titan_lora.trainer.distributed import leave_distributed  # noqa: E402
+from titan_lora.models.load import load_base_weights
+from titan_lora.models.smollm2 import pretrained_dir
+from titan_lora.trainer.distributed import leave_distributed
 
 GiB = 1 << 30
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
@@ -196,7 +196,7 @@ def run_baseline(args: argparse.Namespace, hf_dir: Path, out: Path) -> dict:
 
 def report(args: argparse.Namespace, layers: int, nbytes: int, job: dict, old: dict) -> None:
     """The figures beside the floor and the baseline, as ratios."""
-    import statistics  # noqa: PLC0415
+    import statistics
 
     med = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
     ranks = [b for r, b in job["peaks"] if r == "rank"]

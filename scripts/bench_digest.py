@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from titan_lora.transfer.digest import tensor_digest  # noqa: E402
+from titan_lora.transfer.digest import tensor_digest
 
 SHAPES = {  # hidden, intermediate, heads, kv heads, vocab, layers
     "8b": (4096, 14336, 32, 8, 128256, 32),

@@ -26,16 +26,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_sync import CPU_TOML, p, randomize  # noqa: E402
+from bench_sync import CPU_TOML, p, randomize
 
-from titan_lora.clients.base import Endpoint  # noqa: E402
-from titan_lora.clients.kinds import LaunchRequest, engine_kind  # noqa: E402
-from titan_lora.clients.launch import EmbeddedEngine, free_port  # noqa: E402
-from titan_lora.config import Engine, WeightSync  # noqa: E402
-from titan_lora.sync.adapter_source import AdapterSource  # noqa: E402
-from titan_lora.sync.base_stream import base_weights_source  # noqa: E402
-from titan_lora.trainer.build import build_from_toml  # noqa: E402
-from titan_lora.trainer.job_config import job_config_from_toml  # noqa: E402
+from titan_lora.clients.base import Endpoint
+from titan_lora.clients.kinds import LaunchRequest, engine_kind
+from titan_lora.clients.launch import EmbeddedEngine, free_port
+from titan_lora.config import Engine, WeightSync
+from titan_lora.sync.adapter_source import AdapterSource
+from titan_lora.sync.base_stream import base_weights_source
+from titan_lora.trainer.build import build_from_toml
+from titan_lora.trainer.job_config import job_config_from_toml
 
 CPU = torch.device("cpu")
 

@@ -36,13 +36,13 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_base_send import llama3_shapes  # noqa: E402
+from bench_base_send import llama3_shapes
 
-from titan_lora.models.load import load_base_weights, load_base_weights_full  # noqa: E402
-from titan_lora.titan.parallel import build_parallel_dims  # noqa: E402
-from titan_lora.trainer.build import build_model  # noqa: E402
-from titan_lora.trainer.distributed import leave_distributed  # noqa: E402
-from titan_lora.trainer.job_config import job_from_toml  # noqa: E402
+from titan_lora.models.load import load_base_weights, load_base_weights_full
+from titan_lora.titan.parallel import build_parallel_dims
+from titan_lora.trainer.build import build_model
+from titan_lora.trainer.distributed import leave_distributed
+from titan_lora.trainer.job_config import job_from_toml
 
 GiB = 1 << 30
 # Llama-3.2-1B's width (untied here), Llama-3-8B, Llama-3-70B: (dim, heads, kv rows, ffn, vocab, layers);

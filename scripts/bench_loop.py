@@ -53,7 +53,7 @@ class CorePinner:
         return self.trainer
 
     def _run(self) -> None:
-        import psutil  # noqa: PLC0415
+        import psutil
 
         while not self._stop.wait(0.25):
             try:

@@ -29,13 +29,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_timing import alternating, p, timed  # noqa: E402
+from bench_timing import alternating, p, timed
 
-from titan_lora.clients.base import AdapterPayload  # noqa: E402
-from titan_lora.clients.http import JsonClient  # noqa: E402
-from titan_lora.clients.launch import EmbeddedEngine  # noqa: E402
-from titan_lora.clients.vllm import VLLMBucketEmitter, receiver_plan  # noqa: E402
-from titan_lora.transfer.placement import choose_transport  # noqa: E402
+from titan_lora.clients.base import AdapterPayload
+from titan_lora.clients.http import JsonClient
+from titan_lora.clients.launch import EmbeddedEngine
+from titan_lora.clients.vllm import VLLMBucketEmitter, receiver_plan
+from titan_lora.transfer.placement import choose_transport
 
 # Llama-3-8B: (in, out) of q, k, v, o, gate, up, down; 32 layers.
 LINEARS = {"q_proj": (4096, 4096), "k_proj": (4096, 1024), "v_proj": (4096, 1024), "o_proj": (4096, 4096),

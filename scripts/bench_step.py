@@ -40,12 +40,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from titan_lora.lora.parallelize import shard_model  # noqa: E402
-from titan_lora.titan.optim import build_loss, build_optimizers, clip_grad_norm_  # noqa: E402
-from titan_lora.titan.parallel import build_parallel_dims  # noqa: E402
-from titan_lora.trainer.build import build_model  # noqa: E402
-from titan_lora.trainer.distributed import device_for_rank, init_distributed  # noqa: E402
-from titan_lora.trainer.job_config import job_from_toml  # noqa: E402
+from titan_lora.lora.parallelize import shard_model
+from titan_lora.titan.optim import build_loss, build_optimizers, clip_grad_norm_
+from titan_lora.titan.parallel import build_parallel_dims
+from titan_lora.trainer.build import build_model
+from titan_lora.trainer.distributed import device_for_rank, init_distributed
+from titan_lora.trainer.job_config import job_from_toml
 
 # Issue 14's step probe: 2 x H200, Llama-3-8B (32 layers), seq 2048, batch 1 per GPU.
 BASELINE = "LoRA 0.266 s vs full 0.310 s = 0.86x; peak 29.9 vs 78.4 GiB (issue 14: 2 x H200, 8B, 32 layers)"

@@ -32,12 +32,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_timing import alternating, p, timed  # noqa: E402,F401 (bench_transport imports them here)
+from bench_timing import alternating, p, timed  # bench_transport imports them here
 
-from titan_lora.lora.layer import adapter_params, lora_modules  # noqa: E402
-from titan_lora.titan.lora_linear import fill_param  # noqa: E402
-from titan_lora.trainer.build import build_from_toml  # noqa: E402
-from titan_lora.trainer.job_config import job_config_from_toml, job_from_toml  # noqa: E402
+from titan_lora.lora.layer import adapter_params, lora_modules
+from titan_lora.titan.lora_linear import fill_param
+from titan_lora.trainer.build import build_from_toml
+from titan_lora.trainer.job_config import job_config_from_toml, job_from_toml
 
 
 def report(rows: list[tuple[str, list[float]]], floor_ms: float, baseline: str) -> None:

@@ -18,24 +18,23 @@ import statistics
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_sync import CPU_TOML, alternating, p, randomize, timed  # noqa: E402
+from bench_sync import CPU_TOML, alternating, p, randomize, timed
 
-from titan_lora.clients.http import JsonClient  # noqa: E402
-from titan_lora.clients.launch import EmbeddedEngine  # noqa: E402
-from titan_lora.clients.vllm import VLLMBucketEmitter, receiver_plan  # noqa: E402
-from titan_lora.config import WeightSync  # noqa: E402
-from titan_lora.sync.adapter_source import AdapterSource  # noqa: E402
-from titan_lora.trainer.build import build_from_toml  # noqa: E402
-from titan_lora.trainer.job_config import job_config_from_toml  # noqa: E402
-from titan_lora.transfer.placement import choose_transport  # noqa: E402
-from titan_lora.transfer.transport import TransportChoice  # noqa: E402
+from titan_lora.clients.http import JsonClient
+from titan_lora.clients.launch import EmbeddedEngine
+from titan_lora.clients.vllm import VLLMBucketEmitter, receiver_plan
+from titan_lora.config import WeightSync
+from titan_lora.sync.adapter_source import AdapterSource
+from titan_lora.trainer.build import build_from_toml
+from titan_lora.trainer.job_config import job_config_from_toml
+from titan_lora.transfer.placement import choose_transport
+from titan_lora.transfer.transport import TransportChoice
 
 
 def loopback_ms(nbytes: int, iters: int) -> list[float]:

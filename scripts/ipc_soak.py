@@ -31,12 +31,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from titan_lora.clients.base import AdapterPayload  # noqa: E402
-from titan_lora.clients.http import JsonClient  # noqa: E402
-from titan_lora.clients.launch import EmbeddedEngine  # noqa: E402
-from titan_lora.clients.vllm import VLLMBucketEmitter, receiver_plan  # noqa: E402
-from titan_lora.transfer.errors import TransferError  # noqa: E402
-from titan_lora.transfer.transport import SHM_DIR  # noqa: E402
+from titan_lora.clients.base import AdapterPayload
+from titan_lora.clients.http import JsonClient
+from titan_lora.clients.launch import EmbeddedEngine
+from titan_lora.clients.vllm import VLLMBucketEmitter, receiver_plan
+from titan_lora.transfer.errors import TransferError
+from titan_lora.transfer.transport import SHM_DIR
 
 # What a trainer and its receiver create in /dev/shm: bucket buffers, CUDA IPC ref counters, torch's
 # shared CPU tensors. Other names (another job's semaphores on a shared host) are not counted as leaks.

@@ -20,10 +20,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from titan_lora.compose import configured_task  # noqa: E402
-from titan_lora.rl.rewards import get_reward  # noqa: E402
-from titan_lora.rl.task import task_prompt, train_and_heldout  # noqa: E402
-from titan_lora.trainer.job_config import load_job  # noqa: E402
+from titan_lora.compose import configured_task
+from titan_lora.rl.rewards import get_reward
+from titan_lora.rl.task import task_prompt, train_and_heldout
+from titan_lora.trainer.job_config import load_job
 
 
 def floats(text: str) -> list[float]:

@@ -91,7 +91,7 @@ def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: 
         # A rank that tears its gloo pairs down while a peer still drains the last collective makes
         # that peer's gloo thread abort (SIGABRT at exit, seen in CI): leave together.
         dist.barrier()
-    except BaseException:  # noqa: BLE001 (reported to the parent, which fails the test)
+    except BaseException:  # reported to the parent, which fails the test
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
         raise
     finally:

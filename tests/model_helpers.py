@@ -83,7 +83,7 @@ def check_tp2_placements(model: torch.nn.Module) -> None:
     assert all(p.requires_grad for _, m in lora_modules(model) for p in (m.lora_A, m.lora_B))
 
 
-def job_config_from(toml: str, *overrides: str):  # noqa: ANN201
+def job_config_from(toml: str, *overrides: str):
     """Parse TOML text (plus CLI-style overrides) into the merged JobConfig."""
     return job_config_from_toml(toml, *overrides)
 
@@ -143,7 +143,7 @@ def full_copy(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
 
 
-def full_adapter(named) -> dict[str, torch.Tensor]:  # noqa: ANN001
+def full_adapter(named) -> dict[str, torch.Tensor]:
     """`full_copy` of every (name, param) pair, e.g. of `adapter_params(model)` (collective)."""
     return {n: full_copy(p) for n, p in named}
 

@@ -16,7 +16,7 @@ from titan_lora.config import GRPO, Engine, WeightSync
 
 
 def _engine(tmp_path: Path, engine: Engine, ws: WeightSync | None = None, device: str = "cpu",
-            lora_rank: int = 8):  # noqa: ANN202
+            lora_rank: int = 8):
     return embedded_engine(engine_kind(engine.kind), engine, ws or WeightSync(enabled=True), str(tmp_path / "hf"),
                            torch.device(device), str(tmp_path), lora_rank)
 
@@ -96,7 +96,7 @@ class _Tokenizer:
 
     eos_token = "</s>"
 
-    def apply_chat_template(self, messages, tokenize: bool, add_generation_prompt: bool) -> str:  # noqa: ANN001
+    def apply_chat_template(self, messages, tokenize: bool, add_generation_prompt: bool) -> str:
         assert tokenize is False and add_generation_prompt is True
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
 
@@ -121,8 +121,8 @@ class _FakeSyncer:
 
     made: list[_FakeSyncer] = []
 
-    def __init__(self, source, base, emitter, cfg, device, *, versions, engine=None, probe=None,  # noqa: ANN001
-                 report=None, watchdog=None, base_digests=None) -> None:  # noqa: ANN001
+    def __init__(self, source, base, emitter, cfg, device, *, versions, engine=None, probe=None,
+                 report=None, watchdog=None, base_digests=None) -> None:
         self.source, self.base, self.emitter, self.cfg, self.device = source, base, emitter, cfg, device
         self.engine, self.probe, self.versions, self.report = engine, probe, versions, report
         self.watchdog, self.base_digests = watchdog, base_digests
@@ -132,7 +132,7 @@ class _FakeSyncer:
     def check_engine(self) -> None:
         self.checked = True
 
-    def with_engine(self, fn, what: str):  # noqa: ANN001, ANN201
+    def with_engine(self, fn, what: str):
         return fn()
 
 
@@ -147,8 +147,8 @@ class _FakeEngine:
         self.started = True
 
 
-def _wire(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, rank: int = 0, tied: bool | None = True,  # noqa: ANN202
-          engine: Engine | None = None, **ws):  # noqa: ANN003
+def _wire(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, rank: int = 0, tied: bool | None = True,
+          engine: Engine | None = None, **ws):
     """build_sync on a stand-in model with the syncer and engine faked: (syncer, EngineRollouts, engines,
     job config, built)."""
     import json
@@ -167,7 +167,7 @@ def _wire(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, rank: int = 0, tied: 
     monkeypatch.setattr(compose, "WeightSyncer", _FakeSyncer)
     engines: list[_FakeEngine] = []
 
-    def embedded(*args) -> _FakeEngine:  # noqa: ANN002
+    def embedded(*args) -> _FakeEngine:
         engines.append(_FakeEngine())
         engines[-1].made_from = args
         return engines[-1]
@@ -317,7 +317,7 @@ def test_the_task_and_reward_are_resolved_before_anything_is_built() -> None:
     from titan_lora.compose import check_plugins
     from titan_lora.config import GRPO
 
-    def job(**grpo) -> types.SimpleNamespace:  # noqa: ANN003
+    def job(**grpo) -> types.SimpleNamespace:
         return types.SimpleNamespace(grpo=GRPO(**grpo), task={}, weight_sync=WeightSync())
 
     check_plugins(job(enabled=True, task="reverse", reward="exact_match"))
@@ -335,7 +335,7 @@ def test_an_sft_job_with_the_parity_probe_checks_the_task_it_scores() -> None:
     from titan_lora.compose import check_plugins
     from titan_lora.rl.word import WordProblemsTask
 
-    def job(ws: WeightSync, **task) -> types.SimpleNamespace:  # noqa: ANN003
+    def job(ws: WeightSync, **task) -> types.SimpleNamespace:
         return types.SimpleNamespace(grpo=GRPO(task="word_problems"), task=task, weight_sync=ws)
 
     probing = WeightSync(enabled=True, parity_every=2)

@@ -56,7 +56,7 @@ def test_a_sigterm_mid_run_stops_the_engine_and_unlinks_the_shared_buffers(tmp_p
 
 
 def test_a_start_up_that_fails_after_the_engine_started_stops_the_engine(tmp_path: Path,
-                                                                          monkeypatch) -> None:  # noqa: ANN001
+                                                                          monkeypatch) -> None:
     import pytest
 
     import titan_lora.train as train
@@ -65,11 +65,11 @@ def test_a_start_up_that_fails_after_the_engine_started_stops_the_engine(tmp_pat
     started = []
     real_side = train.engine_side
 
-    def side(*args):  # noqa: ANN002, ANN202
+    def side(*args):
         started.append(real_side(*args))
         return started[-1]
 
-    def fail(*args) -> None:  # noqa: ANN002
+    def fail(*args) -> None:
         raise RuntimeError("the engine rejected our adapter")
 
     monkeypatch.setattr(train, "engine_side", side)

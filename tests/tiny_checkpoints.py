@@ -20,7 +20,7 @@ def _randomize_norms(model: torch.nn.Module) -> None:
                 p.uniform_(0.5, 1.5)
 
 
-def _save(model, out: Path, tokenizer_from: Path | None, shard_mb: float | None) -> Path:  # noqa: ANN001
+def _save(model, out: Path, tokenizer_from: Path | None, shard_mb: float | None) -> Path:
     kwargs = {"max_shard_size": f"{int(shard_mb * 1000)}KB"} if shard_mb else {}
     model.save_pretrained(str(out), safe_serialization=True, **kwargs)
     for f in TOKENIZER_FILES if tokenizer_from else ():
@@ -29,7 +29,7 @@ def _save(model, out: Path, tokenizer_from: Path | None, shard_mb: float | None)
     return out
 
 
-def _tiny(config_cls, model_cls, out: Path, vocab: int, tied: bool,  # noqa: ANN001
+def _tiny(config_cls, model_cls, out: Path, vocab: int, tied: bool,
           tokenizer_from: Path | None, shard_mb: float | None, seed: int, kv_heads: int = 2,
           **shape: object) -> Path:
     """2 layers, 4 query and `kv_heads` KV heads, eos 2, random norms: `model_cls(config_cls(**shape, ...))`,
@@ -69,7 +69,7 @@ def hf_toml(name: str, hf_dir: Path, rank: int = 8, alpha: int = 16) -> str:
     return lora_toml(f'name = "{name}"\nhf_assets_path = "{hf_dir}"\nload_pretrained = true', rank, alpha)
 
 
-def hf_model(hf_dir: Path):  # noqa: ANN201
+def hf_model(hf_dir: Path):
     """The checkpoint back through transformers, fp32, eval mode."""
     from transformers import AutoModelForCausalLM
 

@@ -9,7 +9,7 @@ import tempfile
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from titan_lora.config_ranges import ConfigError, raise_range_errors
+from titan_lora.config_ranges import ConfigError, raise_range_errors  # noqa: F401 (ConfigError: re-exported)
 from titan_lora.run_sections import (
     ActivationCheckpoint,
     Checkpoint,
@@ -310,7 +310,7 @@ def attached_urls(cfg: Engine) -> list[str]:
 def _is_address(url: str) -> bool:
     try:
         parts = urlsplit(url)
-        parts.port  # noqa: B018 (raises on a port that is not a number in [0, 65535])
+        parts.port  # raises on a port that is not a number in [0, 65535]
     except ValueError:
         return False
     return parts.scheme in ("http", "https") and bool(parts.hostname)

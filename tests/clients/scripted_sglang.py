@@ -25,7 +25,7 @@ URL = "http://sglang.test:30000"
 OK = ControlResult(True, "ok")
 
 
-def info(**overrides) -> ServerInfo:  # noqa: ANN003
+def info(**overrides) -> ServerInfo:
     base = dict(version="0.5.23", enable_lora=True, max_lora_rank=16,
                 lora_target_modules=frozenset({"q_proj", "v_proj"}), max_loaded_loras=4, max_loras_per_batch=4,
                 tp_size=2, dp_size=1, enable_memory_saver=True)
@@ -66,13 +66,13 @@ class Client:
         self.calls.append(("end",))
         return self.end
 
-    def update_weights_from_tensor(self, req) -> ControlResult:  # noqa: ANN001
+    def update_weights_from_tensor(self, req) -> ControlResult:
         self.calls.append(("update", req))
         if req.weight_version is not None:
             self.served = req.weight_version
         return self.update.pop(0) if self.update else OK
 
-    def load_lora_adapter_from_tensors(self, req) -> ControlResult:  # noqa: ANN001
+    def load_lora_adapter_from_tensors(self, req) -> ControlResult:
         self.calls.append(("load", req))
         if self.load:
             return self.load.pop(0)
@@ -118,7 +118,7 @@ def adapter(name: str = "policy-v1", r: int = 8) -> AdapterPayload:
     return AdapterPayload(name, 1, tensors, {"r": r, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]})
 
 
-def emitter(client: Client, **kwargs) -> SGLangEmitter:  # noqa: ANN003
+def emitter(client: Client, **kwargs) -> SGLangEmitter:
     return SGLangEmitter(client, keep_versions=2, **kwargs)
 
 
@@ -144,7 +144,7 @@ class Answering(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    do_GET = do_POST = _reply  # noqa: N815
+    do_GET = do_POST = _reply
 
     def log_message(self, *args: object) -> None:
         pass

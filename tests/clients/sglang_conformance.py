@@ -447,10 +447,10 @@ class _Handler(BaseHTTPRequestHandler):
         with contextlib.suppress(ConnectionError):  # the client timed out and left; drop the answer
             self.wfile.write(data)
 
-    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+    def do_GET(self) -> None:  # http.server's naming
         self._serve("GET")
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         self._serve("POST")
 
     def log_message(self, *args: Any) -> None:

@@ -44,7 +44,7 @@ def _b64(v: Any) -> bool:
 # Type checks, named like the types they check.
 OPT = lambda t: lambda v: v is None or t(v)  # noqa: E731
 LIST = lambda t: lambda v: isinstance(v, list) and all(t(x) for x in v)  # noqa: E731
-DICT = lambda t: lambda v: isinstance(v, dict) and all(isinstance(k, str) and t(x) for k, x in v.items())  # noqa: E731,E501
+DICT = lambda t: lambda v: isinstance(v, dict) and all(isinstance(k, str) and t(x) for k, x in v.items())  # noqa: E731
 LIT = lambda *ok: lambda v: v in ok  # noqa: E731
 ANY: Check = lambda v: True  # noqa: E731
 STR: Check = lambda v: isinstance(v, str)  # noqa: E731

@@ -38,7 +38,7 @@ class Recorder(ThreadingHTTPServer):
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers["Content-Length"]))
         self.server.requests.append({"path": self.path, "body": body, "headers": dict(self.headers)})
         self.server.ports.append(self.client_address[1])
@@ -52,7 +52,7 @@ class Handler(BaseHTTPRequestHandler):
         if self.server.close_after:
             self.close_connection = True
 
-    def log_message(self, *args) -> None:  # noqa: ANN002
+    def log_message(self, *args) -> None:
         pass
 
 

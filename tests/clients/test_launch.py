@@ -27,7 +27,7 @@ def shim_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
 
 
-def _engine(tmp_path: Path, port: int = 0, **kwargs) -> EmbeddedEngine:  # noqa: ANN003
+def _engine(tmp_path: Path, port: int = 0, **kwargs) -> EmbeddedEngine:
     return EmbeddedEngine(LaunchPlan(SHIM, []), port, str(tmp_path / "engine.log"), start_timeout_s=60,
                           **kwargs)
 
@@ -56,7 +56,7 @@ def test_a_busy_port_is_a_clear_error_and_the_other_engine_is_left_alone(
     assert _info(engine)["nonce"] == other_nonce, "the first engine must still serve, untouched"
 
 
-def test_an_engine_that_does_not_echo_our_nonce_is_refused(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+def test_an_engine_that_does_not_echo_our_nonce_is_refused(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("SHIM_FOREIGN_NONCE", "1")
     eng = _engine(tmp_path)
     with pytest.raises(TransferError, match=r"not the one titan_lora started.*\[engine\] port"):
@@ -64,7 +64,7 @@ def test_an_engine_that_does_not_echo_our_nonce_is_refused(tmp_path, monkeypatch
     assert eng.proc.poll() is not None, "our own child is stopped after the refusal"
 
 
-def test_the_api_key_is_random_by_default_and_travels_by_environment_only(engine) -> None:  # noqa: ANN001
+def test_the_api_key_is_random_by_default_and_travels_by_environment_only(engine) -> None:
     other = EmbeddedEngine(LaunchPlan(SHIM, []), 0, "unused.log")
     other.stop()
     assert len(engine.api_key) >= 32 and engine.api_key != other.api_key
@@ -75,7 +75,7 @@ def test_the_api_key_is_random_by_default_and_travels_by_environment_only(engine
 
 
 def test_the_plans_environment_is_set_over_ours_in_every_incarnation(
-        tmp_path, monkeypatch) -> None:  # noqa: ANN001
+        tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as torchrun sets it on every rank
     eng = EmbeddedEngine(LaunchPlan(SHIM, [], {"OMP_NUM_THREADS": "7"}), 0, str(tmp_path / "engine.log"),
                          start_timeout_s=60)
@@ -88,7 +88,7 @@ def test_the_plans_environment_is_set_over_ours_in_every_incarnation(
         eng.stop()
 
 
-def test_a_dead_engine_is_detected_and_restarted_on_the_same_port(engine) -> None:  # noqa: ANN001
+def test_a_dead_engine_is_detected_and_restarted_on_the_same_port(engine) -> None:
     first_pid, first_nonce = engine.proc.pid, engine.nonce
     os.kill(first_pid, signal.SIGKILL)
     engine.proc.wait(5)
@@ -99,7 +99,7 @@ def test_a_dead_engine_is_detected_and_restarted_on_the_same_port(engine) -> Non
     assert engine.ensure_running() is False, "a healthy engine is left alone"
 
 
-def test_a_hung_engine_is_detected_within_the_health_timeout_and_replaced(engine) -> None:  # noqa: ANN001
+def test_a_hung_engine_is_detected_within_the_health_timeout_and_replaced(engine) -> None:
     hung = engine.proc
     os.kill(hung.pid, signal.SIGSTOP)  # alive, but not serving
     started = time.monotonic()
@@ -141,7 +141,7 @@ def test_a_stopped_engine_core_goes_with_the_engine(tmp_path: Path, monkeypatch:
             os.kill(core, signal.SIGKILL)
 
 
-def test_each_start_gets_a_fresh_key_that_clients_of_the_engine_follow(engine) -> None:  # noqa: ANN001
+def test_each_start_gets_a_fresh_key_that_clients_of_the_engine_follow(engine) -> None:
     """A key a dead engine's port took (or any client sent it) opens nothing on the next incarnation; the
     clients built on `engine.key` carry the new one."""
     client = JsonClient(engine.url, engine.key, timeout_s=5)

@@ -38,12 +38,12 @@ class Completions(ThreadingHTTPServer):
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
-    def do_GET(self) -> None:  # noqa: N802 (/v1/models)
+    def do_GET(self) -> None:  # /v1/models
         self.server.keys.append(self.headers.get("Authorization", ""))
         self._answer({"object": "list",
                       "data": [{"id": "base", "object": "model", "created": 0, "owned_by": "x"}]})
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.server.requests += 1
         self.server.keys.append(self.headers.get("Authorization", ""))
@@ -63,7 +63,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def log_message(self, *args) -> None:  # noqa: ANN002
+    def log_message(self, *args) -> None:
         pass
 
 

@@ -24,7 +24,7 @@ MAX_MODEL_LEN = 4
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if len(body["prompt"]) + body["max_tokens"] > MAX_MODEL_LEN:  # vLLM's words and status
             self._answer(400, {"object": "error", "type": "BadRequestError", "code": 400, "param": None,
@@ -44,7 +44,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def log_message(self, *args) -> None:  # noqa: ANN002
+    def log_message(self, *args) -> None:
         pass
 
 
@@ -80,7 +80,7 @@ def router() -> Iterator[RolloutRouter]:
         srv.server_close()
 
 
-def test_a_prompt_the_engine_refuses_is_the_requests_error_and_quarantines_no_replica(router) -> None:  # noqa: ANN001
+def test_a_prompt_the_engine_refuses_is_the_requests_error_and_quarantines_no_replica(router) -> None:
     with pytest.raises(TransferError, match=r"sampling 2 completions of prompt 0 \(3 tokens, up to 2 new\) "
                        r"under policy-v1 was refused by replica \d .*HTTP 400.*maximum context length is 4 tokens"):
         router.generate([[1, 2, 3]] * 2, "policy-v1", 2, 1.0, 0, [])

@@ -17,7 +17,7 @@ from multiprocessing.reduction import ForkingPickler
 
 import pytest
 import torch
-import torch.multiprocessing  # noqa: F401  (torch's reducers on ForkingPickler)
+import torch.multiprocessing  # torch's reducers on ForkingPickler
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 from scripted_sglang import serving
 from sglang_conformance import ConformanceServer, decode_tensors
@@ -97,7 +97,7 @@ class Driver:
 
 
 def emitter_for(srv: ConformanceServer, api_key: str = "", admin_api_key: str = "", pause_mode: str = "none",
-                **cfg):  # noqa: ANN003, ANN201
+                **cfg):
     """The registered SGLang emitter, built from [engine] and [weight_sync] the way the composition root does."""
     ws = WeightSync(**{"enabled": True, "timeout_s": 10.0, "retries": 1, **cfg})
     engine = Engine(kind="sglang", url=srv.url, api_key=api_key, admin_api_key=admin_api_key, pause_mode=pause_mode)
@@ -341,7 +341,7 @@ def test_nothing_reaches_a_host_the_config_did_not_name(monkeypatch: pytest.Monk
         monkeypatch.setenv(var, other)
 
     class Redirect(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802
+        def do_GET(self) -> None:
             self.send_response(307)
             self.send_header("Location", other + "/server_info")
             self.send_header("Content-Length", "0")
@@ -384,7 +384,7 @@ def test_the_base_streams_from_a_generator_bucket_by_bucket() -> None:
         emitter._bucket_bytes = 16 * 1024  # a dozen buckets for the tiny model
         posted_when_made: list[int] = []
 
-        def gathered():  # noqa: ANN202  (each step of a real one runs a collective)
+        def gathered():  # each step of a real one runs a collective
             for name, t in trainer.base.items():
                 posted_when_made.append(len(calls(srv, "/update_weights_from_tensor")))
                 yield name, t.clone()

@@ -41,7 +41,7 @@ from titan_lora.transfer.errors import EngineWeightsLost, TransferError
 
 
 @pytest.mark.parametrize("listed", [lambda name: {}, lambda name: None], ids=["other-names", "no-field"])
-def test_a_load_acked_but_not_listed_as_loaded_is_an_error_and_not_published(listed) -> None:  # noqa: ANN001
+def test_a_load_acked_but_not_listed_as_loaded_is_an_error_and_not_published(listed) -> None:
     trainer = Trainer()
     with ConformanceServer(TINY, **SERVER) as srv:
         emitter, versions = emitter_for(srv), policy_versions()
@@ -119,7 +119,7 @@ def test_a_failed_bucket_closes_the_session_and_leaves_the_served_version() -> N
 # ---------------------------------------------------------------- stale-session recovery
 
 
-def test_a_weight_update_session_left_open_is_closed_and_reopened(caplog) -> None:  # noqa: ANN001
+def test_a_weight_update_session_left_open_is_closed_and_reopened(caplog) -> None:
     trainer = Trainer()
     with ConformanceServer(TINY, **SERVER) as srv:
         emitter = emitter_for(srv)
@@ -267,7 +267,7 @@ class _Hangup:
 
 
 @pytest.fixture
-def hangup():  # noqa: ANN201
+def hangup():
     server = _Hangup()
     yield server
     server.close()

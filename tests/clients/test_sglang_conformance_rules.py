@@ -85,7 +85,7 @@ def test_adapter_bytes_that_differ_from_the_tensors_never_leave(monkeypatch: pyt
     trainer = Trainer()
     real = sglang.pack
 
-    def corrupting_pack(flat, entries, tensors) -> None:  # noqa: ANN001
+    def corrupting_pack(flat, entries, tensors) -> None:
         real(flat, entries, tensors)
         flat[entries[-1].offset] ^= 0xFF
 
@@ -124,7 +124,7 @@ def test_a_gpu_bucket_for_an_engine_that_cannot_open_it_goes_as_bytes(monkeypatc
     trainer = Trainer()
     real = sglang.pack_bucket
 
-    def gpu_bucket(entries, tensors) -> sglang.Bucket:  # noqa: ANN001
+    def gpu_bucket(entries, tensors) -> sglang.Bucket:
         bucket = real(entries, tensors)
         return sglang.Bucket(bucket.flat.as_subclass(_CudaLooking), bucket.metadata)
 

@@ -28,7 +28,7 @@ from titan_lora.sync.versions import AdapterVersions
 OTHER = [9, 8, 77, 1, 30]
 
 
-def rollouts_for(srv: ConformanceServer, api_key: str = "", **cfg) -> SGLangRolloutClient:  # noqa: ANN003
+def rollouts_for(srv: ConformanceServer, api_key: str = "", **cfg) -> SGLangRolloutClient:
     """The sglang kind's rollout client, built the way the composition root builds it."""
     ws = WeightSync(**{"enabled": True, "timeout_s": 10.0, "retries": 1, "rollout_timeout_s": 30.0, **cfg})
     return engine_kind("sglang").rollouts(Endpoint(srv.url, api_key), ws)  # type: ignore[misc]

@@ -120,7 +120,7 @@ def test_an_empty_base_and_a_version_that_did_not_flip_are_errors() -> None:
     assert str(err.value) == "send_base of version 2 got no tensors"
 
     class Stuck(Client):
-        def update_weights_from_tensor(self, req) -> ControlResult:  # noqa: ANN001
+        def update_weights_from_tensor(self, req) -> ControlResult:
             self.calls.append(("update", req))
             return OK  # acknowledged, but the served version does not change
 

@@ -216,7 +216,7 @@ def test_a_read_only_mapping_sent_again_reuses_its_plan_and_a_plain_dict_is_look
 class RouteEngine(ReadingEngine):
     """A ReadingEngine that also answers /titan/info and /titan/unload and records every request."""
 
-    def __init__(self, info: dict | None = None, unloaded: object = True, **kwargs) -> None:  # noqa: ANN003
+    def __init__(self, info: dict | None = None, unloaded: object = True, **kwargs) -> None:
         super().__init__(**kwargs)
         self.info = info or {}
         self.unloaded = unloaded

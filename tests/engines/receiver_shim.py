@@ -40,7 +40,7 @@ def _digest(service: receiver.ReceiverService, req: dict) -> dict:
 _make_handler = receiver.make_handler
 
 
-def _handler_with_digest(routes: dict, *args):  # noqa: ANN002, ANN202
+def _handler_with_digest(routes: dict, *args):
     service = inspect.unwrap(routes["info"]).__self__  # a GPU receiver wraps its routes (device per thread)
     return _make_handler({**routes, "digest": lambda req: _digest(service, req)}, *args)
 

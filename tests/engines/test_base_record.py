@@ -16,7 +16,7 @@ def fresh(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(base_record, "_loaded_dtype", None)
 
 
-def test_a_recording_worker_keeps_each_tensors_digest_in_the_engines_dtype(fresh, monkeypatch) -> None:  # noqa: ANN001
+def test_a_recording_worker_keeps_each_tensors_digest_in_the_engines_dtype(fresh, monkeypatch) -> None:
     monkeypatch.setattr(base_record, "RECORDING", True)
     w = torch.randn(4, 3, dtype=torch.float64)
     base_record.record("model.norm.weight", w, torch.float32)
@@ -26,7 +26,7 @@ def test_a_recording_worker_keeps_each_tensors_digest_in_the_engines_dtype(fresh
                                                                                      w.float())}}
 
 
-def test_a_worker_told_to_skip_digests_nothing_and_records_no_base(fresh, monkeypatch) -> None:  # noqa: ANN001
+def test_a_worker_told_to_skip_digests_nothing_and_records_no_base(fresh, monkeypatch) -> None:
     monkeypatch.setattr(base_record, "RECORDING", False)
     monkeypatch.setattr(base_record, "tensor_digest", lambda *_: pytest.fail("digested a skipped tensor"))
     base_record.record("model.norm.weight", torch.randn(4), torch.float32)

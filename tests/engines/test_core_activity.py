@@ -22,7 +22,7 @@ CHILD = ("import ctypes, os, sys, time; ctypes.CDLL(None).prctl(15, b'VLLM::Engi
 
 
 @pytest.fixture
-def child():  # noqa: ANN201
+def child():
     procs: list[subprocess.Popen] = []
 
     def start(mode: str, nice: int = 0) -> subprocess.Popen:
@@ -44,7 +44,7 @@ def shares_over(seconds: float) -> dict[int, float]:
     return busy_shares(before, CpuSample.now(procs))
 
 
-def test_a_computing_core_is_busy_and_a_stopped_or_sleeping_one_is_not(child) -> None:  # noqa: ANN001
+def test_a_computing_core_is_busy_and_a_stopped_or_sleeping_one_is_not(child) -> None:
     spinning = child("spin")
     shares = shares_over(0.5)
     assert set(shares) == {spinning.pid}, "the titled child is found, this process and others are not"
@@ -68,7 +68,7 @@ def test_no_engine_process_or_one_gone_during_the_wait_is_not_busy() -> None:
     assert were_busy({1: 0.5, 3: 0.1}) and not were_busy({1: 0.5, 3: 0.09})
 
 
-def test_a_core_starved_by_other_processes_on_every_core_is_busy(child) -> None:  # noqa: ANN001
+def test_a_core_starved_by_other_processes_on_every_core_is_busy(child) -> None:
     # The engine core at nice 19 beside one busy process per core at nice 0: it gets ~1.5% of a core, as
     # when a trainer's ranks and another job share a small host, yet it is computing a step, not wedged.
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])

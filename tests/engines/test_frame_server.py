@@ -31,7 +31,7 @@ def _bucket(body: dict) -> dict:
 calls: list[dict] = []
 
 
-def _serve(**kwargs) -> FrameServer:  # noqa: ANN003
+def _serve(**kwargs) -> FrameServer:
     routes = {"bucket": _bucket, "info": lambda body: {"incarnation": "x"}}
     srv = FrameServer(("127.0.0.1", 0), routes, KEY, max_frame_bytes=4096, incarnation="engine-1", **kwargs)
     srv.start()

@@ -23,7 +23,6 @@ from titan_lora.clients.http import JsonClient
 from titan_lora.clients.kinds import LaunchPlan
 from titan_lora.clients.launch import EmbeddedEngine
 from titan_lora.transfer.buckets import bucket_checksum, bucket_size, layout_id, pack, plan_buckets
-from titan_lora.transfer.frames import recv_frame, send_frame
 from titan_lora.transfer.transport import BucketBuffer
 
 KEY = "hostile-fronts-key"

@@ -198,7 +198,7 @@ def test_the_fault_hook_pauses_inside_a_bucket_and_touches_the_marker(receiver, 
     assert acks and acks[0]["checksum"] == bucket_checksum(sent)
 
 
-def test_sigterm_releases_the_mappings_and_exits_cleanly(tmp_path) -> None:  # noqa: ANN001
+def test_sigterm_releases_the_mappings_and_exits_cleanly(tmp_path) -> None:
     """An engine that exits while mapping the trainer's CUDA buffers leaves their IPC ref-counter files in
     /dev/shm: on SIGTERM the receiver must unwind and release its mappings (exit code 0, and it says so)."""
     log = tmp_path / "receiver.log"

@@ -39,7 +39,7 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def _start(tmp_path, monkeypatch, *args: str) -> EmbeddedEngine:  # noqa: ANN001
+def _start(tmp_path, monkeypatch, *args: str) -> EmbeddedEngine:
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [SHIM_DIR, os.environ.get("PYTHONPATH")])))
     engine = EmbeddedEngine(LaunchPlan("receiver_shim", list(args)), 0, str(tmp_path / "engine.log"),
                             start_timeout_s=60,
@@ -49,13 +49,13 @@ def _start(tmp_path, monkeypatch, *args: str) -> EmbeddedEngine:  # noqa: ANN001
 
 
 @pytest.fixture
-def receiver(tmp_path, monkeypatch):  # noqa: ANN001, ANN201
+def receiver(tmp_path, monkeypatch):
     engine = _start(tmp_path, monkeypatch)
     yield engine
     engine.stop()
 
 
-def _adapter(emitter, version: int, device: torch.device = CPU) -> AdapterPayload:  # noqa: ANN001
+def _adapter(emitter, version: int, device: torch.device = CPU) -> AdapterPayload:
     """Adapter tensors written into the buffer the emitter lends, as the gatherer writes them."""
     shapes = [(16, 576), (576, 16), (16, 576), (192, 16)] * 20
     flat, home = emitter.lend_buffer(sum(a * b for a, b in shapes), torch.float32, device)
@@ -67,14 +67,14 @@ def _adapter(emitter, version: int, device: torch.device = CPU) -> AdapterPayloa
     return AdapterPayload(f"policy-v{version}", version, tensors, {"r": 16, "lora_alpha": 32}, home=home)
 
 
-def _emitter(engine: EmbeddedEngine, transport: str):  # noqa: ANN202
+def _emitter(engine: EmbeddedEngine, transport: str):
     """The bucket emitter the composition root builds for `[engine] transport` (nccl: its gloo fallback)."""
     config = Engine(kind="receiver", transport=transport, nccl_backend="gloo")
     endpoint = engine_endpoint(engine_kind("receiver"), config, engine.url, engine.key)  # follows restarts
     return engine_kind("receiver").emitter(WeightSync(bucket_mb=1, timeout_s=30), config, endpoint)
 
 
-def _send_base_and_adapters(emitter, device: torch.device) -> AdapterPayload:  # noqa: ANN001
+def _send_base_and_adapters(emitter, device: torch.device) -> AdapterPayload:
     """Base, then adapter versions 1-3 (v1 retired before v3: its slab takes v3), each checked byte for
     byte in the engine; returns the last payload."""
     g = torch.Generator().manual_seed(0)
@@ -97,7 +97,7 @@ def _send_base_and_adapters(emitter, device: torch.device) -> AdapterPayload:  #
 
 
 @pytest.mark.parametrize("transport", ["tcp", "nccl"])
-def test_the_receiver_gets_base_and_adapters_and_opens_no_shared_memory(receiver, transport: str) -> None:  # noqa: ANN001
+def test_the_receiver_gets_base_and_adapters_and_opens_no_shared_memory(receiver, transport: str) -> None:
     emitter = _emitter(receiver, transport)
     try:
         payload = _send_base_and_adapters(emitter, CPU)
@@ -111,7 +111,7 @@ def test_the_receiver_gets_base_and_adapters_and_opens_no_shared_memory(receiver
 
 @needs_gpus(1)
 def test_the_receiver_on_the_gpu_gets_base_and_adapters_over_cuda_ipc_byte_for_byte(
-        tmp_path, monkeypatch) -> None:  # noqa: ANN001
+        tmp_path, monkeypatch) -> None:
     device = torch.device("cuda", 0)
     engine = _start(tmp_path, monkeypatch, "--device", str(device))
     emitter = _emitter(engine, "cuda_ipc")
@@ -128,7 +128,7 @@ def _groups(buf: nccl.NcclBuffer) -> list[nccl._Group]:
     return list(buf._server._groups.values())
 
 
-def test_over_nccl_wrong_bytes_are_refused_by_the_checksum(receiver) -> None:  # noqa: ANN001
+def test_over_nccl_wrong_bytes_are_refused_by_the_checksum(receiver) -> None:
     emitter = _emitter(receiver, "nccl")
     try:
         payload = _adapter(emitter, 1)
@@ -148,7 +148,7 @@ def test_over_nccl_wrong_bytes_are_refused_by_the_checksum(receiver) -> None:  #
         emitter.close()
 
 
-def test_over_nccl_an_engine_restart_gets_a_new_group_even_mid_transfer(receiver, monkeypatch) -> None:  # noqa: ANN001
+def test_over_nccl_an_engine_restart_gets_a_new_group_even_mid_transfer(receiver, monkeypatch) -> None:
     emitter = _emitter(receiver, "nccl")
     try:
         hub = _adapter(emitter, 1)
@@ -180,7 +180,7 @@ def test_over_nccl_an_engine_restart_gets_a_new_group_even_mid_transfer(receiver
             assert time.monotonic() - started < 30, "the receiver never paused in its bucket"
             time.sleep(0.05)
         os.kill(receiver.proc.pid, signal.SIGKILL)
-        with pytest.raises(Exception):  # noqa: B017 (the HTTP post fails: connection reset or refused)
+        with pytest.raises(Exception):  # the HTTP post fails: connection reset or refused
             sending.result(timeout=30)
         assert time.monotonic() - started < 30, "the trainer waited on the dead engine past its bounds"
     finally:

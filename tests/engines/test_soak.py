@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "soak.py"
 
 
-def _soak_module():  # noqa: ANN202
+def _soak_module():
     spec = importlib.util.spec_from_file_location("titan_soak", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up there

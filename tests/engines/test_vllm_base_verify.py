@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from model_helpers import SMOLLM2_LORA, build_from, job_config_from, randomize_adapters
 from safetensors.torch import load_file, save_file
-from vllm_helpers import CPU, assert_adapter_parity, rollouts_of, syncer_into, vllm_engine
+from vllm_helpers import assert_adapter_parity, rollouts_of, syncer_into, vllm_engine
 
 from titan_lora import compose
 from titan_lora.config import WeightSync
@@ -31,7 +31,7 @@ def _corrupted_copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-def _verifying_syncer(engine, built, ws: WeightSync):  # noqa: ANN001, ANN202
+def _verifying_syncer(engine, built, ws: WeightSync):
     """A syncer into `engine` that verifies the base, and a list of the tensor names each base send streamed."""
     _, syncer = syncer_into(engine, ws, built, job_config_from(SMOLLM2_LORA).lora)
     syncer.base_digests = lambda dtype: base_digests(built.model, built.sd_adapter, built.peft_layout, built.tied,
@@ -39,7 +39,7 @@ def _verifying_syncer(engine, built, ws: WeightSync):  # noqa: ANN001, ANN202
     streamed: list[list[str]] = []
     real = syncer.emitter.send_base  # send_base_part streams through it too
 
-    def spy(tensors, version, **kwargs):  # noqa: ANN001, ANN003, ANN202
+    def spy(tensors, version, **kwargs):
         names: list[str] = []
         streamed.append(names)
         return real(((names.append(n) or (n, t)) for n, t in tensors), version, **kwargs)

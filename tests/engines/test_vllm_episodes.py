@@ -49,7 +49,7 @@ class Ctx:
         randomize_adapters(self.built.model, seed=version)
         self.syncer.sync(version)
 
-    def turn(self, episode: str, model: str, messages: list[dict], max_tokens: int = 16):  # noqa: ANN201
+    def turn(self, episode: str, model: str, messages: list[dict], max_tokens: int = 16):
         """One chat turn of `episode`, greedy."""
         return self.api.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
                                                 temperature=0, extra_headers=episode_headers(episode))

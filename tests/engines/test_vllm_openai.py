@@ -74,7 +74,7 @@ class Ctx:
         return sorted(self.titan.post("/titan/info")["adapters"])
 
 
-def wait_until(check, timeout_s: float = 60) -> None:  # noqa: ANN001
+def wait_until(check, timeout_s: float = 60) -> None:
     assert waited(check, timeout_s, poll_s=0.2), "timed out"
 
 

@@ -56,7 +56,7 @@ def alias_logprobs(api: openai.OpenAI, sequences: list[list[int]], model: str) -
     return served.pop(), out
 
 
-def emitter_to(kind: str, endpoint: Endpoint, cfg: WeightSync, engine: Engine | None = None):  # noqa: ANN201
+def emitter_to(kind: str, endpoint: Endpoint, cfg: WeightSync, engine: Engine | None = None):
     """The emitter that `[engine] kind` selects, attached to `endpoint`."""
     return engine_kind(kind).emitter(cfg, engine or Engine(kind=kind), endpoint)
 
@@ -99,7 +99,7 @@ def syncer_into(engine: EmbeddedEngine, cfg: WeightSync, built: BuiltModel, lora
     return source, syncer
 
 
-def smollm2_trainer(engine: EmbeddedEngine, cfg: WeightSync,  # noqa: ANN201
+def smollm2_trainer(engine: EmbeddedEngine, cfg: WeightSync,
                     transport: TransportChoice = TransportChoice()):
     """Pretrained SmolLM2 + rank-8 LoRA on 1 trainer rank, its adapter source, and a syncer into
     `engine` whose buckets take `transport` (closing the syncer stops the engine)."""

@@ -37,7 +37,7 @@ def test_a_failure_in_the_middle_of_the_write_leaves_the_previous_export_intact(
     _export(tmp_path, 1.0)
     before = _files(tmp_path)
 
-    def half_write(tensors, path):  # noqa: ANN001
+    def half_write(tensors, path):
         Path(path).write_bytes(b"\0" * 100)  # a partial file, then the disk fills up
         raise OSError(28, "No space left on device")
 

@@ -33,7 +33,7 @@ FFN_HIDDEN = ARGS.ffn_hidden_dim
 TOKENS = torch.randint(0, ARGS.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
 
 
-def _hf_model():  # noqa: ANN202
+def _hf_model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(

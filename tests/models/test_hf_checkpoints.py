@@ -28,7 +28,7 @@ from titan_lora.models.smollm2 import FLAVORS, SMOLLM2
 TOKENS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
 
 
-def _shapes(family, shape: DecoderShape) -> dict[str, tuple[int, ...]]:  # noqa: ANN001
+def _shapes(family, shape: DecoderShape) -> dict[str, tuple[int, ...]]:
     return {n: tuple(p.shape) for n, p in family.architecture.meta_model(shape).named_parameters()}
 
 
@@ -88,7 +88,7 @@ def test_a_sharded_checkpoint_with_an_index_loads(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("name, make, right", [("qwen3", tiny_llama, "llama3"), ("llama3", tiny_qwen3, "qwen3")])
-def test_a_config_json_of_another_family_names_the_right_model_name(tmp_path: Path, name, make, right) -> None:  # noqa: ANN001
+def test_a_config_json_of_another_family_names_the_right_model_name(tmp_path: Path, name, make, right) -> None:
     hf_dir = make(tmp_path / "other")
     with pytest.raises(ValueError) as err:
         job_config_from(hf_toml(name, hf_dir))

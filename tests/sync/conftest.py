@@ -23,11 +23,11 @@ def sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
 
 
 @pytest.fixture
-def rig(sleeps):  # noqa: ANN001, ANN201
+def rig(sleeps):
     """make(**cfg overrides, engine=False, probe=None) -> Rig; every syncer made is closed after the test."""
     made: list[WeightSyncer] = []
 
-    def make(engine: bool = False, probe: Probe | None = None, **overrides) -> Rig:  # noqa: ANN003
+    def make(engine: bool = False, probe: Probe | None = None, **overrides) -> Rig:
         em, src, base = Emitter(), Source(), Base()
         eng = Engine() if engine else None
         section = cfg(**overrides)

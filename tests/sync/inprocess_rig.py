@@ -24,7 +24,7 @@ BASE = [("model.embed_tokens.weight", torch.ones(3, 2)), ("model.norm.weight", t
 BASE_BYTES, ADAPTER_BYTES = 44, 64
 
 
-def cfg(**overrides) -> WeightSync:  # noqa: ANN003
+def cfg(**overrides) -> WeightSync:
     """[weight_sync] for these tests: one retry, two engine restarts, short timeouts."""
     base = WeightSync(enabled=True, retries=1, keep_versions=2, retire_timeout_s=5.0,
                       parity_every=0, health_timeout_s=2.0, engine_start_timeout_s=30.0, engine_restarts=2)
@@ -55,7 +55,7 @@ class Base:
         self.starts = 0
         self.drawn = 0
 
-    def __call__(self, only=None):  # noqa: ANN001, ANN204
+    def __call__(self, only=None):
         self.starts += 1
         for name, t in BASE:
             if only is not None and name not in only:
@@ -114,7 +114,7 @@ class Emitter:
         self._maybe_fail("incarnation")
         return self.incarnation
 
-    def send_base(self, tensors, version: int) -> Ack:  # noqa: ANN001
+    def send_base(self, tensors, version: int) -> Ack:
         self.calls.append(f"base v{version}")
         self._maybe_fail("base")
         got = list(tensors)
@@ -154,7 +154,7 @@ class VerifyingEmitter(Emitter):
     def remember_base_digests(self, ours: dict, version: int) -> None:
         self.remembered = ours
 
-    def send_base_part(self, tensors, version: int) -> Ack:  # noqa: ANN001
+    def send_base_part(self, tensors, version: int) -> Ack:
         got = list(tensors)
         self.calls.append(f"base part v{version}: {[n for n, _ in got]}")
         return Ack(version, len(got), sum(t.numel() * t.element_size() for _, t in got))

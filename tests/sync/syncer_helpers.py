@@ -33,7 +33,7 @@ def shim_on_path() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [SHIM_DIR, os.environ.get("PYTHONPATH")]))
 
 
-def sync_cfg(**overrides) -> WeightSync:  # noqa: ANN003
+def sync_cfg(**overrides) -> WeightSync:
     """[weight_sync] for the syncer tests: small buckets, one retry, short timeouts."""
     return WeightSync(**{"enabled": True, "bucket_mb": 1, "retries": 1, "timeout_s": 10.0, "retire_timeout_s": 5.0,
                          "parity_every": 0, "rollout_timeout_s": 30.0, "health_timeout_s": 2.0,
@@ -49,8 +49,8 @@ def start_receiver(tmp: str, max_loras: int = 8) -> EmbeddedEngine:
     return engine
 
 
-def build_syncer(rank: int, cfg, engine: EmbeddedEngine | None, url: str = "", key: str | ApiKey = "",  # noqa: ANN001
-                 probe=None, seed: int = 1):  # noqa: ANN001, ANN201
+def build_syncer(rank: int, cfg, engine: EmbeddedEngine | None, url: str = "", key: str | ApiKey = "",
+                 probe=None, seed: int = 1):
     """(built model, syncer): the debug model with seeded adapters; rank 0 holds the emitter."""
     built = build_from(DEBUG_LORA)
     randomize_adapters(built.model, seed=seed)
@@ -72,13 +72,13 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {clean_fqn(n): full_copy(p) for n, p in model.named_parameters()}
 
 
-def expected_adapter(built) -> dict[str, torch.Tensor]:  # noqa: ANN001
+def expected_adapter(built) -> dict[str, torch.Tensor]:
     """Collective: the adapter in PEFT naming, from the model's params (the oracle: torchtitan names
     renamed and permuted by the export path, not by the gatherer)."""
     return to_peft_names(full_adapter(adapter_params(built.model)), built.peft_layout)
 
 
-def expected_base(built) -> dict[str, torch.Tensor]:  # noqa: ANN001
+def expected_base(built) -> dict[str, torch.Tensor]:
     """Collective: the base in HF naming, converted as a whole by torchtitan's adapter; lm_head tied."""
     state = {n: t for n, t in full_state(built.model).items() if not is_adapter_param(n)}
     hf = built.sd_adapter.to_hf(state)

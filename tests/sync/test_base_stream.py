@@ -56,7 +56,7 @@ class LazyEmitter:
     def engine_incarnation(self) -> str:
         return "fake-engine"
 
-    def send_base(self, tensors, version: int) -> Ack:  # noqa: ANN001
+    def send_base(self, tensors, version: int) -> Ack:
         count = nbytes = 0
         self.attempts += 1
         for name, t in tensors:
@@ -68,7 +68,7 @@ class LazyEmitter:
             count, nbytes = count + 1, nbytes + size
         return Ack(version, count, nbytes)
 
-    def send_adapter(self, payload) -> Ack:  # noqa: ANN001
+    def send_adapter(self, payload) -> Ack:
         return Ack(payload.version, payload.num_tensors, payload.nbytes)
 
     def retire_adapter(self, name: str, timeout_s: float) -> bool:

@@ -36,14 +36,14 @@ class Rollouts:
         self.fail: BaseException | None = None
         self.interrupts: list[str] = []
 
-    def generate(self, prompts, adapter, max_tokens, temperature, seed, stop_token_ids):  # noqa: ANN001, ANN201
+    def generate(self, prompts, adapter, max_tokens, temperature, seed, stop_token_ids):
         self.calls.append((len(prompts), adapter, seed))
         if self.fail is not None:
             raise self.fail
         time.sleep(0.05)  # in flight long enough for the others to be routed past it
         return [Completion([self.index], "", [0.0]) for _ in prompts]
 
-    def score(self, sequences, adapter):  # noqa: ANN001, ANN201
+    def score(self, sequences, adapter):
         self.calls.append((len(sequences), adapter, None))
         return [[-1.0] for _ in sequences]
 
@@ -51,14 +51,14 @@ class Rollouts:
         self.interrupts.append(reason)
 
 
-def replica_set(n: int = 2, embedded: bool = False, **overrides) -> ReplicaSet:  # noqa: ANN003
+def replica_set(n: int = 2, embedded: bool = False, **overrides) -> ReplicaSet:
     replicas = [Replica(i, Endpoint(f"http://127.0.0.1:{8000 + i}"), Emitter(), Rollouts(i),
                         Engine() if embedded else None) for i in range(n)]
     return ReplicaSet(replicas, cfg(**{"timeout_s": 5.0, **overrides}))
 
 
 @pytest.fixture
-def syncer_over():  # noqa: ANN201
+def syncer_over():
     made: list[WeightSyncer] = []
 
     def make(replicas: ReplicaSet) -> WeightSyncer:
@@ -73,7 +73,7 @@ def syncer_over():  # noqa: ANN201
         s.close()
 
 
-def wait_until(predicate, what: str, timeout_s: float = 10.0) -> None:  # noqa: ANN001
+def wait_until(predicate, what: str, timeout_s: float = 10.0) -> None:
     assert waited(predicate, timeout_s, poll_s=0.01), f"no {what} within {timeout_s} s"
 
 
@@ -232,7 +232,7 @@ def test_the_base_is_streamed_to_every_replica_at_once_and_no_copy_is_kept(synce
     for r in rs.replicas:  # each replica's emitter reads its queue as the stream goes; record how far it is
         original = r.emitter.send_base
 
-        def send(tensors, version, original=original):  # noqa: ANN001, ANN202
+        def send(tensors, version, original=original):
             got = []
             for item in tensors:
                 drawn_while_sending.append(base.drawn - len(got))  # items drawn but not yet read by it
@@ -328,7 +328,7 @@ def test_rollouts_in_flight_on_a_wedged_replica_go_to_the_others_within_its_heal
     frozen, ended = rs.replicas[0], threading.Event()
     frozen.emitter.wedged = True
 
-    def hang(prompts, adapter, max_tokens, temperature, seed, stop_token_ids):  # noqa: ANN001, ANN202
+    def hang(prompts, adapter, max_tokens, temperature, seed, stop_token_ids):
         frozen.rollouts.calls.append((len(prompts), adapter, seed))
         assert ended.wait(30), "the request to the wedged replica was never ended"
         raise EngineHung("abandoned: interrupted")

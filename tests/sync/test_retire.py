@@ -304,7 +304,7 @@ class _leases:  # noqa: N801
             for version in self.versions:
                 self.v._leases[version] = 2
 
-    def __exit__(self, *exc) -> None:  # noqa: ANN002
+    def __exit__(self, *exc) -> None:
         with self.v._cond:
             for version in self.versions:
                 self.v._leases.pop(version, None)

@@ -38,7 +38,7 @@ def digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
             for n, t in tensors.items()}
 
 
-def _receiver(rank: int, tmp: str, **kwargs):  # noqa: ANN003, ANN202
+def _receiver(rank: int, tmp: str, **kwargs):
     shim_on_path()
     return start_receiver(tmp, **kwargs) if rank == 0 else None
 
@@ -50,7 +50,7 @@ def _kill_mid_base_then_during_rollouts(rank: int, world: int, tmp: str) -> None
         if rank == 0:  # SIGKILL the engine when the first base transfer posts its 2nd bucket
             real, base_posts = syncer.emitter.client.post, []
 
-            def post(path, body=None, timeout_s=None):  # noqa: ANN001, ANN202
+            def post(path, body=None, timeout_s=None):
                 if path == "/titan/bucket" and body["kind"] == "base" and engine.starts == 1:
                     base_posts.append(path)
                     if len(base_posts) == 2:
@@ -256,7 +256,7 @@ def _parity_gate(rank: int, world: int, tmp: str) -> None:
     engine = _receiver(rank, tmp)
     scores: list = []
 
-    def score(sequences, adapter):  # noqa: ANN001, ANN202
+    def score(sequences, adapter):
         scores.append(adapter)
         if adapter == "policy-v3":
             raise RuntimeError("the engine's scorer broke")

@@ -17,7 +17,7 @@ OURS = {"model.embed_tokens.weight": "d-embed", "model.norm.weight": "d-norm"}
 def _syncer(emitter: Emitter, digests: bool = True) -> tuple[WeightSyncer, Base, list]:
     asked: list = []
 
-    def ours(dtype):  # noqa: ANN001, ANN202
+    def ours(dtype):
         asked.append(dtype)
         return dict(OURS)
 

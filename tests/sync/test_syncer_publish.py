@@ -18,7 +18,7 @@ from titan_lora.sync.versions import AdapterVersions
 # ---- retention -----------------------------------------------------------------------------------
 
 
-def test_versions_outside_the_window_are_retired_after_publishing(rig) -> None:  # noqa: ANN001
+def test_versions_outside_the_window_are_retired_after_publishing(rig) -> None:
     r = rig(keep_versions=2, retire_timeout_s=4.0)
     for v in (1, 2, 3):
         r.syncer.sync(v)
@@ -26,7 +26,7 @@ def test_versions_outside_the_window_are_retired_after_publishing(rig) -> None: 
     assert r.emitter.unloaded == [("policy-v1", 2.0)] and r.syncer.versions.live == [2, 3]
 
 
-def test_an_install_waits_for_lagging_retirements_only_past_keep_versions(rig) -> None:  # noqa: ANN001
+def test_an_install_waits_for_lagging_retirements_only_past_keep_versions(rig) -> None:
     r = rig(keep_versions=2, retire_timeout_s=4.0)
     r.emitter.unload_answer = False  # "not drained yet": version 1 stays live
     waits: list[float] = []
@@ -45,7 +45,7 @@ def test_an_install_waits_for_lagging_retirements_only_past_keep_versions(rig) -
 # ---- the parity probe and gate ---------------------------------------------------------------------
 
 
-def test_the_probe_runs_every_n_syncs_and_reports_its_figures(rig) -> None:  # noqa: ANN001
+def test_the_probe_runs_every_n_syncs_and_reports_its_figures(rig) -> None:
     probe = Probe(worst=0.5)
     r = rig(parity_every=2, probe=probe)
     first = r.syncer.sync(1)
@@ -57,14 +57,14 @@ def test_the_probe_runs_every_n_syncs_and_reports_its_figures(rig) -> None:  # n
     assert first["sync/published"] == 1.0, "without the gate a violation is published"
 
 
-def test_no_probe_when_parity_every_is_zero(rig) -> None:  # noqa: ANN001
+def test_no_probe_when_parity_every_is_zero(rig) -> None:
     probe = Probe()
     r = rig(parity_every=0, probe=probe)
     r.syncer.sync(1)
     assert probe.compared == []
 
 
-def test_the_gate_holds_back_a_version_over_the_tolerance(rig, caplog) -> None:  # noqa: ANN001
+def test_the_gate_holds_back_a_version_over_the_tolerance(rig, caplog) -> None:
     r = rig(parity_every=1, parity_gate=True, probe=Probe(worst=0.5), retire_timeout_s=4.0)
     with caplog.at_level(logging.WARNING, logger="titan_lora.sync.syncer"):
         metrics = r.syncer.sync(1)
@@ -75,12 +75,12 @@ def test_the_gate_holds_back_a_version_over_the_tolerance(rig, caplog) -> None: 
             "keeps serving None") in caplog.messages
 
 
-def test_the_gate_publishes_a_version_within_the_tolerance(rig) -> None:  # noqa: ANN001
+def test_the_gate_publishes_a_version_within_the_tolerance(rig) -> None:
     r = rig(parity_every=1, parity_gate=True, probe=Probe(worst=0.1))
     assert r.syncer.sync(1)["sync/published"] == 1.0 and r.syncer.versions.active.version == 1
 
 
-def test_a_failed_probe_is_counted_and_never_stops_or_gates(rig, caplog) -> None:  # noqa: ANN001
+def test_a_failed_probe_is_counted_and_never_stops_or_gates(rig, caplog) -> None:
     probe = Probe()
     probe.fail = True
     r = rig(parity_every=1, parity_gate=True, probe=probe)
@@ -92,7 +92,7 @@ def test_a_failed_probe_is_counted_and_never_stops_or_gates(rig, caplog) -> None
                for m in caplog.messages)
 
 
-def test_every_gated_version_and_failed_probe_is_counted_and_logged(rig, caplog) -> None:  # noqa: ANN001
+def test_every_gated_version_and_failed_probe_is_counted_and_logged(rig, caplog) -> None:
     probe = Probe(worst=0.05)
     r = rig(parity_every=1, parity_gate=True, probe=probe, retire_timeout_s=4.0)
     r.syncer.sync(1)  # within the tolerance: published
@@ -116,13 +116,13 @@ def test_every_gated_version_and_failed_probe_is_counted_and_logged(rig, caplog)
                                   "training goes on")
 
 
-def test_a_gated_version_is_retired_even_with_nothing_active(rig) -> None:  # noqa: ANN001
+def test_a_gated_version_is_retired_even_with_nothing_active(rig) -> None:
     r = rig(parity_every=1, parity_gate=True, probe=Probe(worst=0.5), retire_timeout_s=4.0)
     r.syncer.sync(1)
     assert r.syncer.retirer.wait_idle(5.0) and r.syncer.retirer.retired == 1
 
 
-def test_other_ranks_probe_without_a_payload_and_publish_nothing(sleeps) -> None:  # noqa: ANN001
+def test_other_ranks_probe_without_a_payload_and_publish_nothing(sleeps) -> None:
     probe = Probe()
     other = WeightSyncer(Source(), Base(), None, cfg(parity_every=1), torch.device("cpu"),
                          versions=AdapterVersions("policy", 2), probe=probe)

@@ -22,7 +22,7 @@ from titan_lora.transfer.protocol import Ack
 # ---- engine faults and recovery --------------------------------------------------------------------
 
 
-def test_weights_lost_mid_sync_resends_the_base_then_the_adapter(rig, caplog) -> None:  # noqa: ANN001
+def test_weights_lost_mid_sync_resends_the_base_then_the_adapter(rig, caplog) -> None:
     r = rig()
     r.syncer.sync(1)
     r.emitter.calls.clear()
@@ -39,7 +39,7 @@ def test_weights_lost_mid_sync_resends_the_base_then_the_adapter(rig, caplog) ->
     assert "sending adapter version 2: EngineWeightsLost: no base; recovering the engine (1 of 2)" in caplog.messages
 
 
-def test_with_engine_recovers_and_republishes_the_newest_version(rig) -> None:  # noqa: ANN001
+def test_with_engine_recovers_and_republishes_the_newest_version(rig) -> None:
     r = rig()
     r.syncer.sync(1)
     r.syncer.sync(2)
@@ -58,13 +58,13 @@ def test_with_engine_recovers_and_republishes_the_newest_version(rig) -> None:  
     assert r.syncer.versions.active.name == "policy-v2" and r.syncer.counters["engine_recoveries"] == 1
 
 
-def test_with_engine_returns_the_value_and_leaves_the_engine_alone(rig) -> None:  # noqa: ANN001
+def test_with_engine_returns_the_value_and_leaves_the_engine_alone(rig) -> None:
     r = rig()
     assert r.syncer.with_engine(lambda: 7, "eval") == 7
     assert r.emitter.calls == [] and r.syncer.counters["engine_recoveries"] == 0
 
 
-def test_a_version_the_gate_held_back_is_not_resent_after_a_restart(rig) -> None:  # noqa: ANN001
+def test_a_version_the_gate_held_back_is_not_resent_after_a_restart(rig) -> None:
     r = rig(parity_every=1, parity_gate=True, probe=Probe(worst=0.5))
     r.syncer.sync(1)
     assert r.syncer.versions.active is None
@@ -92,7 +92,7 @@ class LostOnceProbe(Probe):
 
 @pytest.mark.parametrize("worst", [0.05, 0.5], ids=["within-tolerance", "over-tolerance"])
 def test_an_engine_lost_during_the_probe_gets_the_version_again_and_the_probe_alone_publishes_it(
-        rig, worst: float) -> None:  # noqa: ANN001
+        rig, worst: float) -> None:
     # Found in an async calculator run: recovery published the version under probe, then the probe's own
     # publish raised "adapter version 20 is not newer than the active 20" and ended the run.
     probe = LostOnceProbe(worst=0.05)
@@ -110,7 +110,7 @@ def test_an_engine_lost_during_the_probe_gets_the_version_again_and_the_probe_al
         assert metrics["sync/published"] == 0.0 and r.syncer.versions.active is None
 
 
-def test_an_engine_that_keeps_failing_ends_in_engine_failed(rig) -> None:  # noqa: ANN001
+def test_an_engine_that_keeps_failing_ends_in_engine_failed(rig) -> None:
     r = rig(engine_restarts=2)
     r.syncer.sync(1)
 
@@ -125,7 +125,7 @@ def test_an_engine_that_keeps_failing_ends_in_engine_failed(rig) -> None:  # noq
     assert r.syncer.counters["engine_recoveries"] == 2 and r.emitter.calls.count("base v1") == 3
 
 
-def test_no_restarts_allowed_fails_at_once(rig) -> None:  # noqa: ANN001
+def test_no_restarts_allowed_fails_at_once(rig) -> None:
     r = rig(engine_restarts=0)
 
     def fn() -> None:
@@ -136,7 +136,7 @@ def test_no_restarts_allowed_fails_at_once(rig) -> None:  # noqa: ANN001
     assert r.syncer.counters["engine_recoveries"] == 0 and r.emitter.calls == []
 
 
-def test_an_embedded_engine_that_dies_is_restarted_and_its_log_is_shown(rig) -> None:  # noqa: ANN001
+def test_an_embedded_engine_that_dies_is_restarted_and_its_log_is_shown(rig) -> None:
     r = rig(engine=True, engine_restarts=1, health_timeout_s=3.0)
     r.syncer.sync(1)
     r.engine.events.clear()
@@ -152,7 +152,7 @@ def test_an_embedded_engine_that_dies_is_restarted_and_its_log_is_shown(rig) -> 
     assert r.engine.events[:3] == ["restart", ("check", 3.0), ("check", 3.0)]
 
 
-def test_a_failed_recovery_is_named_beside_the_last_error(rig) -> None:  # noqa: ANN001
+def test_a_failed_recovery_is_named_beside_the_last_error(rig) -> None:
     r = rig(engine=True, engine_restarts=1)
     r.syncer.sync(1)
 
@@ -170,7 +170,7 @@ def test_a_failed_recovery_is_named_beside_the_last_error(rig) -> None:  # noqa:
            "EngineDied: the engine exited at start: address already in use" in str(err.value)
 
 
-def test_an_embedded_engine_that_hangs_is_not_retried_but_restarted(rig, sleeps) -> None:  # noqa: ANN001
+def test_an_embedded_engine_that_hangs_is_not_retried_but_restarted(rig, sleeps) -> None:
     r = rig(engine=True, retries=3, health_timeout_s=3.0)
     r.syncer.sync(1)
     r.engine.events.clear()
@@ -189,7 +189,7 @@ def test_an_embedded_engine_that_hangs_is_not_retried_but_restarted(rig, sleeps)
     assert r.emitter.calls.count("base v1") == 1 and r.syncer.versions.active.name == "policy-v2"
 
 
-def test_an_error_with_the_engine_gone_is_an_engine_fault(rig) -> None:  # noqa: ANN001
+def test_an_error_with_the_engine_gone_is_an_engine_fault(rig) -> None:
     r = rig(engine=True)
     r.syncer.sync(1)
     lies = iter([True, False])
@@ -205,7 +205,7 @@ def test_an_error_with_the_engine_gone_is_an_engine_fault(rig) -> None:  # noqa:
     assert r.syncer.counters["engine_recoveries"] == 1 and r.syncer.versions.active.name == "policy-v2"
 
 
-def test_a_changed_incarnation_after_an_error_is_an_engine_fault(rig) -> None:  # noqa: ANN001
+def test_a_changed_incarnation_after_an_error_is_an_engine_fault(rig) -> None:
     r = rig()
     r.syncer.sync(1)
 
@@ -219,7 +219,7 @@ def test_a_changed_incarnation_after_an_error_is_an_engine_fault(rig) -> None:  
     assert r.syncer.counters["engine_recoveries"] == 1 and r.syncer.counters["base_sends"] == 2
 
 
-def test_an_unreachable_incarnation_after_an_error_is_an_engine_fault(rig, sleeps) -> None:  # noqa: ANN001
+def test_an_unreachable_incarnation_after_an_error_is_an_engine_fault(rig, sleeps) -> None:
     r = rig(retries=0)
     r.syncer.sync(1)
     r.emitter.fail["adapter"] = [TransferError("HTTP 500")]
@@ -228,7 +228,7 @@ def test_an_unreachable_incarnation_after_an_error_is_an_engine_fault(rig, sleep
     assert r.syncer.counters["engine_recoveries"] == 1 and r.syncer.versions.active.name == "policy-v2"
 
 
-def test_a_failing_health_check_counts_as_a_lost_engine(rig, caplog) -> None:  # noqa: ANN001
+def test_a_failing_health_check_counts_as_a_lost_engine(rig, caplog) -> None:
     r = rig(engine=True)
     r.syncer.sync(1)
 
@@ -247,7 +247,7 @@ def test_a_failing_health_check_counts_as_a_lost_engine(rig, caplog) -> None:  #
     assert r.syncer.counters["engine_recoveries"] == 1
 
 
-def test_an_error_before_any_base_is_not_an_engine_fault(rig) -> None:  # noqa: ANN001
+def test_an_error_before_any_base_is_not_an_engine_fault(rig) -> None:
     r = rig()
 
     def fn() -> None:
@@ -259,7 +259,7 @@ def test_an_error_before_any_base_is_not_an_engine_fault(rig) -> None:  # noqa: 
     assert r.syncer.counters["engine_recoveries"] == 0 and r.emitter.calls == []
 
 
-def test_an_attached_engine_is_polled_until_it_answers(rig, sleeps) -> None:  # noqa: ANN001
+def test_an_attached_engine_is_polled_until_it_answers(rig, sleeps) -> None:
     r = rig(health_timeout_s=0.5)
     r.syncer.sync(1)
     r.emitter.calls.clear()
@@ -275,7 +275,7 @@ def test_an_attached_engine_is_polled_until_it_answers(rig, sleeps) -> None:  # 
     assert sleeps == [0.5, 0.5] and r.emitter.calls[:3] == ["incarnation"] * 3
 
 
-def test_polling_an_attached_engine_is_bounded(rig, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+def test_polling_an_attached_engine_is_bounded(rig, monkeypatch: pytest.MonkeyPatch) -> None:
     now = [100.0]
     monkeypatch.setattr(syncer_mod.time, "monotonic", lambda: now[0])
     slept: list[float] = []
@@ -294,7 +294,7 @@ def test_polling_an_attached_engine_is_bounded(rig, monkeypatch: pytest.MonkeyPa
     assert slept == [2.0, 2.0, 2.0, 2.0], "min(health timeout, 2 s) apart, until past the deadline"
 
 
-def test_a_healthy_engine_does_not_turn_an_error_into_a_recovery(rig) -> None:  # noqa: ANN001
+def test_a_healthy_engine_does_not_turn_an_error_into_a_recovery(rig) -> None:
     r = rig(engine=True, health_timeout_s=3.5)
     r.syncer.sync(1)
     r.emitter.adapter_ack = lambda p: Ack(p.version, 0, 0)
@@ -307,7 +307,7 @@ def test_a_healthy_engine_does_not_turn_an_error_into_a_recovery(rig) -> None:  
 # ---- what each failure during a recovery says ------------------------------------------------------
 
 
-def test_a_wrong_ack_when_resending_after_a_restart_names_the_version(rig) -> None:  # noqa: ANN001
+def test_a_wrong_ack_when_resending_after_a_restart_names_the_version(rig) -> None:
     r = rig()
     r.syncer.sync(1)
     r.syncer.sync(2)
@@ -324,7 +324,7 @@ def test_a_wrong_ack_when_resending_after_a_restart_names_the_version(rig) -> No
                               "policy-v2 as version 2, 2 tensors, 1 bytes; sent version 2, 2 tensors, 64 bytes")
 
 
-def test_an_engine_that_errs_while_being_brought_back_says_so(rig) -> None:  # noqa: ANN001
+def test_an_engine_that_errs_while_being_brought_back_says_so(rig) -> None:
     r = rig()
     r.syncer.sync(1)
     r.emitter.fail["incarnation"] = [TransferError("HTTP 401")]  # the revival's check; then it answers
@@ -337,7 +337,7 @@ def test_an_engine_that_errs_while_being_brought_back_says_so(rig) -> None:  # n
     assert str(err.value) == "bringing the engine back: TransferError: HTTP 401"
 
 
-def test_recovering_before_any_sync_sends_base_version_zero(rig) -> None:  # noqa: ANN001
+def test_recovering_before_any_sync_sends_base_version_zero(rig) -> None:
     r = rig()
     failures = iter([EngineUnreachable("down")])
 
@@ -351,7 +351,7 @@ def test_recovering_before_any_sync_sends_base_version_zero(rig) -> None:  # noq
     assert r.source.snapshots == [], "no version was published yet: none is re-sent"
 
 
-def test_a_sync_whose_engine_keeps_failing_names_the_version(rig) -> None:  # noqa: ANN001
+def test_a_sync_whose_engine_keeps_failing_names_the_version(rig) -> None:
     r = rig(engine_restarts=1)
     r.syncer.sync(1)
     r.emitter.fail["adapter"] = [EngineWeightsLost("no base")] * 2
@@ -360,7 +360,7 @@ def test_a_sync_whose_engine_keeps_failing_names_the_version(rig) -> None:  # no
     assert str(err.value).startswith("syncing adapter version 2: the engine still fails after 1 recoveries")
 
 
-def test_an_engine_that_errs_right_after_coming_back_ends_the_recovery(rig) -> None:  # noqa: ANN001
+def test_an_engine_that_errs_right_after_coming_back_ends_the_recovery(rig) -> None:
     r = rig(retries=0)
     r.syncer.sync(1)
     # the revival reaches it; then reading its incarnation for the base fails with a plain error

@@ -64,7 +64,7 @@ def test_the_tally_counts_what_passes_and_drain_runs_the_rest() -> None:
 # ---- the happy path ------------------------------------------------------------------------------
 
 
-def test_a_new_syncer_holds_nothing_yet(rig) -> None:  # noqa: ANN001
+def test_a_new_syncer_holds_nothing_yet(rig) -> None:
     r = rig(lora_name="pol", keep_versions=3)
     s = r.syncer
     assert s.versions.lora_name == "pol" and s.versions.keep_versions == 3 and s.versions.live == []
@@ -74,7 +74,7 @@ def test_a_new_syncer_holds_nothing_yet(rig) -> None:  # noqa: ANN001
     assert s.device == torch.device("cpu") and s.base_weights is r.base and s.cfg.lora_name == "pol"
 
 
-def test_first_sync_sends_the_base_then_the_adapter_and_publishes_it(rig) -> None:  # noqa: ANN001
+def test_first_sync_sends_the_base_then_the_adapter_and_publishes_it(rig) -> None:
     r = rig()
     metrics = dict(r.syncer.sync(1))
     assert r.emitter.calls == ["incarnation", "base v1", "incarnation", "adapter policy-v1"]
@@ -92,7 +92,7 @@ def test_first_sync_sends_the_base_then_the_adapter_and_publishes_it(rig) -> Non
     assert r.syncer.last_metrics == {**metrics, **timed}
 
 
-def test_the_base_goes_once_per_engine_incarnation(rig) -> None:  # noqa: ANN001
+def test_the_base_goes_once_per_engine_incarnation(rig) -> None:
     r = rig()
     r.syncer.sync(1)
     r.emitter.calls.clear()
@@ -108,7 +108,7 @@ def test_the_base_goes_once_per_engine_incarnation(rig) -> None:  # noqa: ANN001
     assert r.syncer.versions.live == [3], "a new incarnation holds none of the earlier versions"
 
 
-def test_sync_timings_are_milliseconds_of_the_clock(rig, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+def test_sync_timings_are_milliseconds_of_the_clock(rig, monkeypatch: pytest.MonkeyPatch) -> None:
     clock = iter(range(100, 200))  # every reading advances one second
     monkeypatch.setattr(syncer_mod.time, "perf_counter", lambda: float(next(clock)))
     metrics = rig().syncer.sync(1)
@@ -116,7 +116,7 @@ def test_sync_timings_are_milliseconds_of_the_clock(rig, monkeypatch: pytest.Mon
     assert (metrics["sync/gather_ms"], metrics["sync/base_ms"], metrics["sync/total_ms"]) == (1e3, 1e3, 5e3)
 
 
-def test_the_base_send_is_logged_with_its_size_and_time(rig, caplog, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+def test_the_base_send_is_logged_with_its_size_and_time(rig, caplog, monkeypatch: pytest.MonkeyPatch) -> None:
     clock = iter(range(100))
     monkeypatch.setattr(syncer_mod.time, "perf_counter", lambda: float(next(clock)) * 100.0)
     with caplog.at_level(logging.INFO, logger="titan_lora.sync.syncer"):
@@ -132,7 +132,7 @@ def test_the_base_send_is_logged_with_its_size_and_time(rig, caplog, monkeypatch
     (lambda p: Ack(p.version, p.num_tensors - 1, p.nbytes), "version 1, 1 tensors, 64 bytes"),
     (lambda p: Ack(p.version + 1, p.num_tensors, p.nbytes), "version 2, 2 tensors, 64 bytes"),
 ])
-def test_a_wrong_adapter_ack_raises_and_publishes_nothing(rig, lie, said: str) -> None:  # noqa: ANN001
+def test_a_wrong_adapter_ack_raises_and_publishes_nothing(rig, lie, said: str) -> None:
     r = rig()
     r.emitter.adapter_ack = lie
     with pytest.raises(TransferError) as err:
@@ -144,7 +144,7 @@ def test_a_wrong_adapter_ack_raises_and_publishes_nothing(rig, lie, said: str) -
     assert r.syncer.counters["engine_recoveries"] == 0 and r.emitter.calls.count("adapter policy-v1") == 1
 
 
-def test_a_wrong_base_ack_raises_naming_what_was_sent(rig) -> None:  # noqa: ANN001
+def test_a_wrong_base_ack_raises_naming_what_was_sent(rig) -> None:
     r = rig()
     r.emitter.base_ack = lambda v, n, b: Ack(v, n, b + 1)
     with pytest.raises(TransferError) as err:
@@ -155,7 +155,7 @@ def test_a_wrong_base_ack_raises_naming_what_was_sent(rig) -> None:  # noqa: ANN
     assert r.syncer.counters["base_sends"] == 0 and "adapter policy-v1" not in r.emitter.calls
 
 
-def test_a_failed_base_is_streamed_again_after_a_back_off(rig, sleeps, caplog) -> None:  # noqa: ANN001
+def test_a_failed_base_is_streamed_again_after_a_back_off(rig, sleeps, caplog) -> None:
     r = rig(retries=1)
     r.emitter.fail["base"] = [TransferError("bucket 2 refused")]
     with caplog.at_level(logging.WARNING, logger="titan_lora.sync.syncer"):
@@ -167,7 +167,7 @@ def test_a_failed_base_is_streamed_again_after_a_back_off(rig, sleeps, caplog) -
             in caplog.messages)
 
 
-def test_a_base_that_keeps_failing_raises_after_the_retries(rig, sleeps) -> None:  # noqa: ANN001
+def test_a_base_that_keeps_failing_raises_after_the_retries(rig, sleeps) -> None:
     r = rig(retries=2)
     r.emitter.fail["base"] = [TransferError("refused")] * 3
     with pytest.raises(TransferError) as err:
@@ -176,7 +176,7 @@ def test_a_base_that_keeps_failing_raises_after_the_retries(rig, sleeps) -> None
     assert r.base.starts == 3 and sleeps == [1.0, 2.0] and r.syncer.counters["base_sends"] == 0
 
 
-def test_a_transient_adapter_failure_is_retried(rig, sleeps) -> None:  # noqa: ANN001
+def test_a_transient_adapter_failure_is_retried(rig, sleeps) -> None:
     r = rig(retries=1)
     r.emitter.fail["adapter"] = [TransferError("HTTP 503")]
     r.syncer.sync(1)
@@ -187,7 +187,7 @@ def test_a_transient_adapter_failure_is_retried(rig, sleeps) -> None:  # noqa: A
 # ---- a non-finite adapter ---------------------------------------------------------------------------
 
 
-def test_a_nonfinite_adapter_is_never_sent(rig) -> None:  # noqa: ANN001
+def test_a_nonfinite_adapter_is_never_sent(rig) -> None:
     r = rig()
     r.source.finite = False
     with pytest.raises(NonFiniteAdapterError) as err:
@@ -207,7 +207,7 @@ def test_a_nonfinite_adapter_is_never_sent(rig) -> None:  # noqa: ANN001
 # ---- start-up and shutdown -------------------------------------------------------------------------
 
 
-def test_check_engine_reads_the_limits_and_refuses_a_mismatch(rig) -> None:  # noqa: ANN001
+def test_check_engine_reads_the_limits_and_refuses_a_mismatch(rig) -> None:
     r = rig(keep_versions=2)
     r.syncer.check_engine()
     assert r.emitter.calls == ["limits"]
@@ -219,7 +219,7 @@ def test_check_engine_reads_the_limits_and_refuses_a_mismatch(rig) -> None:  # n
                               "lower [lora] rank")
 
 
-def test_check_engine_retries_and_reports_an_unreachable_engine_as_an_error(rig, sleeps) -> None:  # noqa: ANN001
+def test_check_engine_retries_and_reports_an_unreachable_engine_as_an_error(rig, sleeps) -> None:
     r = rig(retries=1)
     r.emitter.fail["limits"] = [TransferError("HTTP 502"), None]
     r.syncer.check_engine()
@@ -231,7 +231,7 @@ def test_check_engine_retries_and_reports_an_unreachable_engine_as_an_error(rig,
     assert str(err.value) == "checking the engine's limits: EngineWeightsLost: restarting"
 
 
-def test_close_stops_the_retirer_then_the_engine_then_the_emitter(rig) -> None:  # noqa: ANN001
+def test_close_stops_the_retirer_then_the_engine_then_the_emitter(rig) -> None:
     r = rig(engine=True)
     order: list[str] = []
     r.syncer.retirer.close = lambda: order.append("retirer")
@@ -241,7 +241,7 @@ def test_close_stops_the_retirer_then_the_engine_then_the_emitter(rig) -> None: 
     assert order == ["retirer", "engine", "emitter"]
 
 
-def test_an_engine_that_stays_alive_is_checked_with_the_health_timeout(rig, sleeps) -> None:  # noqa: ANN001
+def test_an_engine_that_stays_alive_is_checked_with_the_health_timeout(rig, sleeps) -> None:
     r = rig(engine=True, retries=1, health_timeout_s=4.0)
     r.emitter.fail["adapter"] = [TransferError("HTTP 503")]
     r.syncer.sync(1)
@@ -252,7 +252,7 @@ def test_an_engine_that_stays_alive_is_checked_with_the_health_timeout(rig, slee
 # ---- what each failure says -----------------------------------------------------------------------
 
 
-def test_an_engine_that_cannot_be_reached_names_what_failed(rig, sleeps) -> None:  # noqa: ANN001
+def test_an_engine_that_cannot_be_reached_names_what_failed(rig, sleeps) -> None:
     r = rig(retries=1)
     r.emitter.fail["incarnation"] = [TransferError("HTTP 500")] * 2
     with pytest.raises(TransferError) as err:
@@ -261,7 +261,7 @@ def test_an_engine_that_cannot_be_reached_names_what_failed(rig, sleeps) -> None
                               "attempts: HTTP 500")
 
 
-def test_limits_that_cannot_be_read_name_what_failed(rig, sleeps) -> None:  # noqa: ANN001
+def test_limits_that_cannot_be_read_name_what_failed(rig, sleeps) -> None:
     r = rig(retries=1)
     r.emitter.fail["limits"] = [TransferError("HTTP 502")] * 2
     with pytest.raises(TransferError) as err:
@@ -270,7 +270,7 @@ def test_limits_that_cannot_be_read_name_what_failed(rig, sleeps) -> None:  # no
                               "after 2 attempts: HTTP 502")
 
 
-def test_an_adapter_that_keeps_failing_names_the_adapter(rig, sleeps) -> None:  # noqa: ANN001
+def test_an_adapter_that_keeps_failing_names_the_adapter(rig, sleeps) -> None:
     r = rig(retries=1)
     r.syncer.sync(1)
     r.emitter.fail["adapter"] = [TransferError("HTTP 500")] * 2

@@ -17,7 +17,7 @@ LLAMA = DecoderShape(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, f
                      norm_eps=1e-5, rope_theta=1e4)
 
 
-def _param_shapes(architecture, shape: DecoderShape) -> dict[str, tuple[int, ...]]:  # noqa: ANN001
+def _param_shapes(architecture, shape: DecoderShape) -> dict[str, tuple[int, ...]]:
     return {n: tuple(p.shape) for n, p in architecture.meta_model(shape).named_parameters()}
 
 
@@ -30,7 +30,7 @@ def test_a_llama_shape_builds_its_ffn_width_whatever_torchtitans_rounding(ffn: i
 
 
 @pytest.mark.parametrize("architecture", [LLAMA3, QWEN3], ids=lambda a: a.name)
-def test_torchtitans_flavors_come_back_as_the_shapes_that_build_them(architecture) -> None:  # noqa: ANN001
+def test_torchtitans_flavors_come_back_as_the_shapes_that_build_them(architecture) -> None:
     for name, shape in architecture.flavors.items():
         small = dataclasses.replace(shape, n_layers=1)  # the widths are what is checked; one layer is cheap
         rebuilt = architecture.to_config(small)

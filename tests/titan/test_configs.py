@@ -10,17 +10,17 @@ import pytest
 if not importlib.metadata.version("torchtitan").startswith("0.3."):
     pytest.skip("these tests need torchtitan 0.3.x (PYTHONPATH overlay)", allow_module_level=True)
 
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper  # noqa: E402
+import torch
+import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-from titan_lora.config import JobConfig  # noqa: E402
-from titan_lora.titan.configs import (  # noqa: E402
+from titan_lora.config import JobConfig
+from titan_lora.titan.configs import (
     EveryNthBlockAC, titan_ac, titan_compile, titan_lr_scheduler, titan_optimizer, titan_parallelism,
 )
 
 
-def _job(**sections) -> JobConfig:  # noqa: ANN003
+def _job(**sections) -> JobConfig:
     job = JobConfig()
     for section, values in sections.items():
         for key, value in values.items():
@@ -50,7 +50,7 @@ def test_the_optimizer_and_schedule_step_the_adapters_as_configured() -> None:
 @pytest.mark.parametrize("mode, option, wrapped", [
     ("none", "2", None), ("full", "2", [0, 1, 2, 3]), ("selective", "2", [1, 3]), ("selective", "3", [2]),
 ])
-def test_activation_checkpointing_wraps_the_blocks_0_2_2_did(mode: str, option: str, wrapped) -> None:  # noqa: ANN001
+def test_activation_checkpointing_wraps_the_blocks_0_2_2_did(mode: str, option: str, wrapped) -> None:
     config = titan_ac(_job(activation_checkpoint={"mode": mode, "selective_ac_option": option}).activation_checkpoint)
     if wrapped is None:
         assert config is None

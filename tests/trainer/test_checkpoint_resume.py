@@ -52,7 +52,7 @@ def _train(rank: int, world: int, dump: str, out: str, same_base_for_any_world: 
     lrs: dict[int, float] = {}
     log = run.metrics.log
 
-    def record(step: int, scalars) -> None:  # noqa: ANN001
+    def record(step: int, scalars) -> None:
         losses[step] = scalars["train/loss"]
         lrs[step] = scalars["train/lr"]
         log(step, scalars)

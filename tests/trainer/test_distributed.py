@@ -60,7 +60,7 @@ time.sleep(600)
 
 
 @pytest.mark.parametrize("arm", ["armed", "plain"])
-def test_a_rank_ends_within_seconds_when_its_torchrun_agent_is_killed(tmp_path, arm: str) -> None:  # noqa: ANN001
+def test_a_rank_ends_within_seconds_when_its_torchrun_agent_is_killed(tmp_path, arm: str) -> None:
     """The job's process group SIGKILLed (torchrun's launcher and agent): its ranks, each in a session of its
     own, end with the agent once armed (`end_with_launcher`, which `titan_lora.train` calls first); unarmed,
     they run on, orphaned (which is what the job did before)."""

@@ -34,7 +34,7 @@ def test_a_value_of_the_wrong_type_is_refused_by_name(section: str, key: str, tp
     assert len(errors) == 1 and errors[0].startswith(f"[{section}] {key} = {toml_literal(wrong)} must be "), errors
 
 
-def _outside(rule) -> float:  # noqa: ANN001
+def _outside(rule) -> float:
     if rule.lo is not None:
         return rule.lo if rule.lo_open else rule.lo - 1
     return rule.hi + 1

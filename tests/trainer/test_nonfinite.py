@@ -54,7 +54,7 @@ class FakeSyncer:
         pass
 
 
-def _run(policy: str, dump: Path, nan_step: int = NAN_STEP):  # noqa: ANN202
+def _run(policy: str, dump: Path, nan_step: int = NAN_STEP):
     """A 5-step SFT run whose loss turns NaN at `nan_step`; records what it logs."""
     import titan_lora.train as train
 
@@ -73,7 +73,7 @@ def _run(policy: str, dump: Path, nan_step: int = NAN_STEP):  # noqa: ANN202
     logged: dict[int, dict] = {}
     log = run.metrics.log
 
-    def record(step: int, scalars) -> None:  # noqa: ANN001  (every rank logs: the gather is collective)
+    def record(step: int, scalars) -> None:  # every rank logs: the gather is collective
         logged[step] = {**scalars, "adapter": full_adapter(adapter_params(run.model))}
         log(step, scalars)
 
@@ -115,7 +115,7 @@ def _rollback_then_stop(rank: int, world: int, root: str, out: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):  # noqa: ANN001, ANN201
+def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("nonfinite")
     run_ranks(2, _rollback_then_stop, str(root), str(root / "result.pt"))
     return root, [torch.load(root / f"result.pt.{r}") for r in range(2)]

@@ -40,7 +40,7 @@ def test_the_training_run_starts_its_process_group_with_the_derived_timeout(monk
 
     seen = []
 
-    def fake_init(device, timeout_s=None):  # noqa: ANN001
+    def fake_init(device, timeout_s=None):
         seen.append(timeout_s)
         raise _Started
 

@@ -155,7 +155,7 @@ def test_one_step_on_one_gpu_and_under_tp2_fsdp2_is_the_same(tmp_path) -> None:
     _one_vs_two_ranks(tmp_path, "nccl", *TP2_FSDP2, ranks=4)
 
 
-def _one_vs_two_ranks(tmp_path, backend: str, *layout: str, ranks: int = 2) -> None:  # noqa: ANN001
+def _one_vs_two_ranks(tmp_path, backend: str, *layout: str, ranks: int = 2) -> None:
     run_ranks(1, _one_step, str(tmp_path / "d1"), str(tmp_path / "one.pt"), backend=backend)
     run_ranks(ranks, _one_step, str(tmp_path / "d2"), str(tmp_path / "two.pt"), *layout, backend=backend)
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")

@@ -72,7 +72,7 @@ def test_a_bucket_received_over_the_group_has_the_trainers_bytes_and_checksum(bu
     assert len(cache) == 0, "a received buffer is never cached"
 
 
-def test_one_group_per_incarnation_and_every_bucket_received_anew(buf: nccl.NcclBuffer, fetcher) -> None:  # noqa: ANN001
+def test_one_group_per_incarnation_and_every_bucket_received_anew(buf: nccl.NcclBuffer, fetcher) -> None:
     desc = _desc(buf)
     into = torch.empty(1000, dtype=torch.uint8)
     buf.tensor[:1000] = 7
@@ -115,7 +115,7 @@ def test_an_engine_of_two_workers_gets_every_bucket_on_each(buf: nccl.NcclBuffer
             f.close()
 
 
-def test_refusals_come_back_as_words_and_the_group_stays(buf: nccl.NcclBuffer, fetcher) -> None:  # noqa: ANN001
+def test_refusals_come_back_as_words_and_the_group_stays(buf: nccl.NcclBuffer, fetcher) -> None:
     desc = _desc(buf)
     into = torch.empty(64, dtype=torch.uint8)
     with pytest.raises(TcpRefused, match="wrong token"):
@@ -131,14 +131,14 @@ def test_refusals_come_back_as_words_and_the_group_stays(buf: nccl.NcclBuffer, f
     assert int(into.sum()) == 5 * 64 and len(buf._server._groups) == 1
 
 
-def test_the_engine_receives_from_one_trainer_host_only(buf: nccl.NcclBuffer, fetcher) -> None:  # noqa: ANN001
+def test_the_engine_receives_from_one_trainer_host_only(buf: nccl.NcclBuffer, fetcher) -> None:
     fetcher.fetch(_desc(buf), 0, torch.empty(8, dtype=torch.uint8))
     with pytest.raises(ValueError, match="receives only from '127.0.0.1'"):
         fetcher.fetch({**_desc(buf), "host": "127.0.0.2"}, 0, torch.empty(8, dtype=torch.uint8))
 
 
 def test_a_receive_that_never_comes_is_bounded_and_the_next_bucket_joins_anew(
-        buf: nccl.NcclBuffer, fetcher, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+        buf: nccl.NcclBuffer, fetcher, monkeypatch: pytest.MonkeyPatch) -> None:
     desc = _desc(buf)
     into = torch.empty(64, dtype=torch.uint8)
     fetcher.fetch(desc, 0, into)
@@ -200,7 +200,7 @@ def test_nccl_is_chosen_by_name_with_its_backend() -> None:
 
 
 def test_the_groups_of_an_earlier_trainer_run_are_left_and_a_restart_on_the_same_port_is_joined(
-        fetcher) -> None:  # noqa: ANN001
+        fetcher) -> None:
     ports = [free_port(), free_port()]
     into = torch.empty(16, dtype=torch.uint8)
     first = nccl.NcclBuffer(1 << 10, CPU, backend="gloo", port=ports[0])

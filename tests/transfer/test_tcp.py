@@ -12,7 +12,6 @@ import time
 import pytest
 import torch
 from dist_helpers import free_port
-from wait_helpers import waited
 
 from titan_lora.transfer.buckets import bucket_checksum, bucket_size, copy_out, pack, plan_buckets
 from titan_lora.transfer.placement import choose_transport, transport_kind
@@ -205,7 +204,7 @@ def test_unauthenticated_connections_are_capped_evicted_and_dropped_each_told_wh
         buf: tcp.TcpBuffer, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tcp, "AUTH_TIMEOUT_S", 2.0)
     monkeypatch.setattr(tcp, "MAX_PENDING", 4)
-    server, desc = buf._server, buf.describe(0)
+    desc = buf.describe(0)
     stalled = [socket.create_connection((desc["host"], desc["port"])) for _ in range(20)]
     try:
         for s in stalled:

@@ -107,7 +107,7 @@ def test_only_bare_segment_names_are_mapped(name: str) -> None:
         BufferCache().get({"kind": "shm", "name": name, "size": 1, "offset": 0})
 
 
-def test_a_link_in_shm_is_not_followed(tmp_path) -> None:  # noqa: ANN001
+def test_a_link_in_shm_is_not_followed(tmp_path) -> None:
     target = tmp_path / "secret"
     target.write_bytes(b"x" * 4096)
     link = os.path.join(transport.SHM_DIR, f"titan_lora_test_link_{os.getpid()}")
@@ -173,7 +173,7 @@ class _TorchOnCuda:
         self.allocated.append((size, dtype, device))
         return torch.empty(size, dtype=dtype)
 
-    def __getattr__(self, name: str):  # noqa: ANN204
+    def __getattr__(self, name: str):
         return getattr(torch, name)
 
 
@@ -188,7 +188,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> _TorchOnCuda:
     return fake
 
 
-def test_a_cuda_buffer_is_allocated_on_its_device_and_described_by_its_ipc_handle(fake_cuda) -> None:  # noqa: ANN001
+def test_a_cuda_buffer_is_allocated_on_its_device_and_described_by_its_ipc_handle(fake_cuda) -> None:
     device = torch.device("cuda", 1)
     buf = BucketBuffer(64, device)
     assert fake_cuda.allocated == [(64, torch.uint8, device)] and not hasattr(buf, "_shm")
@@ -204,7 +204,7 @@ def test_a_cuda_buffer_is_allocated_on_its_device_and_described_by_its_ipc_handl
     assert not hasattr(buf, "tensor")
 
 
-def test_a_cpu_buffer_needs_no_stream_synchronisation(fake_cuda) -> None:  # noqa: ANN001
+def test_a_cpu_buffer_needs_no_stream_synchronisation(fake_cuda) -> None:
     buf = BucketBuffer(64, torch.device("cpu"))
     try:
         buf.synchronize()
@@ -213,7 +213,7 @@ def test_a_cpu_buffer_needs_no_stream_synchronisation(fake_cuda) -> None:  # noq
         buf.close()
 
 
-def test_a_cuda_descriptor_rebuilds_the_same_ipc_tensor(fake_cuda, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+def test_a_cuda_descriptor_rebuilds_the_same_ipc_tensor(fake_cuda, monkeypatch: pytest.MonkeyPatch) -> None:
     rebuilt: list[tuple] = []
     monkeypatch.setattr(cuda_ipc.reductions, "rebuild_cuda_tensor",
                         lambda *args: rebuilt.append(args) or torch.arange(64, dtype=torch.uint8))
@@ -255,7 +255,7 @@ def test_shared_memory_that_cannot_be_reserved_names_the_fix(monkeypatch: pytest
     made: list[str] = []
     real = shm.shared_memory.SharedMemory
 
-    def record(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def record(*args, **kwargs):
         shm = real(*args, **kwargs)
         made.append(shm.name)
         return shm
@@ -297,7 +297,7 @@ def test_a_missing_segment_says_where_the_engine_must_run() -> None:
                               "or --ipc=host)")
 
 
-def test_a_cuda_buffer_without_an_event_has_an_empty_event_handle(fake_cuda, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+def test_a_cuda_buffer_without_an_event_has_an_empty_event_handle(fake_cuda, monkeypatch: pytest.MonkeyPatch) -> None:
     no_event = (*_REDUCED[:13], b"", False)
     monkeypatch.setattr(cuda_ipc.reductions, "reduce_tensor", lambda t: ("rebuild", no_event))
     desc = BucketBuffer(64, torch.device("cuda", 0)).describe()

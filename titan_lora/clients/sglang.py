@@ -33,7 +33,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.multiprocessing  # noqa: F401  (registers torch's reducers on ForkingPickler)
+import torch.multiprocessing  # registers torch's reducers on ForkingPickler
 from torch.multiprocessing import reductions
 
 from titan_lora.clients.base import AdapterPayload, BaseTensors, Endpoint, base_items, log_route

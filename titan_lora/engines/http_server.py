@@ -54,7 +54,7 @@ class CappedServer(socketserver.ThreadingMixIn):
         self._live_lock = threading.Lock()
         self._closing = False
 
-    def process_request(self, request: socket.socket, client_address: tuple) -> None:  # noqa: D102
+    def process_request(self, request: socket.socket, client_address: tuple) -> None:
         with self._live_lock:
             admitted = not self._closing and len(self._live) < self.max_connections
             if admitted:  # started under the lock: `close_connections` never joins an unstarted thread
@@ -70,7 +70,7 @@ class CappedServer(socketserver.ThreadingMixIn):
                 pass
             self.shutdown_request(request)
 
-    def process_request_thread(self, request: socket.socket, client_address: tuple) -> None:  # noqa: D102
+    def process_request_thread(self, request: socket.socket, client_address: tuple) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
@@ -130,7 +130,7 @@ class _Deadlines(io.RawIOBase):
         self.deadline: float | None = None
         self.served = False
 
-    def readable(self) -> bool:  # noqa: D102
+    def readable(self) -> bool:
         return True
 
     def await_request(self) -> None:
@@ -143,7 +143,7 @@ class _Deadlines(io.RawIOBase):
         """The headers are in and the caller authenticated: each read of the body gets `IO_TIMEOUT_S`."""
         self.head, self.deadline = False, None
 
-    def readinto(self, buffer: memoryview) -> int:  # noqa: D102
+    def readinto(self, buffer: memoryview) -> int:
         if not self.head:
             timeout = IO_TIMEOUT_S
         elif self.deadline is None:
@@ -165,7 +165,7 @@ class _Requests(io.BufferedReader):
 
     head_left: int | None = None
 
-    def readline(self, limit: int | None = -1) -> bytes:  # noqa: D102
+    def readline(self, limit: int | None = -1) -> bytes:
         if self.head_left is None:
             return super().readline(limit)
         cap = self.head_left + 1
@@ -224,10 +224,10 @@ def make_handler(routes: dict[str, Callable[[dict], dict]], api_key: str,
             self.end_headers()
             self.wfile.write(data)
 
-        def do_GET(self) -> None:  # noqa: N802
+        def do_GET(self) -> None:
             self._serve(lambda: {})
 
-        def do_POST(self) -> None:  # noqa: N802
+        def do_POST(self) -> None:
             self._serve(self._read_body)
 
         def _serve(self, read: Callable[[], dict]) -> None:
@@ -281,6 +281,6 @@ def answer(routes: dict[str, Callable[[dict], dict]], op: str | None, body: dict
         return 504, {"error": f"TimeoutError: {err}"}
     except (KeyError, ValueError) as err:
         return 400, {"error": f"{type(err).__name__}: {err}"}
-    except Exception as err:  # noqa: BLE001 (reported to the client; the server keeps serving)
+    except Exception as err:  # reported to the client; the server keeps serving
         logger.exception("%s failed", op)
         return 500, {"error": f"{type(err).__name__}: {err}"}

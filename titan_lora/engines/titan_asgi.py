@@ -168,7 +168,7 @@ class TitanRoutes:
             return JSONResponse({"error": f"TimeoutError: {err}"}, status_code=504)
         except (KeyError, ValueError) as err:
             return JSONResponse({"error": f"{type(err).__name__}: {err}"}, status_code=400)
-        except Exception as err:  # noqa: BLE001 (reported to the client; the server keeps serving)
+        except Exception as err:  # reported to the client; the server keeps serving
             logger.exception("/titan/%s failed", route)
             return JSONResponse({"error": f"{type(err).__name__}: {err}"}, status_code=500)
 
@@ -226,5 +226,5 @@ class TitanRoutes:
         try:
             held = await self._service.release(RELEASE_TIMEOUT_S)
             logger.info("engine %s stopping; %d mappings released", self._service.incarnation[:8], held)
-        except Exception:  # noqa: BLE001 (shutdown goes on)
+        except Exception:  # shutdown goes on
             logger.exception("releasing the trainer's buffers failed")

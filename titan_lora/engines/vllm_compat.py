@@ -101,10 +101,10 @@ except ImportError as err:
     raise _lacks(err) from err
 
 if FAST_PATH:  # the fast tier's classes, for vllm_fastpath; a vLLM we did not test may have moved them
-    from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
-    from vllm.lora.layers.classifier import ClassificationHeadWithLoRA
-    from vllm.lora.layers.column_parallel_linear import MergedColumnParallelLinearWithLoRA
-    from vllm.lora.lora_weights import LoRALayerWeights, PackedLoRALayerWeights
+    from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA  # noqa: F401 (re-exported)
+    from vllm.lora.layers.classifier import ClassificationHeadWithLoRA  # noqa: F401 (re-exported)
+    from vllm.lora.layers.column_parallel_linear import MergedColumnParallelLinearWithLoRA  # noqa: F401 (re-exported)
+    from vllm.lora.lora_weights import LoRALayerWeights, PackedLoRALayerWeights  # noqa: F401 (re-exported)
 
 
 # The builder tier.
@@ -447,7 +447,7 @@ def run_before_shutdown(engine_client: Any, hook: Callable[[], Awaitable[None]],
             except RuntimeError:  # not the loop's thread: the loop can run the hook meanwhile
                 try:
                     asyncio.run_coroutine_threadsafe(hook(), loop).result(timeout=timeout_s)
-                except Exception:  # noqa: BLE001 (the shutdown goes on)
+                except Exception:  # the shutdown goes on
                     logger.exception("the pre-shutdown hook failed")
         return original(*args, **kwargs)
 

@@ -178,7 +178,7 @@ class WeightSyncer(BaseGiving):
         try:
             self._fault = err
             return _engine_fault(err) or self._engine_lost()
-        except Exception:  # noqa: BLE001
+        except Exception:
             logger.exception("checking the engine's health failed; treating it as lost")
             return True
 

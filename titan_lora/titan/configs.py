@@ -54,7 +54,7 @@ SPMD_BACKEND = "partial_dtensor"
 and TP placements are built on (0.3.0's default `spmd_types` wants every parameter on the full mesh)."""
 
 
-def titan_optimizer(section: Any) -> OptimizersContainer.Config:  # noqa: ANN401 ([optimizer])
+def titan_optimizer(section: Any) -> OptimizersContainer.Config:  # [optimizer]
     """`[optimizer]` as one catch-all parameter group of 0.3.0's optimizer container."""
     kwargs = {"lr": section.lr, "eps": section.eps, "weight_decay": section.weight_decay,
               "betas": (section.beta1, section.beta2)}
@@ -64,7 +64,7 @@ def titan_optimizer(section: Any) -> OptimizersContainer.Config:  # noqa: ANN401
     )
 
 
-def titan_lr_scheduler(section: Any) -> LRSchedulersContainer.Config:  # noqa: ANN401 ([lr_scheduler])
+def titan_lr_scheduler(section: Any) -> LRSchedulersContainer.Config:  # [lr_scheduler]
     """`[lr_scheduler]`: 0.3.0 kept every key and its meaning."""
     return LRSchedulersContainer.Config(**{f.name: getattr(section, f.name) for f in dataclasses.fields(section)})
 
@@ -84,7 +84,7 @@ class EveryNthBlockAC(FullAC):
         return super()._wrap_block(module, base_fqn=base_fqn) if position % self.config.every == 0 else module
 
 
-def titan_ac(section: Any) -> ActivationCheckpointing.Config | None:  # noqa: ANN401 ([activation_checkpoint])
+def titan_ac(section: Any) -> ActivationCheckpointing.Config | None:  # [activation_checkpoint]
     """`[activation_checkpoint]` as a 0.3.0 policy config (`.build(dump_folder=...).apply(model)`), None for
     `mode = "none"`."""
     if section.mode == "none":
@@ -96,12 +96,12 @@ def titan_ac(section: Any) -> ActivationCheckpointing.Config | None:  # noqa: AN
     return EveryNthBlockAC.Config(every=int(section.selective_ac_option))
 
 
-def titan_compile(section: Any) -> CompileConfig:  # noqa: ANN401 ([compile])
+def titan_compile(section: Any) -> CompileConfig:  # [compile]
     """`[compile]`: 0.3.0 kept its keys."""
     return CompileConfig(enable=section.enable, components=list(section.components), backend=section.backend)
 
 
-def titan_parallelism(section: Any) -> ParallelismConfig:  # noqa: ANN401 ([parallelism])
+def titan_parallelism(section: Any) -> ParallelismConfig:  # [parallelism]
     """`[parallelism]` on 0.3.0's partial-DTensor backend. `disable_loss_parallel` has no 0.3.0 key: the
     seam keeps the output head's logits whole itself (titan_lora's losses read whole-vocabulary rows)."""
     return ParallelismConfig(

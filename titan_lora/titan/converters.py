@@ -31,6 +31,6 @@ def registered_converters() -> list[str]:
     return sorted(_CONVERTERS)
 
 
-def model_converters(job_config: Any, parallel_dims: ParallelDims | None) -> list[ConfigConverter]:  # noqa: ANN401
+def model_converters(job_config: Any, parallel_dims: ParallelDims | None) -> list[ConfigConverter]:
     """`[model] converters`, each as a config-tree rewrite (`Architecture.model_config` applies them)."""
     return [_CONVERTERS[name](job_config, parallel_dims).convert for name in job_config.model.converters]

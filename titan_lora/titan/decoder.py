@@ -58,7 +58,7 @@ def _with_template_sharding(cfg: Linear.Config, template: Linear.Config) -> Line
     return cfg
 
 
-def split_qkv(qkv: Any) -> SplitQKVLinear.Config:  # noqa: ANN401
+def split_qkv(qkv: Any) -> SplitQKVLinear.Config:
     """A `SplitQKVLinear.Config` from 0.3.0's `QKVLinear.Config` (own copies of `wkv` for wk and wv)."""
     if isinstance(qkv, SplitQKVLinear.Config):
         return qkv
@@ -87,7 +87,7 @@ _NORM_INIT = {"weight": nn.init.ones_}
 _EMBEDDING_INIT = {"weight": partial(nn.init.normal_, std=1.0)}
 
 
-def rope_config(shape: DecoderShape, complex_rope: bool) -> Any:  # noqa: ANN401
+def rope_config(shape: DecoderShape, complex_rope: bool) -> Any:
     """Llama (`complex_rope`): interleaved pairs, llama scaling when the shape scales; Qwen3: rotate-half."""
     rope = shape.rope_scaling
     if not complex_rope:
@@ -130,12 +130,12 @@ def decoder_config(shape: DecoderShape, model_cls: type, block_cls: type, *, com
     )
 
 
-def rope_config_of(model_config: Any) -> Any:  # noqa: ANN401
+def rope_config_of(model_config: Any) -> Any:
     """The first block's RoPE config."""
     return model_config.layers[0].attention.rope
 
 
-def shape_of_config(config: Any, eos_id: int = 0) -> DecoderShape:  # noqa: ANN401 (a Decoder.Config)
+def shape_of_config(config: Any, eos_id: int = 0) -> DecoderShape:  # a Decoder.Config
     """A 0.3.0 dense decoder config tree (one of torchtitan's flavors) as a shape."""
     block = config.layers[0]
     attention, ffn = block.attention, block.feed_forward

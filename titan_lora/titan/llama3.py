@@ -20,7 +20,7 @@ from titan_lora.titan.models import architecture
 __all__ = ["LLAMA3", "model_config"]
 
 
-def model_config(shape: DecoderShape) -> Any:  # noqa: ANN401 (Llama3Model.Config)
+def model_config(shape: DecoderShape) -> Any:  # Llama3Model.Config
     """`shape` as torchtitan's Llama config tree; ValueError for what its Llama cannot build."""
     if shape.head_dim * shape.n_heads != shape.dim:
         raise ValueError(f"torchtitan's Llama derives head_dim = dim / n_heads = {shape.dim // shape.n_heads}, "

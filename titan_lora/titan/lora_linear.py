@@ -75,7 +75,7 @@ def lora_linear_class(linear_cls: type, lora_class: Callable[[type], type]) -> t
             dropout: float = 0.0
             adapter_dtype: str = "float32"
 
-            def build(self, **kwargs):  # noqa: ANN003, ANN201
+            def build(self, **kwargs) -> nn.Module:  # noqa: ANN003
                 instance = parent_config.build(self, **kwargs)
                 if self.sharding_config is not None:
                     instance._sharding_config = with_adapter_shardings(self.sharding_config)
@@ -104,7 +104,7 @@ def fill_param(param: torch.Tensor, full: torch.Tensor) -> None:
             param.copy_(full)
 
 
-def init_lora_A(seed: int) -> Callable[[torch.Tensor], None]:
+def init_lora_A(seed: int) -> Callable[[torch.Tensor], None]:  # noqa: N802 (PEFT names it lora_A)
     """kaiming_uniform_(a=sqrt(5)) of the full A (bound 1/sqrt(in)), from a generator seeded by `seed`."""
     def init(param: torch.Tensor) -> None:
         full = torch.empty(param.shape, dtype=torch.float32)

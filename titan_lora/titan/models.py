@@ -48,8 +48,8 @@ class Architecture:
     hf_weight_map: Callable[[], dict[str, str | None]]
     """HF weight name -> torchtitan's (`{}` for the layer), from torchtitan's own state-dict adapter."""
 
-    def model_config(self, shape: DecoderShape, job_config: Any = None,  # noqa: ANN401
-                     converters: Sequence[ConfigConverter] = ()) -> Any:  # noqa: ANN401
+    def model_config(self, shape: DecoderShape, job_config: Any = None,
+                     converters: Sequence[ConfigConverter] = ()) -> Any:
         """The config tree for `shape`, its RoPE sized to `[training] seq_len` when a job config is given (as
         0.2.2's `update_from_config` did), rewritten by `converters` in order."""
         if job_config is not None:
@@ -59,8 +59,8 @@ class Architecture:
             config = convert(config)
         return config
 
-    def meta_model(self, shape: DecoderShape, job_config: Any = None,  # noqa: ANN401
-                   converters: Sequence[ConfigConverter] = (), parallelism: Any = None) -> nn.Module:  # noqa: ANN401
+    def meta_model(self, shape: DecoderShape, job_config: Any = None,
+                   converters: Sequence[ConfigConverter] = (), parallelism: Any = None) -> nn.Module:
         """The model for `shape` on the meta device (shapes only, no memory); with `parallelism` (0.3.0's
         `ParallelismConfig`) its sub-configs get their sharding first."""
         config = self.model_config(shape, job_config, converters)
@@ -100,7 +100,7 @@ class _ConfigView:
     parallelism: Any
 
 
-def build_meta(config: Any, parallelism: Any = None) -> nn.Module:  # noqa: ANN401
+def build_meta(config: Any, parallelism: Any = None) -> nn.Module:
     """Build a config tree on the meta device (sharding filled from `parallelism` first, when given)."""
     if parallelism is not None:
         config.update_from_config(config=_ConfigView(parallelism))
@@ -111,7 +111,7 @@ def build_meta(config: Any, parallelism: Any = None) -> nn.Module:  # noqa: ANN4
     return model
 
 
-def replicated_logits(config: Any) -> None:  # noqa: ANN401
+def replicated_logits(config: Any) -> None:
     """Under TP, the head's output all-gathered to whole-vocabulary logits (0.3.0 leaves them vocab-sharded,
     decoder_sharding.py:330-336): titan_lora's losses read whole rows (`[parallelism] disable_loss_parallel`'s
     meaning in 0.2.2)."""

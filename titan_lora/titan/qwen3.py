@@ -20,7 +20,7 @@ from titan_lora.titan.models import architecture
 __all__ = ["QWEN3", "model_config"]
 
 
-def model_config(shape: DecoderShape) -> Any:  # noqa: ANN401 (Qwen3Model.Config)
+def model_config(shape: DecoderShape) -> Any:  # Qwen3Model.Config
     """`shape` as torchtitan's Qwen3 config tree; ValueError for what its Qwen3 cannot build."""
     if shape.rope_scaling is not None:
         raise ValueError("torchtitan's Qwen3 does not scale RoPE; this checkpoint needs another family")

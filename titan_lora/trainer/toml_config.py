@@ -36,22 +36,22 @@ def did_you_mean(name: str, known: list[str], what: str) -> str:
     return f"did you mean {close[0]!r}?" if close else f"known {what}: {', '.join(sorted(known))}"
 
 
-def field_default(f: dataclasses.Field) -> Any:  # noqa: ANN401 (any key's value)
+def field_default(f: dataclasses.Field) -> Any:  # any key's value
     """A field's default value (None when it has none)."""
     if f.default is not dataclasses.MISSING:
         return f.default
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else None
 
 
-def _is_union(tp: Any) -> bool:  # noqa: ANN401
+def _is_union(tp: Any) -> bool:
     return get_origin(tp) in (Union, types.UnionType)
 
 
-def _is_table(tp: Any) -> bool:  # noqa: ANN401
+def _is_table(tp: Any) -> bool:
     return tp is dict or get_origin(tp) is dict
 
 
-def type_fits(value: Any, tp: Any) -> bool:  # noqa: ANN401
+def type_fits(value: Any, tp: Any) -> bool:
     """Whether a TOML value suits a field annotated `tp` (an int suits a float; a bool suits no number)."""
     origin, args = get_origin(tp), get_args(tp)
     if _is_union(tp):
@@ -75,7 +75,7 @@ def type_fits(value: Any, tp: Any) -> bool:  # noqa: ANN401
     return True  # a type TOML cannot spell (Any, None): left to the field's own checks
 
 
-def type_words(tp: Any) -> str:  # noqa: ANN401
+def type_words(tp: Any) -> str:
     """A field's type as a user reads it: "an integer", "a list of strings", "one of 'a', 'b'"."""
     origin, args = get_origin(tp), get_args(tp)
     if _is_union(tp):
@@ -90,7 +90,7 @@ def type_words(tp: Any) -> str:  # noqa: ANN401
     return words.get(tp, "a table" if _is_table(tp) or dataclasses.is_dataclass(tp) else str(tp))
 
 
-def toml_literal(value: Any) -> str:  # noqa: ANN401
+def toml_literal(value: Any) -> str:
     """`value` as it is written in TOML."""
     if isinstance(value, bool):
         return str(value).lower()
@@ -134,7 +134,7 @@ def config_path(argv: list[str]) -> str | None:
 
 # ---- what a key is: its annotation, where a free-form table's keys take the type of their TOML value ----
 
-def _inferred(value: Any) -> Any:  # noqa: ANN401
+def _inferred(value: Any) -> Any:
     """The annotation tyro gave a free-form table's key from its TOML value (a list's items: their one
     type, ints and floats mixed: either, else strings); a nested table stays a table."""
     if isinstance(value, dict):
@@ -196,7 +196,7 @@ def _unknown(path: list[str], part: str, known: list[str], free_form: bool) -> s
 
 # ---- values: one argument (most keys), none (a true/false flag) or several (a list of non-strings) ----
 
-def _takes_many(tp: Any) -> bool:  # noqa: ANN401
+def _takes_many(tp: Any) -> bool:
     """Whether a key takes the arguments that follow it (tyro's nargs="*"): a list of anything but
     strings, whose `list[str]` takes one argument split at commas (torchtitan's rule)."""
     members = get_args(tp) if _is_union(tp) else (tp,)
@@ -204,7 +204,7 @@ def _takes_many(tp: Any) -> bool:  # noqa: ANN401
     return bool(lists) and lists[0] != list[str]
 
 
-def _parse_one(text: str, tp: Any) -> Any:  # noqa: ANN401
+def _parse_one(text: str, tp: Any) -> Any:
     """One argument as a value of `tp`, as tyro read it; ValueError when it is none."""
     origin, args = get_origin(tp), get_args(tp)
     if _is_union(tp):
@@ -232,7 +232,7 @@ def _parse_one(text: str, tp: Any) -> Any:  # noqa: ANN401
     return text  # str, Any
 
 
-def _parse_many(texts: list[str], tp: Any) -> Any:  # noqa: ANN401
+def _parse_many(texts: list[str], tp: Any) -> Any:
     """The arguments of a `_takes_many` key: `None` alone for a key that may be None, else a list."""
     args = get_args(tp) if _is_union(tp) else (tp,)
     if type(None) in args and texts == ["None"]:
@@ -241,7 +241,7 @@ def _parse_many(texts: list[str], tp: Any) -> Any:  # noqa: ANN401
     return [_parse_one(t, item) for t in texts]
 
 
-def _set(values: dict, path: tuple[str, ...], value: Any) -> None:  # noqa: ANN401
+def _set(values: dict, path: tuple[str, ...], value: Any) -> None:
     for part in path[:-1]:
         values = values.setdefault(part, {})
     values[path[-1]] = value
@@ -308,7 +308,7 @@ def _merged(toml: dict, overrides: dict) -> dict:
     return out
 
 
-def _build(cls: type, data: dict, where: str) -> Any:  # noqa: ANN401
+def _build(cls: type, data: dict, where: str) -> Any:
     """`cls` from `data`; a section's own check (`__post_init__`) failing is a ConfigError naming it."""
     known = fields(cls)
     kwargs = {name: _build(known[name].type, value, f"{where}.{name}".lstrip("."))
@@ -320,7 +320,7 @@ def _build(cls: type, data: dict, where: str) -> Any:  # noqa: ANN401
         raise ConfigError([f"[{where}] {err}"]) from None
 
 
-def build_config(schema: type, toml: dict, overrides: dict) -> Any:  # noqa: ANN401
+def build_config(schema: type, toml: dict, overrides: dict) -> Any:
     """The schema's instance: its defaults, the TOML's values as written, then the overrides."""
     return _build(schema, _merged(toml, overrides), "")
 

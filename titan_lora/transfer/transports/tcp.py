@@ -33,7 +33,7 @@ from typing import ClassVar
 import torch
 
 from titan_lora.transfer.transports.base import BucketBuffer, Fetcher, Transport
-from titan_lora.transfer.transports.wire import (  # noqa: F401 (TcpRefused, _REPLY: this transport's API)
+from titan_lora.transfer.transports.wire import (  # TcpRefused, _REPLY: this transport's API
     _OK, _REFUSED, _REPLY, _address, _hex16, _keepalive, _left, _recv_exact, _settimeout, _Stale, ended,
     read_reply, TcpRefused,
 )
