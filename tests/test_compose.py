@@ -388,7 +388,7 @@ def test_compose_builds_the_adapter_source_on_the_engines_lent_buffer(
 
 
 @pytest.mark.parametrize("loop", ["sync", "async"])
-def test_the_objective_gets_the_loop_grpo_loop_names_resumed_at_the_checkpoints_data_position(
+def test_the_objective_gets_the_loop_grpo_loop_names_and_a_sync_run_refuses_an_async_runs_position(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, loop: str) -> None:
     import types
 
@@ -409,6 +409,11 @@ def test_the_objective_gets_the_loop_grpo_loop_names_resumed_at_the_checkpoints_
     def build(data_state: dict | None) -> None:
         compose.build_objective(job, str(tmp_path), dims, torch.device("cpu"), None, None, None, data_state)
 
+    if loop == "sync":
+        with pytest.raises(ValueError, match=r'^\[grpo\] loop = "sync" cannot resume this checkpoint: an async-loop '
+                                             r'run wrote it.*resume with \[grpo\] loop = "async", or start a new run'):
+            build(saved)
+        assert built == [], "refused before the objective is built"
     build(None)
     assert isinstance(built[-1](None), LOOPS[loop])
     if loop == "async":

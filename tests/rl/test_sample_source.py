@@ -1,5 +1,5 @@
 """The two loops behind `SampleSource`: the sync loop's data order and stale drops, the async loop's producer
-started at the checkpoint's data position."""
+started at the checkpoint's data position, and a sync run refusing an async run's position."""
 
 from __future__ import annotations
 
@@ -95,3 +95,12 @@ def test_the_async_loop_refuses_a_sample_older_than_max_staleness_as_a_bug() -> 
     with pytest.raises(RuntimeError, match=r"^the async loop handed step 5 samples of versions \[2\], older than "):
         source.trainable([_sample(2)], current=4)
 
+
+def test_a_sync_run_refuses_the_data_position_an_async_run_saved() -> None:
+    with pytest.raises(ValueError) as err:
+        sample_source(GRPO(loop="sync"), {"next_group": 6, "trained_ahead": [7, 9], "per_step": B})
+    assert str(err.value) == (
+        '[grpo] loop = "sync" cannot resume this checkpoint: an async-loop run wrote it, with groups below 6 and 2 '
+        "above trained, which no step-based position matches (groups would be trained twice or skipped); resume "
+        'with [grpo] loop = "async", or start a new run in another [job] dump_folder')
+    assert sample_source(GRPO(loop="sync"), None) is not None, "a checkpoint without a data position resumes"

@@ -102,7 +102,14 @@ class SyncSource:
 
     @classmethod
     def resuming(cls, cfg: GRPO, data_state: dict | None) -> SourceFactory:
-        """The sync loop's data position is the step."""
+        """Refuse a checkpoint that kept a data position: the sync loop's position is the step."""
+        if data_state:
+            state = ProducerState(**data_state)
+            raise ValueError(
+                f'[grpo] loop = "sync" cannot resume this checkpoint: an async-loop run wrote it, with '
+                f"groups below {state.next_group} and {len(state.trained_ahead)} above trained, which no "
+                "step-based position matches (groups would be trained twice or skipped); resume with [grpo] "
+                'loop = "async", or start a new run in another [job] dump_folder')
         return lambda draws: cls(cfg, draws)
 
     def start(self, step: int) -> None:
