@@ -385,3 +385,42 @@ def test_compose_builds_the_adapter_source_on_the_engines_lent_buffer(
     assert made == [(("model", "layout", lora, "pol", "/hf"), {"lend": emitter.lend_buffer})]
     job_config.model.converters = []
     assert compose.adapter_source(job_config, built, side) is None and len(made) == 1
+
+
+@pytest.mark.parametrize("loop", ["sync", "async"])
+def test_the_objective_gets_the_loop_grpo_loop_names_and_a_sync_run_refuses_an_async_runs_position(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, loop: str) -> None:
+    import types
+
+    import transformers
+
+    from titan_lora import compose
+    from titan_lora.rl.producer import BusyClock
+    from titan_lora.rl.sample_source import LOOPS, Draws
+    from titan_lora.sync.versions import AdapterVersions
+
+    built: list = []
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path: None)
+    monkeypatch.setattr(compose, "GRPOObjective", lambda *args: built.append(args[7]))
+    job = types.SimpleNamespace(grpo=GRPO(enabled=True, loop=loop), job=types.SimpleNamespace(dump_folder=str(tmp_path)))
+    dims = types.SimpleNamespace(get_optional_mesh=lambda name: None)
+    saved = {"next_group": 6, "trained_ahead": [7, 9], "per_step": 8}  # what an async run's checkpoint keeps
+
+    def build(data_state: dict | None) -> None:
+        compose.build_objective(job, str(tmp_path), dims, torch.device("cpu"), None, None, None, data_state)
+
+    if loop == "sync":
+        with pytest.raises(ValueError, match=r'^\[grpo\] loop = "sync" cannot resume this checkpoint: an async-loop '
+                                             r'run wrote it.*resume with \[grpo\] loop = "async", or start a new run'):
+            build(saved)
+        assert built == [], "refused before the objective is built"
+    build(None)
+    assert isinstance(built[-1](None), LOOPS[loop])
+    if loop == "async":
+        build(saved)
+        resumed = built[-1](Draws(lambda step: [], None, AdapterVersions("policy", 3), BusyClock()))
+        resumed.start(8)
+        try:
+            assert resumed.data_state() == saved, "the producer starts at the saved position, not the step's"
+        finally:
+            resumed.close()

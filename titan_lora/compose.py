@@ -24,8 +24,8 @@ from titan_lora.config import GRPO, Engine, JobConfig, WeightSync, attached_urls
 from titan_lora.rl.agent_objective import AgentObjective, check_agent_config
 from titan_lora.rl.agent_task import is_agent_task
 from titan_lora.rl.objective import GRPOObjective
-from titan_lora.rl.producer import ProducerState
 from titan_lora.rl.rewards import get_reward
+from titan_lora.rl.sample_source import sample_source
 from titan_lora.export.peft import PeftLayout
 from titan_lora.rl.task import Task, build_task, task_prompt
 from titan_lora.sync.adapter_source import AdapterSource
@@ -253,12 +253,12 @@ def build_objective(job_config: JobConfig, hf_dir: str, dims: ParallelDims, devi
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     dp = data_parallel_info(dims)
     if job_config.grpo.enabled:
-        resume = ProducerState(**data_state) if data_state else None
+        loop = sample_source(job_config.grpo, data_state)  # the one place `[grpo] loop` is read
         record = os.path.join(job_config.job.dump_folder, "rollouts.jsonl")
         if is_agent_task(task):
             return AgentObjective(job_config.grpo, task, tokenizer, engine, dp, device, metrics,
-                                  job_config.training.seq_len, resume, record)
-        return GRPOObjective(job_config.grpo, task, tokenizer, engine, dp, device, metrics, resume, record)
+                                  job_config.training.seq_len, loop, record)
+        return GRPOObjective(job_config.grpo, task, tokenizer, engine, dp, device, metrics, loop, record)
     data = SFTData(tokenizer, job_config.data.path, job_config.training.seq_len,
                    global_batch_size(job_config.training, dp.size), job_config.data.seed)
     return SFTObjective(data, dp, device)

@@ -30,9 +30,10 @@ from titan_lora.rl import episode_rollouts
 from titan_lora.rl.episode_rollouts import run_episode_groups
 from titan_lora.rl.episode_samples import EpisodeCounts, episode_samples
 from titan_lora.rl.rollout import Sample
+from titan_lora.rl.sample_source import sample_source
 from titan_lora.rl.task import Problem, build_task
 from titan_lora.sync.engine_access import EngineRollouts
-from titan_lora.sync.versions import Lease
+from titan_lora.sync.versions import AdapterVersions, Lease
 from titan_lora.titan.parallel import DataParallelInfo
 from titan_lora.transfer import protocol
 from titan_lora.transfer.episodes import EpisodeRecord, Segment
@@ -62,7 +63,7 @@ def objective(**overrides) -> AgentObjective:  # noqa: ANN003
     settings = dict(enabled=True, task="calculator_agent", train_size=10, eval_size=2, max_staleness=1)
     cfg = GRPO(**(settings | overrides))
     return AgentObjective(cfg, build_task(cfg), TOKENIZER, None, DataParallelInfo(0, 1, None),
-                          torch.device("cpu"), None, seq_len=64)
+                          torch.device("cpu"), None, seq_len=64, loop=sample_source(cfg))
 
 
 def loss_of(samples: list, model: LogitTable, **overrides) -> tuple[torch.Tensor, dict]:  # noqa: ANN003
@@ -223,23 +224,37 @@ def test_settings_an_agent_task_does_not_run_under_are_refused(overrides: dict, 
 
 def test_the_async_loop_draws_one_problems_episodes_as_a_group_and_a_step_counts_the_groups_it_took() -> None:
     client = engine = Engine()
-    obj = AgentObjective(GRPO(enabled=True, task="calculator_agent", train_size=10, eval_size=2, loop="async",
-                              prompts_per_step=2, group_size=3), build_task(GRPO(task="calculator_agent")),
+    cfg = GRPO(enabled=True, task="calculator_agent", train_size=10, eval_size=2, loop="async", prompts_per_step=2,
+               group_size=3)
+    obj = AgentObjective(cfg, build_task(GRPO(task="calculator_agent")),
                          TOKENIZER, EngineRollouts(client, None, lambda fn, what: fn()),
-                         DataParallelInfo(0, 1, None), torch.device("cpu"), None, seq_len=64)
+                         DataParallelInfo(0, 1, None), torch.device("cpu"), None, seq_len=64, loop=sample_source(cfg))
     obj.agent = engine
     groups = {i: obj._draw_group(i, Lease("policy-v4", 4)) for i in (2, 3)}  # step 2's two problems
     assert [len(g) for g in groups.values()] == [3, 3] and engine.records == {}
     for i, samples in groups.items():
         assert {(s.group, s.version) for s in samples} == {(i, 4)}
         assert samples[0].prompt_ids == list(EPISODE_A.ids[:3])
-    obj.producer = types.SimpleNamespace(last_taken=[3])  # a step that took group 3 alone
+    obj.source = types.SimpleNamespace(taken=[3])  # a step that took group 3 alone
     obj.engine = EngineRollouts(client, None, lambda fn, what: groups[3])
     assert obj._step_samples(2) == groups[3]
     assert obj.counts.episodes == 3 and list(obj._group_counts) == [2], "the step counts its own groups"
-    obj.producer.last_taken, obj.engine = [2], EngineRollouts(client, None, lambda fn, what: [])
+    obj.source.taken, obj.engine = [2], EngineRollouts(client, None, lambda fn, what: [])
     with pytest.raises(RuntimeError, match="no episode of step 3 captured a sampled token"):
         obj._step_samples(3)
+
+
+def test_the_sync_loop_runs_a_steps_groups_at_once_and_the_step_counts_all_their_episodes() -> None:
+    client = engine = Engine()
+    cfg = GRPO(enabled=True, task="calculator_agent", train_size=10, eval_size=2, prompts_per_step=2, group_size=3)
+    versions = AdapterVersions("policy", keep_versions=3)
+    versions.publish(1)
+    obj = AgentObjective(cfg, build_task(cfg), TOKENIZER, EngineRollouts(client, versions, lambda fn, what: fn()),
+                         DataParallelInfo(0, 1, None), torch.device("cpu"), None, seq_len=64, loop=sample_source(cfg))
+    obj.agent = engine
+    samples = obj._step_samples(2)
+    assert [(s.group, s.version, s.trained_at) for s in samples] == [(2, 1, 2)] * 3 + [(3, 1, 2)] * 3
+    assert obj.counts.episodes == 6 and obj._group_counts == {}, "the step's counts, taken once"
 
 
 def test_an_engine_that_does_not_capture_episodes_is_refused_at_start() -> None:
@@ -249,7 +264,7 @@ def test_an_engine_that_does_not_capture_episodes_is_refused_at_start() -> None:
     with pytest.raises(ValueError, match=r'needs an engine that captures episodes: \[engine\] kind = "vllm" with '
                                          "one replica \\(this rollout client is a SimpleNamespace\\)"):
         AgentObjective(cfg, build_task(cfg), TOKENIZER, engine,
-                       DataParallelInfo(0, 1, None), torch.device("cpu"), None, seq_len=64)
+                       DataParallelInfo(0, 1, None), torch.device("cpu"), None, seq_len=64, loop=sample_source(cfg))
 
 
 def test_the_calculator_agent_task_multiplies_3_digit_numbers() -> None:
@@ -321,10 +336,11 @@ def test_an_episode_on_a_wedged_engine_ends_at_the_interrupt_not_at_the_rollout_
     # Two episodes run at once and a third is queued: it must not begin after the interrupt.
     monkeypatch.setattr(episode_rollouts, "MAX_EPISODES_AT_ONCE", 2)
     client = OpenAIRolloutClient(f"http://127.0.0.1:{wedged.server_address[1]}", timeout_s=30.0)
-    obj = AgentObjective(GRPO(enabled=True, task="calculator_agent", train_size=10, eval_size=2, loop="async",
-                              prompts_per_step=1, group_size=3), build_task(GRPO(task="calculator_agent")),
+    cfg = GRPO(enabled=True, task="calculator_agent", train_size=10, eval_size=2, loop="async", prompts_per_step=1,
+               group_size=3)
+    obj = AgentObjective(cfg, build_task(GRPO(task="calculator_agent")),
                          TOKENIZER, EngineRollouts(client, None, lambda fn, what: fn()),
-                         DataParallelInfo(0, 1, None), torch.device("cpu"), None, seq_len=64)
+                         DataParallelInfo(0, 1, None), torch.device("cpu"), None, seq_len=64, loop=sample_source(cfg))
     obj.agent = OneTurnAgent(turns)
     raised: list[BaseException] = []
 

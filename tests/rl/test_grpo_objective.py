@@ -21,6 +21,7 @@ from dist_helpers import run_ranks
 
 from titan_lora.config import GRPO
 from titan_lora.rl.objective import GRPOObjective, completion_batch
+from titan_lora.rl.sample_source import sample_source
 from titan_lora.rl.rollout import Sample
 from titan_lora.rl.task import build_task
 from titan_lora.titan.parallel import DataParallelInfo
@@ -59,7 +60,7 @@ def _objective(dp: DataParallelInfo | None = None, **overrides) -> GRPOObjective
     settings = dict(enabled=True, train_size=10, eval_size=2, max_staleness=1) | overrides
     cfg = GRPO(**settings)
     dp = dp or DataParallelInfo(0, 1, None)
-    return GRPOObjective(cfg, build_task(cfg), StubTokenizer(), None, dp, torch.device("cpu"), None)
+    return GRPOObjective(cfg, build_task(cfg), StubTokenizer(), None, dp, torch.device("cpu"), None, sample_source(cfg))
 
 
 def _sample(first: int, n_prompt: int, n_completion: int, version: int, advantage: float) -> Sample:
@@ -133,7 +134,7 @@ def test_stale_samples_are_dropped_counted_and_get_no_gradient() -> None:
     for s in fresh:
         assert torch.count_nonzero(model.table.grad[s.prompt_ids[-1]]) > 0
     _loss(obj, samples, LogitTable())
-    assert obj.dropped_stale == 4, "the drop count accumulates over steps"
+    assert obj.source.dropped() == 4, "the drop count accumulates over steps"
 
 
 def test_a_resumed_run_drops_the_record_lines_of_the_steps_it_trains_again(tmp_path) -> None:
@@ -143,7 +144,7 @@ def test_a_resumed_run_drops_the_record_lines_of_the_steps_it_trains_again(tmp_p
     record.write_text("".join(json.dumps({"step": n, "groups": [n]}) + "\n" for n in range(1, 6)))
     cfg = GRPO(enabled=True, train_size=10, eval_size=2)
     obj = GRPOObjective(cfg, build_task(cfg), StubTokenizer(), None, DataParallelInfo(0, 1, None),
-                        torch.device("cpu"), None, record=str(record))
+                        torch.device("cpu"), None, sample_source(cfg), record=str(record))
     obj.before_training(3)
     assert [json.loads(line)["step"] for line in record.read_text().splitlines()] == [1, 2, 3]
     obj.before_training(0)  # a new run in the same folder starts the file afresh

@@ -14,6 +14,7 @@ from titan_lora.compose import check_plugins, configured_task
 from titan_lora.config import GRPO
 from titan_lora.rl.jsonl import JsonlTask, jsonl_task, read_jsonl
 from titan_lora.rl.objective import GRPOObjective
+from titan_lora.rl.sample_source import sample_source
 from titan_lora.rl.rewards import get_reward
 from titan_lora.rl.task import Problem, Task, build_task, task_prompt, train_and_heldout
 from titan_lora.titan.parallel import DataParallelInfo
@@ -181,7 +182,8 @@ def test_the_objective_encodes_each_records_system(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "d.jsonl", qa(20, system="Be brief."))
     cfg = GRPO(enabled=True, task="jsonl", rollouts=False, eval_size=3, train_size=10)
     task = build_task(cfg, {"path": str(path), "instruction": "Answer with a number."})
-    obj = GRPOObjective(cfg, task, CharTokenizer(), None, DataParallelInfo(0, 1, None), torch.device("cpu"), None)
+    obj = GRPOObjective(cfg, task, CharTokenizer(), None, DataParallelInfo(0, 1, None), torch.device("cpu"), None,
+                        sample_source(cfg))
     assert len(obj.train_problems) == 10 and obj.heldout == list(task.heldout)
     assert ["".join(map(chr, ids)) for ids in obj.heldout_ids] == [
         f"<system>Be brief.<user>{p.question} Answer with a number.<assistant>" for p in task.heldout]

@@ -7,31 +7,13 @@ import torch
 
 from titan_lora.clients.rollout import Completion
 from titan_lora.config import GRPO
-from titan_lora.rl.objective import GRPOObjective, fresh_samples
-from titan_lora.rl.rollout import Sample
+from titan_lora.rl.objective import GRPOObjective
+from titan_lora.rl.sample_source import sample_source
 from titan_lora.rl.task import build_task
 from titan_lora.sync.engine_access import EngineRollouts
 from titan_lora.sync.versions import AdapterVersions
 from titan_lora.titan.parallel import DataParallelInfo
 from titan_lora.transfer.errors import TransferError
-
-
-def _sample(version: int) -> Sample:
-    return Sample([1, 2], [3], [-0.5], 1.0, 0.5, version, "3")
-
-
-def test_fresh_samples_keeps_versions_within_the_staleness_window() -> None:
-    samples = [_sample(v) for v in (2, 3, 4, 5, 5)]
-    assert [s.version for s in fresh_samples(samples, current_version=5, max_staleness=1)] == [4, 5, 5]
-    assert [s.version for s in fresh_samples(samples, current_version=5, max_staleness=0)] == [5, 5]
-    assert len(fresh_samples(samples, current_version=5, max_staleness=3)) == 5
-    assert fresh_samples([], current_version=5, max_staleness=1) == []
-
-
-def test_all_stale_samples_raise_a_clear_error() -> None:
-    with pytest.raises(RuntimeError, match=r"every one of the 2 samples is stale: .*versions \[1, 2\].*"
-                                           r"version 7 and \[grpo\] max_staleness = 1"):
-        fresh_samples([_sample(1), _sample(2)], current_version=7, max_staleness=1)
 
 
 class FakeClient:
@@ -73,7 +55,8 @@ def tokenizer(smollm2_dir):  # noqa: ANN001, ANN201
 def _objective(tokenizer, syncer: FakeSyncer) -> GRPOObjective:  # noqa: ANN001
     cfg = GRPO(enabled=True, prompts_per_step=2, group_size=2, max_new_tokens=4, eval_size=6, eval_every=5)
     engine = EngineRollouts(syncer.rollouts, syncer.versions, syncer.with_engine)
-    return GRPOObjective(cfg, build_task(cfg), tokenizer, engine, DataParallelInfo(0, 1, None), torch.device("cpu"), None)
+    return GRPOObjective(cfg, build_task(cfg), tokenizer, engine, DataParallelInfo(0, 1, None), torch.device("cpu"), None,
+                         sample_source(cfg))
 
 
 def test_rollouts_run_through_the_engine_recovery(tokenizer) -> None:

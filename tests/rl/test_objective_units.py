@@ -26,8 +26,9 @@ from test_grpo_objective import (
 
 from titan_lora.config import GRPO
 from titan_lora.rl import objective
-from titan_lora.rl.objective import GRPOObjective, completion_batch, fresh_samples
+from titan_lora.rl.objective import GRPOObjective, completion_batch
 from titan_lora.rl.rollout import Sample
+from titan_lora.rl.sample_source import sample_source
 from titan_lora.rl.task import build_task
 from titan_lora.sync.engine_access import EngineRollouts
 from titan_lora.sync.versions import Lease
@@ -45,15 +46,6 @@ def _own(caplog: pytest.LogCaptureFixture) -> list[str]:
 def test_completion_batch_ids_are_long_integers() -> None:
     inputs, labels, mask = completion_batch([Sample([1, 2], [3], [], 0.0, 0.0, 0, "")], pad_id=PAD)
     assert inputs.dtype == labels.dtype == torch.long and mask.dtype == torch.float32
-
-
-def test_all_stale_samples_name_the_fix() -> None:
-    s = Sample([1], [2], [], 0.0, 0.0, 1, "")
-    with pytest.raises(RuntimeError) as err:
-        fresh_samples([s, s], current_version=7, max_staleness=1)
-    assert str(err.value) == ("every one of the 2 samples is stale: they come from adapter versions [1], the trainer "
-                              "is at version 7 and [grpo] max_staleness = 1; the engine is not receiving new adapter "
-                              "versions (check [weight_sync] and the engine's log)")
 
 
 # ---- the engine log-prob gap ---------------------------------------------------------------------------
@@ -189,7 +181,8 @@ class RecordingTokenizer(StubTokenizer):
 def test_without_rollouts_samples_are_the_answers_and_scrambled_ones(monkeypatch: pytest.MonkeyPatch) -> None:
     tok = RecordingTokenizer()
     cfg = GRPO(enabled=True, train_size=10, eval_size=2, rollouts=False, group_size=4, prompts_per_step=2)
-    obj = GRPOObjective(cfg, build_task(cfg), tok, None, DataParallelInfo(0, 1, None), torch.device("cpu"), None)
+    obj = GRPOObjective(cfg, build_task(cfg), tok, None, DataParallelInfo(0, 1, None), torch.device("cpu"), None,
+                        sample_source(cfg))
     monkeypatch.setattr(objective.dist, "get_rank", lambda: 0)
     tok.texts.clear()
     samples = obj._samples(STEP)
@@ -235,7 +228,7 @@ def _with(syncer: Syncer | None, **cfg) -> tuple[GRPOObjective, MetricsLog]:  # 
     settings = dict(enabled=True, train_size=10, eval_size=2, eval_every=5) | cfg
     engine = None if syncer is None else EngineRollouts(syncer.rollouts, syncer.versions, syncer.with_engine)
     obj = GRPOObjective(GRPO(**settings), build_task(GRPO(**settings)), StubTokenizer(), engine, DataParallelInfo(0, 1, None),
-                        torch.device("cpu"), log)
+                        torch.device("cpu"), log, sample_source(GRPO(**settings)))
     return obj, log
 
 
@@ -320,7 +313,7 @@ def test_the_objective_reads_pad_stop_and_prompts_from_the_tokenizer() -> None:
     tok = PaddedTokenizer()
     cfg = GRPO(enabled=True, train_size=10, eval_size=2, task_ops="+")
     obj = GRPOObjective(cfg, build_task(cfg), tok, None,
-                        DataParallelInfo(0, 1, None), torch.device("cpu"), None)
+                        DataParallelInfo(0, 1, None), torch.device("cpu"), None, sample_source(cfg))
     assert obj.pad_id == 7 and obj.stop_ids == [PAD] and obj.device == torch.device("cpu")
     assert all(" + " in p.question for p in obj.train_problems + obj.heldout), "the configured operators"
     assert tok.texts and all(flag is False for _, flag in tok.texts), "prompts are encoded without special tokens"

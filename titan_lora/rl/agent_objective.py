@@ -16,8 +16,8 @@ from titan_lora.rl.agent_task import AgentTask
 from titan_lora.rl.episode_rollouts import EpisodeEngine, heldout_metrics, run_all, run_episode_groups
 from titan_lora.rl.episode_samples import EpisodeCounts, sum_counts
 from titan_lora.rl.objective import GRPOObjective
-from titan_lora.rl.producer import ProducerState
 from titan_lora.rl.rollout import Sample
+from titan_lora.rl.sample_source import SourceFactory
 from titan_lora.sync.engine_access import EngineRollouts
 from titan_lora.sync.versions import Lease
 from titan_lora.titan.parallel import DataParallelInfo
@@ -38,12 +38,12 @@ class AgentObjective(GRPOObjective):
 
     def __init__(self, cfg: GRPO, task: AgentTask, tokenizer, engine: EngineRollouts | None,  # noqa: ANN001
                  dp: DataParallelInfo, device: torch.device, metrics_logger, seq_len: int,  # noqa: ANN001
-                 resume: ProducerState | None = None, record: str = "") -> None:
+                 loop: SourceFactory, record: str = "") -> None:
         check_agent_config(cfg)
         self.seq_len = seq_len
         self.counts = EpisodeCounts()
-        self._group_counts: dict[int, EpisodeCounts] = {}  # async: a finished group's counts, until taken
-        super().__init__(cfg, task, tokenizer, engine, dp, device, metrics_logger, resume, record)
+        self._group_counts: dict[int, EpisodeCounts] = {}  # rank 0: a drawn group's counts, until taken
+        super().__init__(cfg, task, tokenizer, engine, dp, device, metrics_logger, loop, record)
         if engine is not None and engine.client is not None:
             self._clients()  # rank 0: an engine that cannot capture episodes fails now, not at step 1
 
@@ -60,8 +60,10 @@ class AgentObjective(GRPOObjective):
     def _draw_step(self, problems: list, step: int) -> list[Sample]:
         engine = self._clients()
         with self.engine.versions.lease() as lease:
-            samples, self.counts = run_episode_groups(self.agent, engine, lease, problems,
-                                                      self.cfg.group_size, self.seq_len)
+            samples, counts = run_episode_groups(self.agent, engine, lease, problems, self.cfg.group_size,
+                                                 self.seq_len)
+        # The step's groups run at once and are counted together: their counts go under its first group.
+        self._group_counts[(step - 1) * self.cfg.prompts_per_step] = counts
         return samples
 
     def _draw_group(self, index: int, lease: Lease) -> list[Sample]:
@@ -78,8 +80,9 @@ class AgentObjective(GRPOObjective):
 
     def _step_samples(self, step: int) -> list[Sample]:
         samples = super()._step_samples(step)
-        if self.producer is not None:  # rank 0, async: what building the taken groups counted
-            self.counts = sum_counts(self._group_counts.pop(i) for i in self.producer.last_taken)
+        # rank 0: what building the taken groups counted (the other ranks took none)
+        taken = [i for i in self.source.taken if i in self._group_counts]
+        self.counts = sum_counts(self._group_counts.pop(i) for i in taken)
         if not samples:  # shared: every rank raises alike
             raise RuntimeError(f"no episode of step {step} captured a sampled token: every chat completion of "
                                "run_episode must ask for the model it is given with extra_headers=headers")

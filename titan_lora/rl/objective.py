@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -19,9 +18,10 @@ from titan_lora.config import GRPO
 from titan_lora.lora.layer import adapters_disabled
 from titan_lora.rl.grpo import group_advantages, k3_kl, mismatch_kl, policy_loss, stale_weights
 from titan_lora.rl.logprobs import LOGPROB_CHUNK_TOKENS, chunk_count, chunked_token_logprobs
-from titan_lora.rl.producer import BusyClock, ProducerState, RolloutProducer
+from titan_lora.rl.producer import BusyClock
 from titan_lora.rl.rewards import get_reward
 from titan_lora.rl.rollout import Sample, draw_groups, greedy_accuracy, sample_groups, share
+from titan_lora.rl.sample_source import Draws, SourceFactory
 from titan_lora.rl.task import Task, task_prompt, train_and_heldout
 from titan_lora.sync.engine_access import EngineRollouts
 from titan_lora.sync.versions import Lease
@@ -47,19 +47,6 @@ def completion_batch(samples: list[Sample], pad_id: int) -> tuple[torch.Tensor, 
     return inputs, labels, mask
 
 
-def fresh_samples(samples: list[Sample], current_version: int, max_staleness: int) -> list[Sample]:
-    """The samples from versions >= current_version - max_staleness; raises when none is left."""
-    fresh = [s for s in samples if s.version >= current_version - max_staleness]
-    if samples and not fresh:
-        versions = sorted({s.version for s in samples})
-        raise RuntimeError(
-            f"every one of the {len(samples)} samples is stale: they come from adapter versions {versions}, "
-            f"the trainer is at version {current_version} and [grpo] max_staleness = {max_staleness}; the "
-            "engine is not receiving new adapter versions (check [weight_sync] and the engine's log)"
-        )
-    return fresh
-
-
 def _rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
@@ -67,15 +54,15 @@ def _rank0() -> bool:
 class GRPOObjective:
     """One GRPO step per optimizer step, near-on-policy by default (staleness <= 1, one minibatch).
 
-    `[grpo] loop = "async"`: rank 0's `RolloutProducer` draws groups while the ranks train and a step takes
-    its batch from it. `resume`: the data position a checkpoint kept (None: the step's own). `record`: a
-    JSONL file that gets one line per step with its groups, their versions and staleness (rank 0)."""
+    `loop`: where a step's samples come from (`rl/sample_source.py`: `sample_source` picks it from `[grpo]
+    loop`, resumed at the checkpoint's data position). `record`: a JSONL file that gets one line per step
+    with its groups, their versions and staleness (rank 0)."""
 
     logprob_chunk_tokens = LOGPROB_CHUNK_TOKENS
 
     def __init__(self, cfg: GRPO, task: Task, tokenizer, engine: EngineRollouts | None,  # noqa: ANN001
                  dp: DataParallelInfo, device: torch.device, metrics_logger,  # noqa: ANN001
-                 resume: ProducerState | None = None, record: str = "") -> None:
+                 loop: SourceFactory, record: str = "") -> None:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.engine = engine
@@ -87,11 +74,10 @@ class GRPOObjective:
         self._bind_task(task)
         self.stop_ids = [tokenizer.eos_token_id]
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.dropped_stale = 0
         self.eval_failures = 0
         self.clock = BusyClock()  # rank 0: when rollout requests run, for the phase figures
-        self.producer: RolloutProducer | None = None
-        self._resume = resume
+        versions = engine.versions if engine is not None and engine.client is not None else None  # rank 0
+        self.source = loop(Draws(self._draw_step_at, self._draw_group, versions, self.clock))
         self._record = record
         self._problems_cache: tuple[int, list] | None = None
         self._wait_s = 0.0
@@ -118,6 +104,10 @@ class GRPOObjective:
 
     def _seed(self, step: int) -> int:
         return self.cfg.seed * 1_000_003 + step * 1_009
+
+    def _draw_step_at(self, step: int) -> list[Sample]:
+        """Rank 0, sync loop: step `step`'s groups, drawn now."""
+        return self._draw_step(self._problems_at(step), step)
 
     def _draw_group(self, index: int, lease: Lease) -> list[Sample]:
         """Rank 0, a producer thread: group `index` (prompt index % B of step index // B + 1) under `lease`."""
@@ -158,16 +148,12 @@ class GRPOObjective:
         return {**evaluated, "eval/failures": self.eval_failures}
 
     def before_training(self, step: int) -> None:
-        """Held-out accuracy before any update (the loop has synced the engine); then, in the async loop,
-        rank 0 starts drawing rollouts."""
+        """Held-out accuracy before any update (the loop has synced the engine); then the sample source starts
+        (the async loop's producer begins drawing)."""
         self._trim_record(step)
         if evaluated := self._evaluate(step):
             self.metrics_logger.log(step, evaluated)
-        if self.cfg.loop == "async" and self.engine is not None and self.engine.client is not None:
-            state = self._resume or ProducerState.at_step(step, self.cfg.prompts_per_step)
-            self.producer = RolloutProducer(self._draw_group, self.engine.versions, self.cfg.prompts_per_step,
-                                            self.cfg.max_staleness, self.clock, state)
-            self.producer.start()
+        self.source.start(step)
         self.clock.lap()  # the phase figures of step 1 start here
 
     def _samples(self, step: int) -> list[Sample]:
@@ -179,23 +165,12 @@ class GRPOObjective:
             self._wait_s = time.monotonic() - started
 
     def _step_samples(self, step: int) -> list[Sample]:
-        problems = self._problems_at(step)
         if not self.cfg.rollouts:
-            return share(self._offline_samples(problems, step) if dist.get_rank() == 0 else None)
-        if self.cfg.loop == "async":
-            return share(self.engine.call(lambda: self.producer.take(step), f"rollouts of step {step}"))
-
-        def rollouts() -> list[Sample]:  # runs on rank 0 only
-            with self.clock.busy():
-                samples = self._draw_step(problems, step)
-            self.clock.add_tokens(sum(len(s.completion_ids) for s in samples))
-            first = (step - 1) * self.cfg.prompts_per_step
-            for s in samples:
-                s.group, s.trained_at = first + s.group, step
-            return samples
-
-        # Every rank calls it: a dead engine is restarted and re-synced collectively; failure raises.
-        return share(self.engine.call(rollouts, f"rollouts of step {step}"))
+            offline = self._offline_samples(self._problems_at(step), step) if dist.get_rank() == 0 else None
+            return share(offline)
+        # Every rank calls it (the source takes on rank 0): a dead engine is restarted and re-synced
+        # collectively; failure raises.
+        return share(self.engine.call(lambda: self.source.take(step), f"rollouts of step {step}"))
 
     def _draw_step(self, problems: list, step: int) -> list[Sample]:
         """Rank 0, sync loop: the step's groups, group after group (`Sample.group`: the problem's index)."""
@@ -219,18 +194,6 @@ class GRPOObjective:
             s.advantage = a
         return out
 
-    def _trainable(self, samples: list[Sample], current: int) -> list[Sample]:
-        """The samples a step may train on: none older than max_staleness versions."""
-        if self.cfg.loop != "async":
-            fresh = fresh_samples(samples, current, self.cfg.max_staleness)
-            self.dropped_stale += len(samples) - len(fresh)
-            return fresh
-        too_old = [s.version for s in samples if s.version < current - self.cfg.max_staleness]
-        if too_old:  # the producer's admission and take() rule this out: a bug, never trained on
-            raise RuntimeError(f"the async loop handed step {current + 1} samples of versions {sorted(set(too_old))}, "
-                               f"older than [grpo] max_staleness = {self.cfg.max_staleness} allows")
-        return samples
-
     def loss(self, model: nn.Module, step: int) -> tuple[torch.Tensor, dict[str, float]]:
         """The GRPO loss on this rank's share of the step's samples, normalised by global tokens.
 
@@ -239,7 +202,7 @@ class GRPOObjective:
         log-probs as the behaviour policy, truncated at `[grpo] stale_weight_cap`."""
         samples = self._samples(step)
         current = step - 1  # the version the engine serves when step `step` starts
-        fresh = self._trainable(samples, current)
+        fresh = self.source.trainable(samples, current)
         share_n = len(fresh) // self.dp.size
         mine = fresh[self.dp.rank * share_n : (self.dp.rank + 1) * share_n]
         inputs, labels, mask = (t.to(self.device) for t in completion_batch(mine, self.pad_id))
@@ -273,8 +236,7 @@ class GRPOObjective:
             "rl/reward_std": float(rewards.std(unbiased=False)), "rl/kl": float(sums[2]) / tokens,
             "rl/response_len": sum(s.sampled_len for s in fresh) / max(len(fresh), 1),
             "rl/logprob_gap_mean": float(sums[3]) / max(float(sums[5]), 1.0), "rl/logprob_gap_max": float(sums[4]),
-            # samples in both loops (the producer counts groups of group_size)
-            "rl/dropped_stale": self.dropped_stale + self._producer_count("stale_dropped") * self.cfg.group_size,
+            "rl/dropped_stale": self.source.dropped(),
             "rl/samples": len(fresh),
             "rl/reward_errors": sum(s.reward_error for s in samples),  # this step's, each scored 0
             "rl/sample_version": float(min(s.version for s in fresh)),
@@ -300,9 +262,6 @@ class GRPOObjective:
         """`rl/mismatch_kl_s<age>`: mean per-token KL(behaviour || current) of the samples that old."""
         return {f"rl/mismatch_kl_s{age}": float(sums[2 * age]) / float(sums[2 * age + 1])
                 for age in range(len(sums) // 2) if float(sums[2 * age + 1]) > 0}
-
-    def _producer_count(self, name: str) -> int:
-        return self.producer.counters[name] if self.producer is not None else 0
 
     def _trim_record(self, step: int) -> None:
         """Rank 0: drop the record's lines of steps after `step`, which a killed run wrote and this resumed
@@ -344,15 +303,13 @@ class GRPOObjective:
 
     def after_step(self, step: int) -> dict[str, float]:
         """The engine's share of the step (rank 0), and held-out accuracy every `eval_every` steps."""
-        if self.producer is not None:
-            self.producer.poke()  # the step's version was just published: slots are free
+        self.source.after_step()
         metrics = self._evaluate(step) if self.cfg.eval_every and step % self.cfg.eval_every == 0 else {}
         wall, busy, tokens = self.clock.lap()
         if not _rank0() or not self.cfg.rollouts:
             return metrics
-        counts = {f"rl/groups_{k}": v for k, v in self.producer.counters.items()} if self.producer else {}
-        return {**metrics, **counts, "phase/engine_busy_s": busy, "phase/engine_idle_s": max(wall - busy, 0.0),
-                "phase/gen_tokens_per_s": tokens / wall if wall > 0 else 0.0}
+        return {**metrics, **self.source.metrics(), "phase/engine_busy_s": busy,
+                "phase/engine_idle_s": max(wall - busy, 0.0), "phase/gen_tokens_per_s": tokens / wall if wall > 0 else 0.0}
 
     def progress_fields(self, metrics: dict[str, float]) -> dict[str, str]:
         """Reward, accuracy (when measured), step and sync times."""
@@ -365,17 +322,15 @@ class GRPOObjective:
         if "phase/engine_idle_s" in metrics:
             fields["wait_s"] = f"{metrics['phase/rollout_wait_s']:.1f}"
             fields["idle_s"] = f"{metrics['phase/engine_idle_s']:.1f}"
-        if self.cfg.loop == "async":
-            fields["stale"] = f"{metrics['rl/staleness_mean']:.2f}/{metrics['rl/staleness_max']:.0f}"
+        fields |= self.source.progress_fields(metrics)
         if "eval/accuracy" in metrics:
             fields["heldout_acc"] = f"{metrics['eval/accuracy']:.3f}"
         return fields
 
     def data_state(self) -> dict | None:
-        """Rank 0, async loop: the data position a checkpoint saved now keeps (None: the step is it)."""
-        return dataclasses.asdict(self.producer.state()) if self.producer is not None else None
+        """Rank 0: the data position a checkpoint saved now keeps (None: the step is it)."""
+        return self.source.data_state()
 
     def close(self) -> None:
-        """Stop the rollout producer (the engine belongs to the run)."""
-        if self.producer is not None:
-            self.producer.close()
+        """Stop the sample source (the engine belongs to the run)."""
+        self.source.close()
