@@ -85,7 +85,7 @@ def scalars(tb: Path) -> dict[str, dict[int, float]]:
     return out
 
 
-def wait_for(predicate, what: str, job, log: Path, timeout_s: float = 600, poll_s: float = 0.05) -> None:  # noqa: ANN001
+def wait_for(predicate, what: str, job, log: Path, timeout_s: float = 600, poll_s: float = 0.05) -> None:
     """Poll `predicate` until true; fail with the log's end if the job ends or `timeout_s` passes."""
     deadline = time.monotonic() + timeout_s
     while not predicate():

@@ -59,14 +59,14 @@ def samples_of(rec: EpisodeRecord, advantage: float, seq_len: int = 64,
     return episode_samples(rec, 1.0 + advantage, advantage, seq_len, counts or EpisodeCounts())
 
 
-def objective(**overrides) -> AgentObjective:  # noqa: ANN003
+def objective(**overrides) -> AgentObjective:
     settings = dict(enabled=True, task="calculator_agent", train_size=10, eval_size=2, max_staleness=1)
     cfg = GRPO(**(settings | overrides))
     return AgentObjective(cfg, build_task(cfg), TOKENIZER, None, DataParallelInfo(0, 1, None),
                           torch.device("cpu"), None, seq_len=64, loop=sample_source(cfg))
 
 
-def loss_of(samples: list, model: LogitTable, **overrides) -> tuple[torch.Tensor, dict]:  # noqa: ANN003
+def loss_of(samples: list, model: LogitTable, **overrides) -> tuple[torch.Tensor, dict]:
     obj = objective(**overrides)
     obj._samples = lambda step: samples  # type: ignore[method-assign]
     return obj.loss(model, STEP)
@@ -294,12 +294,12 @@ class Wedged(ThreadingHTTPServer):
 class _Swallow(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         self.rfile.read(int(self.headers["Content-Length"]))
         self.server.paths.append(self.path)
         self.server.unwedge.wait(30)  # then the connection closes unanswered
 
-    def log_message(self, *args) -> None:  # noqa: ANN002
+    def log_message(self, *args) -> None:
         pass
 
 

@@ -177,7 +177,7 @@ def test_a_bad_expression_reaches_the_model_as_an_error_and_the_episode_goes_on(
 
 def test_an_engine_that_moves_a_pinned_name_is_an_error() -> None:
     class Unpinned(ScriptedChat):
-        def chat(self, model, messages, max_tokens, temperature, seed=None):  # noqa: ANN001, ANN202
+        def chat(self, model, messages, max_tokens, temperature, seed=None):
             return ChatReply("policy-v2" if self.calls else "policy-v1", super().chat(model, messages, 0, 0).text)
 
     with pytest.raises(RuntimeError, match="turn 2 asked for 'policy-v1' and was served by 'policy-v2'"):

@@ -56,7 +56,7 @@ class LogitTable(nn.Module):
         return self.table[inputs]
 
 
-def _objective(dp: DataParallelInfo | None = None, **overrides) -> GRPOObjective:  # noqa: ANN003
+def _objective(dp: DataParallelInfo | None = None, **overrides) -> GRPOObjective:
     settings = dict(enabled=True, train_size=10, eval_size=2, max_staleness=1) | overrides
     cfg = GRPO(**settings)
     dp = dp or DataParallelInfo(0, 1, None)

@@ -94,7 +94,7 @@ def test_grpo_job_goes_on_while_one_replica_is_killed_and_another_frozen(tmp_pat
         killed = server_of(int(marker.read_text()))
         killed_port = port_of(ports, killed)
         os.kill(killed, signal.SIGKILL)
-        rejoined = rf"replica \d \(http://127.0.0.1:{{}}\) rejoined with the base and adapter version (\d+)"
+        rejoined = r"replica \d \(http://127.0.0.1:{}\) rejoined with the base and adapter version (\d+)"
         wait_for(lambda: re.search(rejoined.format(killed_port), text()), "the killed replica's rejoin", job, log)
         # 2. SIGSTOP the other one's whole process tree while rollouts run on it: its liveness check fails,
         # it is quarantined, its rollouts go to the other, it is restarted and rejoins.

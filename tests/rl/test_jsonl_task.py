@@ -171,7 +171,7 @@ class CharTokenizer:
 
     eos_token, eos_token_id, pad_token_id = "</s>", 0, 0
 
-    def apply_chat_template(self, messages, tokenize: bool, add_generation_prompt: bool) -> str:  # noqa: ANN001
+    def apply_chat_template(self, messages, tokenize: bool, add_generation_prompt: bool) -> str:
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
 
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
@@ -194,7 +194,7 @@ def test_the_objective_encodes_each_records_system(tmp_path: Path) -> None:
 GRPO_JSONL = '[grpo]\nenabled = true\nrollouts = false\ntask = "jsonl"\n'
 
 
-def _job(task: str, grpo: str = GRPO_JSONL, *overrides: str):  # noqa: ANN202
+def _job(task: str, grpo: str = GRPO_JSONL, *overrides: str):
     return job_config_from(DEBUG_LORA + grpo + "[task]\n" + task, *overrides)
 
 
@@ -241,7 +241,7 @@ def _fake_sync(monkeypatch: pytest.MonkeyPatch) -> list[list[list[int]]]:
     probed: list[list[list[int]]] = []
 
     class Syncer:
-        def __init__(self, *args, versions, engine, probe, report, watchdog, base_digests) -> None:  # noqa: ANN002
+        def __init__(self, *args, versions, engine, probe, report, watchdog, base_digests) -> None:
             self.versions, self.with_engine = versions, None
 
         def check_engine(self) -> None:
@@ -290,7 +290,7 @@ def test_the_file_is_read_once_for_the_objective_and_the_probe(tmp_path: Path, m
     runs = []
 
     class Run:
-        def __init__(self, job_config, task: Task | None, model: object = None) -> None:  # noqa: ANN001
+        def __init__(self, job_config, task: Task | None, model: object = None) -> None:
             runs.append((job_config, task))
 
         def train(self) -> None:

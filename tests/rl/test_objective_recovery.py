@@ -22,7 +22,7 @@ class FakeClient:
     def __init__(self, answers: dict[tuple[int, ...], str]) -> None:
         self.answers = answers
 
-    def generate(self, prompts, adapter, max_tokens, temperature, seed, stop):  # noqa: ANN001, ANN201
+    def generate(self, prompts, adapter, max_tokens, temperature, seed, stop):
         texts = [self.answers.get(tuple(p), "99") if temperature == 0 else "5" for p in prompts]
         return [Completion([7, 8], t, [-0.1, -0.2]) for t in texts]
 
@@ -38,7 +38,7 @@ class FakeSyncer:
         self.versions.publish(4)
         self.last_metrics: dict[str, float] = {}
 
-    def with_engine(self, fn, what: str):  # noqa: ANN001, ANN201
+    def with_engine(self, fn, what: str):
         self.calls.append(what)
         if self.failing:
             raise TransferError("the engine failed after 3 restarts")
@@ -46,13 +46,13 @@ class FakeSyncer:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(smollm2_dir):  # noqa: ANN001, ANN201
+def tokenizer(smollm2_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(smollm2_dir)
 
 
-def _objective(tokenizer, syncer: FakeSyncer) -> GRPOObjective:  # noqa: ANN001
+def _objective(tokenizer, syncer: FakeSyncer) -> GRPOObjective:
     cfg = GRPO(enabled=True, prompts_per_step=2, group_size=2, max_new_tokens=4, eval_size=6, eval_every=5)
     engine = EngineRollouts(syncer.rollouts, syncer.versions, syncer.with_engine)
     return GRPOObjective(cfg, build_task(cfg), tokenizer, engine, DataParallelInfo(0, 1, None), torch.device("cpu"), None,

@@ -83,7 +83,7 @@ class AdaptedTable(nn.Module):
 
 
 @contextlib.contextmanager
-def _adapter_off(model: AdaptedTable):  # noqa: ANN202
+def _adapter_off(model: AdaptedTable):
     model.adapter_on = False
     try:
         yield
@@ -108,7 +108,7 @@ def test_the_k3_kl_to_the_base_is_added_with_its_weight(monkeypatch: pytest.Monk
 
 
 def test_no_kl_weight_means_no_reference_forward(monkeypatch: pytest.MonkeyPatch) -> None:
-    def never(model):  # noqa: ANN001, ANN202
+    def never(model):
         raise AssertionError("the reference model ran with kl_coef = 0")
 
     monkeypatch.setattr(objective, "adapters_disabled", never)
@@ -209,7 +209,7 @@ class Syncer:
         self.versions = type("V", (), {"active": Lease("policy-v4", 4)})()
         self.rollouts = object()
 
-    def with_engine(self, fn, what: str):  # noqa: ANN001, ANN201
+    def with_engine(self, fn, what: str):
         if isinstance(self.answer, Exception):
             raise self.answer
         return None if self.answer is None else {"eval/accuracy": self.answer}
@@ -223,7 +223,7 @@ class MetricsLog:
         self.logged.append((step, values))
 
 
-def _with(syncer: Syncer | None, **cfg) -> tuple[GRPOObjective, MetricsLog]:  # noqa: ANN003
+def _with(syncer: Syncer | None, **cfg) -> tuple[GRPOObjective, MetricsLog]:
     log = MetricsLog()
     settings = dict(enabled=True, train_size=10, eval_size=2, eval_every=5) | cfg
     engine = None if syncer is None else EngineRollouts(syncer.rollouts, syncer.versions, syncer.with_engine)
@@ -344,7 +344,7 @@ def test_rollouts_are_asked_with_the_configured_sampling(monkeypatch: pytest.Mon
     monkeypatch.setattr(objective, "share", lambda samples: samples)
 
     class Engine(Syncer):
-        def with_engine(self, fn, what: str):  # noqa: ANN001, ANN201
+        def with_engine(self, fn, what: str):
             self.what = what
             return fn()
 

@@ -26,11 +26,11 @@ class ScriptedClient:
     def __init__(self, texts: list[str]) -> None:
         self.texts = texts
 
-    def generate(self, prompts, adapter, max_tokens, temperature, seed, stop):  # noqa: ANN001, ANN201
+    def generate(self, prompts, adapter, max_tokens, temperature, seed, stop):
         assert len(prompts) == len(self.texts)
         return [Completion([10 + i], t, [-1.0]) for i, t in enumerate(self.texts)]
 
-    def score(self, sequences, adapter):  # noqa: ANN001, ANN201
+    def score(self, sequences, adapter):
         raise NotImplementedError
 
 
