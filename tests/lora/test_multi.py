@@ -144,7 +144,7 @@ def test_three_adapters_in_one_batch_end_as_each_trained_alone(base, alone) -> N
         diff = _max_diff(_as_alone(mixed, k), alone[k])
         print(f"adapter {k}: max abs diff to alone {diff:.3g}")
         assert diff <= 1e-6, k
-        assert any(float((t - 0).abs().max()) > 1e-3 for n, t in alone[k].items() if n.endswith("lora_B")), k
+        assert any(float(t.abs().max()) > 1e-3 for n, t in alone[k].items() if n.endswith("lora_B")), k
     # Clipping did bite (else per-adapter clipping would be untested), and not for every adapter alike.
     first = history[0][0].norms
     assert min(first) < MAX_NORM < max(first), first
