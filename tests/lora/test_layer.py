@@ -160,6 +160,9 @@ def test_is_adapter_param() -> None:
     assert is_adapter_param("lora_A"), "a bare LoRALinear's own parameters"
     assert not is_adapter_param("layers.0.attention.wq.weight")
     assert not is_adapter_param("layers.0.attention.lora_A_norm.weight")
+    # Adapter k of a multi-adapter linear (lora.multi): trainable, never loaded or streamed as base.
+    assert is_adapter_param("layers.0.attention.wq.lora_B_2")
+    assert not is_adapter_param("layers.0.attention.wq.lora_A_x")
 
 
 def test_adapters_disabled_runs_the_base_and_restores_every_scale() -> None:

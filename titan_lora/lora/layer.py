@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import re
 from collections.abc import Iterator
 
 import torch
@@ -20,7 +21,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-ADAPTER_SUFFIXES = ("lora_A", "lora_B")
+# `lora_A` / `lora_B`, and adapter k's `lora_A_<k>` / `lora_B_<k>` of a multi-adapter linear (`lora.multi`).
+_ADAPTER_LEAF = re.compile(r"lora_[AB](_\d+)?")
 
 
 class LoRALayer:
@@ -77,8 +79,8 @@ def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALayer]]:
 
 
 def is_adapter_param(name: str) -> bool:
-    """True for a parameter name that belongs to an adapter (`...lora_A` / `...lora_B`)."""
-    return name.rsplit(".", 1)[-1] in ADAPTER_SUFFIXES
+    """True for a parameter name that belongs to an adapter (`...lora_A` / `...lora_B`, `...lora_A_<k>`)."""
+    return _ADAPTER_LEAF.fullmatch(name.rsplit(".", 1)[-1]) is not None
 
 
 def adapter_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

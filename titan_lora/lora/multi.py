@@ -1,0 +1,132 @@
+"""K LoRA adapters on one linear: the base runs once for the whole batch, each row adds its adapter's delta.
+
+y[rows of k] = base(x)[rows of k] + scale_k * dropout(x[rows of k]) A_k^T B_k^T, for each adapter k that
+targets the linear (one that does not adds nothing there). The rows arrive sorted by adapter (`multi_rows`),
+so each adapter's rows are one contiguous slice and its delta is the single-adapter path's two matmuls on
+that slice, added in place: A_k and B_k get gradients from adapter k's rows only, and a NaN in one adapter's
+rows stays in that adapter. Each adapter's A and B are separate parameters at its own rank, `lora_A_<k>`
+(rank_k x in) and `lora_B_<k>` (out x rank_k): FSDP2 shards them and the optimizer groups them per adapter.
+Every adapter of the linear runs on every batch, one with no rows on an empty slice, so every data-parallel
+rank produces a gradient (zero for no rows) for the same parameters and FSDP2's reduce-scatters match.
+
+A per-segment loop, not `torch._grouped_mm`: grouped_mm takes one stacked weight, so adapters of different
+ranks are padded to the largest (ranks 8/16/32/64 compute 256 rank units instead of 120); on CPU it also needs
+16-byte-aligned strides and refuses the zero-stride gradient of a plain `.sum()`. Measured on SmolLM2 shapes
+(`scripts/bench_multi_lora.py`, figures in docs/multi_adapter.md): with mixed ranks the loop is as fast or
+faster, and each segment's arithmetic is exactly the single-adapter path's.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from titan_lora.lora.multi_rows import ReadsAdapterRows
+from titan_lora.titan.lora_linear import init_lora_A
+
+_MULTI_NAME = re.compile(r"lora_[AB]_(\d+)")
+
+
+@dataclass(frozen=True)
+class AdapterShape:
+    """One adapter's shape on one linear: its rank and its scale (`lora_scale(rank, alpha, use_rslora)`)."""
+
+    rank: int
+    scale: float
+
+
+class MultiLoRALayer(ReadsAdapterRows):
+    """The K-adapter half of a LoRA linear, mixed in before the linear's own class (`multi_lora_class`)."""
+
+    num_adapters: int
+    adapter_scales: dict[int, float]  # adapter -> scale, for the adapters that target this linear
+    lora_dropout_p: float
+    training: bool  # nn.Module's, from the linear's class after this mixin
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Base projection over all rows, plus each adapter's scaled low-rank path on its own rows."""
+        rows = self.adapter_rows
+        if rows is None:
+            raise RuntimeError("a multi-adapter linear ran outside multi_rows.routed(model, rows): run the "
+                               "forward and backward inside it, with the batch's rows grouped by group_rows")
+        rows.check(x.shape[0], self.num_adapters)
+        base = super().forward(x)  # type: ignore[misc]  (the linear's own)
+        dropped = F.dropout(x, self.lora_dropout_p, self.training) if self.lora_dropout_p else x
+        offsets = rows.offsets
+        for k, scale in self.adapter_scales.items():
+            start, end = offsets[k], offsets[k + 1]
+            a, b = getattr(self, f"lora_A_{k}"), getattr(self, f"lora_B_{k}")
+            update = F.linear(F.linear(dropped[start:end], a.to(x.dtype)), b.to(x.dtype))
+            # In place on the segment, as the single-adapter path adds to the whole output.
+            base[start:end].add_(update, alpha=scale)
+        return base
+
+
+@functools.cache
+def multi_lora_class(linear_cls: type[nn.Linear]) -> type[nn.Linear]:
+    """The K-adapter subclass of `linear_cls` (one per class)."""
+    if issubclass(linear_cls, MultiLoRALayer):
+        return linear_cls
+    return type(f"MultiLoRA{linear_cls.__name__}", (MultiLoRALayer, linear_cls), {"__module__": __name__})
+
+
+def add_adapters(linear: nn.Linear, shapes: Sequence[AdapterShape | None], dropout: float = 0.0,
+                 dtype: torch.dtype = torch.float32) -> MultiLoRALayer:
+    """Turn `linear` in place into its K-adapter subclass (same object, same weight): adapter k gets
+    `shapes[k]` (None: k does not target this linear). A/B are uninitialised (`init_adapters`); call before
+    sharding."""
+    if not any(shapes):
+        raise ValueError("add_adapters got no adapter for this linear: leave a linear no adapter targets "
+                         "as it is")
+    device = linear.weight.device
+    linear.__class__ = multi_lora_class(type(linear))
+    linear.num_adapters = len(shapes)
+    linear.adapter_scales = {k: s.scale for k, s in enumerate(shapes) if s is not None}
+    linear.lora_dropout_p = dropout
+    for k, shape in enumerate(shapes):
+        if shape is not None:
+            setattr(linear, f"lora_A_{k}", nn.Parameter(torch.empty(shape.rank, linear.in_features,
+                                                                    device=device, dtype=dtype)))
+            setattr(linear, f"lora_B_{k}", nn.Parameter(torch.empty(linear.out_features, shape.rank,
+                                                                    device=device, dtype=dtype)))
+    return linear  # type: ignore[return-value]
+
+
+def adapter_of(name: str) -> int | None:
+    """The adapter a parameter name belongs to (`...lora_B_2` -> 2), None for any other parameter."""
+    match = _MULTI_NAME.fullmatch(name.rsplit(".", 1)[-1])
+    return int(match.group(1)) if match else None
+
+
+def params_by_adapter(model: nn.Module, num_adapters: int) -> list[list[tuple[str, nn.Parameter]]]:
+    """Each adapter's (name, parameter) pairs, in the model's parameter order (the same on every rank)."""
+    groups: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(num_adapters)]
+    for name, param in model.named_parameters():
+        k = adapter_of(name)
+        if k is not None:
+            groups[k].append((name, param))
+    empty = [k for k, group in enumerate(groups) if not group]
+    if empty:
+        raise ValueError(f"adapters {empty} target no linear of the model: give each adapter at least one "
+                         "target")
+    return groups
+
+
+def init_adapters(model: nn.Module, seeds: Sequence[int]) -> None:
+    """Each adapter initialised as the single-adapter path does with its own seed: A kaiming-uniform from a
+    generator seeded by (seed_k, index of the linear among those k targets, in module order), B zero."""
+    index = [0] * len(seeds)
+    for module in model.modules():
+        if not isinstance(module, MultiLoRALayer):
+            continue
+        for k in module.adapter_scales:
+            init_lora_A(seeds[k] * 1_000_003 + index[k])(getattr(module, f"lora_A_{k}"))
+            with torch.no_grad():
+                getattr(module, f"lora_B_{k}").zero_()
+            index[k] += 1
