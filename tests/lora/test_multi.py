@@ -35,7 +35,7 @@ ROW_ADAPTER = [2, 0, 1, 0, 2, 1, 1, 0, 0]  # interleaved, counts 4/3/2: group_ro
 TOKENS = torch.randint(0, 49152, (len(ROW_ADAPTER), 16), generator=torch.Generator().manual_seed(0))
 
 
-def schedule(k: int):  # noqa: ANN201
+def schedule(k: int):
     """Adapter k's own warm-up: k + 2 steps."""
     return lambda step: min(1.0, (step + 1) / (k + 2))
 
@@ -91,7 +91,7 @@ def mixed_model(base: nn.Module) -> nn.Module:
     return model
 
 
-def train_mixed(base: nn.Module, loss_factors=(1.0, 1.0, 1.0),  # noqa: ANN001, ANN201
+def train_mixed(base: nn.Module, loss_factors=(1.0, 1.0, 1.0),
                 poison_step: int | None = None):
     """All three adapters in one batch, one forward and backward a step: their weights, each step's norms
     and adapter 2's weights before each step, and the model.
@@ -238,7 +238,7 @@ def test_adapter_params_are_named_per_adapter_and_stay_trainable() -> None:
     (AdapterRows((1, 1, 0)), "count 2 rows for a batch of 3"),
     (AdapterRows((3, 0)), "give 2 counts for a model with 3 adapters"),
 ])
-def test_rows_that_do_not_fit_the_batch_are_refused(rows, match) -> None:  # noqa: ANN001
+def test_rows_that_do_not_fit_the_batch_are_refused(rows, match) -> None:
     linear = _layer()
     with pytest.raises((ValueError, RuntimeError), match=match):
         if rows is None:

@@ -42,7 +42,7 @@ def test_each_adapter_is_clipped_by_its_own_norm() -> None:
     assert torch.equal(got[2], torch.tensor([0.3, 0.4])), "under its own max_norm: untouched"
 
 
-def test_a_nonfinite_adapter_drops_its_gradients_and_is_named(caplog) -> None:  # noqa: ANN001
+def test_a_nonfinite_adapter_drops_its_gradients_and_is_named(caplog) -> None:
     groups = adapter_param_groups(_adapters([[1.0], [float("nan")], [float("inf")]]), [0.1] * 3)
     with caplog.at_level(logging.ERROR, logger="titan_lora.lora.multi_optim"):
         norms = clip_per_adapter(groups, max_norm=10.0)
