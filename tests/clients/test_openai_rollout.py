@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from http_helpers import answer_json, serving
 
 from titan_lora.clients.http import ApiKey
 from titan_lora.clients.openai_rollout import KEEPALIVE_EXPIRY_S, OpenAIRolloutClient, engine_failure
@@ -40,8 +41,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # /v1/models
         self.server.keys.append(self.headers.get("Authorization", ""))
-        self._answer({"object": "list",
-                      "data": [{"id": "base", "object": "model", "created": 0, "owned_by": "x"}]})
+        answer_json(self, {"object": "list",
+                           "data": [{"id": "base", "object": "model", "created": 0, "owned_by": "x"}]})
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -52,16 +53,8 @@ class _Handler(BaseHTTPRequestHandler):
         choices = [{"index": i, "text": "7", "token_ids": [7], "finish_reason": "length",
                     "logprobs": {"token_logprobs": [-0.5], "tokens": ["7"], "top_logprobs": None,
                                  "text_offset": [0]}} for i in range(body.get("n", 1))]
-        self._answer({"id": "c", "object": "text_completion", "created": 0, "model": body["model"],
-                      "choices": choices})
-
-    def _answer(self, reply: dict) -> None:
-        data = json.dumps(reply).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        answer_json(self, {"id": "c", "object": "text_completion", "created": 0, "model": body["model"],
+                           "choices": choices})
 
     def log_message(self, *args) -> None:
         pass
@@ -70,12 +63,8 @@ class _Handler(BaseHTTPRequestHandler):
 @pytest.fixture
 def server() -> Iterator[Completions]:
     srv = Completions()
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    yield srv
-    if srv.stall is not None:
-        srv.stall.set()
-    srv.shutdown()
-    srv.server_close()
+    with serving(srv, lambda: srv.stall is not None and srv.stall.set()):
+        yield srv
 
 
 def test_interrupt_ends_every_waiting_call_at_once_and_later_calls_go_through(server: Completions) -> None:

@@ -4,12 +4,13 @@ engine's reason), and no healthy replica is quarantined for it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
-import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from http_helpers import answer_json, serving
 
 from titan_lora.clients.base import Endpoint
 from titan_lora.clients.openai_rollout import OpenAIRolloutClient
@@ -27,22 +28,15 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if len(body["prompt"]) + body["max_tokens"] > MAX_MODEL_LEN:  # vLLM's words and status
-            self._answer(400, {"object": "error", "type": "BadRequestError", "code": 400, "param": None,
-                               "message": f"This model's maximum context length is {MAX_MODEL_LEN} tokens."})
+            answer_json(self, {"object": "error", "type": "BadRequestError", "code": 400, "param": None,
+                               "message": f"This model's maximum context length is {MAX_MODEL_LEN} tokens."},
+                        status=400)
             return
         choices = [{"index": i, "text": "7", "token_ids": [7], "finish_reason": "length",
                     "logprobs": {"token_logprobs": [-0.5], "tokens": ["7"], "top_logprobs": None,
                                  "text_offset": [0]}} for i in range(body.get("n", 1))]
-        self._answer(200, {"id": "c", "object": "text_completion", "created": 0, "model": body["model"],
+        answer_json(self, {"id": "c", "object": "text_completion", "created": 0, "model": body["model"],
                            "choices": choices})
-
-    def _answer(self, status: int, reply: dict) -> None:
-        data = json.dumps(reply).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
     def log_message(self, *args) -> None:
         pass
@@ -63,10 +57,8 @@ class _Emitter:
 
 @pytest.fixture
 def router() -> Iterator[RolloutRouter]:
-    servers = [ThreadingHTTPServer(("127.0.0.1", 0), _Handler) for _ in range(3)]
-    for srv in servers:
-        srv.daemon_threads = True
-        threading.Thread(target=srv.serve_forever, daemon=True).start()
+    stack = contextlib.ExitStack()
+    servers = [stack.enter_context(serving(ThreadingHTTPServer(("127.0.0.1", 0), _Handler))) for _ in range(3)]
     replicas = []
     for i, srv in enumerate(servers):
         url = f"http://127.0.0.1:{srv.server_address[1]}"
@@ -75,9 +67,7 @@ def router() -> Iterator[RolloutRouter]:
     rs = ReplicaSet(replicas, WeightSync(enabled=True, health_timeout_s=2.0))
     yield RolloutRouter(rs)
     rs.close()
-    for srv in servers:
-        srv.shutdown()
-        srv.server_close()
+    stack.close()
 
 
 def test_a_prompt_the_engine_refuses_is_the_requests_error_and_quarantines_no_replica(router) -> None:

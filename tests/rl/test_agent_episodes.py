@@ -18,6 +18,7 @@ import openai
 import pytest
 import torch
 
+from http_helpers import serving
 from test_grpo_objective import VOCAB, LogitTable
 
 from titan_lora.clients.http import HTTPStatusError
@@ -306,11 +307,8 @@ class _Swallow(BaseHTTPRequestHandler):
 @pytest.fixture
 def wedged() -> Iterator[Wedged]:
     srv = Wedged()
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    yield srv
-    srv.unwedge.set()
-    srv.shutdown()
-    srv.server_close()
+    with serving(srv, srv.unwedge.set):
+        yield srv
 
 
 class OneTurnAgent:
