@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from http_helpers import answer_json, serving
+from http_helpers import answer_json, completion_of, serving
 
 from titan_lora.clients.http import ApiKey
 from titan_lora.clients.openai_rollout import KEEPALIVE_EXPIRY_S, OpenAIRolloutClient, engine_failure
@@ -50,11 +50,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.server.keys.append(self.headers.get("Authorization", ""))
         if self.server.stall is not None and not self.server.stall.wait(30):
             return
-        choices = [{"index": i, "text": "7", "token_ids": [7], "finish_reason": "length",
-                    "logprobs": {"token_logprobs": [-0.5], "tokens": ["7"], "top_logprobs": None,
-                                 "text_offset": [0]}} for i in range(body.get("n", 1))]
-        answer_json(self, {"id": "c", "object": "text_completion", "created": 0, "model": body["model"],
-                           "choices": choices})
+        answer_json(self, completion_of(body))
 
     def log_message(self, *args) -> None:
         pass

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from http_helpers import answer_json, serving
+from http_helpers import answer_json, completion_of, serving
 
 from titan_lora.clients.base import Endpoint
 from titan_lora.clients.openai_rollout import OpenAIRolloutClient
@@ -32,11 +32,7 @@ class _Handler(BaseHTTPRequestHandler):
                                "message": f"This model's maximum context length is {MAX_MODEL_LEN} tokens."},
                         status=400)
             return
-        choices = [{"index": i, "text": "7", "token_ids": [7], "finish_reason": "length",
-                    "logprobs": {"token_logprobs": [-0.5], "tokens": ["7"], "top_logprobs": None,
-                                 "text_offset": [0]}} for i in range(body.get("n", 1))]
-        answer_json(self, {"id": "c", "object": "text_completion", "created": 0, "model": body["model"],
-                           "choices": choices})
+        answer_json(self, completion_of(body))
 
     def log_message(self, *args) -> None:
         pass
