@@ -152,10 +152,12 @@ def receive(buffers: BufferCache, pool: SlabPool, transfers: TransferStore, req:
     its transport refuses (a bare segment name, a wrong tcp token, a range past the buffer's end) stages
     nothing and gives its slab back."""
     size = pool.size(req.layout, entries)
+    if req.source.checked(size, buffers):  # staged before the slab is taken: the older transfers a new one
+        transfers.stage(req.transfer_id, req.kind, buffers.prune)  # evicts give their slabs back for it
     slab = pool.take(req.layout, entries, req.source.device())
     try:
         copied = req.source.receive_into(slab.data[:size], buffers, graphed=req.kind in GRAPHED_KINDS)
-        staged = transfers.stage(req.transfer_id, req.kind, buffers.prune)
+        staged = transfers.stage(req.transfer_id, req.kind, buffers.prune)  # the one begun above, if any
         fault_pause()
     except BaseException:
         pool.give(req.layout, slab)

@@ -121,6 +121,11 @@ class Opener(abc.ABC):
         """Where the mapped bytes of `desc`'s buffer lie (the host; a GPU transport says which GPU)."""
         return torch.device("cpu")
 
+    def check(self, bucket: BucketDesc, nbytes: int, buffers: EngineBuffers) -> bool:
+        """Map (and so check) the bucket's buffer before its slab is taken; True: it was checked."""
+        buffers.mapped(bucket, nbytes)
+        return True
+
     def receive(self, bucket: BucketDesc, into: torch.Tensor, buffers: EngineBuffers,
                 graphed: bool) -> str | None:
         """Copy the bucket out of its cached mapping into `into`; the checksum where the copy took it."""
@@ -139,6 +144,10 @@ class Fetcher(abc.ABC):
     def fetch(self, desc: dict, offset: int, into: torch.Tensor) -> None:
         """Fill `into` (uint8, on `device(desc)`) with the buffer's bytes [offset, offset + into.numel()). Anything
         short of all of them raises: the engine must never ack bytes it did not receive."""
+
+    def check(self, bucket: BucketDesc, nbytes: int, buffers: EngineBuffers) -> bool:
+        """False: a fetched bucket is checked by its fetch (token, range), in `receive`."""
+        return False
 
     def open(self, desc: dict) -> torch.Tensor:
         """Refused: these buffers are fetched per bucket (`receive`), never mapped."""
@@ -235,6 +244,10 @@ class BucketDesc:
     def device(self) -> torch.device:
         """Where this bucket's bytes lie (mapped) or arrive (fetched): its slab's natural device."""
         return self.transport.opener.device(self.fields)
+
+    def checked(self, nbytes: int, buffers: EngineBuffers) -> bool:
+        """True when the bucket's buffer was checked now, before any slab is taken for it (a mapped one)."""
+        return self.transport.opener.check(self, nbytes, buffers)
 
     def receive_into(self, into: torch.Tensor, buffers: EngineBuffers, graphed: bool = False) -> str | None:
         """Put this bucket's `into.numel()` bytes into `into` (uint8), through `buffers` (the engine's
