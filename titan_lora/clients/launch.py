@@ -9,7 +9,6 @@ port; nobody else can). Secrets (API key, nonce) travel by environment, never on
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import functools
 import logging
@@ -29,6 +28,7 @@ import psutil
 from titan_lora.clients.http import ApiKey, JsonClient
 from titan_lora.clients.kinds import LaunchPlan
 from titan_lora.transfer import protocol
+from titan_lora.transfer.parent_death import die_with_parent
 from titan_lora.transfer.errors import EngineDied, EngineHung, EngineUnreachable, TransferError
 
 logger = logging.getLogger(__name__)
@@ -124,10 +124,7 @@ def _die_with_parent(parent: int) -> None:
     # buffers behind the engine's running steps (bounded at 25 s), then stops its engine core: a busy engine
     # outlives its dead trainer by tens of seconds, holding its memory and port, while a dead trainer has
     # nothing left to release. Its engine core dies with it (`engines.lifetime`).
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the trainer died before the call above took effect
-            os.kill(os.getpid(), signal.SIGKILL)
+    die_with_parent(parent)
 
 
 class EmbeddedEngine:

@@ -10,13 +10,9 @@ goes. A process started any other way is left as it is.
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing
-import os
-import signal
-import sys
 
-_PR_SET_PDEATHSIG = 1
+from titan_lora.transfer.parent_death import die_with_parent
 
 
 def die_with_spawning_parent() -> bool:
@@ -25,9 +21,4 @@ def die_with_spawning_parent() -> bool:
     Called while a spawned child imports its parent's main module, before `multiprocessing` records
     the parent: the child is known by its name (the parent's is MainProcess), the parent by getppid().
     """
-    if multiprocessing.current_process().name == "MainProcess" or not sys.platform.startswith("linux"):
-        return False
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() == 1:  # the parent died before the call above could take effect
-        os.kill(os.getpid(), signal.SIGKILL)
-    return True
+    return multiprocessing.current_process().name != "MainProcess" and die_with_parent()

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import gc
 import os
-import signal
-import sys
 
 import torch
 import torch.distributed as dist
+
+from titan_lora.transfer.parent_death import die_with_parent
 
 
 def device_for_rank() -> torch.device:
@@ -30,12 +29,7 @@ def end_with_launcher() -> bool:
     rank 0 started (which ends with rank 0). SIGKILL, not SIGTERM: a rank blocked in a collective runs no
     Python signal handler until the collective times out.
     """
-    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
-        return False
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() == 1:  # the agent died before the call above took effect
-        os.kill(os.getpid(), signal.SIGKILL)
-    return True
+    return "TORCHELASTIC_RUN_ID" in os.environ and die_with_parent()
 
 
 def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
