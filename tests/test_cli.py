@@ -4,6 +4,7 @@ ends with the failing rank's own error line; docs/config.md is what the generato
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import subprocess
@@ -256,3 +257,42 @@ def test_docs_config_md_is_what_the_generator_writes() -> None:
                 "| `steps` | an integer |", "## [lr_scheduler]"):
         assert row in text, row
     assert (REPO / "docs" / "config.md").read_text() == text, "run: python scripts/gen_config_doc.py"
+
+
+# A stand-in torchrun: says where it is, then waits; a SIGTERM is written down (torchrun stops its ranks on it).
+_TORCHRUN_STANDIN = """
+import os, signal, sys, time
+mark = sys.argv[1]
+def stop(sig, _frame):
+    open(mark, "a").write(f"{signal.Signals(sig).name}\\n")
+    sys.exit(128 + sig)
+signal.signal(signal.SIGTERM, stop)
+signal.signal(signal.SIGHUP, stop)
+print(f"standin {os.getpid()}", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP", "SIGKILL"])
+def test_torchrun_ends_with_the_launcher_however_it_is_stopped(sig: str, tmp_path) -> None:
+    # Signalled alone (not its process group), the launcher once left torchrun running with its ranks and engine.
+    import psutil
+    import signal
+
+    mark = tmp_path / "signals"
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from titan_lora.cli import supervise; "
+         "sys.exit(supervise(sys.argv[1:])[0])", sys.executable, "-c", _TORCHRUN_STANDIN, str(mark)],
+        cwd=REPO, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        standin = psutil.Process(int(launcher.stdout.readline().split()[1]))
+        launcher.send_signal(getattr(signal, sig))
+        launcher.wait(timeout=10)
+        psutil.wait_procs([standin], timeout=5)
+        assert not standin.is_running() or standin.status() == psutil.STATUS_ZOMBIE
+        assert mark.read_text() == ("SIGTERM\n" if sig == "SIGKILL" else f"{sig}\n")
+        if sig != "SIGKILL":
+            assert launcher.returncode == 128 + getattr(signal, sig)  # torchrun's exit code, passed on
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)

@@ -14,9 +14,12 @@ import argparse
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Iterable
+
+from titan_lora.transfer.parent_death import die_with_parent
 
 CONFIG_ERROR_EXIT = 2
 
@@ -112,8 +115,25 @@ def launch(config: str, overrides: list[str], nproc: int) -> int:
     end with the root cause. Returns torchrun's exit code."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--tee", "3",
            "-m", "titan_lora.train", "--job.config_file", config, *overrides]
+    rc, seen = supervise(cmd)
+    if rc != 0:
+        found = root_cause(seen)
+        where = f"rank {found[0]}: {found[1]}" if found else "no rank printed an error line; see above"
+        print(f"titan-lora: training failed (exit code {rc}); root cause, {where}", file=sys.stderr)
+    return rc
+
+
+def supervise(cmd: list[str]) -> tuple[int, list[str]]:
+    """Run torchrun's `cmd`, its output passed through; returns its exit code and its last lines. torchrun
+    ends with this launcher however the launcher ends: SIGTERM and SIGHUP are passed on (torchrun then stops
+    its ranks, and each rank its engine), and a launcher killed outright sends torchrun SIGTERM by its
+    parent-death signal (torchrun runs in a session of its own only for its ranks, not for itself)."""
+    launcher = os.getpid()
     seen: list[str] = []
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                          preexec_fn=lambda: die_with_parent(launcher, signal.SIGTERM)) as proc:
+        previous = {sig: signal.signal(sig, lambda sig, _frame: proc.send_signal(sig))
+                    for sig in (signal.SIGTERM, signal.SIGHUP)}
         try:
             for line in proc.stdout:
                 # --tee labels each line with its rank (for root_cause); rank 0's (the progress) show bare
@@ -123,11 +143,10 @@ def launch(config: str, overrides: list[str], nproc: int) -> int:
             rc = proc.wait()
         except KeyboardInterrupt:  # torchrun got the same SIGINT: let it stop its ranks
             rc = proc.wait()
-    if rc != 0:
-        found = root_cause(seen)
-        where = f"rank {found[0]}: {found[1]}" if found else "no rank printed an error line; see above"
-        print(f"titan-lora: training failed (exit code {rc}); root cause, {where}", file=sys.stderr)
-    return rc
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+    return rc, seen
 
 
 def train(config: str, overrides: list[str], nproc: int) -> int:
