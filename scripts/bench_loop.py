@@ -78,7 +78,7 @@ class CorePinner:
 def run_job(loop: str, seed: int, args: argparse.Namespace, out: Path) -> dict[str, float]:
     """One run of the main job; its figures from its TensorBoard events."""
     dump = out / f"{loop}-seed{seed}-n{args.nproc}{'-pinned' if args.pin else ''}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}", "-m", "titan_lora.train",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", "-m", "titan_lora.train",
            "--job.config_file", str(CONFIG), f"--job.dump_folder={dump}", f"--grpo.loop={loop}",
            f"--grpo.seed={seed}", f"--training.steps={args.steps}", "--checkpoint.no-enable",
            f"--grpo.eval_every={args.eval_every}", "--lora.export_dir="]

@@ -21,7 +21,7 @@ OUT = ROOT / "docs" / "config.md"
 RUN_SECTIONS = ("job", "model", "training", "optimizer", "lr_scheduler", "parallelism", "checkpoint",
                 "activation_checkpoint", "compile", "debug")
 """The run's sections (titan_lora/run_sections.py: torchtitan 0.2.2's names, the keys titan_lora honours)."""
-OUR_SECTIONS = ("lora", "engine", "weight_sync", "grpo", "task", "data")
+OUR_SECTIONS = ("lora", "adapters", "engine", "weight_sync", "grpo", "task", "data")
 
 HEADER = """# Config reference
 
@@ -79,6 +79,7 @@ def _cell(text: str) -> str:
 def section_rows(name: str, cls: type) -> list[str]:
     """The markdown table of one section: key, type, default, range, what it does."""
     from titan_lora.config import choices
+    from titan_lora.config_adapters import FALLBACK
     from titan_lora.config_ranges import RANGES
     from titan_lora.trainer.toml_config import field_default, toml_literal, type_words
 
@@ -86,7 +87,8 @@ def section_rows(name: str, cls: type) -> list[str]:
     rows = ["| key | type | default | accepted | what it does |", "|---|---|---|---|---|"]
     for f in dataclasses.fields(cls):
         default = field_default(f)
-        rule, among = RANGES.get((name, f.name)), choices().get((name, f.name))
+        ruled = (FALLBACK.get(f.name, name), f.name) if name == "adapters" else (name, f.name)  # its section's range
+        rule, among = RANGES.get(ruled), choices().get(ruled)
         accepted = rule.describe() if rule else ", ".join(f"`{c}`" for c in among) if among else ""
         rows.append(f"| `{f.name}` | {_cell(type_words(f.type))} | "
                     f"{'' if default is None else '`' + _cell(toml_literal(default)) + '`'} | "
@@ -111,6 +113,7 @@ def refused_rows() -> list[str]:
 def render() -> str:
     """The whole of docs/config.md."""
     from titan_lora.trainer.job_config import config_schema
+    from titan_lora.trainer.toml_config import table_array_item
 
     schema = config_schema()
     sections = {f.name: f.type for f in dataclasses.fields(schema)}
@@ -120,6 +123,10 @@ def render() -> str:
     out = [HEADER.format(toc=toc).rstrip(), ""]
     for name in names:
         cls = sections[name]
+        if (item := table_array_item(cls)) is not None:  # [[adapters]]: an array of tables
+            out += [f"## [[{name}]]", "", _cell(attribute_docs(schema).get(name, "")), "",
+                    *section_rows(name, item), ""]
+            continue
         out += [f"## [{name}]", ""]
         if not dataclasses.is_dataclass(cls):  # [task]: free-form options that the task checks
             out += [_cell(attribute_docs(schema).get(name, "")), ""]

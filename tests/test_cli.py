@@ -168,7 +168,7 @@ def test_plain_torchrun_prints_a_config_error_once_before_building(tmp_path) -> 
     config = tmp_path / "job.toml"
     config.write_text(MISTAKES["negative temperature"][0] + f'[job]\ndump_folder = "{tmp_path}/run"\n')
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m",
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
                            "titan_lora.train", "--job.config_file", str(config)], cwd=REPO, capture_output=True,
                           text=True, timeout=300, env=_torchrun_env())
     assert proc.returncode != 0

@@ -113,7 +113,7 @@ def root_cause(lines: Iterable[str]) -> tuple[int, str] | None:
 def launch(config: str, overrides: list[str], nproc: int) -> int:
     """Run `torchrun -m titan_lora.train` on the checked config, its output passed through; on a failure,
     end with the root cause. Returns torchrun's exit code."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--tee", "3",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "--tee", "3",
            "-m", "titan_lora.train", "--job.config_file", config, *overrides]
     rc, seen = supervise(cmd)
     if rc != 0:

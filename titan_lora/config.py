@@ -9,6 +9,7 @@ import tempfile
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from titan_lora.config_adapters import Adapter
 from titan_lora.config_ranges import ConfigError, raise_range_errors  # noqa: F401 (ConfigError: re-exported)
 from titan_lora.run_sections import (
     ActivationCheckpoint,
@@ -212,6 +213,10 @@ class JobConfig:
     grpo: GRPO = field(default_factory=GRPO)
     task: dict[str, str | int | float | bool | list] = field(default_factory=dict)
     """`[task]`: the options of the task `[grpo] task` names; that task checks them (rl/task.py)."""
+    adapters: list[Adapter] = field(default_factory=list)
+    """`[[adapters]]`: the job's LoRA adapters, one table each, set in the TOML only (config_adapters.py); none:
+    one adapter, the [lora], [optimizer], [training] and [grpo] sections, named [weight_sync] lora_name. This
+    release trains one adapter per job: a second table is refused, naming the tables."""
 
 
 def choices() -> dict[tuple[str, str], tuple[str, ...]]:

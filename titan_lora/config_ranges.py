@@ -123,6 +123,8 @@ def range_error(section: str, key: str, value: object) -> str | None:
 def range_errors(section: str, cfg: object) -> list[str]:
     """One line per key of `cfg` (section `section`, a dataclass or the free-form `[task]` table) that is
     not finite or is outside its range in `RANGES`."""
+    if isinstance(cfg, list):  # an array of tables ([[adapters]]): its own check, config_adapters.adapter_errors
+        return []
     values = cfg if isinstance(cfg, dict) else {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
     found = (range_error(section, key, item) for key, value in values.items()
              for item in (value if isinstance(value, list) else [value]))

@@ -51,7 +51,7 @@ def launch(config: Path, log: Path, entry: tuple[str, ...] = ("-m", "titan_lora.
            env: dict[str, str] | None = None) -> subprocess.Popen:
     """torchrun the job (`entry`: the module, or a script wrapping it) in its own process group (so a kill
     takes the engine down too), with `env` added to the environment."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", *entry,
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *entry,
            "--job.config_file", str(config)]
     return subprocess.Popen(cmd, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})

@@ -81,7 +81,7 @@ def test_two_grpo_steps_on_each_family_run_sync_and_export(tmp_path: Path, smoll
     (tmp_path / "length_reward.py").write_text(LENGTH_REWARD)
     config.write_text(CONFIG.format(tmp=tmp_path, family=family, hf_dir=hf_dir, rollouts=str(live).lower(),
                                     reward="length_reward:by_length" if live else ""))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "titan_lora.train",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "titan_lora.train",
            "--job.config_file", str(config)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}

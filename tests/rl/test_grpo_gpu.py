@@ -25,7 +25,7 @@ ADAPTER_TENSORS = 30 * 7 * 2  # SmolLM2-135M: 30 layers, LoRA on all 7 linears, 
 def test_the_grpo_gpu_config_trains_and_syncs_every_step_into_the_receiver(tmp_path: Path) -> None:
     before = shm_segments()
     log = tmp_path / "train.log"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "titan_lora.train",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "titan_lora.train",
            "--job.config_file", str(GPU_GRPO), f"--job.dump_folder={tmp_path / 'run'}",
            f"--training.steps={STEPS}"]
     done = subprocess.run(cmd, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT, timeout=900,

@@ -55,7 +55,7 @@ def test_two_grpo_steps_on_a_jsonl_task_run_and_export(tmp_path: Path) -> None:
     (tmp_path / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[8:]))
     config = tmp_path / "jsonl.toml"
     config.write_text(CONFIG.format(tmp=tmp_path))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "titan_lora.train",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "titan_lora.train",
            "--job.config_file", str(config)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

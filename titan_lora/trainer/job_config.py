@@ -13,6 +13,7 @@ from typing import Any
 
 from titan_lora import config as ours
 from titan_lora.config import JobConfig
+from titan_lora.config_adapters import FALLBACK, adapter_errors, resolved_adapters
 from titan_lora.config_ranges import all_range_errors, range_error
 from titan_lora.lora.targets import resolve_targets
 from titan_lora.models.family import FamilyLoRAConverter  # noqa: F401 (registers the "lora" converter)
@@ -37,6 +38,7 @@ from titan_lora.trainer.toml_config import (
     is_flag as schema_is_flag,
     parse_overrides,
     read_toml,
+    table_array_item,
     toml_literal,
     type_fits,
     type_words,
@@ -108,6 +110,11 @@ def toml_errors(toml: dict) -> list[str]:
             errors.append(why)
         elif name not in sections:
             errors.append(f"[{name}] is not a config section; {did_you_mean(name, list(sections), 'sections')}")
+        elif (item := table_array_item(sections[name].type)) is not None:
+            if not isinstance(given, list) or not all(isinstance(table, dict) for table in given):
+                errors.append(f"{name} must be an array of tables: write [[{name}]] above each one's keys")
+            else:
+                errors += [e for i, table in enumerate(given) for e in _section_errors(f"{name} #{i + 1}", table, item)]
         elif not dataclasses.is_dataclass(sections[name].type):
             if not type_fits(given, sections[name].type):
                 errors.append(f"[{name}] must be a table of options, got {toml_literal(given)}")
@@ -138,6 +145,24 @@ def check_targets(job_config: JobConfig, model: ResolvedModel | None = None) -> 
         return None
     model = model or resolve_model(job_config.model)
     return resolve_targets(model.meta_model(), job_config.lora.target_modules, model.family.leaf_names)
+
+
+def apply_adapter_tables(job_config: JobConfig) -> None:
+    """One `[[adapters]]` table: its keys set over the sections' and its name as `[weight_sync] lora_name`, so
+    the job is the one-adapter job those sections describe. Several tables are refused, naming them: the
+    K-adapter layer exists (lora/multi.py) but the trainer does not train several adapters yet."""
+    tables = job_config.adapters
+    if len(tables) > 1:
+        names = ", ".join(repr(t.name) for t in tables)
+        raise ours.ConfigError([f"[[adapters]] names {len(tables)} adapters ({names}); this release trains one "
+                                "adapter per job: keep one table, or run one job per adapter"])
+    if not tables:
+        return
+    sections = {name: getattr(job_config, name) for name in set(FALLBACK.values())}
+    (adapter,) = resolved_adapters(tables, sections, job_config.weight_sync.lora_name)
+    for key, section in FALLBACK.items():
+        setattr(sections[section], key, getattr(adapter, key))
+    job_config.weight_sync.lora_name = adapter.name
 
 
 def derive_keep_versions(job_config: JobConfig, named: bool) -> None:
@@ -177,9 +202,10 @@ def load_job(argv: list[str]) -> tuple[Any, ResolvedModel]:
     `build_model`; raises ValueError on a bad config before anything is built."""
     quiet_torchtitan_asset_warnings()  # torchtitan warns while building
     job_config, toml, overrides = parse_job(argv)
-    errors = all_range_errors(job_config)
+    errors = all_range_errors(job_config) + adapter_errors(job_config.adapters)
     if errors:  # every out-of-range value at once, before any check that builds on them
         raise ours.ConfigError(errors)
+    apply_adapter_tables(job_config)
     if job_config.lora.export_dir:  # relative: under the run's folder, as [checkpoint] folder is
         job_config.lora.export_dir = os.path.join(job_config.job.dump_folder, job_config.lora.export_dir)
     ours.validate_lora(job_config.lora)

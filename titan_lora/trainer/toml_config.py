@@ -51,6 +51,12 @@ def _is_table(tp: Any) -> bool:
     return tp is dict or get_origin(tp) is dict
 
 
+def table_array_item(tp: Any) -> type | None:
+    """The dataclass of an array of tables (`list[Adapter]`: `[[adapters]]`), else None."""
+    args = get_args(tp)
+    return args[0] if get_origin(tp) is list and args and dataclasses.is_dataclass(args[0]) else None
+
+
 def type_fits(value: Any, tp: Any) -> bool:
     """Whether a TOML value suits a field annotated `tp` (an int suits a float; a bool suits no number)."""
     origin, args = get_origin(tp), get_args(tp)
@@ -164,6 +170,8 @@ def _find_key(name: str, schema: type, toml: dict, refused: Refused = None) -> _
     """The key that `name` (`section.key`, `section.sub.key`, `section.no_flag`) means, or the error."""
     tp, given, path = schema, toml, []
     for part in name.split("."):
+        if table_array_item(tp) is not None:
+            return f"[[{'.'.join(path)}]] tables are set in the TOML only: edit them there"
         if dataclasses.is_dataclass(tp):
             known = {n: f.type for n, f in fields(tp).items()}
         elif _is_table(tp):  # free-form ([task]): an override may change only what its TOML sets
@@ -311,13 +319,19 @@ def _merged(toml: dict, overrides: dict) -> dict:
 def _build(cls: type, data: dict, where: str) -> Any:
     """`cls` from `data`; a section's own check (`__post_init__`) failing is a ConfigError naming it."""
     known = fields(cls)
-    kwargs = {name: _build(known[name].type, value, f"{where}.{name}".lstrip("."))
-              if dataclasses.is_dataclass(known[name].type) and isinstance(value, dict) else value
-              for name, value in data.items()}
+    kwargs = {name: _build_value(known[name].type, value, f"{where}.{name}".lstrip(".")) for name, value in data.items()}
     try:
         return cls(**kwargs)
     except (ValueError, AssertionError) as err:
         raise ConfigError([f"[{where}] {err}"]) from None
+
+
+def _build_value(tp: Any, value: Any, where: str) -> Any:
+    if dataclasses.is_dataclass(tp) and isinstance(value, dict):
+        return _build(tp, value, where)
+    if (item := table_array_item(tp)) is not None and isinstance(value, list):
+        return [_build(item, table, f"{where} #{i + 1}") for i, table in enumerate(value)]
+    return value
 
 
 def build_config(schema: type, toml: dict, overrides: dict) -> Any:
@@ -347,6 +361,9 @@ def help_text(schema: type, usage: str) -> str:
     for f in dataclasses.fields(schema):
         if dataclasses.is_dataclass(f.type):
             section(f.type, f.name)
+        elif (item := table_array_item(f.type)) is not None:
+            lines.extend(["", f"[[{f.name}]]  (TOML only: one table each)"])
+            lines.extend(f"  {g.name}  {type_words(g.type)}" for g in dataclasses.fields(item))
         else:
             lines.extend(["", f"[{f.name}]", f"  --{f.name}.KEY  the keys its TOML table sets"])
     return "\n".join(lines)
