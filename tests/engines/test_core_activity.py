@@ -37,6 +37,16 @@ def child():
         proc.wait()
 
 
+def asleep(pid: int, timeout_s: float = 30) -> None:
+    """Wait until process `pid` sleeps (it has printed "ready" and may still wait for a core to reach sleep)."""
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while psutil.Process(pid).status() != psutil.STATUS_SLEEPING:
+        assert time.monotonic() < deadline, f"process {pid} never went to sleep"
+        time.sleep(0.01)
+
+
 def shares_over(seconds: float) -> dict[int, float]:
     procs = engine_processes()
     before = CpuSample.now(procs)
@@ -56,6 +66,7 @@ def test_a_computing_core_is_busy_and_a_stopped_or_sleeping_one_is_not(child) ->
     finally:
         os.kill(spinning.pid, signal.SIGCONT)
     sleeping = child("sleep")  # a deadlocked worker beside a computing core: the engine is wedged
+    asleep(sleeping.pid)  # else, on a loaded host, its wait for a core on the way to sleep counts as demand
     shares = shares_over(0.5)
     assert set(shares) == {spinning.pid, sleeping.pid} and not were_busy(shares)
 
