@@ -14,17 +14,11 @@ from titan_lora.clients.vllm import build_vllm_emitter
 from titan_lora.transfer import protocol, vllm_release
 
 
-FORK_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
-"""vLLM's choice of how its engine core and workers start (`vllm serve` sets spawn unless this is set)."""
-
-
 def vllm_openai_launch(req: LaunchRequest) -> LaunchPlan:
     """`vllm serve` flags for the job: fp32 on the trainer's model, adapter slots for every live version
     plus one being installed, bound to localhost; no base digests where nobody asks for them."""
     skip = [] if req.base_digests else [protocol.SKIP_BASE_DIGESTS_FLAG]
-    # A CPU engine core is forked from its API server, which has imported vLLM already: spawned, it imports
-    # it again (about 9 s of a 42 s start on 2 cores). CUDA cannot be forked: GPU engines keep vLLM's spawn.
-    env = {"OMP_NUM_THREADS": str(cpu_threads(req)), FORK_ENV: "fork"} if req.device.type == "cpu" else {}
+    env = {"OMP_NUM_THREADS": str(cpu_threads(req))} if req.device.type == "cpu" else {}
     return LaunchPlan("titan_lora.engines.vllm_openai", [
         req.hf_dir, "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--seed", "0",
         "--max-lora-rank", str(engine_lora_rank(req.lora_rank)),

@@ -1,17 +1,16 @@
-"""Engine processes that vLLM starts (spawned, or forked on CPU) end with their parent.
+"""Engine processes that vLLM spawns end with their parent.
 
 vLLM's engine-core process does not watch the API server that spawned it: a SIGKILLed server (a crash,
 a chaos test, the launcher killing a hung engine) would leave the engine core running, holding the
 model, its KV cache and the trainer's mapped buffers, one more per restart. Where the kernel can
 tie a child's life to its parent's (Linux: PR_SET_PDEATHSIG), every `multiprocessing` child of
-`engines.vllm_openai` gets SIGKILL when its parent goes: a spawned child arms it while it imports the
-parent's main module, a forked one right after the fork. A process started any other way is left as it is.
+`engines.vllm_openai` (spawned children import the parent's main module) gets SIGKILL when its parent
+goes. A process started any other way is left as it is.
 """
 
 from __future__ import annotations
 
 import multiprocessing
-import os
 
 from titan_lora.transfer.parent_death import die_with_parent
 
@@ -23,10 +22,3 @@ def die_with_spawning_parent() -> bool:
     the parent: the child is known by its name (the parent's is MainProcess), the parent by getppid().
     """
     return multiprocessing.current_process().name != "MainProcess" and die_with_parent()
-
-
-def children_die_with_this_process() -> bool:
-    """Arm both paths from the engine's main module: the children this process forks from now on die with
-    it (armed at each fork), and, in a spawned child importing it, this process with its parent (True)."""
-    os.register_at_fork(after_in_child=die_with_parent)
-    return die_with_spawning_parent()

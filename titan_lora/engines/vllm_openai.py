@@ -29,12 +29,12 @@ from collections.abc import MutableMapping
 from titan_lora.engines import base_record
 from titan_lora.engines import vllm_compat as compat
 from titan_lora.engines.episode_store import EpisodeLimits
-from titan_lora.engines.lifetime import children_die_with_this_process
+from titan_lora.engines.lifetime import die_with_spawning_parent
 from titan_lora.transfer import protocol
 
-# vLLM spawns (or, on CPU, forks) its engine core and workers: each of them dies with the process that
-# started it (vLLM's engine core does not watch its API server). A spawned child imports this module first.
-children_die_with_this_process()
+# vLLM spawns its engine core and workers, and a spawned child imports this module first: each of
+# them then dies with the process that spawned it (vLLM's engine core does not watch its API server).
+die_with_spawning_parent()
 
 EXTENSION = "titan_lora.engines.vllm_ext.TitanLoRAWorkerExtension"
 MIDDLEWARE = "titan_lora.engines.titan_asgi.TitanRoutes"
