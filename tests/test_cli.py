@@ -282,8 +282,9 @@ def test_torchrun_ends_with_the_launcher_however_it_is_stopped(sig: str, tmp_pat
     mark = tmp_path / "signals"
     launcher = subprocess.Popen(
         [sys.executable, "-c", "import sys; from titan_lora.cli import supervise; "
-         "sys.exit(supervise(sys.argv[1:])[0])", sys.executable, "-c", _TORCHRUN_STANDIN, str(mark)],
-        cwd=REPO, stdout=subprocess.PIPE, text=True, start_new_session=True)
+         "rc, _, by = supervise(sys.argv[1:]); print(f'stopped by {by}', file=sys.stderr); sys.exit(rc)",
+         sys.executable, "-c", _TORCHRUN_STANDIN, str(mark)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         standin = psutil.Process(int(launcher.stdout.readline().split()[1]))
         launcher.send_signal(getattr(signal, sig))
@@ -293,6 +294,7 @@ def test_torchrun_ends_with_the_launcher_however_it_is_stopped(sig: str, tmp_pat
         assert mark.read_text() == ("SIGTERM\n" if sig == "SIGKILL" else f"{sig}\n")
         if sig != "SIGKILL":
             assert launcher.returncode == 128 + getattr(signal, sig)  # torchrun's exit code, passed on
+            assert launcher.stderr.read().strip() == f"stopped by {int(getattr(signal, sig))}"
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(launcher.pid, signal.SIGKILL)

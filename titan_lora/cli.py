@@ -115,25 +115,33 @@ def launch(config: str, overrides: list[str], nproc: int) -> int:
     end with the root cause. Returns torchrun's exit code."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "--tee", "3",
            "-m", "titan_lora.train", "--job.config_file", config, *overrides]
-    rc, seen = supervise(cmd)
-    if rc != 0:
+    rc, seen, stopped_by = supervise(cmd)
+    if stopped_by is not None:
+        print(f"titan-lora: stopped by {signal.Signals(stopped_by).name}, passed on to torchrun, which stopped its "
+              f"ranks and their engine (exit code {rc})", file=sys.stderr)
+    elif rc != 0:
         found = root_cause(seen)
         where = f"rank {found[0]}: {found[1]}" if found else "no rank printed an error line; see above"
         print(f"titan-lora: training failed (exit code {rc}); root cause, {where}", file=sys.stderr)
     return rc
 
 
-def supervise(cmd: list[str]) -> tuple[int, list[str]]:
-    """Run torchrun's `cmd`, its output passed through; returns its exit code and its last lines. torchrun
-    ends with this launcher however the launcher ends: SIGTERM and SIGHUP are passed on (torchrun then stops
-    its ranks, and each rank its engine), and a launcher killed outright sends torchrun SIGTERM by its
-    parent-death signal (torchrun runs in a session of its own only for its ranks, not for itself)."""
+def supervise(cmd: list[str]) -> tuple[int, list[str], int | None]:
+    """Run torchrun's `cmd`, its output passed through; returns its exit code, its last lines and the signal
+    this launcher was stopped by and passed on (None: torchrun ended by itself). torchrun ends with this
+    launcher however the launcher ends: SIGTERM and SIGHUP are passed on (torchrun then stops its ranks, and
+    each rank its engine), and a launcher killed outright sends torchrun SIGTERM by its parent-death signal."""
     launcher = os.getpid()
     seen: list[str] = []
+    stopped_by: list[int] = []
+
+    def pass_on(sig: int, _frame: object) -> None:
+        stopped_by.append(sig)
+        proc.send_signal(sig)
+
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                           preexec_fn=lambda: die_with_parent(launcher, signal.SIGTERM)) as proc:
-        previous = {sig: signal.signal(sig, lambda sig, _frame: proc.send_signal(sig))
-                    for sig in (signal.SIGTERM, signal.SIGHUP)}
+        previous = {sig: signal.signal(sig, pass_on) for sig in (signal.SIGTERM, signal.SIGHUP)}
         try:
             for line in proc.stdout:
                 # --tee labels each line with its rank (for root_cause); rank 0's (the progress) show bare
@@ -146,7 +154,7 @@ def supervise(cmd: list[str]) -> tuple[int, list[str]]:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-    return rc, seen
+    return rc, seen, stopped_by[0] if stopped_by else None
 
 
 def train(config: str, overrides: list[str], nproc: int) -> int:
