@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.long  # a benchmark script run end to end: `pytest -m long`
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

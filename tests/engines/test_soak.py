@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "soak.py"
 
 

@@ -130,6 +130,7 @@ def test_a_requests_prompt_rows_get_its_adapter_in_a_batch_of_several() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_an_allowed_untested_version_serves_synced_adapters_exactly_then_releases_on_sigterm(
         smollm2_dir, tmp_path, monkeypatch) -> None:
     from transformers import AutoTokenizer

@@ -26,7 +26,7 @@ from titan_lora.clients.http import JsonClient
 from titan_lora.clients.openai_rollout import OpenAIRolloutClient
 from titan_lora.compose import probe_sequences
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 ADAPTERS = ("alpha-v1", "beta-v1")
 MODULES = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),

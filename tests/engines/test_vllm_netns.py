@@ -40,7 +40,7 @@ from titan_lora.sync.syncer import WeightSyncer
 from titan_lora.trainer.build import BuiltModel
 from titan_lora.transfer.transport import TransportChoice
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 API_KEY = "netns-test-key"
 WS = WeightSync(enabled=True, keep_versions=2, bucket_mb=4, timeout_s=120, retries=1, parity_every=0)

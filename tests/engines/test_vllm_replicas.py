@@ -20,7 +20,7 @@ from titan_lora.sync.adapter_source import AdapterSource
 from titan_lora.sync.syncer import WeightSyncer
 from titan_lora.trainer.build import BuiltModel
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 API_KEY = "replicas-test-key"  # one key for both engines, so that the second phase can attach to them
 

@@ -16,7 +16,7 @@ import pytest
 from job_helpers import launch, scalars, shipped_config
 from slow_agent import HOLD_UNTIL, LOG_ENV
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 STEPS = 4
 MAX_STALENESS = 1

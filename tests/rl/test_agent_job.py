@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from job_helpers import launch, scalars, shipped_config
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 STEPS = 2
 PER_STEP = 2

@@ -102,6 +102,7 @@ def replicas_async_config(tmp: Path) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_async_job_on_two_replicas_survives_a_replica_lost_with_pinned_requests_and_a_nan_step(tmp_path,
                                                                                               smollm2_dir):
     log = tmp_path / "async_replicas.log"

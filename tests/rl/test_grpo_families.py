@@ -70,6 +70,7 @@ def by_length(completion, problem):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("family", ["llama3", "qwen3"])
 def test_two_grpo_steps_on_each_family_run_sync_and_export(tmp_path: Path, smollm2_dir: Path, family: str) -> None:
     make = {"llama3": tiny_llama, "qwen3": tiny_qwen3}[family]
