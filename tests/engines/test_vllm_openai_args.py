@@ -39,13 +39,22 @@ def test_on_cpu_one_worker_runs_in_the_engine_core_unless_the_environment_says()
     assert env == {}
 
 
-def test_the_skip_flag_tells_the_workers_to_record_no_base_digests() -> None:
+def test_the_skip_flag_tells_the_workers_to_record_no_base_digests(monkeypatch) -> None:
+    monkeypatch.setattr(base_record, "RECORDING", True)
     env: dict[str, str] = {}
     vllm_openai.skip_base_digests(vllm_openai.parse_args(["/m"]), env)
-    assert env == {}, "by default the workers record what they load"
+    assert env == {} and base_record.RECORDING, "by default the workers record what they load"
     vllm_openai.skip_base_digests(vllm_openai.parse_args(["/m", "--titan-skip-base-digests"]), env)
     assert env == {base_record.SKIP_ENV: "1"}
     assert not base_record.recording(env) and base_record.recording({})
+    assert not base_record.RECORDING, "a forked worker inherits this process's reading, not the variable's"
+
+
+@pytest.mark.parametrize(("env", "forked"), [({}, True), ({vllm_openai.SPAWN_CORE_ENV: "1"}, False)])
+def test_a_cpu_engine_core_is_forked_unless_the_variable_says_spawn(env, forked, monkeypatch) -> None:
+    called = []
+    monkeypatch.setattr(vllm_openai.compat, "fork_engine_cores", lambda: called.append(True))
+    assert vllm_openai.fork_cpu_engine_cores(env) is forked and called == ([True] if forked else [])
 
 
 def test_several_api_servers_and_no_lora_are_refused() -> None:

@@ -35,6 +35,34 @@ def short_config(tmp: Path, steps: int) -> Path:
                           eval_size=6, eval_every=2, parity_every=1, steps=steps, enable="false")
 
 
+LENGTH_REWARD = """
+def by_length(completion, problem):
+    return len(completion) / 100
+"""
+"""A reward plug-in for random models, which never answer right: completion lengths differ, so every group
+has an advantage to learn from and the adapter moves at every step."""
+
+
+def on_tiny_model(config: Path, smollm2_dir: Path) -> dict[str, str]:
+    """`config` rewritten to train a tiny random Qwen3 made here (2 layers, SmolLM2's tokenizer), rewarded by
+    completion length; the environment that finds the reward. For the fault tests: a step takes about a
+    second instead of SmolLM2's 30 on 2 cores, and the engine faults, recoveries and data paths are the same
+    code. The job learning a task stays on SmolLM2 (test_grpo_learning.py)."""
+    from tiny_checkpoints import SMOLLM2_VOCAB, tiny_qwen3
+
+    tmp = config.parent
+    hf_dir = tiny_qwen3(tmp / "tiny_qwen3", vocab=SMOLLM2_VOCAB, tokenizer_from=smollm2_dir)
+    (tmp / "length_reward.py").write_text(LENGTH_REWARD)
+    text = config.read_text()
+    for pattern, line in ((r'^name = "smollm2"$', f'name = "qwen3"\nhf_assets_path = "{hf_dir}"'),
+                          (r"^flavor = .*\n", ""), (r"^reward = .*$", 'reward = "length_reward:by_length"'),
+                          (r"^\[engine\]$", "[engine]\nmax_model_len = 256")):  # the model's own positions
+        text, n = re.subn(pattern, line, text, count=1, flags=re.M)
+        assert n == 1, f"{pattern} not found in {config}"
+    config.write_text(text)
+    return {"PYTHONPATH": os.pathsep.join([str(tmp), os.environ.get("PYTHONPATH", "")])}
+
+
 def watched_engine(config: Path, port: int, api_key: str, health_timeout_s: float) -> Path:
     """`config` with its engine on `port` behind `api_key` (so that a test can see its requests in flight),
     rollout requests allowed 600 s and the liveness watch bounded by `health_timeout_s`: only the watch can

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from dist_helpers import free_port
-from job_helpers import in_flight, kill_tree, launch, scalars, shipped_config, wait_for, watched_engine
+from job_helpers import in_flight, kill_tree, launch, on_tiny_model, scalars, shipped_config, wait_for, watched_engine
 from process_helpers import engine_core_pid, engine_pid
 from test_grpo_replicas import server_ports
 
@@ -45,8 +45,9 @@ def test_async_job_survives_a_killed_and_a_wedged_engine_and_a_resume_without_re
                                                                                            smollm2_dir):
     port = free_port()
     config = async_config(tmp_path, port)
+    env = on_tiny_model(config, smollm2_dir)
     log = tmp_path / "async.log"
-    job = launch(config, log)
+    job = launch(config, log, env=env)
     progress = lambda step: re.search(rf"^.*step\s+{step}/{STEPS} ", log.read_text(), re.M)  # noqa: E731
     busy = lambda: in_flight(port, API_KEY) > 0  # noqa: E731
     try:
@@ -60,7 +61,7 @@ def test_async_job_survives_a_killed_and_a_wedged_engine_and_a_resume_without_re
         kill_tree(job.pid)
         job.wait(timeout=60)
         first = log.read_text()
-        job = launch(config, log)
+        job = launch(config, log, env=env)
         assert job.wait(timeout=900) == 0, log.read_text()[-4000:]
     finally:
         if job.poll() is None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from job_helpers import LENGTH_REWARD
 from tiny_checkpoints import SMOLLM2_VOCAB, hf_model, tiny_llama, tiny_qwen3
 
 REPO = Path(__file__).resolve().parents[2]
@@ -62,12 +63,6 @@ mode = "none"
 [checkpoint]
 enable = false
 """
-
-LENGTH_REWARD = """
-def by_length(completion, problem):
-    return len(completion) / 100
-"""
-
 
 @pytest.mark.slow
 @pytest.mark.long

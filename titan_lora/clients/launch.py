@@ -289,11 +289,20 @@ class EmbeddedEngine:
         stopped ones too: every request in flight on it fails at once."""
         if self.proc is None or self.proc.returncode is not None:  # reaped by an earlier kill
             return
+        try:
+            children = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            children = []
         try:  # its own group (start_new_session): the unreaped leader keeps the group id ours
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         self.proc.wait(timeout=30)  # reaped at once after SIGKILL; bounded all the same
+        # A forked engine core holds the server's listening port until it has exited: the next start
+        # would find the port taken while a child that held gigabytes still tears down.
+        _, left = psutil.wait_procs(children, timeout=30)
+        if left:
+            logger.warning("%s: processes %s outlived SIGKILL by 30 s", self.module, [p.pid for p in left])
 
     def stop(self) -> None:
         """Terminate the engine process (SIGKILL if it does not exit within 30 s), then SIGKILL whatever

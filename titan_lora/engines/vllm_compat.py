@@ -389,6 +389,16 @@ MEMORY_SCHEME = "titan-mem://"
 """The path of every adapter titan_lora installs from memory (the worker never reads it)."""
 
 
+def fork_engine_cores() -> None:
+    """Make vLLM start its engine-core processes by fork (its CPU platform chooses spawn when it checks the
+    config, after any environment variable is read: only its engine launcher's context can say fork)."""
+    import multiprocessing
+
+    from vllm.v1.engine import utils as engine_utils
+
+    engine_utils.get_mp_context = lambda: multiprocessing.get_context("fork")
+
+
 def serve_parser(description: str) -> Any:
     """`vllm serve`'s own argument parser: every flag it takes, and the model as a positional."""
     try:  # vLLM 0.33 moved both (docs/gpu.md, "vLLM versions")

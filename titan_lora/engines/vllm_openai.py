@@ -24,21 +24,23 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 
 from titan_lora.engines import base_record
 from titan_lora.engines import vllm_compat as compat
 from titan_lora.engines.episode_store import EpisodeLimits
-from titan_lora.engines.lifetime import die_with_spawning_parent
+from titan_lora.engines.lifetime import children_die_with_this_process, forked_children_close_port
 from titan_lora.transfer import protocol
 
-# vLLM spawns its engine core and workers, and a spawned child imports this module first: each of
-# them then dies with the process that spawned it (vLLM's engine core does not watch its API server).
-die_with_spawning_parent()
+# vLLM spawns (or, on CPU, this module forks) its engine core and workers: each of them dies with the
+# process that started it (vLLM's engine core does not watch its API server). A spawned child imports
+# this module first.
+children_die_with_this_process()
 
 EXTENSION = "titan_lora.engines.vllm_ext.TitanLoRAWorkerExtension"
 MIDDLEWARE = "titan_lora.engines.titan_asgi.TitanRoutes"
 IN_CORE_WORKER_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+SPAWN_CORE_ENV = "TITAN_LORA_SPAWN_ENGINE_CORE"
 KEEP_ALIVE_ENV = "VLLM_HTTP_TIMEOUT_KEEP_ALIVE"
 KEEP_ALIVE_S = 30
 """How long the server keeps an idle connection: longer than clients keep theirs (httpx, under the `openai`
@@ -110,6 +112,17 @@ def keep_cpu_worker_in_engine_core(args: argparse.Namespace, env: MutableMapping
         env.setdefault(IN_CORE_WORKER_ENV, "0")
 
 
+def fork_cpu_engine_cores(env: Mapping[str, str]) -> bool:
+    """On CPU, start vLLM's engine cores by fork from this API server, which has imported vLLM already
+    (spawned, each imports it again: 14-19 s of a 30-45 s start on 2 cores, and of every recovery); True
+    when set. vLLM's CPU platform asks for spawn, for workers that bind OpenMP threads to NUMA nodes, which
+    the one in-core worker does not do. TITAN_LORA_SPAWN_ENGINE_CORE=1 keeps vLLM's spawn."""
+    if not compat.is_cpu() or env.get(SPAWN_CORE_ENV) == "1":
+        return False
+    compat.fork_engine_cores()
+    return True
+
+
 def keep_idle_connections_longer_than_clients(env: MutableMapping[str, str]) -> None:
     """Set vLLM's HTTP keep-alive to KEEP_ALIVE_S unless `env` already says: a client then always drops an idle
     connection before the server does, and never gets "Connection error." from reusing one being closed."""
@@ -117,9 +130,11 @@ def keep_idle_connections_longer_than_clients(env: MutableMapping[str, str]) -> 
 
 
 def skip_base_digests(args: argparse.Namespace, env: MutableMapping[str, str]) -> None:
-    """Tell the workers (spawned after this, with `env`) to record no base digests when `args` say so."""
+    """Tell the workers (started after this, with `env`) to record no base digests when `args` say so: a
+    spawned one reads `env` as it imports base_record, a forked one inherits this process's reading."""
     if args.titan_skip_base_digests:
         env[base_record.SKIP_ENV] = "1"
+        base_record.RECORDING = False
 
 
 def _log_titan_lines() -> None:
@@ -144,7 +159,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(str(err)) from None
     _log_titan_lines()
     args = parse_args(argv)
-    keep_cpu_worker_in_engine_core(args, os.environ)  # read by the engine core vLLM spawns
+    keep_cpu_worker_in_engine_core(args, os.environ)  # read by the engine core vLLM starts
+    if fork_cpu_engine_cores(os.environ):
+        forked_children_close_port(args.port)
     skip_base_digests(args, os.environ)  # read by each worker as it imports the extension
     keep_idle_connections_longer_than_clients(os.environ)  # read as the API server starts
     compat.serve(args)
