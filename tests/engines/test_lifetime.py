@@ -80,3 +80,16 @@ def test_a_forked_child_drops_the_servers_listening_port(armed: str, port: str, 
     out = subprocess.run([sys.executable, str(tmp_path / "listener.py"), armed], env=env, capture_output=True,
                          text=True, timeout=60)
     assert out.stdout.strip() == port, out.stderr
+
+
+def test_closing_the_bound_port_leaves_no_descriptor_behind() -> None:
+    from titan_lora.engines.lifetime import close_bound
+
+    read, write = os.pipe()  # descriptors that are not sockets: each is copied to be looked at
+    try:
+        before = sorted(os.listdir("/proc/self/fd"))
+        close_bound(1)
+        assert sorted(os.listdir("/proc/self/fd")) == before
+    finally:
+        os.close(read)
+        os.close(write)

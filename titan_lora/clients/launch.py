@@ -298,8 +298,8 @@ class EmbeddedEngine:
         except ProcessLookupError:
             pass
         self.proc.wait(timeout=30)  # reaped at once after SIGKILL; bounded all the same
-        # A forked engine core holds the server's listening port until it has exited: the next start
-        # would find the port taken while a child that held gigabytes still tears down.
+        # Its children (an engine core still tearing down its model, KV cache and our mapped buffers) are gone
+        # before a restart starts the next one beside them.
         _, left = psutil.wait_procs(children, timeout=30)
         if left:
             logger.warning("%s: processes %s outlived SIGKILL by 30 s", self.module, [p.pid for p in left])

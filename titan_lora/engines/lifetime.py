@@ -46,8 +46,13 @@ def close_bound(port: int) -> None:
     """Close this process's TCP socket(s) bound to local `port` (its copies only: the parent keeps them)."""
     for name in os.listdir("/proc/self/fd"):
         try:
-            sock = socket.socket(fileno=os.dup(int(name)))
-        except OSError:  # not a socket, or the directory's own descriptor, closed by now
+            copy = os.dup(int(name))
+        except OSError:  # the directory's own descriptor, closed by now
+            continue
+        try:
+            sock = socket.socket(fileno=copy)
+        except OSError:  # not a socket: the copy is ours to close
+            os.close(copy)
             continue
         with sock:
             try:
