@@ -35,12 +35,22 @@ def short_config(tmp: Path, steps: int) -> Path:
                           eval_size=6, eval_every=2, parity_every=1, steps=steps, enable="false")
 
 
-LENGTH_REWARD = """
+HOLD_ENV = "TITAN_LORA_TEST_HOLD"
+LENGTH_REWARD = f"""
+import os
+import time
+
+
 def by_length(completion, problem):
+    hold = os.environ.get("{HOLD_ENV}")
+    while hold and os.path.exists(hold):
+        time.sleep(0.05)
     return len(completion) / 100
 """
 """A reward plug-in for random models, which never answer right: completion lengths differ, so every group
-has an advantage to learn from and the adapter moves at every step."""
+has an advantage to learn from and the adapter moves at every step. While the file named by `HOLD_ENV`
+exists the job waits in its rewards (rank 0, between rollouts and training): a test paces a job whose
+steps take a second, so that what runs beside training (a replica's revival) lands inside the run."""
 
 
 def on_tiny_model(config: Path, smollm2_dir: Path) -> dict[str, str]:
@@ -83,6 +93,20 @@ def launch(config: Path, log: Path, entry: tuple[str, ...] = ("-m", "titan_lora.
            "--job.config_file", str(config)]
     return subprocess.Popen(cmd, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+
+def run_job(config: Path, log: Path, timeout_s: float = 1200, env: dict[str, str] | None = None) -> None:
+    """Launch the job and wait for it; fail with its log's end if it fails or outlasts `timeout_s`."""
+    import pytest
+
+    job = launch(config, log, env=env)
+    try:
+        rc = job.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        kill_tree(job.pid)
+        job.wait()
+        pytest.fail(f"the job did not finish in {timeout_s:.0f} s:\n{log.read_text()[-3000:]}")
+    assert rc == 0, log.read_text()[-3000:]
 
 
 def kill_tree(pid: int) -> None:

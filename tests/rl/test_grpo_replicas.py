@@ -2,7 +2,11 @@
 whole process tree is frozen (SIGSTOP) while rollouts run on it. Each is quarantined while training goes
 on (the frozen one by the liveness watch within 2 x health_timeout_s, with the shipped 600 s request
 timeouts), revived in the background (its own base verified, then the newest version) and rejoins; the job finishes with
-one published version per step, and one step's rollouts are split over both replicas."""
+one published version per step, and one step's rollouts are split over both replicas.
+
+The job trains a tiny random Qwen3 rewarded by completion length (`job_helpers.on_tiny_model`): a step takes
+about a second, so once two steps have run without a replica the test holds the job in its rewards until
+the replica has rejoined (a revival takes an engine start, ~25 s), and both rejoins land inside the run."""
 
 from __future__ import annotations
 
@@ -13,13 +17,10 @@ import time
 from pathlib import Path
 
 import pytest
-from job_helpers import in_flight, kill_tree, launch, scalars, short_config, wait_for
+from job_helpers import HOLD_ENV, in_flight, kill_tree, launch, on_tiny_model, scalars, short_config, wait_for
 
-# Both rejoins must land inside the run, with room for slower engine restarts. Measured: by step 8 at 40
-# steps (899 s); by step 9 of 16 in a CI run (with a checkpoint every step then); by step 8 of 14 without
-# checkpoints (231 s, 2 shared cores, 2026-11-26); by step 6 of 14 once engines started in 19 s, not 30,
-# and by step 7 of 11 in a CI run.
-STEPS = 11
+STEPS = 14
+STEPS_WITHOUT = 2  # steps trained while a replica is out, before the test holds the job for its rejoin
 SERVER = "titan_lora.engines.vllm_openai"
 API_KEY = "replicas-test-key"
 HEALTH_TIMEOUT_S = 3
@@ -76,17 +77,33 @@ def port_of(ports: dict[int, int], pid: int) -> int:
     return next(port for port, p in ports.items() if p == pid)
 
 
+def steps_logged(log: Path) -> int:
+    return len(re.findall(r"^step\s+\d+/", log.read_text(), re.M))
+
+
+def held_until(pattern: str, hold: Path, job, log: Path) -> None:
+    """Let `STEPS_WITHOUT` more steps run, then hold the job in its rewards until `pattern` is logged."""
+    ran = steps_logged(log) + STEPS_WITHOUT
+    wait_for(lambda: steps_logged(log) >= ran or re.search(pattern, log.read_text()), "steps without it", job, log)
+    hold.touch()
+    try:
+        wait_for(lambda: re.search(pattern, log.read_text()), "the rejoin", job, log)
+    finally:
+        hold.unlink()
+
+
 @pytest.mark.slow
-def test_grpo_job_goes_on_while_one_replica_is_killed_and_another_frozen(tmp_path, smollm2_dir, monkeypatch):
-    marker = tmp_path / "bucket-pause"
+def test_grpo_job_goes_on_while_one_replica_is_killed_and_another_frozen(tmp_path, smollm2_dir):
+    marker, hold = tmp_path / "bucket-pause", tmp_path / "hold"
     marker.touch()  # disarmed until the test removes it
-    monkeypatch.setenv("TITAN_LORA_FAULT_BUCKET_PAUSE_S", "30")
-    monkeypatch.setenv("TITAN_LORA_FAULT_MARKER", str(marker))
+    config = replicas_config(tmp_path)
+    env = {**on_tiny_model(config, smollm2_dir), HOLD_ENV: str(hold),
+           "TITAN_LORA_FAULT_BUCKET_PAUSE_S": "30", "TITAN_LORA_FAULT_MARKER": str(marker)}
     log = tmp_path / "replicas.log"
-    job = launch(replicas_config(tmp_path), log)
+    job = launch(config, log, env=env)
     text = lambda: log.read_text()  # noqa: E731
     try:
-        wait_for(lambda: re.search(r"^step\s+1/", text(), re.M), "step 1", job, log)
+        wait_for(lambda: steps_logged(log) >= 1, "step 1", job, log)
         # 1. SIGKILL inside an adapter bucket: of the two replicas, the one whose worker paused in it.
         marker.unlink()
         wait_for(lambda: marker.exists() and marker.read_text(), "a paused bucket", job, log, timeout_s=300)
@@ -95,17 +112,17 @@ def test_grpo_job_goes_on_while_one_replica_is_killed_and_another_frozen(tmp_pat
         killed_port = port_of(ports, killed)
         os.kill(killed, signal.SIGKILL)
         rejoined = r"replica \d \(http://127.0.0.1:{}\) rejoined with the base and adapter version (\d+)"
-        wait_for(lambda: re.search(rejoined.format(killed_port), text()), "the killed replica's rejoin", job, log)
+        held_until(rejoined.format(killed_port), hold, job, log)
         # 2. SIGSTOP the other one's whole process tree while rollouts run on it: its liveness check fails,
         # it is quarantined, its rollouts go to the other, it is restarted and rejoins.
         frozen_port = next(p for p in ports if p != killed_port)
         wait_for(lambda: in_flight(frozen_port, API_KEY) > 0, "rollouts on the other replica", job, log,
-                 poll_s=0.01)
+                 poll_s=0.005)
         frozen_at = stop_tree(ports[frozen_port])
         quarantined = rf"replica \d \(http://127.0.0.1:{frozen_port}\) quarantined: (.*)"
         wait_for(lambda: re.search(quarantined, text()), "the frozen replica's quarantine", job, log, poll_s=0.05)
         to_quarantine = time.monotonic() - frozen_at
-        wait_for(lambda: re.search(rejoined.format(frozen_port), text()), "the frozen replica's rejoin", job, log)
+        held_until(rejoined.format(frozen_port), hold, job, log)
         assert job.wait(timeout=900) == 0, text()[-4000:]
     finally:
         if job.poll() is None:
@@ -134,5 +151,5 @@ def test_grpo_job_goes_on_while_one_replica_is_killed_and_another_frozen(tmp_pat
     split = {i: tags[f"replica{i}/samples"][1] for i in (0, 1)}
     print(f"\nstep 1 rollouts per replica: {split}")
     assert sum(split.values()) == 8 and min(split.values()) > 0, "one step's groups go to both replicas"
-    # Both replicas load SmolLM2 themselves: the syncer verified the set's base once, each revival its own.
+    # Both replicas load the checkpoint themselves: the syncer verified the set's base once, each revival its own.
     assert tags["sync/base_verified"][STEPS] == 1 and tags["sync/base_sends"][STEPS] == 0
