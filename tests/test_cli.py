@@ -30,6 +30,7 @@ MISTAKES = {
     "a misspelt key": (BASE.replace("rank = 8", "rnak = 8"), "[lora] has an unknown key 'rnak'; did you mean 'rank'?"),
     "unknown engine kind": (BASE + SYNC + '[engine]\nkind = "vlm"\n', "[engine] kind = 'vlm'"),
     "unknown transport": (BASE + SYNC + '[engine]\ntransport = "rdma"\n', "[engine] transport = 'rdma'"),
+    "unknown standby mode": (BASE + SYNC + '[engine]\nstandby = "yes"\n', "[engine] standby = 'yes': use auto, on, off"),
     "missing checkpoint": (
         BASE.replace('name = "smollm2"\nflavor = "debug"\nload_pretrained = false',
                      'name = "qwen3"\nload_pretrained = true\nhf_assets_path = "/nonexistent/Qwen3-0.6B"'),

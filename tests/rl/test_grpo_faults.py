@@ -93,6 +93,8 @@ def run_with_engine_faults(tmp: Path, smollm2_dir: Path) -> Reference:
     port, log = free_port(), tmp / "run.log"
     config, env = tiny_config(tmp, smollm2_dir)
     watched_engine(config, port, API_KEY, HEALTH_TIMEOUT_S)
+    # Restarts run in the standby interpreter (off by default on CPU, where its import competes with the job).
+    config.write_text(config.read_text().replace("[engine]\n", '[engine]\nstandby = "on"\n', 1))
     job = launch(config, log, env={**env, "TITAN_LORA_FAULT_BUCKET_PAUSE_S": "30",
                                    "TITAN_LORA_FAULT_MARKER": str(marker)})
     steps_logged = lambda: len(re.findall(rf"^step\s+\d+/{STEPS} ", log.read_text(), re.M))  # noqa: E731
@@ -155,6 +157,7 @@ def test_grpo_job_survives_kills_and_a_wedged_engine_core_in_rollouts_and_mid_bu
     assert reference.faults == FAULTS
     assert reference.fault_steps[-1] <= RESUME_AT, "every fault before the checkpoint the resume starts from"
     assert reference.log.count("starting titan_lora.engines.vllm_openai") == 5, "one start and four restarts"
+    assert reference.log.count("from its standby") == len(FAULTS), "each restart ran in the standby"
     found = re.findall(r"failed its liveness check while .* was waiting on it \((\d+\.\d) s in\)",
                        reference.log)
     assert len(found) == 2, "each wedged core was found by the watchdog"

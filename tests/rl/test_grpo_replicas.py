@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from job_helpers import HOLD_ENV, in_flight, kill_tree, launch, on_tiny_model, scalars, short_config, wait_for
+from process_helpers import engine_servers
 
 STEPS = 14
 STEPS_WITHOUT = 2  # steps trained while a replica is out, before the test holds the job for its rejoin
@@ -41,17 +42,7 @@ def replicas_config(tmp: Path) -> Path:
 
 def server_ports(job_pid: int) -> dict[int, int]:
     """port -> pid of each replica's API server process under the job."""
-    import psutil
-
-    out = {}
-    for proc in psutil.Process(job_pid).children(recursive=True):
-        try:
-            cmd = proc.cmdline()
-            if SERVER in cmd and proc.status() != psutil.STATUS_ZOMBIE:
-                out[int(cmd[cmd.index("--port") + 1])] = proc.pid
-        except psutil.NoSuchProcess:
-            continue
-    return out
+    return engine_servers(job_pid, SERVER)
 
 
 def server_of(pid: int) -> int:
@@ -59,7 +50,7 @@ def server_of(pid: int) -> int:
     import psutil
 
     for proc in [psutil.Process(pid), *psutil.Process(pid).parents()]:
-        if SERVER in proc.cmdline():
+        if SERVER in " ".join(proc.cmdline()):
             return proc.pid
     raise AssertionError(f"process {pid} runs under no {SERVER}")
 

@@ -41,6 +41,9 @@ class LaunchPlan:
     args: list[str]
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     """Set in the engine's environment, over the trainer's own."""
+    standby: bool = False
+    """Keep a pre-imported interpreter of `module` beside the running engine for its next start
+    (`clients.standby`): worth it where importing the module is most of a start (vLLM)."""
 
 
 EmitterFactory = Callable[[WeightSync, Engine, Endpoint], Emitter]

@@ -27,6 +27,7 @@ import psutil
 
 from titan_lora.clients.http import ApiKey, JsonClient
 from titan_lora.clients.kinds import LaunchPlan
+from titan_lora.clients.standby import Standby
 from titan_lora.transfer import protocol
 from titan_lora.transfer.parent_death import die_with_parent
 from titan_lora.transfer.errors import EngineDied, EngineHung, EngineUnreachable, TransferError
@@ -130,7 +131,9 @@ def _die_with_parent(parent: int) -> None:
 class EmbeddedEngine:
     """An engine child process (`python -m <plan.module> --port N *plan.args`, with `plan.env` set over our
     environment); restarted if it dies or hangs. It takes the plan whole: a caller that passed module and
-    args alone would lose the environment the plan needs (a CPU engine's thread count).
+    args alone would lose the environment the plan needs (a CPU engine's thread count). With
+    `plan.standby`, a pre-imported interpreter of the module waits beside the running engine and the next
+    start runs in it (`clients.standby`).
 
     `prefix` is a command the engine runs under (e.g. `ip netns exec NS`: the tests' engine in its own
     network namespace), `host` the address it is reached at (its `--host` in the plan's args must serve
@@ -143,6 +146,8 @@ class EmbeddedEngine:
         self.module = plan.module
         self.args = list(plan.args)
         self.env = dict(plan.env)
+        self.keeps_standby = plan.standby
+        self._standby: Standby | None = None
         self.prefix = prefix
         # An open engine API is anyone's to rewrite. Clients read `key`: a fresh one at every start.
         self._fixed_key = api_key
@@ -166,16 +171,19 @@ class EmbeddedEngine:
         # A fresh key per incarnation ([engine] api_key fixes one): a process that took a dead engine's port
         # and read the key a client sent it cannot use it on the next engine.
         self.key.value = self._fixed_key or secrets.token_urlsafe(32)
-        cmd = [*self.prefix, sys.executable, "-m", self.module, "--port", str(self.port), *self.args]
-        env = {**os.environ, **self.env, protocol.API_KEY_ENV: self.api_key, protocol.NONCE_ENV: self.nonce,
-               JOB_ENV: job_id(psutil.Process())}
-        logger.info("starting %s (log: %s)", self.module, self.log_path)
-        with open(self.log_path, "ab") as log:
-            # Its own process group: a kill reaches vLLM's engine core and workers too, which a SIGTERM from
-            # their dying parent does not while they are stopped (SIGSTOP) or wedged.
-            self.proc = _SPAWNER.submit(subprocess.Popen, cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                        preexec_fn=functools.partial(_die_with_parent, os.getpid()),
-                                        start_new_session=True).result()
+        argv = ["--port", str(self.port), *self.args]
+        env = {**self._base_env(), protocol.API_KEY_ENV: self.api_key, protocol.NONCE_ENV: self.nonce}
+        standby, self._standby = self._standby, None
+        if standby is not None and standby.ready(wait_s=self.start_timeout_s / 2):
+            logger.info("starting %s from its standby, imported already (log: %s)", self.module, self.log_path)
+            self.proc = standby.become(argv, env)
+        else:
+            if standby is not None:
+                standby.discard()
+            logger.info("starting %s (log: %s)", self.module, self.log_path)
+            with open(self.log_path, "ab") as log:
+                self.proc = _SPAWNER.submit(self._popen, [*self.prefix, sys.executable, "-m", self.module, *argv],
+                                            stdout=log, stderr=subprocess.STDOUT, env=env).result()
         self.starts += 1
         try:
             self._wait_ready()
@@ -185,6 +193,29 @@ class EmbeddedEngine:
         finally:
             self._reservation.close()
             self._reservation = None
+        if self.keeps_standby:
+            try:
+                self._standby = _SPAWNER.submit(Standby.spawn, self._popen, self.prefix, self.module,
+                                                self._base_env(), self.log_path).result()
+            except OSError as err:  # the engine runs; only its next start will be cold
+                logger.warning("%s: no standby for the next start: %s", self.module, err)
+
+    def _base_env(self) -> dict[str, str]:
+        """The engine's environment but for the per-start secrets (which never reach a standby's argv or
+        its /proc environ)."""
+        return {**os.environ, **self.env, JOB_ENV: job_id(psutil.Process())}
+
+    @staticmethod
+    def _popen(cmd: list[str], **kwargs: object) -> subprocess.Popen:
+        # Its own process group: a kill reaches vLLM's engine core and workers too, which a SIGTERM from
+        # their dying parent does not while they are stopped (SIGSTOP) or wedged. Called on `_SPAWNER`.
+        return subprocess.Popen(cmd, preexec_fn=functools.partial(_die_with_parent, os.getpid()),
+                                start_new_session=True, **kwargs)
+
+    @property
+    def standby(self) -> Standby | None:
+        """The interpreter waiting for the next start, if one does."""
+        return self._standby
 
     @property
     def api_key(self) -> str:
@@ -306,7 +337,10 @@ class EmbeddedEngine:
 
     def stop(self) -> None:
         """Terminate the engine process (SIGKILL if it does not exit within 30 s), then SIGKILL whatever
-        of its process group is left."""
+        of its process group is left; its standby goes too."""
+        if self._standby is not None:
+            self._standby.discard()
+            self._standby = None
         if self._reservation is not None:
             self._reservation.close()
             self._reservation = None

@@ -26,7 +26,13 @@ def vllm_openai_launch(req: LaunchRequest) -> LaunchPlan:
         "--max-model-len", str(req.engine.max_model_len), "--max-num-seqs", "64",
         "--max-num-batched-tokens", str(max(4096, req.engine.max_model_len)),
         "--kv-cache-memory-bytes", str(req.engine.kv_cache_gib * 2**30), "--disable-uvicorn-access-log", *skip,
-    ], env)
+    ], env, standby=keeps_standby(req))
+
+
+def keeps_standby(req: LaunchRequest) -> bool:
+    """`[engine] standby`: on, off, or (auto) on for a GPU engine only: on CPU the standby's import of vLLM
+    would compete with the job for the same cores."""
+    return req.engine.standby == "on" or (req.engine.standby == "auto" and req.device.type != "cpu")
 
 
 def cpu_threads(req: LaunchRequest) -> int:

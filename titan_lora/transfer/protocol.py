@@ -15,6 +15,11 @@ API_KEY_ENV = "TITAN_LORA_API_KEY"
 """The engine's API key reaches it through this environment variable, never its command line."""
 NONCE_ENV = "TITAN_LORA_ENGINE_NONCE"
 """The launcher's nonce, echoed by INFO: proof that the engine on a port is the one we started."""
+STANDBY_MODULE = "titan_lora.engines.standby"
+"""A pre-imported engine interpreter (`python -m STANDBY_MODULE MODULE`): it imports MODULE, writes one byte
+to the descriptor STANDBY_READY_FD_ENV names, then reads one JSON line `{"argv": [...], "env": {...}}` on
+stdin and runs MODULE's `main()` as `python -m MODULE *argv` would."""
+STANDBY_READY_FD_ENV = "TITAN_LORA_STANDBY_READY_FD"
 SKIP_BASE_DIGESTS_FLAG = "--titan-skip-base-digests"
 """The vLLM engine's flag (its launcher passes it under `[weight_sync] base = "push"`, where nobody asks for
 BASE_DIGESTS): it records no digest of the base it loads and answers BASE_DIGESTS with none."""
