@@ -1,4 +1,6 @@
-"""The real trainer side (SmolLM2 + LoRA, AdapterSource, WeightSyncer) into the SGLang conformance server."""
+"""The real trainer side (LoRA, AdapterSource, WeightSyncer) into the SGLang conformance server: SmolLM2's
+syncs, and GRPO sampling on a tiny random Llama with SmolLM2's tokenizer (the conformance server runs the
+model in Python: SmolLM2's base pushed into it and sampled there was a minute of CI)."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import pytest
 import torch
 from model_helpers import SMOLLM2_LORA, build_from, job_config_from, randomize_adapters
 from sglang_conformance import ConformanceServer
+from tiny_checkpoints import SMOLLM2_VOCAB, hf_toml, tiny_llama
 from transformers import AutoTokenizer, LlamaConfig
 
 from titan_lora.clients.base import Endpoint
@@ -60,22 +63,24 @@ def test_smollm2_syncs_serve_the_trainers_logprobs(smollm2_dir):
 
 
 @pytest.mark.slow
-def test_grpo_samples_from_sglang_carry_the_trainers_logprobs(smollm2_dir):
+def test_grpo_samples_from_sglang_carry_the_trainers_logprobs(smollm2_dir, tmp_path):
     """sample_groups over the sglang kind's rollout client: the engine's log-prob of every sampled token is
     the trainer's own (torchtitan + LoRA), and the reward reads SGLang's detokenized text."""
-    built = build_from(SMOLLM2_LORA)
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    hf_dir = tiny_llama(tmp_path / "tiny_llama", vocab=SMOLLM2_VOCAB, tokenizer_from=smollm2_dir)
+    toml = hf_toml("llama3", hf_dir)
+    built = build_from(toml)
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     task, problems = ArithTask(), make_problems(2, seed=5)
     prompts = [tokenizer(task_prompt(tokenizer, task, p.question), add_special_tokens=False)["input_ids"]
                for p in problems]
     server_cfg = {"max_lora_rank": 8, "lora_target_modules": ALL_LINEAR, "max_loaded_loras": 3,
                   "max_loras_per_batch": 4, "enable_deterministic_inference": True,
                   "detokenize": lambda ids: tokenizer.decode(ids, skip_special_tokens=True)}
-    with ConformanceServer(LlamaConfig.from_pretrained(smollm2_dir), **server_cfg) as srv:
+    with ConformanceServer(LlamaConfig.from_pretrained(hf_dir), **server_cfg) as srv:
         cfg = WeightSync(enabled=True, keep_versions=2, timeout_s=120, retries=1, parity_every=0)
         kind, endpoint = engine_kind("sglang"), Endpoint(srv.url)
-        source = AdapterSource(built.model, built.peft_layout, job_config_from(SMOLLM2_LORA).lora)
-        syncer = WeightSyncer(source, base_weights_source(built.model, built.sd_adapter, tied_embeddings=True),
+        source = AdapterSource(built.model, built.peft_layout, job_config_from(toml).lora)
+        syncer = WeightSyncer(source, base_weights_source(built.model, built.sd_adapter, tied_embeddings=built.tied),
                               kind.emitter(cfg, Engine(kind="sglang", url=srv.url), endpoint), cfg,
                               torch.device("cpu"), versions=AdapterVersions("policy", 2))
         syncer.check_engine()
