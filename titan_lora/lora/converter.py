@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import logging
 
+from collections.abc import Sequence
+
 from titan_lora.config import JobConfig, LoRA, validate_lora
+from titan_lora.config_adapters import FALLBACK, Adapter, resolved_adapters
 from titan_lora.lora.layer import lora_class, lora_scale
+from titan_lora.lora.multi import multi_lora_class
 from titan_lora.lora.targets import LeafNames, resolve_target_names
 from titan_lora.titan.lora_linear import LoRAConfigConverter
+from titan_lora.titan.multi_lora_linear import AdapterTargets, MultiLoRAConfigConverter
 from titan_lora.titan.parallel import ParallelDims
 
 logger = logging.getLogger(__name__)
@@ -29,9 +34,20 @@ class LoRAConverter:
         validate_lora(self.cfg)
         self.seed = job_config.debug.seed or 0
         self.targets: list[str] = []
+        sections = {name: getattr(job_config, name) for name in set(FALLBACK.values())}
+        self.adapters = (resolved_adapters(job_config.adapters, sections, job_config.weight_sync.lora_name)
+                         if len(job_config.adapters) > 1 else [])
 
     def convert(self, model_config):  # noqa: ANN001, ANN201 (torchtitan's config tree)
-        """The tree with the targeted linears as LoRA linears (the base is frozen once built: `freeze_base`)."""
+        """The tree with the targeted linears as LoRA linears (the base is frozen once built: `freeze_base`);
+        with several `[[adapters]]`, as K-adapter linears."""
+        if self.adapters:
+            multi = multi_lora_converter(self.adapters, self.cfg, self.names, self.seed)
+            model_config = multi(model_config)
+            for adapter, targets in zip(self.adapters, multi.targets):
+                logger.info("adapter %s: LoRA rank %d alpha %g on %d linears (%s)", adapter.name, adapter.rank,
+                            adapter.alpha, len(targets), adapter.target_modules)
+            return model_config
         converter = lora_converter(self.cfg, self.names, self.seed)
         model_config = converter(model_config)
         self.targets = converter.targets
@@ -50,3 +66,19 @@ def lora_converter(cfg: LoRA, names: LeafNames, seed: int = 0) -> LoRAConfigConv
         lora_class=lora_class, select=lambda linears: resolve_target_names(linears, cfg.target_modules, names),
         rank=cfg.rank, scale=lora_scale(cfg.rank, cfg.alpha, cfg.use_rslora), dropout=cfg.dropout, dtype=cfg.dtype,
         seed=seed)
+
+
+def multi_lora_converter(adapters: Sequence[Adapter], cfg: LoRA, names: LeafNames,
+                         seed: int = 0) -> MultiLoRAConfigConverter:
+    """Resolved `[[adapters]]` as one config-tree converter of K-adapter linears: each adapter's own targets,
+    rank and scale, every adapter initialised with `seed` as a one-adapter job with its keys would be."""
+    dropouts = {a.dropout for a in adapters}
+    if len(dropouts) > 1:
+        raise ValueError(f"[[adapters]] set dropouts {sorted(dropouts)}; one dropout applies to every adapter of "
+                         "a linear: set the same dropout in each table, or only [lora] dropout")
+    return MultiLoRAConfigConverter(
+        multi_class=multi_lora_class,
+        adapters=[AdapterTargets(select=lambda linears, t=a.target_modules: resolve_target_names(linears, t, names),
+                                 rank=a.rank, scale=lora_scale(a.rank, a.alpha, a.use_rslora), seed=seed)
+                  for a in adapters],
+        dropout=dropouts.pop(), dtype=cfg.dtype)

@@ -124,7 +124,8 @@ BUILT_ORDER = ("tok_embeddings", "layers", "norm", "lm_head")
 and so its adapter's seed, follows the built model's module order, as titan_lora's numbering always did."""
 
 
-def _built_position(fqn: str) -> int:
+def built_position(fqn: str) -> int:
+    """Where the module at `fqn` comes in the built model's module order (`BUILT_ORDER` of its top level)."""
     top = fqn.split(".", 1)[0]
     return BUILT_ORDER.index(top) if top in BUILT_ORDER else len(BUILT_ORDER)
 
@@ -157,7 +158,7 @@ class LoRAConfigConverter:
         found = [entry for entry in model_config.traverse(Linear.Config, recurse=False) if entry[0] in wanted]
         index = 0
         self.targets = []
-        for fqn, cfg, parent, attr in sorted(found, key=lambda entry: _built_position(entry[0])):
+        for fqn, cfg, parent, attr in sorted(found, key=lambda entry: built_position(entry[0])):
             if cfg.param_init is None:
                 raise ValueError(f"{fqn}: a LoRA target needs a param_init for its base weight")
             new = lora_linear_class(cfg._owner, self.lora_class).Config(
