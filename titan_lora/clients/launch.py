@@ -173,13 +173,8 @@ class EmbeddedEngine:
         self.key.value = self._fixed_key or secrets.token_urlsafe(32)
         argv = ["--port", str(self.port), *self.args]
         env = {**self._base_env(), protocol.API_KEY_ENV: self.api_key, protocol.NONCE_ENV: self.nonce}
-        standby, self._standby = self._standby, None
-        if standby is not None and standby.ready(wait_s=self.start_timeout_s / 2):
-            logger.info("starting %s from its standby, imported already (log: %s)", self.module, self.log_path)
-            self.proc = standby.become(argv, env)
-        else:
-            if standby is not None:
-                standby.discard()
+        self.proc = self._from_standby(argv, env)
+        if self.proc is None:
             logger.info("starting %s (log: %s)", self.module, self.log_path)
             with open(self.log_path, "ab") as log:
                 self.proc = _SPAWNER.submit(self._popen, [*self.prefix, sys.executable, "-m", self.module, *argv],
@@ -199,6 +194,20 @@ class EmbeddedEngine:
                                                 self._base_env(), self.log_path).result()
             except OSError as err:  # the engine runs; only its next start will be cold
                 logger.warning("%s: no standby for the next start: %s", self.module, err)
+
+    def _from_standby(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen | None:
+        """The engine started in the standby, or None (none, or it died): then the start is cold."""
+        standby, self._standby = self._standby, None
+        if standby is None:
+            return None
+        if standby.ready(wait_s=self.start_timeout_s / 2):
+            logger.info("starting %s from its standby, imported already (log: %s)", self.module, self.log_path)
+            try:
+                return standby.become(argv, env)
+            except OSError as err:  # it died after saying it was ready: its stdin is a broken pipe
+                logger.warning("%s: its standby is gone (%s); starting it cold", self.module, err)
+        standby.discard()
+        return None
 
     def _base_env(self) -> dict[str, str]:
         """The engine's environment but for the per-start secrets (which never reach a standby's argv or
