@@ -58,11 +58,22 @@ def test_the_launchers_plan_the_engine_processes() -> None:
     assert engine_kind("vllm-openai").launch(req) == LaunchPlan("titan_lora.engines.vllm_openai", [
         "/hf", "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--seed", "0",
         "--max-lora-rank", "16", "--max-loras", "4", "--max-cpu-loras", "5", "--max-model-len", "640",
-        "--max-num-seqs", "64", "--max-num-batched-tokens", "4096", "--kv-cache-memory-bytes", str(5 * 2**30), "--disable-uvicorn-access-log"])
+        "--max-num-seqs", "64", "--max-num-batched-tokens", "4096", "--kv-cache-memory-bytes", str(5 * 2**30), "--disable-uvicorn-access-log"],
+        standby=True)  # a GPU engine: a restart runs in the standby interpreter
     push = dataclasses.replace(req, base_digests=False)  # [weight_sync] base = "push": nobody asks for them
     assert engine_kind("vllm").launch(push).args == [*engine_kind("vllm").launch(req).args,
                                                       "--titan-skip-base-digests"]
 
+
+def test_a_standby_waits_beside_a_gpu_engine_by_default_and_as_the_config_says() -> None:
+    gpu = LaunchRequest(Engine(), 2, "/hf", torch.device("cuda", 0), 8)
+    cpu = dataclasses.replace(gpu, device=torch.device("cpu"))
+    plans = {(device.type, mode): engine_kind("vllm").launch(dataclasses.replace(req, engine=Engine(standby=mode)))
+             for req, device in ((gpu, gpu.device), (cpu, cpu.device)) for mode in ("auto", "on", "off")}
+    assert {key: plan.standby for key, plan in plans.items()} == {
+        ("cuda", "auto"): True, ("cuda", "on"): True, ("cuda", "off"): False,
+        ("cpu", "auto"): False, ("cpu", "on"): True, ("cpu", "off"): False}
+    assert not engine_kind("receiver").launch(gpu).standby, "the receiver's import is cheap: no standby"
 
 
 def test_a_cpu_engine_gets_the_cores_not_a_ranks_one_thread(monkeypatch) -> None:
