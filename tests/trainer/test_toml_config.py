@@ -67,7 +67,7 @@ no TOML), with the two defaults titan_lora changed on purpose
 CHANGED_AT_030 = {"parallelism.disable_loss_parallel": ["bool", True]}
 """Keys whose value changed at the switch to 0.3.0: loss parallelism is not offered (the head's logits are always
 gathered), so the key is always true."""
-ADDED_SINCE = {"engine.cpu_threads": ["int", 0], "adapters": []}
+ADDED_SINCE = {"engine.cpu_threads": ["int", 0], "engine.standby": ["str", "auto"], "adapters": []}
 """Keys titan_lora added after the record, at their defaults (no shipped config sets them); each new key is named
 here, so that a key that appears or vanishes unannounced still fails."""
 
