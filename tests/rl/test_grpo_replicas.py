@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 from job_helpers import HOLD_ENV, in_flight, kill_tree, launch, on_tiny_model, scalars, short_config, wait_for
-from process_helpers import engine_servers
+from process_helpers import ENGINE_MODULE, engine_servers
 
 STEPS = 14
 STEPS_WITHOUT = 2  # steps trained while a replica is out, before the test holds the job for its rejoin
-SERVER = "titan_lora.engines.vllm_openai"
+SERVER = ENGINE_MODULE
 API_KEY = "replicas-test-key"
 HEALTH_TIMEOUT_S = 3
 
@@ -42,7 +42,7 @@ def replicas_config(tmp: Path) -> Path:
 
 def server_ports(job_pid: int) -> dict[int, int]:
     """port -> pid of each replica's API server process under the job."""
-    return engine_servers(job_pid, SERVER)
+    return engine_servers(job_pid)
 
 
 def server_of(pid: int) -> int:
