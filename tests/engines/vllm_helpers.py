@@ -16,6 +16,7 @@ from titan_lora.clients.launch import EmbeddedEngine
 from titan_lora.clients.openai_rollout import OpenAIRolloutClient
 from titan_lora.config import Engine, LoRA, WeightSync
 from titan_lora.sync.adapter_source import AdapterSource
+from titan_lora.sync.base_digest import base_digests
 from titan_lora.sync.base_stream import base_weights_source
 from titan_lora.sync.parity import trainer_logprobs
 from titan_lora.sync.syncer import WeightSyncer
@@ -107,3 +108,20 @@ def smollm2_trainer(engine: EmbeddedEngine, cfg: WeightSync,
     lora = job_config_from(SMOLLM2_LORA).lora
     source, syncer = syncer_into(engine, cfg, built, lora, transport)
     return built, lora, source, syncer
+
+
+def verify_base_and_record_sends(syncer: WeightSyncer, built: BuiltModel) -> list[list[str]]:
+    """Make `syncer` verify the engine's base against `built`'s digests (as `[weight_sync] base = "verify"`
+    does); returns the list that each base send appends the names of the tensors it streamed to."""
+    syncer.base_digests = lambda dtype: base_digests(built.model, built.sd_adapter, built.peft_layout, built.tied,
+                                                     dtype)
+    streamed: list[list[str]] = []
+    real = syncer.emitter.send_base  # send_base_part streams through it too
+
+    def spy(tensors, version, **kwargs):
+        names: list[str] = []
+        streamed.append(names)
+        return real(((names.append(n) or (n, t)) for n, t in tensors), version, **kwargs)
+
+    syncer.emitter.send_base = spy
+    return streamed

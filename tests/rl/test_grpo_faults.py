@@ -8,12 +8,14 @@ adapter bucket, SIGKILLed while rollouts run, then its engine core alone is froz
 keeps answering) while rollouts run and again inside an adapter bucket: the job must finish with one
 published version per step and the engine serving the trainer's adapter after every restart, a wedged core
 found by the watchdog within 2 x health_timeout_s, not after the rollout timeout (600 s here). Its per-step
-rewards and trainer figures are the reference for a job resumed from its step-5 checkpoint, SIGKILLed during
-step 6, and resumed again with the same command.
+rewards and trainer figures are the reference for a job resumed from its step-5 checkpoint, SIGKILLed in
+rollouts after it (all but its engine, which must end by itself within 5 s), and resumed again with the
+same command.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -57,16 +59,39 @@ def tiny_config(tmp: Path, smollm2_dir: Path) -> tuple[Path, dict[str, str]]:
     return config, on_tiny_model(config, smollm2_dir)
 
 
-def kill_once_logged(config: Path, log: Path, line: str, env: dict[str, str]) -> None:
-    """Launch the job and SIGKILL its whole tree (torchrun, ranks, engine) once `line` is logged, as an OOM
-    killer or a lost node would; then unlink the shared-memory buffers it could not unlink itself."""
+def kill_job_in_rollouts(config: Path, log: Path, line: str, env: dict[str, str], port: int) -> None:
+    """Launch the job and, once `line` is logged and rollouts are in flight, SIGKILL every process of the job
+    but its engine (torchrun, ranks), as an OOM killer or a lost node would; the engine (vLLM's API server and
+    engine core, in their own session, decoding) must end by its own parent-death wiring within 5 s, though a
+    graceful shutdown would wait for the running requests. Then unlink the shared-memory buffers the job
+    could not unlink itself."""
+    import psutil
+
     segments_before = shm_segments()
     job = launch(config, log, env=env)
+    engine: list[psutil.Process] = []
     try:
         wait_for(lambda: line in log.read_text(), repr(line), job, log, timeout_s=900, poll_s=0.05)
-    finally:
-        kill_tree(job.pid)  # torchrun's workers and the engine run in their own process groups
+        wait_for(lambda: in_flight(port, API_KEY) > 0, "rollouts in flight", job, log, poll_s=0.005)
+        server = psutil.Process(engine_pid(job.pid))
+        engine = [server, *server.children(recursive=True)]
+        names = [" ".join(p.cmdline()) for p in engine]
+        assert any("EngineCore" in n for n in names), f"no vLLM engine core among {names}"
+        for proc in [*psutil.Process(job.pid).children(recursive=True), psutil.Process(job.pid)]:
+            if proc not in engine:
+                proc.kill()
         job.wait()
+        ended = time.monotonic() + 5
+        while (left := [p for p in engine if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]):
+            assert time.monotonic() < ended, f"engine processes outlived their job by 5 s: {left}"
+            time.sleep(0.1)
+    finally:
+        if job.poll() is None:
+            kill_tree(job.pid)
+            job.wait()
+        for proc in engine:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
     # Other jobs' segments are still mapped and stay.
     unlink_orphaned({n for n in shm_segments() - segments_before if n.startswith("psm_")})
 
@@ -158,8 +183,9 @@ def test_grpo_job_survives_kills_and_a_wedged_engine_core_in_rollouts_and_mid_bu
     assert reference.fault_steps[-1] <= RESUME_AT, "every fault before the checkpoint the resume starts from"
     assert reference.log.count("starting titan_lora.engines.vllm_openai") == 5, "one start and four restarts"
     assert reference.log.count("from its standby") == len(FAULTS), "each restart ran in the standby"
-    found = re.findall(r"failed its liveness check while .* was waiting on it \((\d+\.\d) s in\)",
-                       reference.log)
+    # A killed engine may be found by the watchdog too (its port refuses), so only a wedge's answer counts.
+    found = re.findall(r"failed its liveness check while .* was waiting on it \((\d+\.\d) s in\): \S+: its API "
+                       r"server answers, but the engine behind it does not", reference.log)
     assert len(found) == 2, "each wedged core was found by the watchdog"
     # The watchdog's bound, plus an engine restart, the base's verification, the rest of the step and its
     # sync (about 30 s on 2 cores); far below the 600 s a rollout request would have waited.
@@ -180,7 +206,8 @@ def test_killed_and_resumed_runs_repeat_the_reference_rewards_exactly(reference,
     """The README's claim: resumed from a checkpoint with the same command, the adapter reaches the fresh
     engine before the first rollout, held-out accuracy at the resume step reads the same, and the rewards of
     the later steps repeat the first attempt's exactly. The first job starts on a copy of the step-5
-    checkpoint and is SIGKILLed during step 6; the same command then resumes from step 5 again."""
+    checkpoint and is SIGKILLed in the rollouts of a step after it (its engine ends by itself in 5 s); the same
+    command then resumes from step 5 again."""
     ref_dir, ref = reference.dir, reference.tags
     ckpt = Path("run/checkpoint") / f"step-{RESUME_AT}"
     shutil.copytree(ref_dir / ckpt, tmp_path / ckpt)
@@ -188,8 +215,10 @@ def test_killed_and_resumed_runs_repeat_the_reference_rewards_exactly(reference,
     # The same random model, made from the same seed: the checkpoint's frozen base must match it.
     assert (tmp_path / "tiny_qwen3/model.safetensors").read_bytes() == \
         (ref_dir / "tiny_qwen3/model.safetensors").read_bytes()
-    # Once it logged the resume step's held-out accuracy it is in step 6's rollouts.
-    kill_once_logged(config, tmp_path / "killed.log", f"held-out accuracy at step {RESUME_AT}:", env)
+    port = free_port()
+    watched_engine(config, port, API_KEY, HEALTH_TIMEOUT_S)
+    # Once it logged the resume step's held-out accuracy it is in step 6 (or a later step's) rollouts.
+    kill_job_in_rollouts(config, tmp_path / "killed.log", f"held-out accuracy at step {RESUME_AT}:", env, port)
     # The checkpoints on disk, not the log: the kill can land between a write and its log line.
     complete = (tmp_path / "run/checkpoint").glob("step-*/.metadata")
     assert [p.parent.name for p in complete] == [f"step-{RESUME_AT}"], "the killed job wrote no checkpoint"
