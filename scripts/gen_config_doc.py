@@ -79,7 +79,7 @@ def _cell(text: str) -> str:
 def section_rows(name: str, cls: type) -> list[str]:
     """The markdown table of one section: key, type, default, range, what it does."""
     from titan_lora.config import choices
-    from titan_lora.config_adapters import FALLBACK
+    from titan_lora.config_adapters import FALLBACK, section_key
     from titan_lora.config_ranges import RANGES
     from titan_lora.trainer.toml_config import field_default, toml_literal, type_words
 
@@ -87,7 +87,7 @@ def section_rows(name: str, cls: type) -> list[str]:
     rows = ["| key | type | default | accepted | what it does |", "|---|---|---|---|---|"]
     for f in dataclasses.fields(cls):
         default = field_default(f)
-        ruled = (FALLBACK.get(f.name, name), f.name) if name == "adapters" else (name, f.name)  # its section's range
+        ruled = (FALLBACK.get(f.name, name), section_key(f.name)) if name == "adapters" else (name, f.name)  # its section's range
         rule, among = RANGES.get(ruled), choices().get(ruled)
         accepted = rule.describe() if rule else ", ".join(f"`{c}`" for c in among) if among else ""
         rows.append(f"| `{f.name}` | {_cell(type_words(f.type))} | "

@@ -367,7 +367,7 @@ def test_the_emitter_lends_the_gather_buffer(tmp_path: Path) -> None:
 def test_compose_builds_the_adapter_source_on_the_engines_lent_buffer(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The adapter gathers into the buffer the engine side's emitter lends (no packing copy per sync), and
-    a job without the lora converter (full fine-tuning) has none."""
+    a job without the lora converter (full fine-tuning) or with several adapters (no sync yet) has none."""
     import types
 
     from titan_lora import compose
@@ -380,10 +380,12 @@ def test_compose_builds_the_adapter_source_on_the_engines_lent_buffer(
     built = types.SimpleNamespace(model="model", peft_layout="layout", hf_dir="/hf")
     lora = types.SimpleNamespace(rank=8)
     job_config = types.SimpleNamespace(model=types.SimpleNamespace(converters=["lora"]), lora=lora,
-                                       weight_sync=WeightSync(lora_name="pol"))
+                                       weight_sync=WeightSync(lora_name="pol"), adapters=[])
     assert compose.adapter_source(job_config, built, side) == "source"
     assert made == [(("model", "layout", lora, "pol", "/hf"), {"lend": emitter.lend_buffer})]
-    job_config.model.converters = []
+    job_config.adapters = ["a", "b"]
+    assert compose.adapter_source(job_config, built, side) is None and len(made) == 1
+    job_config.adapters, job_config.model.converters = [], []
     assert compose.adapter_source(job_config, built, side) is None and len(made) == 1
 
 

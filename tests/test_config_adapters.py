@@ -9,7 +9,7 @@ import pytest
 from model_helpers import DEBUG_LORA
 
 from titan_lora import cli
-from titan_lora.config_adapters import FALLBACK, Adapter, resolved_adapters
+from titan_lora.config_adapters import FALLBACK, Adapter, job_adapters, resolved_adapters, section_key
 from titan_lora.trainer.job_config import job_config_from_toml
 
 BASE = DEBUG_LORA + "[optimizer]\nlr = 3e-4\n"
@@ -23,9 +23,11 @@ def _sections(cfg) -> dict:
 def test_without_tables_the_job_is_its_sections_named_lora_name() -> None:
     cfg = job_config_from_toml(BASE)
     assert cfg.adapters == []
-    (adapter,) = resolved_adapters(cfg.adapters, {s: getattr(cfg, s) for s in set(FALLBACK.values())}, "policy")
+    (adapter,) = job_adapters(cfg)
     assert adapter.name == "policy" and adapter.lr == 3e-4 and adapter.rank == cfg.lora.rank
-    assert all(getattr(adapter, key) == getattr(getattr(cfg, section), key) for key, section in FALLBACK.items())
+    assert adapter.data_path == cfg.data.path and adapter.data_seed == cfg.data.seed
+    assert all(getattr(adapter, key) == getattr(getattr(cfg, section), section_key(key))
+               for key, section in FALLBACK.items())
 
 
 def test_one_table_sets_its_keys_over_the_sections_and_names_the_versions() -> None:
@@ -44,11 +46,12 @@ def test_each_adapter_falls_back_key_by_key() -> None:
                                             "weight_decay": 0.1})(),
                 "training": type("T", (), {"max_norm": 1.0})(),
                 "grpo": type("G", (), {"task": "arith", "reward": "", "seed": 0, "temperature": 1.0,
-                                       "task_digits": 1, "task_ops": "+-", "train_size": 2000, "eval_size": 100})()}
-    a, b = resolved_adapters([Adapter(name="a", rank=8), Adapter(name="b", lr=5e-4, target_modules=["wq"])],
-                             sections, "policy")
-    assert (a.rank, a.lr, a.target_modules) == (8, 1e-4, "all-linear")
-    assert (b.rank, b.lr, b.target_modules) == (16, 5e-4, ["wq"])
+                                       "task_digits": 1, "task_ops": "+-", "train_size": 2000, "eval_size": 100})(),
+                "data": type("D", (), {"path": "all.jsonl", "seed": 0})()}
+    a, b = resolved_adapters([Adapter(name="a", rank=8), Adapter(name="b", lr=5e-4, target_modules=["wq"],
+                                                                 data_path="b.jsonl")], sections, "policy")
+    assert (a.rank, a.lr, a.target_modules, a.data_path, a.data_seed) == (8, 1e-4, "all-linear", "all.jsonl", 0)
+    assert (b.rank, b.lr, b.target_modules, b.data_path) == (16, 5e-4, ["wq"], "b.jsonl")
 
 
 MISTAKES = {
@@ -67,10 +70,24 @@ MISTAKES = {
                         "[adapters #2] name = 'a' is used by an earlier table"),
     "a table written as a section": ('[adapters]\nname = "a"\n',
                                      "adapters must be an array of tables: write [[adapters]] above each one's keys"),
-    "several adapters (not trained together yet)": (
+    "several adapters in a job that exports (not yet)": (
         '[[adapters]]\nname = "a"\n[[adapters]]\nname = "b"\n',
-        "[[adapters]] names 2 adapters ('a', 'b'); this release trains one adapter per job"),
+        "[[adapters]] names 2 adapters ('a', 'b'), which train together in SFT jobs without [lora] export_dir = "
+        "'adapter' so far: set [lora] export_dir = \"\", or keep one table"),
+    "a target no linear has, in one of several tables": (
+        '[[adapters]]\nname = "a"\n[[adapters]]\nname = "b"\ntarget_modules = ["nope"]\n',
+        "[[adapters]] 'b': target_modules ['nope'] match no linear layer of this model"),
 }
+
+
+def test_several_adapters_are_refused_one_line_per_part_that_takes_one_adapter_so_far(tmp_path) -> None:
+    config = tmp_path / "job.toml"
+    config.write_text(BASE.replace("[lora]\n", '[lora]\nexport_dir = ""\n') + '[grpo]\nenabled = true\n'
+                      '[weight_sync]\nenabled = true\n[checkpoint]\nenable = true\n'
+                      '[[adapters]]\nname = "a"\n[[adapters]]\nname = "b"\n')
+    errors = cli.config_errors(str(config), [])
+    assert [e.split(" so far")[0].rsplit("without ", 1)[1] for e in errors] == [
+        "[grpo] enabled = true", "[weight_sync] enabled = true", "[checkpoint] enable = true"], errors
 
 
 @pytest.mark.parametrize("case", MISTAKES)
@@ -78,7 +95,7 @@ def test_each_mistake_in_a_table_is_one_line_naming_it(case: str, tmp_path) -> N
     text, expected = MISTAKES[case]
     config = tmp_path / "job.toml"
     config.write_text(BASE + text)
-    errors = cli.config_errors(str(config), [])
+    errors = cli.config_errors(str(config), ["--lora.export_dir="] if "target" in case else [])
     assert len(errors) == 1 and expected in errors[0], errors
 
 

@@ -21,6 +21,7 @@ from titan_lora.clients.replica_set import Replica, ReplicaSet
 from titan_lora.clients.rollout import RolloutClient
 from titan_lora.clients.router import RolloutRouter
 from titan_lora.config import GRPO, Engine, JobConfig, WeightSync, attached_urls
+from titan_lora.config_adapters import job_adapters
 from titan_lora.rl.agent_objective import AgentObjective, check_agent_config
 from titan_lora.rl.agent_task import is_agent_task
 from titan_lora.rl.objective import GRPOObjective
@@ -200,9 +201,9 @@ def engine_side(job_config: JobConfig, built: BuiltModel, device: torch.device) 
 
 def adapter_source(job_config: JobConfig, built: BuiltModel, side: EngineSide) -> AdapterSource | None:
     """Collective: the adapter as rank 0 publishes it, gathered into the buffer `side`'s emitter lends;
-    None for full fine-tuning (no "lora" converter: nothing to gather)."""
-    if "lora" not in job_config.model.converters:
-        return None
+    None for full fine-tuning (no "lora" converter: nothing to gather) and for several adapters."""
+    if "lora" not in job_config.model.converters or len(job_config.adapters) > 1:
+        return None  # several adapters: no sync or export yet (refused when the job loads)
     return AdapterSource(built.model, built.peft_layout, job_config.lora, job_config.weight_sync.lora_name,
                          built.hf_dir, lend=side.lend)
 
@@ -259,6 +260,10 @@ def build_objective(job_config: JobConfig, hf_dir: str, dims: ParallelDims, devi
             return AgentObjective(job_config.grpo, task, tokenizer, engine, dp, device, metrics,
                                   job_config.training.seq_len, loop, record)
         return GRPOObjective(job_config.grpo, task, tokenizer, engine, dp, device, metrics, loop, record)
-    data = SFTData(tokenizer, job_config.data.path, job_config.training.seq_len,
-                   global_batch_size(job_config.training, dp.size), job_config.data.seed)
+    batch = global_batch_size(job_config.training, dp.size)
+    if len(job_config.adapters) > 1:  # each adapter its own data, the same batch size
+        adapters = job_adapters(job_config)
+        data = [SFTData(tokenizer, a.data_path, job_config.training.seq_len, batch, a.data_seed) for a in adapters]
+        return SFTObjective(data, dp, device, [a.name for a in adapters])
+    data = SFTData(tokenizer, job_config.data.path, job_config.training.seq_len, batch, job_config.data.seed)
     return SFTObjective(data, dp, device)

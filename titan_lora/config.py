@@ -220,8 +220,9 @@ class JobConfig:
     """`[task]`: the options of the task `[grpo] task` names; that task checks them (rl/task.py)."""
     adapters: list[Adapter] = field(default_factory=list)
     """`[[adapters]]`: the job's LoRA adapters, one table each, set in the TOML only (config_adapters.py); none:
-    one adapter, the [lora], [optimizer], [training] and [grpo] sections, named [weight_sync] lora_name. This
-    release trains one adapter per job: a second table is refused, naming the tables."""
+    one adapter, the [lora], [optimizer], [training], [grpo] and [data] sections, named [weight_sync]
+    lora_name. Several tables train together in SFT jobs (docs/multi_adapter.md); with GRPO, weight sync,
+    checkpoints or an export they are refused so far, one line each."""
 
 
 def choices() -> dict[tuple[str, str], tuple[str, ...]]:

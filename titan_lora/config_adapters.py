@@ -1,6 +1,6 @@
 """`[[adapters]]`: the LoRA adapters of a job, one TOML table each. A key a table leaves out comes from the
-section that holds it for a one-adapter job (`FALLBACK`: [lora], [optimizer], [training] or [grpo]); a config
-with no table is one adapter made of those sections, named `[weight_sync] lora_name`, exactly as before."""
+section that holds it for a one-adapter job (`FALLBACK`: [lora], [optimizer], [training], [grpo] or [data]); a
+config with no table is one adapter made of those sections, named `[weight_sync] lora_name`, exactly as before."""
 
 import dataclasses
 import re
@@ -15,8 +15,17 @@ FALLBACK: dict[str, str] = {
     "max_norm": "training",
     "task": "grpo", "reward": "grpo", "seed": "grpo", "temperature": "grpo", "task_digits": "grpo",
     "task_ops": "grpo", "train_size": "grpo", "eval_size": "grpo",
+    "data_path": "data", "data_seed": "data",
 }
-"""Each per-adapter key -> the section whose key of the same name it defaults to."""
+"""Each per-adapter key -> the section whose key it defaults to (`section_key` names that key)."""
+
+RENAMED = {"data_path": "path", "data_seed": "seed"}
+"""Per-adapter keys whose section key has another name ([data] path, not [data] data_path)."""
+
+
+def section_key(key: str) -> str:
+    """The name, in its `FALLBACK` section, of per-adapter key `key`."""
+    return RENAMED.get(key, key)
 
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 """An adapter's name: it names its engine versions (`<name>-v<step>`), its export folder and its metrics."""
@@ -66,6 +75,10 @@ class Adapter:
     """Training problems the task draws; unset: [grpo] train_size."""
     eval_size: int | None = None
     """Held-out problems; unset: [grpo] eval_size."""
+    data_path: str | None = None
+    """SFT: the adapter's own JSONL of {"prompt", "completion"}; unset: [data] path."""
+    data_seed: int | None = None
+    """SFT: seed of the order the adapter's examples are drawn in; unset: [data] seed."""
 
 
 def adapter_errors(adapters: list[Adapter]) -> list[str]:
@@ -84,9 +97,9 @@ def adapter_errors(adapters: list[Adapter]) -> list[str]:
             errors.append(f"{where} name = {adapter.name!r} is used by an earlier table; each adapter needs its own name")
         seen.add(adapter.name)
         for key, section in FALLBACK.items():
-            error = range_error(section, key, getattr(adapter, key))
+            error = range_error(section, section_key(key), getattr(adapter, key))
             if error is not None:
-                errors.append(f"{where} {error.removeprefix(f'[{section}] ')}")
+                errors.append(f"{where} {error.removeprefix(f'[{section}] ').replace(section_key(key), key, 1)}")
     return errors
 
 
@@ -94,6 +107,12 @@ def resolved_adapters(adapters: list[Adapter], sections: Mapping[str, object], d
     """Every adapter of the job with no key unset: each table's keys over its sections' (`sections`: the
     section name -> the parsed section); no table: one adapter, the sections', named `default_name`."""
     tables = adapters or [Adapter(name=default_name)]
-    return [dataclasses.replace(adapter, **{key: getattr(sections[section], key)
+    return [dataclasses.replace(adapter, **{key: getattr(sections[section], section_key(key))
                                             for key, section in FALLBACK.items() if getattr(adapter, key) is None})
             for adapter in tables]
+
+
+def job_adapters(job_config: object) -> list[Adapter]:
+    """Every adapter of the job (`JobConfig`), its keys resolved over the sections' (see `resolved_adapters`)."""
+    sections = {name: getattr(job_config, name) for name in set(FALLBACK.values())}
+    return resolved_adapters(job_config.adapters, sections, job_config.weight_sync.lora_name)

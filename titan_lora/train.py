@@ -22,7 +22,11 @@ from titan_lora.compose import (
     EngineSide, adapter_source, build_objective, build_sync, check_plugins, engine_side,
 )
 from titan_lora.config import JobConfig, process_group_timeout_s
+from titan_lora.config_adapters import job_adapters
 from titan_lora.lora.finite import NonFiniteAdapterError, first_nonfinite_adapter
+from titan_lora.lora.multi import adapter_of
+from titan_lora.lora.multi_optim import adapter_optimizer_groups, clip_per_adapter
+from titan_lora.lora.multi_rows import route
 from titan_lora.models.resolve import ResolvedModel
 from titan_lora.rl.prompt_lengths import check_prompt_lengths
 from titan_lora.rl.task import Task
@@ -53,7 +57,10 @@ class TrainingRun:
         torch.manual_seed(job_config.debug.seed or 0)
         self.built = build_model(job_config, self.dims, self.device, model)
         self.model = self.built.model
-        self.optimizers = build_optimizers(self.model, job_config)
+        # Several [[adapters]]: one optimizer param group each (its own lr, betas, ...; the LR schedule scales
+        # each group), its own clipping and, in the objective, its own rows and data.
+        self.adapters = job_adapters(job_config) if len(job_config.adapters) > 1 else []
+        self.optimizers = build_optimizers(self.model, job_config, adapter_optimizer_groups(self.adapters))
         self.lr_schedulers = build_lr_schedulers(self.optimizers, job_config)
         dump = job_config.job.dump_folder
         self.metrics = MetricsLogger(os.path.join(dump, "tb"), enabled=self.rank == 0)
@@ -93,8 +100,17 @@ class TrainingRun:
         """One optimizer step; returns its metrics."""
         self.optimizers.zero_grad()
         loss, metrics = self.objective.loss(self.model, self.step)
-        loss.backward()
-        grad_norm = clip_grad_norm_(self.trainable, self.cfg.training.max_norm, foreach=True)
+        try:
+            loss.backward()
+        finally:
+            route(self.model, None)  # several adapters: the rows the objective routed for this step
+        if self.adapters:  # each adapter clipped by its own norm; one with a NaN/Inf gradient skips the step
+            (group_list,) = [opt.param_groups for opt in self.optimizers.optimizers]
+            norms = clip_per_adapter(group_list, [a.max_norm for a in self.adapters], [a.name for a in self.adapters])
+            metrics |= {f"{a.name}/grad_norm": n for a, n in zip(self.adapters, norms.norms)}
+            grad_norm = norms.total
+        else:
+            grad_norm = clip_grad_norm_(self.trainable, self.cfg.training.max_norm, foreach=True)
         self.optimizers.step()
         self.lr_schedulers.step()
         return {**metrics, "grad_norm": float(grad_norm)}
@@ -111,7 +127,9 @@ class TrainingRun:
 
     def handle_nonfinite(self, bad: str) -> None:
         """`[training] on_nonfinite`: raise ("stop"), or reload the last checkpoint and skip this batch."""
-        what = f"step {self.step}: adapter tensor {bad} holds NaN/Inf after the optimizer step"
+        k = adapter_of(bad) if self.adapters else None
+        owner = "" if k is None else f" (adapter {self.adapters[k].name!r})"
+        what = f"step {self.step}: adapter tensor {bad}{owner} holds NaN/Inf after the optimizer step"
         if self.cfg.training.on_nonfinite == "stop":
             raise NonFiniteAdapterError(
                 f"{what}; stopped ([training] on_nonfinite = \"stop\"). The checkpoints saved so far are "
@@ -152,6 +170,8 @@ class TrainingRun:
                 "lr": self.lr_schedulers.schedulers[0].get_last_lr()[0],
                 "memory_mib": peak_memory_mib(self.device),
             }
+            for adapter, lr in zip(self.adapters, self.lr_schedulers.schedulers[0].get_last_lr()):
+                metrics[f"{adapter.name}/lr"] = lr
             self.metrics.log(self.step, {k if "/" in k else f"train/{k}": v for k, v in metrics.items()})
             self.metrics.progress(self.step, last, self.objective.progress_fields(metrics))
             if self.checkpointer.should_save(self.step, last):

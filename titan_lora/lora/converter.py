@@ -12,7 +12,7 @@ import logging
 from collections.abc import Sequence
 
 from titan_lora.config import JobConfig, LoRA, validate_lora
-from titan_lora.config_adapters import FALLBACK, Adapter, resolved_adapters
+from titan_lora.config_adapters import Adapter, job_adapters
 from titan_lora.lora.layer import lora_class, lora_scale
 from titan_lora.lora.multi import multi_lora_class
 from titan_lora.lora.targets import LeafNames, resolve_target_names
@@ -34,9 +34,7 @@ class LoRAConverter:
         validate_lora(self.cfg)
         self.seed = job_config.debug.seed or 0
         self.targets: list[str] = []
-        sections = {name: getattr(job_config, name) for name in set(FALLBACK.values())}
-        self.adapters = (resolved_adapters(job_config.adapters, sections, job_config.weight_sync.lora_name)
-                         if len(job_config.adapters) > 1 else [])
+        self.adapters = job_adapters(job_config) if len(job_config.adapters) > 1 else []
 
     def convert(self, model_config):  # noqa: ANN001, ANN201 (torchtitan's config tree)
         """The tree with the targeted linears as LoRA linears (the base is frozen once built: `freeze_base`);

@@ -104,6 +104,11 @@ def adapter_of(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def param_pattern(adapter: int) -> str:
+    """The regex, searched in a parameter's qualified name, that matches adapter `adapter`'s parameters."""
+    return rf"\.lora_[AB]_{adapter}$"
+
+
 def params_by_adapter(model: nn.Module, num_adapters: int) -> list[list[tuple[str, nn.Parameter]]]:
     """Each adapter's (name, parameter) pairs, in the model's parameter order (the same on every rank)."""
     groups: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(num_adapters)]

@@ -71,16 +71,22 @@ class ReadsAdapterRows:
     adapter_rows: AdapterRows | None = None
 
 
+def route(model: nn.Module, rows: AdapterRows | None) -> None:
+    """Set the rows every multi-adapter linear of `model` reads (None: none, and a forward then raises).
+
+    A training step routes before its forward and unroutes after its backward (`routed` does both)."""
+    for module in model.modules():
+        if isinstance(module, ReadsAdapterRows):
+            module.adapter_rows = rows
+
+
 @contextlib.contextmanager
 def routed(model: nn.Module, rows: AdapterRows) -> Iterator[None]:
     """Every multi-adapter linear of `model` trains each row with its own adapter inside this scope.
 
     Run the forward and the backward inside it (activation checkpointing recomputes in the backward)."""
-    modules = [m for m in model.modules() if isinstance(m, ReadsAdapterRows)]
-    for module in modules:
-        module.adapter_rows = rows
+    route(model, rows)
     try:
         yield
     finally:
-        for module in modules:
-            module.adapter_rows = None
+        route(model, None)

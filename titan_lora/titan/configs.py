@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch.nn as nn
@@ -54,12 +55,16 @@ SPMD_BACKEND = "partial_dtensor"
 and TP placements are built on (0.3.0's default `spmd_types` wants every parameter on the full mesh)."""
 
 
-def titan_optimizer(section: Any) -> OptimizersContainer.Config:  # [optimizer]
-    """`[optimizer]` as one catch-all parameter group of 0.3.0's optimizer container."""
-    kwargs = {"lr": section.lr, "eps": section.eps, "weight_decay": section.weight_decay,
-              "betas": (section.beta1, section.beta2)}
+def titan_optimizer(section: Any, groups: Sequence[tuple[str, dict]] = ()) -> OptimizersContainer.Config:
+    """`[optimizer]` as one catch-all parameter group of 0.3.0's optimizer container; with `groups`
+    ((parameter-name pattern, optimizer keys) each), one group per pattern instead, in that order, each with
+    its own keys (one optimizer, `section.name`, holds them all)."""
+    if not groups:
+        groups = [(ALL_PARAMS, {"lr": section.lr, "eps": section.eps, "weight_decay": section.weight_decay,
+                                "betas": (section.beta1, section.beta2)})]
     return OptimizersContainer.Config(
-        param_groups=[ParamGroupConfig(pattern=ALL_PARAMS, optimizer_name=section.name, optimizer_kwargs=kwargs)],
+        param_groups=[ParamGroupConfig(pattern=pattern, optimizer_name=section.name, optimizer_kwargs=dict(kwargs))
+                      for pattern, kwargs in groups],
         implementation=section.implementation,
     )
 

@@ -8,7 +8,7 @@ every trainable parameter).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -22,10 +22,11 @@ from titan_lora.titan.configs import titan_lr_scheduler, titan_optimizer
 __all__ = ["build_loss", "build_lr_schedulers", "build_optimizers", "clip_grad_norm_"]
 
 
-def build_optimizers(model: nn.Module, job_config) -> OptimizersContainer:  # noqa: ANN001
-    """`[optimizer]` over `model`'s trainable params (no parallel dims: 0.3.0 reads them only for MoE load
-    balancing, and titan_lora's families are dense)."""
-    return titan_optimizer(job_config.optimizer).build(model_parts=[model])
+def build_optimizers(model: nn.Module, job_config, groups: Sequence[tuple[str, dict]] = ()) -> OptimizersContainer:  # noqa: ANN001
+    """`[optimizer]` over `model`'s trainable params, or one param group per (parameter-name pattern, keys) of
+    `groups` (no parallel dims: 0.3.0 reads them only for MoE load balancing, and titan_lora's families are
+    dense)."""
+    return titan_optimizer(job_config.optimizer, groups).build(model_parts=[model])
 
 
 def build_lr_schedulers(optimizers: OptimizersContainer, job_config) -> LRSchedulersContainer:  # noqa: ANN001

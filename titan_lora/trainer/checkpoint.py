@@ -6,6 +6,7 @@ the size of the adapter and its optimizer state, and resuming works for any numb
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -99,7 +100,7 @@ class AdapterCheckpointer:
                  optimizers, lr_schedulers, interval: int, keep_latest: int) -> None:  # noqa: ANN001
         self.folder = Path(folder)
         self.model = model
-        self.names = peft_names([name for name, _ in adapter_params(model)], layout)
+        self.layout = layout
         self.hf_modules = layout.hf_modules
         self.optimizers = optimizers
         self.lr_schedulers = lr_schedulers
@@ -122,6 +123,12 @@ class AdapterCheckpointer:
         """Each adapter parameter's key in a checkpoint: its PEFT name, or (checkpoints written before
         NAMES) its torchtitan 0.2.2 module path."""
         return self.names if peft_named else {fqn: to_torchtitan_022(fqn) for fqn in self.names}
+
+    @functools.cached_property
+    def names(self) -> dict[str, str]:
+        """Each adapter parameter's stored (PEFT) name; worked out at the first save or load (a job that keeps
+        no checkpoint, such as one with several adapters, never needs it)."""
+        return peft_names([name for name, _ in adapter_params(self.model)], self.layout)
 
     def steps(self) -> list[int]:
         """Steps that have a complete checkpoint, oldest first."""

@@ -13,7 +13,7 @@ from typing import Any
 
 from titan_lora import config as ours
 from titan_lora.config import JobConfig
-from titan_lora.config_adapters import FALLBACK, adapter_errors, resolved_adapters
+from titan_lora.config_adapters import FALLBACK, adapter_errors, job_adapters, section_key
 from titan_lora.config_ranges import all_range_errors, range_error
 from titan_lora.lora.targets import resolve_targets
 from titan_lora.models.family import FamilyLoRAConverter  # noqa: F401 (registers the "lora" converter)
@@ -137,32 +137,56 @@ def is_flag(option: str) -> bool:
 
 
 def check_targets(job_config: JobConfig, model: ResolvedModel | None = None) -> list[str] | None:
-    """Resolve `[lora] target_modules` on a meta-device copy of the model (milliseconds, no memory).
+    """Resolve `[lora] target_modules` (each adapter's, with several `[[adapters]]`) on a meta-device copy of
+    the model (milliseconds, no memory).
 
-    Returns the qualified names of the linears to adapt; None without the "lora" converter.
+    Returns the qualified names of the linears to adapt (any adapter's); None without the "lora" converter.
     """
     if "lora" not in job_config.model.converters:
         return None
     model = model or resolve_model(job_config.model)
-    return resolve_targets(model.meta_model(), job_config.lora.target_modules, model.family.leaf_names)
+    meta = model.meta_model()
+    if len(job_config.adapters) <= 1:
+        return resolve_targets(meta, job_config.lora.target_modules, model.family.leaf_names)
+    targets: set[str] = set()  # several adapters: each table's own, the union returned
+    for adapter in job_adapters(job_config):
+        try:
+            targets.update(resolve_targets(meta, adapter.target_modules, model.family.leaf_names))
+        except ValueError as err:
+            raise ValueError(f"[[adapters]] {adapter.name!r}: {str(err).removeprefix('[lora] ')}") from None
+    return sorted(targets)
 
 
 def apply_adapter_tables(job_config: JobConfig) -> None:
     """One `[[adapters]]` table: its keys set over the sections' and its name as `[weight_sync] lora_name`, so
-    the job is the one-adapter job those sections describe. Several tables are refused, naming them: the
-    K-adapter layer exists (lora/multi.py) but the trainer does not train several adapters yet."""
+    the job is the one-adapter job those sections describe. Several tables: refused, one line per part of the
+    job that does not take several adapters yet (see `unsupported_with_adapters`)."""
     tables = job_config.adapters
     if len(tables) > 1:
-        names = ", ".join(repr(t.name) for t in tables)
-        raise ours.ConfigError([f"[[adapters]] names {len(tables)} adapters ({names}); this release trains one "
-                                "adapter per job: keep one table, or run one job per adapter"])
+        errors = unsupported_with_adapters(job_config)
+        if errors:
+            raise ours.ConfigError(errors)
+        return
     if not tables:
         return
-    sections = {name: getattr(job_config, name) for name in set(FALLBACK.values())}
-    (adapter,) = resolved_adapters(tables, sections, job_config.weight_sync.lora_name)
+    (adapter,) = job_adapters(job_config)
     for key, section in FALLBACK.items():
-        setattr(sections[section], key, getattr(adapter, key))
+        setattr(getattr(job_config, section), section_key(key), getattr(adapter, key))
     job_config.weight_sync.lora_name = adapter.name
+
+
+def unsupported_with_adapters(job_config: JobConfig) -> list[str]:
+    """What a job with several `[[adapters]]` sets that trains one adapter only so far, one line each with the
+    fix: several adapters train in SFT jobs (per-adapter data, optimizer, clipping), with no engine sync,
+    GRPO, checkpoint or export yet (docs/multi_adapter.md)."""
+    names = ", ".join(repr(t.name) for t in job_config.adapters)
+    lead = f"[[adapters]] names {len(job_config.adapters)} adapters ({names}), which train together in SFT jobs"
+    wants = [(job_config.grpo.enabled, "[grpo] enabled = true", "[grpo] enabled = false"),
+             (job_config.weight_sync.enabled, "[weight_sync] enabled = true", "[weight_sync] enabled = false"),
+             (job_config.checkpoint.enable, "[checkpoint] enable = true", "[checkpoint] enable = false"),
+             (bool(job_config.lora.export_dir), f"[lora] export_dir = {job_config.lora.export_dir!r}",
+              '[lora] export_dir = ""')]
+    return [f"{lead} without {what} so far: set {fix}, or keep one table" for on, what, fix in wants if on]
 
 
 def derive_keep_versions(job_config: JobConfig, named: bool) -> None:
