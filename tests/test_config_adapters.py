@@ -70,10 +70,10 @@ MISTAKES = {
                         "[adapters #2] name = 'a' is used by an earlier table"),
     "a table written as a section": ('[adapters]\nname = "a"\n',
                                      "adapters must be an array of tables: write [[adapters]] above each one's keys"),
-    "several adapters in a job that exports (not yet)": (
-        '[[adapters]]\nname = "a"\n[[adapters]]\nname = "b"\n',
-        "[[adapters]] names 2 adapters ('a', 'b'), which train together in SFT jobs without [lora] export_dir = "
-        "'adapter' so far: set [lora] export_dir = \"\", or keep one table"),
+    "several adapters in a job that keeps checkpoints (not yet)": (
+        '[checkpoint]\nenable = true\n[[adapters]]\nname = "a"\n[[adapters]]\nname = "b"\n',
+        "[[adapters]] names 2 adapters ('a', 'b'), which train together in SFT jobs without [checkpoint] enable = "
+        "true so far: set [checkpoint] enable = false, or keep one table"),
     "a target no linear has, in one of several tables": (
         '[[adapters]]\nname = "a"\n[[adapters]]\nname = "b"\ntarget_modules = ["nope"]\n',
         "[[adapters]] 'b': target_modules ['nope'] match no linear layer of this model"),
@@ -82,7 +82,7 @@ MISTAKES = {
 
 def test_several_adapters_are_refused_one_line_per_part_that_takes_one_adapter_so_far(tmp_path) -> None:
     config = tmp_path / "job.toml"
-    config.write_text(BASE.replace("[lora]\n", '[lora]\nexport_dir = ""\n') + '[grpo]\nenabled = true\n'
+    config.write_text(BASE + '[grpo]\nenabled = true\n'
                       '[weight_sync]\nenabled = true\n[checkpoint]\nenable = true\n'
                       '[[adapters]]\nname = "a"\n[[adapters]]\nname = "b"\n')
     errors = cli.config_errors(str(config), [])
@@ -95,7 +95,7 @@ def test_each_mistake_in_a_table_is_one_line_naming_it(case: str, tmp_path) -> N
     text, expected = MISTAKES[case]
     config = tmp_path / "job.toml"
     config.write_text(BASE + text)
-    errors = cli.config_errors(str(config), ["--lora.export_dir="] if "target" in case else [])
+    errors = cli.config_errors(str(config), [])
     assert len(errors) == 1 and expected in errors[0], errors
 
 

@@ -21,7 +21,7 @@ from titan_lora.clients.replica_set import Replica, ReplicaSet
 from titan_lora.clients.rollout import RolloutClient
 from titan_lora.clients.router import RolloutRouter
 from titan_lora.config import GRPO, Engine, JobConfig, WeightSync, attached_urls
-from titan_lora.config_adapters import job_adapters
+from titan_lora.config_adapters import adapter_lora, job_adapters
 from titan_lora.rl.agent_objective import AgentObjective, check_agent_config
 from titan_lora.rl.agent_task import is_agent_task
 from titan_lora.rl.objective import GRPOObjective
@@ -206,6 +206,16 @@ def adapter_source(job_config: JobConfig, built: BuiltModel, side: EngineSide) -
         return None  # several adapters: no sync or export yet (refused when the job loads)
     return AdapterSource(built.model, built.peft_layout, job_config.lora, job_config.weight_sync.lora_name,
                          built.hf_dir, lend=side.lend)
+
+
+def adapter_exports(job_config: JobConfig, built: BuiltModel) -> list[tuple[str, AdapterSource]]:
+    """Collective: with several `[[adapters]]`, each adapter's name and the source its export gathers (its
+    tensors, PEFT-named as a one-adapter job's, and its own adapter_config); none otherwise."""
+    if len(job_config.adapters) <= 1:
+        return []
+    return [(a.name, AdapterSource(built.model, built.peft_layout, adapter_lora(a, job_config.lora), a.name,
+                                   built.hf_dir, adapter=k))
+            for k, a in enumerate(job_adapters(job_config))]
 
 
 def build_sync(job_config: JobConfig, adapter: AdapterSource, built: BuiltModel, device: torch.device,

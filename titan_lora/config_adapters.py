@@ -112,6 +112,13 @@ def resolved_adapters(adapters: list[Adapter], sections: Mapping[str, object], d
             for adapter in tables]
 
 
+def adapter_lora(adapter: Adapter, lora: object) -> object:
+    """`[lora]` (the `LoRA` section) with `adapter`'s own keys of it: rank, alpha, targets, ... (an export's
+    and an engine's view of that adapter)."""
+    return dataclasses.replace(lora, **{key: getattr(adapter, key) for key, section in FALLBACK.items()
+                                        if section == "lora"})
+
+
 def job_adapters(job_config: object) -> list[Adapter]:
     """Every adapter of the job (`JobConfig`), its keys resolved over the sections' (see `resolved_adapters`)."""
     sections = {name: getattr(job_config, name) for name in set(FALLBACK.values())}

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from titan_lora.compose import (
-    EngineSide, adapter_source, build_objective, build_sync, check_plugins, engine_side,
+    EngineSide, adapter_exports, adapter_source, build_objective, build_sync, check_plugins, engine_side,
 )
 from titan_lora.config import JobConfig, process_group_timeout_s
 from titan_lora.config_adapters import job_adapters
@@ -90,6 +90,7 @@ class TrainingRun:
     def _build_sync_side(self, job_config: JobConfig, side: EngineSide, task: Task | None) -> None:
         """The adapter source (gathering into the buffer the emitter lends), the resumed step, the syncer."""
         self.adapter = adapter_source(job_config, self.built, side)
+        self.exports = adapter_exports(job_config, self.built) if job_config.lora.export_dir else []
         self.step = self.checkpointer.load_latest() if job_config.checkpoint.enable else 0
         self.syncer, self.engine_rollouts = None, None
         if job_config.weight_sync.enabled:
@@ -147,7 +148,8 @@ class TrainingRun:
 
     def train(self) -> Path | None:
         """Run to `[training] steps`, logging, checkpointing and syncing along the way; export the adapter
-        to `[lora] export_dir`. Returns where rank 0 wrote it (None on the other ranks, or with no export)."""
+        to `[lora] export_dir` (several adapters: `export_dir/<name>` each). Returns where rank 0 wrote it
+        (None on the other ranks, or with no export)."""
         last = self.cfg.training.steps
         if self.syncer is not None:
             self.syncer.sync(self.step)  # the engine serves the starting adapter before any rollout
@@ -178,6 +180,9 @@ class TrainingRun:
                 self.checkpointer.save(self.step, self.objective.data_state())
         if self.cfg.lora.export_dir and self.adapter is not None:
             return self.adapter.export(self.cfg.lora.export_dir)
+        if self.exports:  # several adapters: one PEFT folder each, named after it, under export_dir
+            written = [source.export(Path(self.cfg.lora.export_dir) / name) for name, source in self.exports]
+            return Path(self.cfg.lora.export_dir) if written[0] is not None else None
         return None
 
     def close(self) -> None:
@@ -257,7 +262,10 @@ def main(argv: list[str] | None = None) -> None:
         del run  # its model's DTensors must not outlive the process group (see leave_distributed)
         # Together only when finished: a rank leaving on an error must not wait for peers that never come.
         leave_distributed(together=finished)
-    if adapter is not None:  # last, after the engine's shutdown: where the run's result is
+    if adapter is not None and len(job_config.adapters) > 1:  # last, after the engine's shutdown: the result
+        logger.info("the trained adapters (one PEFT folder each: %s) are in %s",
+                    ", ".join(a.name for a in job_config.adapters), adapter.resolve())
+    elif adapter is not None:
         logger.info("the trained adapter (PEFT: adapter_config.json, adapter_model.safetensors) is in %s",
                     adapter.resolve())
 

@@ -104,6 +104,13 @@ def adapter_of(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def one_adapter_name(name: str) -> str:
+    """A K-adapter parameter's name as a one-adapter model names it (`...wq.lora_B_2` -> `...wq.lora_B`)."""
+    module, leaf = name.rsplit(".", 1)
+    match = _MULTI_NAME.fullmatch(leaf)
+    return f"{module}.{leaf.rsplit('_', 1)[0]}" if match else name
+
+
 def param_pattern(adapter: int) -> str:
     """The regex, searched in a parameter's qualified name, that matches adapter `adapter`'s parameters."""
     return rf"\.lora_[AB]_{adapter}$"

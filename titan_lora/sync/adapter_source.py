@@ -15,6 +15,7 @@ from titan_lora.export.peft import (
     PeftLayout, peft_config, peft_name_and_rope, save_peft_dir, titan_rope_permute,
 )
 from titan_lora.lora.layer import adapter_params, lora_modules
+from titan_lora.lora.multi import adapter_of, one_adapter_name
 from titan_lora.lora.targets import hf_leaf_names, leaf_names_of
 from titan_lora.sync.gather import Lend, ShardGatherer
 from titan_lora.sync.versions import versioned_name
@@ -26,10 +27,14 @@ class AdapterSource:
 
     def __init__(
         self, model: nn.Module, layout: PeftLayout, lora: LoRA, lora_name: str = "policy",
-        base_model_path: str = "", lend: Lend = plain_buffer,
+        base_model_path: str = "", lend: Lend = plain_buffer, adapter: int | None = None,
     ) -> None:
-        """`lend`: rank 0's gather buffer, from the emitter that will send it (`Emitter.lend_buffer`)."""
+        """`lend`: rank 0's gather buffer, from the emitter that will send it (`Emitter.lend_buffer`).
+        `adapter`: in a model with several adapters, the one this source publishes (its `lora_A_<k>` and
+        `lora_B_<k>`, named as a one-adapter model's); `lora` then holds that adapter's keys."""
         params = adapter_params(model)
+        if adapter is not None:
+            params = [(one_adapter_name(name), p) for name, p in params if adapter_of(name) == adapter]
         named = [peft_name_and_rope(name, layout) for name, _ in params]
         self.peft_names = [peft for peft, _ in named]
         # The scatter writes RoPE lora_B rows straight into HF (rotate-half) order: no per-step permute.
@@ -44,7 +49,8 @@ class AdapterSource:
         home = self.gatherer.home
         self._home_offset = offset_in(home, next(iter(views.values()))) if home is not None else None
         self.lora_name = lora_name
-        adapted = [n for n, _ in lora_modules(model)]
+        adapted = ([n for n, _ in lora_modules(model)] if adapter is None
+                   else list(dict.fromkeys(name.rsplit(".", 1)[0] for name, _ in params)))
         self.target_modules = hf_leaf_names(adapted, leaf_names_of(layout.hf_modules))
         self.config: dict[str, Any] = peft_config(lora, self.target_modules, base_model_path)
         self.rank = lora.rank

@@ -177,15 +177,13 @@ def apply_adapter_tables(job_config: JobConfig) -> None:
 
 def unsupported_with_adapters(job_config: JobConfig) -> list[str]:
     """What a job with several `[[adapters]]` sets that trains one adapter only so far, one line each with the
-    fix: several adapters train in SFT jobs (per-adapter data, optimizer, clipping), with no engine sync,
-    GRPO, checkpoint or export yet (docs/multi_adapter.md)."""
+    fix: several adapters train in SFT jobs (per-adapter data, optimizer, clipping) and export one PEFT folder
+    each, with no engine sync, GRPO or checkpoint yet (docs/multi_adapter.md)."""
     names = ", ".join(repr(t.name) for t in job_config.adapters)
     lead = f"[[adapters]] names {len(job_config.adapters)} adapters ({names}), which train together in SFT jobs"
     wants = [(job_config.grpo.enabled, "[grpo] enabled = true", "[grpo] enabled = false"),
              (job_config.weight_sync.enabled, "[weight_sync] enabled = true", "[weight_sync] enabled = false"),
-             (job_config.checkpoint.enable, "[checkpoint] enable = true", "[checkpoint] enable = false"),
-             (bool(job_config.lora.export_dir), f"[lora] export_dir = {job_config.lora.export_dir!r}",
-              '[lora] export_dir = ""')]
+             (job_config.checkpoint.enable, "[checkpoint] enable = true", "[checkpoint] enable = false")]
     return [f"{lead} without {what} so far: set {fix}, or keep one table" for on, what, fix in wants if on]
 
 
