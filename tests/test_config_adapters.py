@@ -70,10 +70,6 @@ MISTAKES = {
                         "[adapters #2] name = 'a' is used by an earlier table"),
     "a table written as a section": ('[adapters]\nname = "a"\n',
                                      "adapters must be an array of tables: write [[adapters]] above each one's keys"),
-    "several adapters in a job that keeps checkpoints (not yet)": (
-        '[checkpoint]\nenable = true\n[[adapters]]\nname = "a"\n[[adapters]]\nname = "b"\n',
-        "[[adapters]] names 2 adapters ('a', 'b'), which train together in SFT jobs without [checkpoint] enable = "
-        "true so far: set [checkpoint] enable = false, or keep one table"),
     "a target no linear has, in one of several tables": (
         '[[adapters]]\nname = "a"\n[[adapters]]\nname = "b"\ntarget_modules = ["nope"]\n',
         "[[adapters]] 'b': target_modules ['nope'] match no linear layer of this model"),
@@ -83,11 +79,13 @@ MISTAKES = {
 def test_several_adapters_are_refused_one_line_per_part_that_takes_one_adapter_so_far(tmp_path) -> None:
     config = tmp_path / "job.toml"
     config.write_text(BASE + '[grpo]\nenabled = true\n'
-                      '[weight_sync]\nenabled = true\n[checkpoint]\nenable = true\n'
+                      '[weight_sync]\nenabled = true\n'
                       '[[adapters]]\nname = "a"\n[[adapters]]\nname = "b"\n')
-    errors = cli.config_errors(str(config), [])
+    errors = cli.config_errors(str(config), ["--training.on_nonfinite", "rollback"])
     assert [e.split(" so far")[0].rsplit("without ", 1)[1] for e in errors] == [
-        "[grpo] enabled = true", "[weight_sync] enabled = true", "[checkpoint] enable = true"], errors
+        "[grpo] enabled = true", "[weight_sync] enabled = true", '[training] on_nonfinite = "rollback"'], errors
+    assert errors[2].endswith('set [training] on_nonfinite = "stop" (a NaN gradient already skips its own '
+                              "adapter's step), or keep one table"), errors[2]
 
 
 @pytest.mark.parametrize("case", MISTAKES)

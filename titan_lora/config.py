@@ -221,8 +221,8 @@ class JobConfig:
     adapters: list[Adapter] = field(default_factory=list)
     """`[[adapters]]`: the job's LoRA adapters, one table each, set in the TOML only (config_adapters.py); none:
     one adapter, the [lora], [optimizer], [training], [grpo] and [data] sections, named [weight_sync]
-    lora_name. Several tables train together in SFT jobs and export one PEFT folder each (docs/multi_adapter.md);
-    with GRPO, weight sync or checkpoints they are refused so far, one line each."""
+    lora_name. Several tables train together in SFT jobs, keep checkpoints by adapter name and export one PEFT
+    folder each (docs/multi_adapter.md); with GRPO or weight sync they are refused so far, one line each."""
 
 
 def choices() -> dict[tuple[str, str], tuple[str, ...]]:

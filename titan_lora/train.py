@@ -68,7 +68,7 @@ class TrainingRun:
             os.path.join(dump, job_config.checkpoint.folder), self.model, self.built.peft_layout,
             self.optimizers, self.lr_schedulers,
             job_config.checkpoint.interval if job_config.checkpoint.enable else 0,
-            job_config.checkpoint.keep_latest_k,
+            job_config.checkpoint.keep_latest_k, [a.name for a in self.adapters] or None,
         )
         side = engine_side(job_config, self.built, self.device)
         try:

@@ -26,6 +26,8 @@ from titan_lora.trainer.checkpoint_names import (
     NAMES,
     ROW_ORDER,
     TARGETS,
+    adapter_peft_names,
+    adapters_change,
     hf_targets,
     peft_names,
     renamed_optimizer_state,
@@ -51,15 +53,23 @@ def complete_steps(folder: Path) -> list[int]:
     return sorted(s for s in found if (folder / f"step-{s}" / ".metadata").exists())
 
 
+def named_adapter_signature(name: str, rank: int, targets: list[str], hf_modules: Mapping[str, str]) -> dict[str, Any]:
+    """One adapter of several, as a checkpoint's signature lists it: its name, rank and adapted linears (HF names)."""
+    return {"name": name, "lora_rank": rank, "target_modules": hf_targets(targets, hf_modules)}
+
+
 def adapter_signature(rank: int, targets: list[str], hf_modules: Mapping[str, str]) -> dict[str, Any]:
     """What a checkpoint's adapter shapes depend on: the LoRA rank and the adapted linears, named as in the
     HF checkpoint (torchtitan's module paths change between releases)."""
     return {"lora_rank": rank, "target_modules": hf_targets(targets, hf_modules), "targets": TARGETS}
 
 
-def check_resume_compatible(folder: Path, rank: int, targets: list[str], hf_modules: Mapping[str, str]) -> None:
+def check_resume_compatible(folder: Path, rank: int, targets: list[str], hf_modules: Mapping[str, str],
+                            adapters: list[dict[str, Any]] | None = None) -> None:
     """Refuse to resume from a checkpoint whose adapter has another rank or other targets (torchtitan module
-    paths `targets`, compared by their HF names through `hf_modules`)."""
+    paths `targets`, compared by their HF names through `hf_modules`); with several adapters (`adapters`:
+    `adapter_signature` of each, in table order), one whose adapters differ in names, order, ranks or
+    targets. Either way the message names the difference and the way out."""
     steps = complete_steps(folder)
     if not steps:
         return
@@ -68,6 +78,15 @@ def check_resume_compatible(folder: Path, rank: int, targets: list[str], hf_modu
     if not meta.exists():
         return  # written before signatures existed: DCP's own shape check is all there is
     saved = json.loads(meta.read_text())
+    if adapters is not None or "adapters" in saved:
+        change = (adapters_change(saved.get("adapters"), adapters) if adapters is not None else
+                  f"it was saved by a job with the adapters {[a['name'] for a in saved['adapters']]}, this job "
+                  "has one adapter")
+        if change is not None:
+            raise ValueError(f"cannot resume from {path}: {change}; keep the [[adapters]] tables as they were, or "
+                             "start afresh with another [checkpoint] folder (or [job] dump_folder), or remove that "
+                             "folder")
+        return
     diff = sorted(set(saved_hf_targets(saved, hf_modules)) ^ set(hf_targets(targets, hf_modules)))
     if saved["lora_rank"] == rank and not diff:
         return
@@ -97,7 +116,10 @@ class AdapterCheckpointer:
     newest."""
 
     def __init__(self, folder: str, model: nn.Module, layout: PeftLayout,
-                 optimizers, lr_schedulers, interval: int, keep_latest: int) -> None:  # noqa: ANN001
+                 optimizers, lr_schedulers, interval: int, keep_latest: int,  # noqa: ANN001
+                 adapters: list[str] | None = None) -> None:
+        """`adapters`: the names of a K-adapter model's adapters, in table order (None: one adapter)."""
+        self.adapters = adapters
         self.folder = Path(folder)
         self.model = model
         self.layout = layout
@@ -128,7 +150,8 @@ class AdapterCheckpointer:
     def names(self) -> dict[str, str]:
         """Each adapter parameter's stored (PEFT) name; worked out at the first save or load (a job that keeps
         no checkpoint, such as one with several adapters, never needs it)."""
-        return peft_names([name for name, _ in adapter_params(self.model)], self.layout)
+        fqns = [name for name, _ in adapter_params(self.model)]
+        return adapter_peft_names(fqns, self.layout, self.adapters) if self.adapters else peft_names(fqns, self.layout)
 
     def steps(self) -> list[int]:
         """Steps that have a complete checkpoint, oldest first."""
@@ -163,19 +186,32 @@ class AdapterCheckpointer:
         dist.barrier()
 
     def _signature(self) -> dict[str, Any]:
+        if self.adapters:
+            return {"adapters": self._adapter_signatures(), "targets": TARGETS, "names": NAMES, "row_order": ROW_ORDER}
         modules = list(lora_modules(self.model))
         rank = modules[0][1].lora_A.shape[0] if modules else 0  # the global shape, also for DTensors
         signature = adapter_signature(rank, [name for name, _ in modules], self.hf_modules)
         return {**signature, "names": NAMES, "row_order": ROW_ORDER}
+
+    def _adapter_signatures(self) -> list[dict[str, Any]]:
+        """Each adapter's name, rank and adapted modules (HF names), in table order."""
+        out = []
+        for k, name in enumerate(self.adapters):
+            a = [(fqn, p) for fqn, p in adapter_params(self.model) if fqn.endswith(f".lora_A_{k}")]
+            out.append(named_adapter_signature(name, a[0][1].shape[0],  # the global shape, also for DTensors
+                                               [fqn.rsplit(".", 1)[0] for fqn, _ in a], self.hf_modules))
+        return out
 
     def load_latest(self) -> int:
         """Collective: restore the newest checkpoint in place; returns its step, or 0 when there is none."""
         steps = self.steps()
         if not steps:
             return 0
-        modules = [name for name, _ in lora_modules(self.model)]
-        check_resume_compatible(self.folder, self._signature()["lora_rank"], modules, self.hf_modules)
         path = self.folder / f"step-{steps[-1]}"
+        modules = [name for name, _ in lora_modules(self.model)]
+        signature = self._signature()
+        check_resume_compatible(self.folder, signature.get("lora_rank", 0), modules, self.hf_modules,
+                                signature.get("adapters"))
         saved = json.loads((path / SIGNATURE_FILE).read_text()) if (path / SIGNATURE_FILE).exists() else {}
         peft_named = saved.get("names") == NAMES
         if not peft_named:

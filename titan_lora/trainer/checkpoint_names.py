@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from titan_lora.export.peft import PeftLayout, hf_module_name, peft_name_and_rope
+from titan_lora.lora.multi import adapter_of, one_adapter_name
 
 NAMES = "peft"
 """The signature's `names` for checkpoints keyed by PEFT names; a signature without `names` is keyed by
@@ -35,6 +36,34 @@ def peft_names(fqns: list[str], layout: PeftLayout) -> dict[str, str]:
     if len(set(names.values())) != len(names):
         raise ValueError("two adapter parameters map to one PEFT name; the family's PeftLayout is wrong")
     return names
+
+
+def adapter_peft_names(fqns: list[str], layout: PeftLayout, adapters: list[str]) -> dict[str, str]:
+    """Each parameter of a K-adapter model keyed by its adapter's name and the PEFT name a one-adapter model
+    gives it (`layers.0.attention.qkv_linear.wq.lora_A_1` -> `math/base_model.model.model.layers.0.self_attn.
+    q_proj.lora_A.weight` for adapters[1] == "math"): a checkpoint resumes by adapter name, never by index."""
+    names = {fqn: f"{adapters[adapter_of(fqn)]}/{peft_name_and_rope(one_adapter_name(fqn), layout)[0]}"
+             for fqn in fqns}
+    if len(set(names.values())) != len(names):
+        raise ValueError("two adapter parameters map to one stored name; the family's PeftLayout is wrong")
+    return names
+
+
+def adapters_change(saved: list[dict] | None, ours: list[dict]) -> str | None:
+    """What differs between a checkpoint's adapters and this job's (each {"name", "lora_rank",
+    "target_modules"}, in table order), in words; None when they are the same."""
+    if saved == ours:
+        return None
+    if saved is None:
+        return f"it was saved by a one-adapter job, this job has the adapters {[a['name'] for a in ours]}"
+    theirs, mine = [a["name"] for a in saved], [a["name"] for a in ours]
+    if set(theirs) != set(mine):
+        added, removed = sorted(set(mine) - set(theirs)), sorted(set(theirs) - set(mine))
+        return f"its adapters are {theirs}, this job's {mine} (added {added}, removed {removed})"
+    if theirs != mine:
+        return f"its adapters are in the order {theirs}, this job's tables in {mine}"
+    changed = [a["name"] for a, b in zip(saved, ours) if a != b]
+    return f"the adapters {changed} have another rank or other target_modules than when it was saved"
 
 
 def from_torchtitan_022(path: str) -> str:

@@ -142,19 +142,32 @@ def check_targets(job_config: JobConfig, model: ResolvedModel | None = None) -> 
 
     Returns the qualified names of the linears to adapt (any adapter's); None without the "lora" converter.
     """
+    return union_of(adapter_targets(job_config, model))
+
+
+def union_of(found: list[list[str]] | None) -> list[str] | None:
+    """One adapter's targets as they are; several adapters': every linear any of them adapts, sorted."""
+    if found is None or len(found) == 1:
+        return None if found is None else found[0]
+    return sorted({t for targets in found for t in targets})
+
+
+def adapter_targets(job_config: JobConfig, model: ResolvedModel | None = None) -> list[list[str]] | None:
+    """Each adapter's linears to adapt, in table order (one list for a one-adapter job); None without the
+    "lora" converter. A target no linear has is refused naming its table."""
     if "lora" not in job_config.model.converters:
         return None
     model = model or resolve_model(job_config.model)
     meta = model.meta_model()
     if len(job_config.adapters) <= 1:
-        return resolve_targets(meta, job_config.lora.target_modules, model.family.leaf_names)
-    targets: set[str] = set()  # several adapters: each table's own, the union returned
+        return [resolve_targets(meta, job_config.lora.target_modules, model.family.leaf_names)]
+    found = []
     for adapter in job_adapters(job_config):
         try:
-            targets.update(resolve_targets(meta, adapter.target_modules, model.family.leaf_names))
+            found.append(resolve_targets(meta, adapter.target_modules, model.family.leaf_names))
         except ValueError as err:
             raise ValueError(f"[[adapters]] {adapter.name!r}: {str(err).removeprefix('[lora] ')}") from None
-    return sorted(targets)
+    return found
 
 
 def apply_adapter_tables(job_config: JobConfig) -> None:
@@ -177,13 +190,14 @@ def apply_adapter_tables(job_config: JobConfig) -> None:
 
 def unsupported_with_adapters(job_config: JobConfig) -> list[str]:
     """What a job with several `[[adapters]]` sets that trains one adapter only so far, one line each with the
-    fix: several adapters train in SFT jobs (per-adapter data, optimizer, clipping) and export one PEFT folder
-    each, with no engine sync, GRPO or checkpoint yet (docs/multi_adapter.md)."""
+    fix: several adapters train in SFT jobs (per-adapter data, optimizer, clipping), keep checkpoints and export
+    one PEFT folder each, with no engine sync, GRPO or rollback of one adapter yet (docs/multi_adapter.md)."""
     names = ", ".join(repr(t.name) for t in job_config.adapters)
     lead = f"[[adapters]] names {len(job_config.adapters)} adapters ({names}), which train together in SFT jobs"
     wants = [(job_config.grpo.enabled, "[grpo] enabled = true", "[grpo] enabled = false"),
              (job_config.weight_sync.enabled, "[weight_sync] enabled = true", "[weight_sync] enabled = false"),
-             (job_config.checkpoint.enable, "[checkpoint] enable = true", "[checkpoint] enable = false")]
+             (job_config.training.on_nonfinite == "rollback", '[training] on_nonfinite = "rollback"',
+              '[training] on_nonfinite = "stop" (a NaN gradient already skips its own adapter\'s step)')]
     return [f"{lead} without {what} so far: set {fix}, or keep one table" for on, what, fix in wants if on]
 
 
@@ -232,7 +246,8 @@ def load_job(argv: list[str]) -> tuple[Any, ResolvedModel]:
         job_config.lora.export_dir = os.path.join(job_config.job.dump_folder, job_config.lora.export_dir)
     ours.validate_lora(job_config.lora)
     model = resolve_model(job_config.model)
-    targets = check_targets(job_config, model)
+    per_adapter = adapter_targets(job_config, model)
+    targets = union_of(per_adapter)
     ours.validate_training(job_config.training)
     validate_activation_checkpoint(job_config.activation_checkpoint)
     validate_compile(job_config.compile)
@@ -241,7 +256,7 @@ def load_job(argv: list[str]) -> tuple[Any, ResolvedModel]:
     named = "keep_versions" in {**toml.get("weight_sync", {}), **overrides.get("weight_sync", {})}
     derive_keep_versions(job_config, named)
     ours.validate_grpo(job_config.grpo, job_config.weight_sync)
-    preflight(job_config, targets, model.shape)
+    preflight(job_config, targets, model.shape, per_adapter if len(job_config.adapters) > 1 else None)
     return job_config, model
 
 

@@ -10,11 +10,12 @@ import torch
 
 from titan_lora.clients.kinds import EngineKind, engine_kind
 from titan_lora.config import Engine, JobConfig, attached_urls
+from titan_lora.config_adapters import job_adapters
 from titan_lora.lora.targets import hf_leaf_names
 from titan_lora.model_shape import DecoderShape
 from titan_lora.models.family import model_family
 from titan_lora.titan.parallel import data_parallel_size
-from titan_lora.trainer.checkpoint import check_resume_compatible, check_steps_left
+from titan_lora.trainer.checkpoint import check_resume_compatible, check_steps_left, named_adapter_signature
 from titan_lora.trainer.sft_data import global_batch_size, load_pairs
 from titan_lora.transfer.errors import TransferError
 from titan_lora.transfer.placement import AUTO, transport_kind
@@ -182,8 +183,10 @@ def check_sft_data(job_config: JobConfig, dp_size: int) -> None:
                          f"{job_config.data.path!r}: lower it")
 
 
-def preflight(job_config: JobConfig, targets: list[str] | None, shape: DecoderShape) -> None:
-    """Every cross-section check; `targets` are the adapted linears (None: no LoRA), `shape` the model's."""
+def preflight(job_config: JobConfig, targets: list[str] | None, shape: DecoderShape,
+              adapter_targets: list[list[str]] | None = None) -> None:
+    """Every cross-section check; `targets` are the adapted linears (None: no LoRA; several adapters: any
+    adapter's, and `adapter_targets` each adapter's, in table order), `shape` the model's."""
     check_parallelism(job_config)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     dp = data_parallel_size(job_config.parallelism, world_size)  # refuses degrees that do not fit the ranks
@@ -199,5 +202,8 @@ def preflight(job_config: JobConfig, targets: list[str] | None, shape: DecoderSh
         folder = Path(job_config.job.dump_folder) / job_config.checkpoint.folder
         check_steps_left(folder, job_config.training.steps)
         if targets is not None:
-            check_resume_compatible(folder, job_config.lora.rank, targets,
-                                    model_family(job_config.model.name).hf_modules)
+            hf_modules = model_family(job_config.model.name).hf_modules
+            adapters = None if adapter_targets is None else [
+                named_adapter_signature(a.name, a.rank, t, hf_modules)
+                for a, t in zip(job_adapters(job_config), adapter_targets)]
+            check_resume_compatible(folder, job_config.lora.rank, targets, hf_modules, adapters)
