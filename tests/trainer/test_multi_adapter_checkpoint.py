@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from dist_helpers import run_ranks
-from model_helpers import DEBUG_LORA, full_copy, job_config_from
+from model_helpers import DEBUG_SFT, full_copy, job_config_from
 
 from titan_lora.lora.layer import adapter_params
 from titan_lora.trainer.checkpoint import SIGNATURE_FILE
@@ -21,13 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "titan_lora/data/arith_sft.jsonl"
 A = f'[[adapters]]\nname = "math"\nrank = 4\nlr = 2e-3\ndata_seed = 1\ndata_path = "{DATA}"\n'
 B = '[[adapters]]\nname = "chat"\nrank = 2\ntarget_modules = ["wq", "wo"]\nlr = 5e-4\n'
-JOB = DEBUG_LORA + """
-[optimizer]
-name = "AdamW"
-lr = 1e-3
-weight_decay = 0.0
-[lr_scheduler]
-warmup_steps = 2
+JOB = DEBUG_SFT + """
 [checkpoint]
 enable = true
 interval = 3

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_helpers import run_ranks
-from model_helpers import DEBUG_LORA, TP2, full_copy, job_config_from
+from model_helpers import DEBUG_SFT, TP2, full_copy, job_config_from
 
 from titan_lora.lora.layer import adapter_params
 from titan_lora.lora.multi import adapter_of
@@ -26,13 +26,7 @@ ADAPTERS = [  # name, rank, alpha, targets, lr, max_norm, data seed
     ("attn", 8, 4, '["wq", "wv"]', 5e-4, 1.0, 2),
     ("nan_once", 2, 16, '["w2", "wo"]', 2e-3, 1.0, 3),
 ]
-JOB = DEBUG_LORA + """
-[optimizer]
-name = "AdamW"
-lr = 1e-3
-weight_decay = 0.0
-[lr_scheduler]
-warmup_steps = 2
+JOB = DEBUG_SFT + """
 [checkpoint]
 enable = false
 """
