@@ -36,7 +36,7 @@ SMOLLM2_LORA = lora_toml('name = "smollm2"\nflavor = "135M"\nload_pretrained = t
 DEBUG_LORA = SMOLLM2_LORA.replace('flavor = "135M"', 'flavor = "debug"').replace(
     "load_pretrained = true", "load_pretrained = false"
 )
-DEBUG_SFT = DEBUG_LORA + """
+SFT_SECTIONS = """
 [optimizer]
 name = "AdamW"
 lr = 1e-3
@@ -44,7 +44,9 @@ weight_decay = 0.0
 [lr_scheduler]
 warmup_steps = 2
 """
-"""An SFT job on the debug SmolLM2: AdamW at 1e-3, two warmup steps."""
+"""An SFT job's optimizer and schedule: AdamW at 1e-3, two warmup steps."""
+DEBUG_SFT = DEBUG_LORA + SFT_SECTIONS
+"""An SFT job on the debug SmolLM2."""
 
 
 TP2 = ("--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1",

@@ -1,18 +1,21 @@
 """Several `[[adapters]]` trained together in one SFT job through the trainer (`TrainingRun`): three adapters
 with different ranks, alphas, targets, learning rates, max norms, data and data seeds, 10 steps, end with the
-weights each gets trained alone in a one-adapter job on its own data (float32, <= 1e-6), on 1 rank, on 2 FSDP
-ranks (adapters replicated, and sharded by FSDP) and under TP=2. In the same run one adapter's gradient is
+weights each gets trained alone in a one-adapter job on its own data on 1 rank (float32, <= 1e-6), when
+trained together on 1 rank, on 2 FSDP ranks (adapters replicated, and sharded by FSDP) and under TP=2 (the
+base: a tiny random Llama checkpoint with SmolLM2's tokenizer, written once, so every layout loads the same). In the same run one adapter's gradient is
 clipped at every step (its max norm is tiny: one norm over all adapters would scale the others' updates too)
 and another's gradient is NaN at one step (it alone skips that step; the others are unaffected)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 from dist_helpers import run_ranks
-from model_helpers import DEBUG_SFT, TP2, full_copy, job_config_from
+from model_helpers import SFT_SECTIONS, TP2, full_copy, job_config_from
+from tiny_checkpoints import SMOLLM2_VOCAB, hf_toml, tiny_llama
 
 from titan_lora.lora.layer import adapter_params
 from titan_lora.lora.multi import adapter_of
@@ -26,7 +29,7 @@ ADAPTERS = [  # name, rank, alpha, targets, lr, max_norm, data seed
     ("attn", 8, 4, '["wq", "wv"]', 5e-4, 1.0, 2),
     ("nan_once", 2, 16, '["w2", "wo"]', 2e-3, 1.0, 3),
 ]
-JOB = DEBUG_SFT + """
+SECTIONS = SFT_SECTIONS + """
 [checkpoint]
 enable = false
 """
@@ -82,9 +85,10 @@ def _train(rank: int, world: int, toml: str, dump: str, out: str, nan_adapter: i
         run.close()
 
 
-def _job(tmp: Path, name: str, tables: str, nan_adapter: int | None, world: int, layout: tuple[str, ...]) -> dict:
+def _job(tmp: Path, job: str, name: str, tables: str, nan_adapter: int | None, world: int,
+         layout: tuple[str, ...]) -> dict:
     out = tmp / f"{name}.pt"
-    run_ranks(world, _train, JOB + tables, str(tmp / name), str(out), nan_adapter, *layout)
+    run_ranks(world, _train, job + tables, str(tmp / name), str(out), nan_adapter, *layout)
     return torch.load(out)
 
 
@@ -93,18 +97,33 @@ def _alone_name(name: str) -> str:
     return name.rsplit("_", 1)[0]
 
 
+@dataclasses.dataclass
+class Setup:
+    job: str
+    tables: list[str]
+    alone: list[dict]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, smollm2_dir) -> Setup:
+    """The job text on a tiny checkpoint made here, the tables, and adapters 0 and 1 each trained alone on 1 rank."""
+    tmp = tmp_path_factory.mktemp("multi_sft")
+    job = hf_toml("llama3", tiny_llama(tmp / "tiny", vocab=SMOLLM2_VOCAB, tokenizer_from=smollm2_dir)) + SECTIONS
+    tables = [table(*spec, data=path) for spec, path in zip(ADAPTERS, split_data(tmp))]
+    return Setup(job, tables, [_job(tmp, job, f"alone{k}", tables[k], None, 1, ()) for k in (0, 1)])
+
+
 SHARDED = ("--lora.no_replicate_adapters",)
 LAYOUTS = {"1 rank": (1, ()), "2 FSDP ranks": (2, ()), "2 FSDP ranks, sharded adapters": (2, SHARDED),
            "TP=2": (2, TP2)}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_three_adapters_trained_together_end_as_each_trained_alone(tmp_path: Path, layout: str) -> None:
+def test_three_adapters_trained_together_end_as_each_trained_alone(setup: Setup, tmp_path: Path,
+                                                                   layout: str) -> None:
     world, overrides = LAYOUTS[layout]
-    data = split_data(tmp_path)
-    tables = [table(*spec, data=path) for spec, path in zip(ADAPTERS, data)]
-    together = _job(tmp_path, "together", "".join(tables), 2, world, overrides)
-    alone = [_job(tmp_path, f"alone{k}", tables[k], None, world, overrides) for k in (0, 1)]
+    together = _job(tmp_path, setup.job, "together", "".join(setup.tables), 2, world, overrides)
+    alone = setup.alone
 
     by_adapter: dict[int, dict[str, torch.Tensor]] = {}
     for name, value in together["weights"].items():
