@@ -15,11 +15,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from model_helpers import DEBUG_LORA, build_from, convert_linear, init_adapters
+from multi_helpers import adapter_param_groups, params_by_adapter
+from multi_helpers import init_adapters as init_multi_adapters
 
 from titan_lora.lora.layer import adapter_params, freeze_base, is_adapter_param, lora_scale
-from titan_lora.lora.multi import AdapterShape, add_adapters, adapter_of, params_by_adapter
-from titan_lora.lora.multi import init_adapters as init_multi_adapters
-from titan_lora.lora.multi_optim import adapter_param_groups, clip_per_adapter
+from titan_lora.lora.multi import AdapterShape, add_adapters, adapter_of
+from titan_lora.lora.multi_optim import clip_per_adapter
 from titan_lora.lora.multi_rows import AdapterRows, group_rows, routed
 from titan_lora.titan.optim import clip_grad_norm_
 

@@ -8,12 +8,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from dist_helpers import run_ranks
+from multi_helpers import adapter_param_groups, init_adapters, params_by_adapter
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from titan_lora.lora.layer import adapter_params, freeze_base
-from titan_lora.lora.multi import AdapterShape, add_adapters, init_adapters, params_by_adapter
-from titan_lora.lora.multi_optim import adapter_param_groups, clip_per_adapter
+from titan_lora.lora.multi import AdapterShape, add_adapters
+from titan_lora.lora.multi_optim import clip_per_adapter
 from titan_lora.lora.multi_rows import group_rows, routed
 
 VOCAB, DIM, STEPS, MAX_NORM = 64, 32, 6, 0.05

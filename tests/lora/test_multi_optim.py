@@ -7,8 +7,9 @@ import logging
 import pytest
 import torch
 import torch.nn as nn
+from multi_helpers import adapter_param_groups
 
-from titan_lora.lora.multi_optim import adapter_param_groups, clip_per_adapter
+from titan_lora.lora.multi_optim import clip_per_adapter
 
 
 def _adapters(grads: list[list[float]]) -> list[list[tuple[str, nn.Parameter]]]:

@@ -28,7 +28,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from titan_lora.lora.multi_rows import ReadsAdapterRows
-from titan_lora.titan.lora_linear import init_lora_A
 
 _MULTI_NAME = re.compile(r"lora_[AB]_(\d+)")
 
@@ -114,31 +113,3 @@ def one_adapter_name(name: str) -> str:
 def param_pattern(adapter: int) -> str:
     """The regex, searched in a parameter's qualified name, that matches adapter `adapter`'s parameters."""
     return rf"\.lora_[AB]_{adapter}$"
-
-
-def params_by_adapter(model: nn.Module, num_adapters: int) -> list[list[tuple[str, nn.Parameter]]]:
-    """Each adapter's (name, parameter) pairs, in the model's parameter order (the same on every rank)."""
-    groups: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(num_adapters)]
-    for name, param in model.named_parameters():
-        k = adapter_of(name)
-        if k is not None:
-            groups[k].append((name, param))
-    empty = [k for k, group in enumerate(groups) if not group]
-    if empty:
-        raise ValueError(f"adapters {empty} target no linear of the model: give each adapter at least one "
-                         "target")
-    return groups
-
-
-def init_adapters(model: nn.Module, seeds: Sequence[int]) -> None:
-    """Each adapter initialised as the single-adapter path does with its own seed: A kaiming-uniform from a
-    generator seeded by (seed_k, index of the linear among those k targets, in module order), B zero."""
-    index = [0] * len(seeds)
-    for module in model.modules():
-        if not isinstance(module, MultiLoRALayer):
-            continue
-        for k in module.adapter_scales:
-            init_lora_A(seeds[k] * 1_000_003 + index[k])(getattr(module, f"lora_A_{k}"))
-            with torch.no_grad():
-                getattr(module, f"lora_B_{k}").zero_()
-            index[k] += 1

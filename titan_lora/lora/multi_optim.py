@@ -14,22 +14,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch.nn as nn
 
 from titan_lora.config_adapters import Adapter
 from titan_lora.lora.multi import param_pattern
 from titan_lora.titan.optim import clip_grad_norm_
 
 logger = logging.getLogger(__name__)
-
-
-def adapter_param_groups(params: Sequence[Sequence[tuple[str, nn.Parameter]]],
-                         lrs: Sequence[float]) -> list[dict]:
-    """One optimizer param group per adapter (`multi.params_by_adapter`'s lists), with that adapter's lr."""
-    if len(params) != len(lrs):
-        raise ValueError(f"{len(lrs)} learning rates for {len(params)} adapters: give one lr per adapter")
-    return [{"params": [p for _, p in group], "param_names": [n for n, _ in group], "lr": lr, "adapter": k}
-            for k, (group, lr) in enumerate(zip(params, lrs))]
 
 
 def adapter_optimizer_groups(adapters: Sequence[Adapter]) -> list[tuple[str, dict]]:
