@@ -28,7 +28,8 @@ def _quiet(rank: int, world: int) -> None:
 
 
 def _report(rank: int, world: int, name: str) -> None:
-    print(f"rank {rank} stdout", flush=True)
+    # One write per line (print's own "\n" is a second write): the two ranks' lines must not interleave.
+    print(f"rank {rank} stdout\n", end="", flush=True)
     os.write(2, f"rank {rank} stderr {os.environ.get(name)} {os.getcwd()}\n".encode())
 
 
