@@ -148,8 +148,8 @@ class AdapterCheckpointer:
 
     @functools.cached_property
     def names(self) -> dict[str, str]:
-        """Each adapter parameter's stored (PEFT) name; worked out at the first save or load (a job that keeps
-        no checkpoint, such as one with several adapters, never needs it)."""
+        """Each adapter parameter's stored name: its PEFT name, or with several adapters `<name>/<PEFT name>`;
+        worked out at the first save or load (a job that keeps no checkpoint never needs it)."""
         fqns = [name for name, _ in adapter_params(self.model)]
         return adapter_peft_names(fqns, self.layout, self.adapters) if self.adapters else peft_names(fqns, self.layout)
 
@@ -208,8 +208,8 @@ class AdapterCheckpointer:
         if not steps:
             return 0
         path = self.folder / f"step-{steps[-1]}"
-        modules = [name for name, _ in lora_modules(self.model)]
-        signature = self._signature()
+        signature = self._signature()  # the job's load checked the config already; this checks the model
+        modules = [] if self.adapters else [name for name, _ in lora_modules(self.model)]
         check_resume_compatible(self.folder, signature.get("lora_rank", 0), modules, self.hf_modules,
                                 signature.get("adapters"))
         saved = json.loads((path / SIGNATURE_FILE).read_text()) if (path / SIGNATURE_FILE).exists() else {}
