@@ -61,7 +61,7 @@ def test_the_engine_digests_its_base_only_when_the_trainer_verifies_it(tmp_path:
 def test_the_receiver_engine_logs_to_the_dump_folder_and_takes_no_device_on_cpu(tmp_path: Path) -> None:
     engine = _engine(tmp_path, Engine(kind="receiver", port=0))
     try:
-        assert engine.module == "titan_lora.engines.receiver" and engine.args == []
+        assert engine.module == "titan_lora.engines.receiver" and engine.args == ["--max-loras", "8"]
         assert engine.log_path == tmp_path / "engine.log"
     finally:
         engine.stop()
@@ -71,7 +71,7 @@ def test_the_receiver_engine_gets_the_trainers_cuda_device(tmp_path: Path) -> No
     # only the device's name is used: no GPU needed
     engine = _engine(tmp_path, Engine(kind="receiver"), device="cuda:1")
     try:
-        assert engine.args == ["--device", "cuda:1"]
+        assert engine.args == ["--device", "cuda:1", "--max-loras", "8"]
     finally:
         engine.stop()
 
@@ -125,6 +125,7 @@ class _FakeSyncer:
                  report=None, watchdog=None, base_digests=None) -> None:
         self.source, self.base, self.emitter, self.cfg, self.device = source, base, emitter, cfg, device
         self.engine, self.probe, self.versions, self.report = engine, probe, versions, report
+        self.families = [versions]
         self.watchdog, self.base_digests = watchdog, base_digests
         self.checked = False
         _FakeSyncer.made.append(self)
@@ -167,16 +168,16 @@ def _wire(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, rank: int = 0, tied: 
     monkeypatch.setattr(compose, "WeightSyncer", _FakeSyncer)
     engines: list[_FakeEngine] = []
 
-    def embedded(*args) -> _FakeEngine:
+    def embedded(*args, **kwargs) -> _FakeEngine:
         engines.append(_FakeEngine())
-        engines[-1].made_from = args
+        engines[-1].made_from, engines[-1].made_with = args, kwargs
         return engines[-1]
 
     monkeypatch.setattr(compose, "embedded_engine", embedded)
     job_config = types.SimpleNamespace(weight_sync=WeightSync(**{"enabled": True, "parity_every": 0, **ws}),
                                        engine=engine or Engine(),
                                        job=types.SimpleNamespace(dump_folder=str(tmp_path)),
-                                       lora=types.SimpleNamespace(rank=8), grpo=GRPO(), task={})
+                                       lora=types.SimpleNamespace(rank=8), grpo=GRPO(), task={}, adapters=[])
     built = types.SimpleNamespace(hf_dir=str(tmp_path / "hf"), model=StubBaseModel(),
                                   sd_adapter=StubSdAdapter(), tied=bool(tied), peft_layout=None)
     adapter, device = object(), torch.device("cpu")
@@ -218,6 +219,7 @@ def test_wiring_an_embedded_engine_uses_its_address_and_key(monkeypatch: pytest.
     assert len(engines) == 1 and engines[0].started and syncer.engine is engines[0]
     assert engines[0].made_from == (engine_kind("vllm"), job_config.engine, job_config.weight_sync, built.hf_dir,
                                     torch.device("cpu"), str(tmp_path), 8)
+    assert engines[0].made_with == {"adapters": 1}
     assert syncer.emitter.client.base_url == _FakeEngine.url and syncer.emitter.client.api_key == "engine-key"
     assert str(rollouts.client.client.base_url) == _FakeEngine.url + "/v1/"
     assert rollouts.client.client.api_key == "engine-key"
@@ -233,7 +235,8 @@ def test_wiring_two_embedded_replicas_fans_out_and_routes(monkeypatch: pytest.Mo
     syncer, rollouts, engines, _, _ = _wire(monkeypatch, tmp_path, engine=Engine(replicas=2, port=9100))
     assert len(engines) == 2 and all(e.started for e in engines) and syncer.engine is None
     assert [e.made_from[1].port for e in engines] == [9100, 9101], "replica i takes port + i"
-    assert [e.made_from[-1] for e in engines] == ["engine0.log", "engine1.log"]
+    assert [e.made_with for e in engines] == [{"log_name": "engine0.log", "adapters": 1},
+                                              {"log_name": "engine1.log", "adapters": 1}]
     assert isinstance(syncer.emitter, FanoutEmitter) and isinstance(rollouts.client, RolloutRouter)
     assert [r.engine for r in syncer.emitter.replicas.replicas] == engines
     assert syncer.report()["sync/live_replicas"] == 2.0
@@ -318,7 +321,7 @@ def test_the_task_and_reward_are_resolved_before_anything_is_built() -> None:
     from titan_lora.config import GRPO
 
     def job(**grpo) -> types.SimpleNamespace:
-        return types.SimpleNamespace(grpo=GRPO(**grpo), task={}, weight_sync=WeightSync())
+        return types.SimpleNamespace(grpo=GRPO(**grpo), task={}, weight_sync=WeightSync(), adapters=[])
 
     check_plugins(job(enabled=True, task="reverse", reward="exact_match"))
     check_plugins(job(enabled=False, task="nope"))  # no GRPO: nothing to resolve
@@ -336,7 +339,7 @@ def test_an_sft_job_with_the_parity_probe_checks_the_task_it_scores() -> None:
     from titan_lora.rl.word import WordProblemsTask
 
     def job(ws: WeightSync, **task) -> types.SimpleNamespace:
-        return types.SimpleNamespace(grpo=GRPO(task="word_problems"), task=task, weight_sync=ws)
+        return types.SimpleNamespace(grpo=GRPO(task="word_problems"), task=task, weight_sync=ws, adapters=[])
 
     probing = WeightSync(enabled=True, parity_every=2)
     with pytest.raises(ValueError, match=r"^\[task\] max_number = 1: use an integer >= 2"):
@@ -383,8 +386,6 @@ def test_compose_builds_the_adapter_source_on_the_engines_lent_buffer(
                                        weight_sync=WeightSync(lora_name="pol"), adapters=[])
     assert compose.adapter_source(job_config, built, side) == "source"
     assert made == [(("model", "layout", lora, "pol", "/hf"), {"lend": emitter.lend_buffer})]
-    job_config.adapters = ["a", "b"]
-    assert compose.adapter_source(job_config, built, side) is None and len(made) == 1
     job_config.adapters, job_config.model.converters = [], []
     assert compose.adapter_source(job_config, built, side) is None and len(made) == 1
 
@@ -404,7 +405,8 @@ def test_the_objective_gets_the_loop_grpo_loop_names_and_a_sync_run_refuses_an_a
     built: list = []
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path: None)
     monkeypatch.setattr(compose, "GRPOObjective", lambda *args: built.append(args[7]))
-    job = types.SimpleNamespace(grpo=GRPO(enabled=True, loop=loop), job=types.SimpleNamespace(dump_folder=str(tmp_path)))
+    job = types.SimpleNamespace(grpo=GRPO(enabled=True, loop=loop), job=types.SimpleNamespace(dump_folder=str(tmp_path)),
+                                adapters=[])
     dims = types.SimpleNamespace(get_optional_mesh=lambda name: None)
     saved = {"next_group": 6, "trained_ahead": [7, 9], "per_step": 8}  # what an async run's checkpoint keeps
 

@@ -21,14 +21,16 @@ from titan_lora.clients.replica_set import Replica, ReplicaSet
 from titan_lora.clients.rollout import RolloutClient
 from titan_lora.clients.router import RolloutRouter
 from titan_lora.config import GRPO, Engine, JobConfig, WeightSync, attached_urls
-from titan_lora.config_adapters import adapter_lora, job_adapters
+from titan_lora.config_adapters import adapter_lora, adapter_section, job_adapters
 from titan_lora.rl.agent_objective import AgentObjective, check_agent_config
 from titan_lora.rl.agent_task import is_agent_task
+from titan_lora.rl.multi_objective import MultiGRPOObjective
 from titan_lora.rl.objective import GRPOObjective
 from titan_lora.rl.rewards import get_reward
 from titan_lora.rl.sample_source import sample_source
 from titan_lora.export.peft import PeftLayout
 from titan_lora.rl.task import Task, build_task, task_prompt
+from titan_lora.sync.adapter_set import AdapterSetSource
 from titan_lora.sync.adapter_source import AdapterSource
 from titan_lora.sync.base_digest import base_digests
 from titan_lora.sync.base_stream import base_weights_source
@@ -38,8 +40,7 @@ from titan_lora.sync.parity import ParityProbe
 from titan_lora.sync.syncer import WeightSyncer
 from titan_lora.sync.versions import AdapterVersions
 from titan_lora.sync.watchdog import Watchdog
-from titan_lora.titan.parallel import data_parallel_info
-from titan_lora.titan.parallel import ParallelDims
+from titan_lora.titan.parallel import DataParallelInfo, ParallelDims, data_parallel_info
 from titan_lora.trainer.build import BuiltModel
 from titan_lora.trainer.metrics import MetricsLogger
 from titan_lora.trainer.objective import Objective
@@ -64,12 +65,14 @@ def probe_sequences(tokenizer, n: int = 4, task: Task | None = None) -> list[lis
 
 
 def embedded_engine(kind: EngineKind, engine: Engine, ws: WeightSync, hf_dir: str, device: torch.device,
-                    dump_folder: str, lora_rank: int, log_name: str = "engine.log") -> EmbeddedEngine:
-    """The engine process titan_lora starts itself, as its kind's launcher plans it.
+                    dump_folder: str, lora_rank: int, log_name: str = "engine.log", adapters: int = 1,
+                    ) -> EmbeddedEngine:
+    """The engine process titan_lora starts itself, as its kind's launcher plans it (`lora_rank`: the largest
+    of the job's `adapters`).
 
     Its API key is `[engine] api_key`, or a random one; it reaches the engine by environment."""
     plan = kind.launch(LaunchRequest(engine, ws.keep_versions, hf_dir, device, lora_rank,
-                                     base_digests=ws.base == "verify"))
+                                     base_digests=ws.base == "verify", adapters=adapters))
     return EmbeddedEngine(plan, engine.port, os.path.join(dump_folder, log_name),
                           start_timeout_s=ws.engine_start_timeout_s, api_key=engine.api_key,
                           health_timeout_s=ws.health_timeout_s)
@@ -125,7 +128,7 @@ def engine_endpoint(kind: EngineKind, engine: Engine, url: str, api_key: ApiKey 
 
 
 def connect_replicas(kind: EngineKind, engine: Engine, ws: WeightSync, hf_dir: str, device: torch.device,
-                     dump_folder: str, lora_rank: int) -> EngineSide:
+                     dump_folder: str, lora_rank: int, adapters: int = 1) -> EngineSide:
     """Rank 0: start `[engine] replicas` engines at once (each its own port and log) or attach to `urls`;
     one emitter and rollout client per replica, under the fan-out emitter and the router."""
     urls = attached_urls(engine)
@@ -133,7 +136,8 @@ def connect_replicas(kind: EngineKind, engine: Engine, ws: WeightSync, hf_dir: s
     keys = [engine.api_key] * len(urls)
     if not urls:
         processes = [embedded_engine(kind, dataclasses.replace(engine, port=engine.port + i if engine.port else 0),
-                                     ws, hf_dir, device, dump_folder, lora_rank, f"engine{i}.log")
+                                     ws, hf_dir, device, dump_folder, lora_rank, log_name=f"engine{i}.log",
+                                     adapters=adapters)
                      for i in range(engine.replicas)]
         start_engines(processes)
         urls, keys = [p.url for p in processes], [p.key for p in processes]
@@ -148,17 +152,17 @@ def connect_replicas(kind: EngineKind, engine: Engine, ws: WeightSync, hf_dir: s
 
 
 def connect_engine(engine: Engine, ws: WeightSync, hf_dir: str, device: torch.device, dump_folder: str,
-                   lora_rank: int) -> EngineSide:
+                   lora_rank: int, adapters: int = 1) -> EngineSide:
     """Rank 0: start the engine (no `[engine] url`) or attach; the emitter and rollout client. Several
     replicas (`[engine] replicas` > 1, or more than one of `urls`) go through `connect_replicas`."""
     kind = engine_kind(engine.kind)
     if engine.replicas > 1 or len(engine.urls) > 1:
-        return connect_replicas(kind, engine, ws, hf_dir, device, dump_folder, lora_rank)
+        return connect_replicas(kind, engine, ws, hf_dir, device, dump_folder, lora_rank, adapters)
     engine = dataclasses.replace(engine, url=(attached_urls(engine) or [""])[0], urls=[])
     process = None
     url, api_key = engine.url, engine.api_key
     if not engine.url:
-        process = embedded_engine(kind, engine, ws, hf_dir, device, dump_folder, lora_rank)
+        process = embedded_engine(kind, engine, ws, hf_dir, device, dump_folder, lora_rank, adapters=adapters)
         process.start()
         url, api_key = process.url, process.key
     endpoint = engine_endpoint(kind, engine, url, api_key)
@@ -166,7 +170,7 @@ def connect_engine(engine: Engine, ws: WeightSync, hf_dir: str, device: torch.de
     return EngineSide(process, kind.emitter(ws, engine, endpoint), rollouts)
 
 
-def build_syncer(ws: WeightSync, side: EngineSide, adapter: AdapterSource, model: nn.Module,
+def build_syncer(ws: WeightSync, side: EngineSide, adapter: AdapterSource | AdapterSetSource, model: nn.Module,
                  sd_adapter, hf_dir: str, tied: bool, device: torch.device,  # noqa: ANN001
                  probe_task: Task | None = None, layout: PeftLayout | None = None) -> WeightSyncer:
     """Collective: the syncer over `side` (rank 0's handles; empty elsewhere), engine limits checked.
@@ -180,7 +184,9 @@ def build_syncer(ws: WeightSync, side: EngineSide, adapter: AdapterSource, model
     if ws.parity_every:
         sequences = probe_sequences(AutoTokenizer.from_pretrained(hf_dir), task=probe_task)
         probe = ParityProbe(model, sequences, device, side.rollouts.score if side.rollouts else None, ws.parity_tolerance)
-    versions = AdapterVersions(ws.lora_name, ws.keep_versions)
+    names = adapter.names if isinstance(adapter, AdapterSetSource) else [ws.lora_name]
+    families = [AdapterVersions(name, ws.keep_versions) for name in names]  # one family per adapter
+    versions = families[0] if len(families) == 1 else families
     report = side.replicas.metrics if side.replicas is not None else None
     digests = (functools.partial(base_digests, model, sd_adapter, layout, tied)
                if ws.base == "verify" and layout is not None else None)
@@ -195,37 +201,34 @@ def engine_side(job_config: JobConfig, built: BuiltModel, device: torch.device) 
     """Rank 0 starts or attaches the engine when `[weight_sync] enabled`; other ranks hold no handle."""
     if not job_config.weight_sync.enabled or dist.get_rank() != 0:
         return EngineSide()
+    count = max(len(job_config.adapters), 1)  # several: slots and the largest rank for all of them
+    rank = max(a.rank for a in job_adapters(job_config)) if count > 1 else job_config.lora.rank
     return connect_engine(job_config.engine, job_config.weight_sync, built.hf_dir, device,
-                          job_config.job.dump_folder, job_config.lora.rank)
+                          job_config.job.dump_folder, rank, count)
 
 
-def adapter_source(job_config: JobConfig, built: BuiltModel, side: EngineSide) -> AdapterSource | None:
-    """Collective: the adapter as rank 0 publishes it, gathered into the buffer `side`'s emitter lends;
-    None for full fine-tuning (no "lora" converter: nothing to gather) and for several adapters."""
-    if "lora" not in job_config.model.converters or len(job_config.adapters) > 1:
-        return None  # several adapters: no sync or export yet (refused when the job loads)
+def adapter_source(job_config: JobConfig, built: BuiltModel, side: EngineSide,
+                   ) -> AdapterSource | AdapterSetSource | None:
+    """Collective: the adapter (several `[[adapters]]`: all of them, one family each) as rank 0 publishes and
+    exports it, gathered into the buffer `side`'s emitter lends; None for full fine-tuning (no "lora"
+    converter: nothing to gather)."""
+    if "lora" not in job_config.model.converters:
+        return None
+    if len(job_config.adapters) > 1:
+        adapters = [(a.name, adapter_lora(a, job_config.lora)) for a in job_adapters(job_config)]
+        return AdapterSetSource(built.model, built.peft_layout, adapters, built.hf_dir, lend=side.lend)
     return AdapterSource(built.model, built.peft_layout, job_config.lora, job_config.weight_sync.lora_name,
                          built.hf_dir, lend=side.lend)
 
 
-def adapter_exports(job_config: JobConfig, built: BuiltModel) -> list[tuple[str, AdapterSource]]:
-    """Collective: with several `[[adapters]]`, each adapter's name and the source its export gathers (its
-    tensors, PEFT-named as a one-adapter job's, and its own adapter_config); none otherwise."""
-    if len(job_config.adapters) <= 1:
-        return []
-    return [(a.name, AdapterSource(built.model, built.peft_layout, adapter_lora(a, job_config.lora), a.name,
-                                   built.hf_dir, adapter=k))
-            for k, a in enumerate(job_adapters(job_config))]
-
-
-def build_sync(job_config: JobConfig, adapter: AdapterSource, built: BuiltModel, device: torch.device,
+def build_sync(job_config: JobConfig, adapter: AdapterSource | AdapterSetSource, built: BuiltModel, device: torch.device,
                side: EngineSide, task: Task | None) -> tuple[WeightSyncer, EngineRollouts]:
     """Collective: the syncer over `side` (from `engine_side`), and what objectives may use.
 
     `task` is what `check_plugins` built: the parity probe scores its prompts."""
     syncer = build_syncer(job_config.weight_sync, side, adapter, built.model, built.sd_adapter, built.hf_dir,
                           built.tied, device, task, built.peft_layout)
-    return syncer, EngineRollouts(side.rollouts, syncer.versions, syncer.with_engine)
+    return syncer, EngineRollouts(side.rollouts, syncer.versions, syncer.with_engine, tuple(syncer.families))
 
 
 def configured_task(job_config: JobConfig) -> Task:
@@ -239,6 +242,20 @@ def task_in_use(job_config: JobConfig) -> bool:
     return job_config.grpo.enabled or (ws.enabled and bool(ws.parity_every))
 
 
+def check_adapter_tasks(job_config: JobConfig) -> None:
+    """Resolve every `[[adapters]]` table's task and reward as `check_plugins` does `[grpo]`'s; an agent task
+    (several turns per sample) is refused: several adapters train tasks of one completion so far."""
+    for adapter in job_adapters(job_config):
+        grpo = adapter_section(adapter, "grpo", job_config.grpo)
+        task = build_task(grpo, job_config.task)
+        task.problems(1, 0)
+        if is_agent_task(task):
+            raise ValueError(f"[[adapters]] {adapter.name!r}: task = {grpo.task!r} runs agent episodes, which "
+                             "several adapters do not train yet: set a task of one completion, or keep one table")
+        if grpo.reward:
+            get_reward(grpo.reward)
+
+
 def check_plugins(job_config: JobConfig) -> Task | None:
     """Resolve the `[grpo]` task and reward by name, and let the task check `[task]`, before anything is
     built (a typo or a bad data file fails in seconds).
@@ -246,6 +263,8 @@ def check_plugins(job_config: JobConfig) -> Task | None:
     Returns the task, built once here for the objective and the parity probe; None when neither uses it."""
     if not task_in_use(job_config):
         return None
+    if job_config.grpo.enabled and len(job_config.adapters) > 1:
+        check_adapter_tasks(job_config)
     task = configured_task(job_config)
     task.problems(1, 0)
     if job_config.grpo.enabled and is_agent_task(task):
@@ -253,6 +272,22 @@ def check_plugins(job_config: JobConfig) -> Task | None:
     if job_config.grpo.enabled and job_config.grpo.reward:
         get_reward(job_config.grpo.reward)
     return task
+
+
+def multi_grpo_objective(job_config: JobConfig, tokenizer, engine: EngineRollouts | None,  # noqa: ANN001
+                         dp: DataParallelInfo, device: torch.device, metrics: MetricsLogger) -> MultiGRPOObjective:
+    """GRPO on every `[[adapters]]` table: each its own `[grpo]` keys (task, reward, seed, temperature, ...),
+    its family of versions and its record (`rollouts_<name>.jsonl`), trained in one batch (sync loop)."""
+    objectives, names = [], []
+    for k, adapter in enumerate(job_adapters(job_config)):
+        grpo = adapter_section(adapter, "grpo", job_config.grpo)
+        record = os.path.join(job_config.job.dump_folder, f"rollouts_{adapter.name}.jsonl")
+        own = engine.of_adapter(k) if engine is not None else None
+        objectives.append(GRPOObjective(grpo, build_task(grpo, job_config.task), tokenizer, own, dp, device,
+                                        metrics.prefixed(f"{adapter.name}/"), sample_source(grpo), record,
+                                        adapter.name))
+        names.append(adapter.name)
+    return MultiGRPOObjective(objectives, names, engine)
 
 
 def build_objective(job_config: JobConfig, hf_dir: str, dims: ParallelDims, device: torch.device, metrics: MetricsLogger,
@@ -263,6 +298,8 @@ def build_objective(job_config: JobConfig, hf_dir: str, dims: ParallelDims, devi
 
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     dp = data_parallel_info(dims)
+    if job_config.grpo.enabled and len(job_config.adapters) > 1:
+        return multi_grpo_objective(job_config, tokenizer, engine, dp, device, metrics)
     if job_config.grpo.enabled:
         loop = sample_source(job_config.grpo, data_state)  # the one place `[grpo] loop` is read
         record = os.path.join(job_config.job.dump_folder, "rollouts.jsonl")

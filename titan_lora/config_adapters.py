@@ -112,11 +112,16 @@ def resolved_adapters(adapters: list[Adapter], sections: Mapping[str, object], d
             for adapter in tables]
 
 
+def adapter_section(adapter: Adapter, name: str, section: object) -> object:
+    """Section `name` (its dataclass, `section`) with `adapter`'s own keys of it: `[lora]` as an export and an
+    engine see that adapter (rank, alpha, targets, ...), `[grpo]` as its rollouts do (task, seed, ...)."""
+    return dataclasses.replace(section, **{section_key(key): getattr(adapter, key) for key, owner in FALLBACK.items()
+                                           if owner == name})
+
+
 def adapter_lora(adapter: Adapter, lora: object) -> object:
-    """`[lora]` (the `LoRA` section) with `adapter`'s own keys of it: rank, alpha, targets, ... (an export's
-    and an engine's view of that adapter)."""
-    return dataclasses.replace(lora, **{key: getattr(adapter, key) for key, section in FALLBACK.items()
-                                        if section == "lora"})
+    """`[lora]` (the `LoRA` section) with `adapter`'s own keys of it."""
+    return adapter_section(adapter, "lora", lora)
 
 
 def job_adapters(job_config: object) -> list[Adapter]:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from titan_lora.compose import (
-    EngineSide, adapter_exports, adapter_source, build_objective, build_sync, check_plugins, engine_side,
+    EngineSide, adapter_source, build_objective, build_sync, check_plugins, engine_side,
 )
 from titan_lora.config import JobConfig, process_group_timeout_s
 from titan_lora.config_adapters import job_adapters
@@ -90,7 +90,6 @@ class TrainingRun:
     def _build_sync_side(self, job_config: JobConfig, side: EngineSide, task: Task | None) -> None:
         """The adapter source (gathering into the buffer the emitter lends), the resumed step, the syncer."""
         self.adapter = adapter_source(job_config, self.built, side)
-        self.exports = adapter_exports(job_config, self.built) if job_config.lora.export_dir else []
         self.step = self.checkpointer.load_latest() if job_config.checkpoint.enable else 0
         self.syncer, self.engine_rollouts = None, None
         if job_config.weight_sync.enabled:
@@ -178,11 +177,8 @@ class TrainingRun:
             self.metrics.progress(self.step, last, self.objective.progress_fields(metrics))
             if self.checkpointer.should_save(self.step, last):
                 self.checkpointer.save(self.step, self.objective.data_state())
-        if self.cfg.lora.export_dir and self.adapter is not None:
+        if self.cfg.lora.export_dir and self.adapter is not None:  # several adapters: export_dir/<name> each
             return self.adapter.export(self.cfg.lora.export_dir)
-        if self.exports:  # several adapters: one PEFT folder each, named after it, under export_dir
-            written = [source.export(Path(self.cfg.lora.export_dir) / name) for name, source in self.exports]
-            return Path(self.cfg.lora.export_dir) if written[0] is not None else None
         return None
 
     def close(self) -> None:

@@ -54,12 +54,16 @@ def test_the_launchers_plan_the_engine_processes() -> None:
     req = LaunchRequest(Engine(max_model_len=640, kv_cache_gib=5), 3, "/hf", torch.device("cuda", 1), 12)
     assert engine_kind("vllm").launch(req) == engine_kind("vllm-openai").launch(req)
     assert engine_kind("vllm-disk").launch(req) == engine_kind("vllm").launch(req), "the baseline runs on the same engine"
-    assert engine_kind("receiver").launch(req) == LaunchPlan("titan_lora.engines.receiver", ["--device", "cuda:1"])
+    assert engine_kind("receiver").launch(req) == LaunchPlan("titan_lora.engines.receiver",
+                                                             ["--device", "cuda:1", "--max-loras", "8"])
     assert engine_kind("vllm-openai").launch(req) == LaunchPlan("titan_lora.engines.vllm_openai", [
         "/hf", "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--seed", "0",
         "--max-lora-rank", "16", "--max-loras", "4", "--max-cpu-loras", "5", "--max-model-len", "640",
         "--max-num-seqs", "64", "--max-num-batched-tokens", "4096", "--kv-cache-memory-bytes", str(5 * 2**30), "--disable-uvicorn-access-log"],
         standby=True)  # a GPU engine: a restart runs in the standby interpreter
+    three = dataclasses.replace(req, adapters=3)  # three [[adapters]]: keep_versions + 1 = 4 slots each
+    assert engine_kind("vllm").launch(three).args[10:14] == ["--max-loras", "12", "--max-cpu-loras", "13"]
+    assert engine_kind("receiver").launch(three).args[-2:] == ["--max-loras", "12"]
     push = dataclasses.replace(req, base_digests=False)  # [weight_sync] base = "push": nobody asks for them
     assert engine_kind("vllm").launch(push).args == [*engine_kind("vllm").launch(req).args,
                                                       "--titan-skip-base-digests"]

@@ -26,7 +26,7 @@ WANT = {"wide": (8, 16, ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj",
 def _export_and_score(rank: int, world: int, toml: str, out: str) -> None:
     from model_helpers import build_from, job_config_from
 
-    from titan_lora.compose import adapter_exports
+    from titan_lora.compose import EngineSide, adapter_source
 
     built = build_from(toml)
     with torch.no_grad():  # every adapter non-zero, seeded, the same on any sharding
@@ -38,8 +38,7 @@ def _export_and_score(rank: int, world: int, toml: str, out: str) -> None:
         for k in range(2):  # every row through adapter k
             with routed(built.model, AdapterRows(tuple(len(TOKENS) if j == k else 0 for j in range(2)))):
                 logits.append(built.model(TOKENS))
-    for name, source in adapter_exports(job_config_from(toml), built):
-        source.export(Path(out) / name)
+    adapter_source(job_config_from(toml), built, EngineSide()).export(out)
     if rank == 0:
         torch.save(logits, Path(out) / "titan_logits.pt")
 

@@ -16,10 +16,10 @@ REPO = Path(__file__).resolve().parents[2]
 SHIPPED_GRPO = REPO / "train_configs/smollm2_grpo_arith.toml"
 
 
-def shipped_config(tmp: Path, name: str, **keys: object) -> Path:
-    """The shipped GRPO config writing under `tmp/run` (its adapter under `tmp/run/adapter`, the default), with
-    each `key = value` line given in `keys` replaced."""
-    text = SHIPPED_GRPO.read_text()
+def shipped_config(tmp: Path, name: str, source: Path = SHIPPED_GRPO, **keys: object) -> Path:
+    """A shipped GRPO config (`source`: the main job's by default) writing under `tmp/run` (its adapter under
+    `tmp/run/adapter`, the default), with each `key = value` line given in `keys` replaced."""
+    text = source.read_text()
     for key, value in {"dump_folder": f'"{tmp}/run"', **keys}.items():
         text, n = re.subn(rf"^{key} = .*$", f"{key} = {value}", text, flags=re.M)
         assert n == 1, f"{key} not found once in the shipped config"

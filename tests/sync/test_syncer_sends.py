@@ -51,6 +51,14 @@ def test_too_few_adapter_slots_for_the_retention_window_are_refused() -> None:
                               "restart it with --max-loras >= 3")
 
 
+def test_several_adapters_need_a_retention_window_each_and_the_refusal_says_so() -> None:
+    check_engine_limits(EngineLimits(8, 9, None), 8, ["q_proj"], 2, adapters=3)
+    with pytest.raises(TransferError) as err:
+        check_engine_limits(EngineLimits(8, 8, None), 8, ["q_proj"], 2, adapters=3)
+    assert str(err.value) == ("[weight_sync] keep_versions = 2 for each of 3 adapters needs 9 adapter slots but "
+                              "the engine has 8; restart it with --max-loras >= 9 or train fewer [[adapters]]")
+
+
 def test_the_tally_counts_what_passes_and_drain_runs_the_rest() -> None:
     base = Base()
     tally = BaseTally(base())

@@ -62,6 +62,43 @@ class AdapterPayload:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
+@dataclasses.dataclass(frozen=True)
+class AdapterSet:
+    """One version of each of several adapters, gathered together (`sync.adapter_set`): `together` holds every
+    part's tensors, named `protocol.adapter_set_name(k, <PEFT name>)`, in one home buffer, so that an emitter
+    that can (`SendsAdapterSets`) sends them in one stream with one commit."""
+
+    parts: tuple[AdapterPayload, ...]
+    together: AdapterPayload | None
+    """None: the parts do not lie together (a subset re-sent after a recovery): they go one after the other."""
+
+    @classmethod
+    def of(cls, payload: AdapterPayload | AdapterSet) -> AdapterSet:
+        """`payload` as a set (one adapter: itself its only part)."""
+        return payload if isinstance(payload, AdapterSet) else cls((payload,), payload)
+
+    @property
+    def finite(self) -> bool:
+        """False when any part holds NaN or Inf: none is sent."""
+        return all(part.finite for part in self.parts)
+
+
+@runtime_checkable
+class SendsAdapterSets(Protocol):
+    """An emitter that installs several adapters from one bucket stream (one commit names them all)."""
+
+    def send_adapters(self, adapters: AdapterSet) -> list[Ack]:
+        """Install every part under its own name; one ack per part, in order."""
+        ...
+
+
+def send_adapter_set(emitter: Emitter, adapters: AdapterSet) -> list[Ack]:
+    """Install every part of `adapters`: in one stream where the emitter can, else one part after the other."""
+    if len(adapters.parts) > 1 and adapters.together is not None and isinstance(emitter, SendsAdapterSets):
+        return emitter.send_adapters(adapters)
+    return [emitter.send_adapter(part) for part in adapters.parts]
+
+
 def verify_ack(ack: Ack, version: int, tensors: int, nbytes: int, what: str) -> None:
     """Raise unless the engine acknowledged exactly `version`, `tensors` and `nbytes` of `what`."""
     if (ack.version, ack.num_tensors, ack.nbytes) != (version, tensors, nbytes):

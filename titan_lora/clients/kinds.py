@@ -28,9 +28,17 @@ class LaunchRequest:
     hf_dir: str
     device: torch.device
     lora_rank: int
+    """The largest rank of the job's adapters."""
     base_digests: bool = True
     """Whether anyone will ask the engine for the digests of the base it loads (`[weight_sync] base =
     "verify"`); False spares it digesting the checkpoint at every start."""
+    adapters: int = 1
+    """How many adapters the job trains: the engine holds `keep_versions` + 1 versions of each."""
+
+    @property
+    def adapter_slots(self) -> int:
+        """Live adapter versions the engine must hold: each adapter's window, plus its version being loaded."""
+        return self.adapters * (self.keep_versions + 1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from titan_lora.clients.base import AdapterPayload, BaseTensors, Endpoint, base_items, bucket_route, log_route
+from titan_lora.clients.base import AdapterPayload, AdapterSet, BaseTensors, Endpoint, base_items, bucket_route, log_route
 from titan_lora.clients.http import JsonClient
 from titan_lora.clients.kinds import EngineKind, LaunchPlan, LaunchRequest
 from titan_lora.config import Engine, WeightSync
@@ -388,9 +388,8 @@ class VLLMBucketEmitter:
     def remember_base_digests(self, ours: dict[str, Any], version: int) -> None:
         """Nothing to keep: this engine's revival goes through the syncer, which holds the digests."""
 
-    def send_adapter(self, payload: AdapterPayload) -> Ack:
-        """Stream the adapter; the last bucket asks the engine to register it under `payload.name`."""
-        commit = {"name": payload.name, "version": payload.version, "peft_config": dict(payload.peft_config)}
+    def _stream_adapters(self, payload: AdapterPayload, commit: dict) -> tuple[dict, dict[str, float]]:
+        """Stream `payload`'s tensors, `commit` riding on the last bucket; the commit's ack and the phases."""
         _, streamed = self._transfer("adapter", lambda tr: self._post_planned(
             tr, payload.tensors, payload.home, commit, payload.home_checksum))
         self._check(f"adapter {payload.name}", payload.num_tensors, payload.nbytes, streamed)
@@ -399,10 +398,29 @@ class VLLMBucketEmitter:
             raise TransferError(f"the engine did not acknowledge the commit of adapter {payload.name}")
         apply_ms = float(ack["apply_ms"])  # the engine's own time: the commit shares the last round trip
         transfer_ms = streamed.phases["transfer_ms"] - apply_ms
-        phases = {**streamed.phases, "transfer_ms": transfer_ms, "apply_ms": apply_ms}
+        return ack, {**streamed.phases, "transfer_ms": transfer_ms, "apply_ms": apply_ms}
+
+    def send_adapter(self, payload: AdapterPayload) -> Ack:
+        """Stream the adapter; the last bucket asks the engine to register it under `payload.name`."""
+        commit = {"name": payload.name, "version": payload.version, "peft_config": dict(payload.peft_config)}
+        ack, phases = self._stream_adapters(payload, commit)
         # An engine that names its incarnation in the ack spares the syncer a round trip before each sync.
         incarnation = protocol.incarnation_of(ack) if "incarnation" in ack else None
         return Ack(ack["version"], ack["tensors"], ack["bytes"], phases, incarnation)
+
+    def send_adapters(self, adapters: AdapterSet) -> list[Ack]:
+        """Stream every part in one transfer (its buckets planned over all of them: one bucket when they fit);
+        the last bucket's commit registers each under its own name. The phases go with the first ack."""
+        commit = {"adapters": [{"name": p.name, "version": p.version, "peft_config": dict(p.peft_config)}
+                               for p in adapters.parts]}
+        ack, phases = self._stream_adapters(adapters.together, commit)
+        parts = ack.get("adapters")
+        if not isinstance(parts, list) or len(parts) != len(adapters.parts):
+            raise TransferError(f"the engine acknowledged {len(parts or [])} of the {len(adapters.parts)} adapters "
+                                "committed together: run the same titan_lora on both sides")
+        incarnation = protocol.incarnation_of(ack) if "incarnation" in ack else None
+        return [Ack(part["version"], part["tensors"], part["bytes"], phases if k == 0 else {}, incarnation)
+                for k, part in enumerate(parts)]
 
     def retire_adapter(self, name: str, timeout_s: float) -> bool:
         """Ask the engine to unload `name` once its requests drained; False if it did not in time."""
@@ -429,14 +447,19 @@ def build_vllm_emitter(ws: WeightSync, engine: Engine, endpoint: Endpoint) -> VL
 
 
 def receiver_launch(req: LaunchRequest) -> LaunchPlan:
-    """The receiver: vLLM's transfer protocol and copy-out with no inference, on the trainer's device."""
-    return receiver_plan(req.device)
+    """The receiver: vLLM's transfer protocol and copy-out with no inference, on the trainer's device, with a
+    slot for every live version of every adapter."""
+    return receiver_plan(req.device, max(req.adapter_slots, RECEIVER_SLOTS))
 
 
-def receiver_plan(device: torch.device) -> LaunchPlan:
-    """The receiver's process on `device` (it needs nothing else of a launch request)."""
+RECEIVER_SLOTS = 8
+"""The receiver's adapter slots unless a job needs more (it holds only bytes: slots cost nothing)."""
+
+
+def receiver_plan(device: torch.device, max_loras: int = RECEIVER_SLOTS) -> LaunchPlan:
+    """The receiver's process on `device` with `max_loras` adapter slots."""
     cuda = ["--device", str(device)] if device.type == "cuda" else []
-    return LaunchPlan("titan_lora.engines.receiver", cuda)
+    return LaunchPlan("titan_lora.engines.receiver", [*cuda, "--max-loras", str(max_loras)])
 
 
 RECEIVER = EngineKind("receiver", build_vllm_emitter, None, receiver_launch, shm_buckets=True)

@@ -22,7 +22,7 @@ def vllm_openai_launch(req: LaunchRequest) -> LaunchPlan:
     return LaunchPlan("titan_lora.engines.vllm_openai", [
         req.hf_dir, "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--seed", "0",
         "--max-lora-rank", str(engine_lora_rank(req.lora_rank)),
-        "--max-loras", str(req.keep_versions + 1), "--max-cpu-loras", str(req.keep_versions + 2),
+        "--max-loras", str(req.adapter_slots), "--max-cpu-loras", str(req.adapter_slots + 1),
         "--max-model-len", str(req.engine.max_model_len), "--max-num-seqs", "64",
         "--max-num-batched-tokens", str(max(4096, req.engine.max_model_len)),
         "--kv-cache-memory-bytes", str(req.engine.kv_cache_gib * 2**30), "--disable-uvicorn-access-log", *skip,

@@ -98,7 +98,10 @@ class TitanService:
         # an unknown one) are made here, where they can still answer 400 or 409.
         self._layouts.resolve(layout, header)
         args = (req["transfer_id"], req["segment"], layout, header)
-        if "commit" in req:
+        if "commit" in req and "adapters" in req["commit"]:
+            ack = await self._commit_set(req["commit"]["adapters"], lambda ids: self.rpc(
+                "titan_receive_and_commit_set", *args, req.get("checksum"), ids))
+        elif "commit" in req:
             ack = await self._commit(req["commit"], lambda lora_id, name, peft_config: self.rpc(
                 "titan_receive_and_commit", *args, req.get("checksum"), lora_id, name, peft_config))
         else:
@@ -126,6 +129,24 @@ class TitanService:
         self.table.add(name, version, lora_id)
         compat.serve_adapter(self.models, name, lora_id)
         return {**ack, "commit": {**ack["commit"], "name": name, "version": version,
+                                  **protocol.incarnation_fields(self.incarnation, self.base_version)}}
+
+    async def _commit_set(self, parts: list[dict], install: Callable[[list[list]], Awaitable[dict]]) -> dict:
+        """Install several adapters sent together through `install([[lora_id, name, peft_config], ...])`, then
+        serve each under its name (and alias)."""
+        names = [check_name(part["name"]) for part in parts]
+        if len(set(names)) != len(names):
+            raise ValueError(f"adapters committed together must have distinct names, got {names}")
+        for name in names:
+            await self._free_name(name)
+        ids = [compat.new_lora_id(self.models) for _ in parts]
+        ack = await install([[lora_id, name, part["peft_config"]] for lora_id, name, part in zip(ids, names, parts)])
+        installed = []
+        for lora_id, name, part, size in zip(ids, names, parts, ack["commit"]["adapters"], strict=True):
+            self.table.add(name, int(part["version"]), lora_id)
+            compat.serve_adapter(self.models, name, lora_id)
+            installed.append({**size, "name": name, "version": int(part["version"])})
+        return {**ack, "commit": {**ack["commit"], "adapters": installed,
                                   **protocol.incarnation_fields(self.incarnation, self.base_version)}}
 
     async def adapter_from_path(self, req: dict) -> dict:

@@ -138,16 +138,29 @@ class ReceiverService:
         return self._keep_adapter(req)
 
     def _keep_adapter(self, req: dict) -> dict:
+        """Keep the staged transfer as adapter `name`, or as each of `adapters` (several sent together)."""
         started = time.perf_counter()
-        name = check_name(req["name"])
-        staged = self.transfers.take(req["transfer_id"])
+        if "adapters" in req:
+            parts = req["adapters"]
+            names = [check_name(part["name"]) for part in parts]
+            kept = self.transfers.take_set(req["transfer_id"], len(parts))
+            acks = [{**self._keep(name, staged), "name": name, "version": part["version"]}
+                    for name, staged, part in zip(names, kept, parts)]
+            commit = {"adapters": acks}
+        else:
+            name = check_name(req["name"])
+            staged = self.transfers.take(req["transfer_id"])
+            commit = {**self._keep(name, staged), "name": req["name"], "version": req["version"]}
+        return {**commit, **protocol.incarnation_fields(self.incarnation, self.base_version),
+                "apply_ms": (time.perf_counter() - started) * 1e3}
+
+    def _keep(self, name: str, staged: Staged) -> dict:
+        """Hold `staged` as adapter `name` (a version of that name held before is dropped); its size."""
         with self._lock:
             replaced, self.adapters[name] = self.adapters.get(name), staged
         if replaced is not None:
             self._give_back(replaced)
-        return {**staged.size(), "name": req["name"], "version": req["version"],
-                **protocol.incarnation_fields(self.incarnation, self.base_version),
-                "apply_ms": (time.perf_counter() - started) * 1e3}
+        return staged.size()
 
     @_on_core
     def base(self, req: dict) -> dict:
@@ -175,7 +188,7 @@ def build_server(argv: list[str] | None = None, frames: bool = False,
     p.add_argument("--port", type=int, default=8012)
     p.add_argument("--device", default="", help="CUDA device to bind (cuda:N) for IPC buffers")
     p.add_argument("--max-lora-rank", type=int, default=512)
-    p.add_argument("--max-loras", type=int, default=8)
+    p.add_argument("--max-loras", type=int, default=8, help="adapter slots (versions held at once)")
     p.add_argument("--api-key", default=os.environ.get(protocol.API_KEY_ENV, ""),
                    help="for manual use; a launcher passes TITAN_LORA_API_KEY in the environment")
     p.add_argument("--max-body-mb", type=int, default=DEFAULT_MAX_BODY_MB,

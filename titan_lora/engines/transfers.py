@@ -39,6 +39,7 @@ from collections.abc import Callable
 import torch
 
 from titan_lora.transfer.buckets import Entry, bucket_checksum, bucket_size, tensor_views
+from titan_lora.transfer.protocol import adapter_set_part
 from titan_lora.transfer.transport import BufferCache
 from titan_lora.transfer.transports.base import BucketDesc
 
@@ -80,6 +81,9 @@ class Slab:
     data: torch.Tensor
     views: dict[str, torch.Tensor]
     nbytes: int
+    holders: int = 1
+    """Adapters whose tensors lie in it (several adapters sent together share slabs): it goes back to its
+    pool when the last of them is dropped."""
 
 
 class SlabPool:
@@ -111,8 +115,11 @@ class SlabPool:
         return Slab(data, tensor_views(data, entries), sum(e.nbytes for e in entries))
 
     def give(self, layout: str, slab: Slab) -> None:
-        """Take back a slab nothing reads any more."""
+        """Take back a slab one holder no longer reads; it is free once none does."""
         with self._lock:
+            if slab.holders > 1:
+                slab.holders -= 1
+                return
             free = self._free.setdefault((layout, slab.data.device), [])
             if len(free) < self.kept_per_layout:
                 free.append(slab)
@@ -229,6 +236,30 @@ class TransferStore:
         staged.tensors.update(slab.views)
         staged.nbytes += slab.nbytes
         return {"tensors": len(slab.views), "bytes": slab.nbytes, "checksum": checksum}
+
+    def take_set(self, transfer_id: str, count: int) -> list[Staged]:
+        """Remove a transfer of `count` adapters (tensors named `protocol.adapter_set_name`) and return one
+        staging per adapter, its tensors under their PEFT names; a slab that holds tensors of several of
+        them is shared (`Slab.holders`)."""
+        staged = self.take(transfer_id)
+        parts = [Staged(staged.kind) for _ in range(count)]
+        try:
+            for layout, slab in staged.held:
+                owners = set()
+                for name, view in slab.views.items():
+                    k, tensor_name = adapter_set_part(name, count)
+                    parts[k].tensors[tensor_name] = view
+                    parts[k].nbytes += view.numel() * view.element_size()
+                    owners.add(k)
+                slab.holders = len(owners)
+                for k in sorted(owners):
+                    parts[k].held.append((layout, slab))
+        except ValueError:
+            for layout, slab in staged.held:
+                slab.holders = 1
+            self._on_drop(staged)
+            raise
+        return parts
 
     def take(self, transfer_id: str) -> Staged:
         """Remove and return a transfer to commit it."""

@@ -141,9 +141,37 @@ class TitanLoRAWorkerExtension:
 
     def titan_commit_adapter(self, transfer_id: str, lora_int_id: int, lora_name: str, peft_config: dict) -> dict:
         """Install the staged tensors as adapter `lora_int_id`; returns what was installed."""
+        staged = self._titan_state().transfers.take(transfer_id)
+        self._titan_install(staged, lora_int_id, lora_name, peft_config)
+        return staged.size()
+
+    def titan_commit_adapters(self, transfer_id: str, adapters: list[list]) -> list[dict]:
+        """Install a transfer of several adapters (`protocol.adapter_set_name`), each `[lora_int_id, lora_name,
+        peft_config]` in the transfer's order; all or none: a failed install removes the ones before it."""
         state = self._titan_state()
-        staged = state.transfers.take(transfer_id)
-        model, planned = self._titan_build(lora_int_id, peft_config, staged.tensors)
+        parts = state.transfers.take_set(transfer_id, len(adapters))
+        done: list[int] = []
+        try:
+            for (lora_int_id, lora_name, peft_config), staged in zip(adapters, parts):
+                self._titan_install(staged, lora_int_id, lora_name, peft_config)
+                done.append(lora_int_id)
+        except Exception:
+            for lora_int_id in done:
+                self.titan_remove_adapter(lora_int_id)
+            for staged in parts[len(done) + 1:]:  # never installed: their shares of the slabs go back
+                state.slabs.give_all(staged)
+            raise
+        return [staged.size() for staged in parts]
+
+    def _titan_install(self, staged: Staged, lora_int_id: int, lora_name: str, peft_config: dict) -> None:
+        """Build `staged` into adapter `lora_int_id` and register it with vLLM's LoRA manager (on failure its
+        slabs go back: vLLM holds no view of them)."""
+        state = self._titan_state()
+        try:
+            model, planned = self._titan_build(lora_int_id, peft_config, staged.tensors)
+        except Exception:
+            state.slabs.give_all(staged)
+            raise
         state.adapters[lora_int_id] = _Stored(model, staged.held)
         manager = compat.lora_manager(self)
         try:
@@ -153,8 +181,8 @@ class TitanLoRAWorkerExtension:
                 manager.add_adapter(LoRARequest(lora_name, lora_int_id, ADAPTER_SCHEME + lora_name))
         except Exception:
             state.adapters.pop(lora_int_id)
+            state.slabs.give_all(staged)
             raise
-        return staged.size()
 
     def titan_receive_and_commit(self, transfer_id: str, segment: dict, layout: str, header: list[dict] | None,
                                  checksum: str | None, lora_int_id: int, lora_name: str, peft_config: dict) -> dict:
@@ -164,6 +192,15 @@ class TitanLoRAWorkerExtension:
         started = time.perf_counter()
         commit = self.titan_commit_adapter(transfer_id, lora_int_id, lora_name, peft_config)
         return {**ack, "commit": {**commit, "apply_ms": (time.perf_counter() - started) * 1e3}}
+
+    def titan_receive_and_commit_set(self, transfer_id: str, segment: dict, layout: str, header: list[dict] | None,
+                                     checksum: str | None, adapters: list[list]) -> dict:
+        """The last bucket of a transfer of several adapters and their commit (`titan_commit_adapters`) in one
+        call; the commit's ack lists each adapter's size."""
+        ack = self.titan_receive_bucket(transfer_id, segment, layout, header, "adapter", checksum)
+        started = time.perf_counter()
+        parts = self.titan_commit_adapters(transfer_id, adapters)
+        return {**ack, "commit": {"adapters": parts, "apply_ms": (time.perf_counter() - started) * 1e3}}
 
     def titan_commit_base(self, transfer_id: str, complete_from_disk: bool = False) -> dict:
         """Load the staged tensors (HF names) as the base weights, with `complete_from_disk` the rest from

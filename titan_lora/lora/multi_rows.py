@@ -40,6 +40,11 @@ class AdapterRows:
         offsets = self.offsets
         return offsets[adapter], offsets[adapter + 1]
 
+    def within(self, start: int, stop: int) -> AdapterRows:
+        """The segments of rows `start:stop` of the batch (a chunk of it), for the same adapters."""
+        return AdapterRows(tuple(max(0, min(hi, stop) - max(lo, start))
+                                 for lo, hi in zip(self.offsets, self.offsets[1:])))
+
     def check(self, rows: int, num_adapters: int) -> None:
         """Raise unless these segments cover a batch of `rows` rows for `num_adapters` adapters."""
         if len(self.counts) != num_adapters:

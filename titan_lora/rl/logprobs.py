@@ -5,6 +5,10 @@ at 7.4 GB on rank 0 for 4 x 8 calculator episodes. Above `LOGPROB_CHUNK_TOKENS` 
 are split into chunks that run one forward each, cut to their own longest row; under autograd each chunk
 is checkpointed (its activations are dropped and recomputed in the backward, one chunk at a time), so the
 peak is one chunk's activations plus the [rows, width] log-probs, for one more forward of the batch.
+
+With several adapters (`rows`: the batch's rows grouped by adapter) each forward runs under its rows' adapters
+(`multi_rows.route`); a checkpointed chunk routes again when the backward recomputes it, and the rows stay
+routed after the last forward, for the backward (the training loop unroutes after it).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
+from titan_lora.lora.multi_rows import AdapterRows, route
 from titan_lora.titan.models import output_head
 
 LOGPROB_CHUNK_TOKENS = 4096
@@ -59,20 +64,31 @@ def chunk_count(mask: torch.Tensor, max_tokens: int, group: dist.ProcessGroup | 
     return int(chunks)
 
 
+def routed_token_logprobs(model: nn.Module, rows: AdapterRows | None, inputs: torch.Tensor, labels: torch.Tensor,
+                          mask: torch.Tensor) -> torch.Tensor:
+    """`token_logprobs` with `mask`, every row under its adapter (`rows`; None: a one-adapter model)."""
+    if rows is not None:
+        route(model, rows)  # left set: the backward (or a checkpoint's recompute) reads the same rows
+    return token_logprobs(model, inputs, labels, mask)
+
+
 def chunked_token_logprobs(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor,
-                           chunks: int) -> torch.Tensor:
+                           chunks: int, rows: AdapterRows | None = None) -> torch.Tensor:
     """`token_logprobs` with `mask`, over `chunks` row blocks one forward each (checkpointed under autograd,
-    see the module); the same values and gradients as one forward."""
+    see the module); the same values and gradients as one forward. `rows`: the adapter of each row, in a
+    model with several."""
     if chunks <= 1:
-        return token_logprobs(model, inputs, labels, mask)
-    parts = []
-    for rows in zip(inputs.tensor_split(chunks), labels.tensor_split(chunks), mask.tensor_split(chunks)):
-        sampled = rows[2].nonzero()
+        return routed_token_logprobs(model, rows, inputs, labels, mask)
+    parts, start = [], 0
+    for block in zip(inputs.tensor_split(chunks), labels.tensor_split(chunks), mask.tensor_split(chunks)):
+        sampled = block[2].nonzero()
         width = int(sampled[:, 1].max()) + 1 if len(sampled) else 1  # causal: later positions change nothing
-        cut = [t[:, :width] for t in rows]
+        cut = [t[:, :width] for t in block]
+        own = None if rows is None else rows.within(start, start + len(block[0]))
+        start += len(block[0])
         if torch.is_grad_enabled():
-            logp = checkpoint(token_logprobs, model, *cut, use_reentrant=False)
+            logp = checkpoint(routed_token_logprobs, model, own, *cut, use_reentrant=False)
         else:
-            logp = token_logprobs(model, *cut)
+            logp = routed_token_logprobs(model, own, *cut)
         parts.append(F.pad(logp, (0, labels.shape[1] - width)))
     return torch.cat(parts)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -47,6 +48,23 @@ def completion_batch(samples: list[Sample], pad_id: int) -> tuple[torch.Tensor, 
     return inputs, labels, mask
 
 
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    """One step's samples and this rank's share of the trainable ones, as model inputs."""
+
+    samples: list[Sample]
+    """Every sample the step took (its reward errors are counted)."""
+    fresh: list[Sample]
+    """The trainable ones (not too stale), on every rank."""
+    mine: list[Sample]
+    """This rank's share of `fresh`: the rows of the tensors below."""
+    inputs: torch.Tensor
+    labels: torch.Tensor
+    mask: torch.Tensor
+    current: int
+    """The version the engine serves as the step starts."""
+
+
 def _rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
@@ -62,8 +80,10 @@ class GRPOObjective:
 
     def __init__(self, cfg: GRPO, task: Task, tokenizer, engine: EngineRollouts | None,  # noqa: ANN001
                  dp: DataParallelInfo, device: torch.device, metrics_logger,  # noqa: ANN001
-                 loop: SourceFactory, record: str = "") -> None:
+                 loop: SourceFactory, record: str = "", name: str = "") -> None:
+        """`name`: the adapter it trains in a job with several (its log lines name it)."""
         self.cfg = cfg
+        self.name = name
         self.tokenizer = tokenizer
         self.engine = engine
         self.dp = dp
@@ -144,7 +164,8 @@ class GRPOObjective:
         if evaluated is None:  # ranks other than 0
             return {}
         extra = "".join(f", {k.removeprefix('eval/')} {v:.3f}" for k, v in evaluated.items() if k != "eval/accuracy")
-        logger.info("held-out accuracy at step %d: %.3f%s", step, evaluated["eval/accuracy"], extra)
+        of = f" of {self.name}" if self.name else ""
+        logger.info("held-out accuracy%s at step %d: %.3f%s", of, step, evaluated["eval/accuracy"], extra)
         return {**evaluated, "eval/failures": self.eval_failures}
 
     def before_training(self, step: int) -> None:
@@ -200,22 +221,35 @@ class GRPOObjective:
         Decoupled PPO with one update per batch: the ratio is taken against the current (proximal) policy,
         and a sample drawn under an older version is weighed by pi_current / pi_behaviour, the engine's
         log-probs as the behaviour policy, truncated at `[grpo] stale_weight_cap`."""
-        samples = self._samples(step)
+        batch = self.step_batch(self._samples(step), step)
+        chunks = chunk_count(batch.mask, self.logprob_chunk_tokens, self.dp.group)
+        logp = chunked_token_logprobs(model, batch.inputs, batch.labels, batch.mask, chunks)
+        ref = None
+        if self.cfg.kl_coef > 0:
+            with torch.no_grad(), adapters_disabled(model):
+                ref = chunked_token_logprobs(model, batch.inputs, batch.labels, batch.mask, chunks)
+        return self.step_loss(step, batch, logp, ref)
+
+    def step_batch(self, samples: list[Sample], step: int) -> StepBatch:
+        """This rank's share of the step's trainable samples, as model inputs (the stale ones dropped)."""
         current = step - 1  # the version the engine serves when step `step` starts
         fresh = self.source.trainable(samples, current)
         share_n = len(fresh) // self.dp.size
         mine = fresh[self.dp.rank * share_n : (self.dp.rank + 1) * share_n]
         inputs, labels, mask = (t.to(self.device) for t in completion_batch(mine, self.pad_id))
+        return StepBatch(samples, fresh, mine, inputs, labels, mask, current)
+
+    def step_loss(self, step: int, batch: StepBatch, logp: torch.Tensor,
+                  ref: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss of `batch` from the policy's log-probs `logp` of its labels (`ref`: the base's, for the KL),
+        normalised by the step's global token count; and the step's metrics."""
+        mine, fresh, mask, current = batch.mine, batch.fresh, batch.mask, batch.current
         adv = torch.tensor([s.advantage for s in mine], device=self.device)
-        chunks = chunk_count(mask, self.logprob_chunk_tokens, self.dp.group)
-        logp = chunked_token_logprobs(model, inputs, labels, mask, chunks)
         engine = self._engine_logprobs(mine, logp)
         staleness = torch.tensor([[current - s.version] for s in mine], device=self.device)
         per_token = policy_loss(logp, adv) * stale_weights(logp, engine, staleness > 0, self.cfg.stale_weight_cap)
         kl = torch.zeros_like(per_token)
-        if self.cfg.kl_coef > 0:
-            with torch.no_grad(), adapters_disabled(model):
-                ref = chunked_token_logprobs(model, inputs, labels, mask, chunks)
+        if ref is not None:
             kl = k3_kl(logp, ref)
             per_token = per_token + self.cfg.kl_coef * kl
         gap = self._engine_gap(logp.detach(), engine, mask * (staleness == 0))
@@ -238,7 +272,7 @@ class GRPOObjective:
             "rl/logprob_gap_mean": float(sums[3]) / max(float(sums[5]), 1.0), "rl/logprob_gap_max": float(sums[4]),
             "rl/dropped_stale": self.source.dropped(),
             "rl/samples": len(fresh),
-            "rl/reward_errors": sum(s.reward_error for s in samples),  # this step's, each scored 0
+            "rl/reward_errors": sum(s.reward_error for s in batch.samples),  # this step's, each scored 0
             "rl/sample_version": float(min(s.version for s in fresh)),
             "rl/staleness_mean": sum(ages) / max(len(ages), 1), "rl/staleness_max": float(max(ages, default=0)),
             **self._mismatch_metrics(sums[6:]),

@@ -15,11 +15,21 @@ from titan_lora.export.peft import (
     PeftLayout, peft_config, peft_name_and_rope, save_peft_dir, titan_rope_permute,
 )
 from titan_lora.lora.layer import adapter_params, lora_modules
-from titan_lora.lora.multi import adapter_of, one_adapter_name
 from titan_lora.lora.targets import hf_leaf_names, leaf_names_of
-from titan_lora.sync.gather import Lend, ShardGatherer
+from titan_lora.sync.gather import Layout, Lend, ShardGatherer
 from titan_lora.sync.versions import versioned_name
 from titan_lora.transfer.transport import offset_in, plain_buffer
+
+
+def peft_names_and_layouts(names: list[str], layout: PeftLayout) -> tuple[list[str], list[Layout | None]]:
+    """The PEFT name of each adapter param (torchtitan names of a one-adapter model), and the row order the
+    gather writes it in: the scatter puts RoPE lora_B rows straight into HF (rotate-half) order, so no
+    per-step permute."""
+    named = [peft_name_and_rope(name, layout) for name in names]
+    layouts = [None if rope is None else functools.partial(titan_rope_permute, n_heads=rope.n_heads,
+                                                            head_dim=rope.head_dim)
+               for _, rope in named]
+    return [peft for peft, _ in named], layouts
 
 
 class AdapterSource:
@@ -27,20 +37,12 @@ class AdapterSource:
 
     def __init__(
         self, model: nn.Module, layout: PeftLayout, lora: LoRA, lora_name: str = "policy",
-        base_model_path: str = "", lend: Lend = plain_buffer, adapter: int | None = None,
+        base_model_path: str = "", lend: Lend = plain_buffer,
     ) -> None:
-        """`lend`: rank 0's gather buffer, from the emitter that will send it (`Emitter.lend_buffer`).
-        `adapter`: in a model with several adapters, the one this source publishes (its `lora_A_<k>` and
-        `lora_B_<k>`, named as a one-adapter model's); `lora` then holds that adapter's keys."""
+        """`lend`: rank 0's gather buffer, from the emitter that will send it (`Emitter.lend_buffer`). A model
+        with several adapters is published by `AdapterSetSource`."""
         params = adapter_params(model)
-        if adapter is not None:
-            params = [(one_adapter_name(name), p) for name, p in params if adapter_of(name) == adapter]
-        named = [peft_name_and_rope(name, layout) for name, _ in params]
-        self.peft_names = [peft for peft, _ in named]
-        # The scatter writes RoPE lora_B rows straight into HF (rotate-half) order: no per-step permute.
-        layouts = [None if rope is None else functools.partial(titan_rope_permute, n_heads=rope.n_heads,
-                                                                head_dim=rope.head_dim)
-                   for _, rope in named]
+        self.peft_names, layouts = peft_names_and_layouts([name for name, _ in params], layout)
         self.gatherer = ShardGatherer(params, layouts=layouts, lend=lend)
         # The gatherer hands out the same views every time: one read-only mapping of them in PEFT naming
         # serves every snapshot, so the emitter recognises it and reuses its bucket plan.
@@ -49,8 +51,7 @@ class AdapterSource:
         home = self.gatherer.home
         self._home_offset = offset_in(home, next(iter(views.values()))) if home is not None else None
         self.lora_name = lora_name
-        adapted = ([n for n, _ in lora_modules(model)] if adapter is None
-                   else list(dict.fromkeys(name.rsplit(".", 1)[0] for name, _ in params)))
+        adapted = [n for n, _ in lora_modules(model)]
         self.target_modules = hf_leaf_names(adapted, leaf_names_of(layout.hf_modules))
         self.config: dict[str, Any] = peft_config(lora, self.target_modules, base_model_path)
         self.rank = lora.rank

@@ -107,7 +107,7 @@ class BaseGiving:
     def _took_base(self, whole: bool) -> None:
         """Rank 0: the engine holds our base now; a new incarnation (`whole`) holds none of our adapters."""
         if whole:
-            self.versions.forget_all()
+            self.forget_versions()
             self._base_incarnation = self._incarnation()
 
     def _send_base(self, version: int, only: list[str] | None = None, whole: bool = True) -> None:

@@ -24,3 +24,9 @@ class EngineRollouts:
     """Rank 0 only (None on the other ranks)."""
     versions: ServedVersions
     call: EngineCall
+    families: tuple[ServedVersions, ...] = ()
+    """With several adapters, each one's versions in adapter order (`versions` is the first's)."""
+
+    def of_adapter(self, k: int) -> EngineRollouts:
+        """The engine as adapter `k`'s objective sees it: its own family of versions."""
+        return dataclasses.replace(self, versions=self.families[k])

@@ -9,19 +9,27 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from titan_lora.lora.multi_rows import AdapterRows, routed
+
 logger = logging.getLogger(__name__)
 
 
 @torch.no_grad()
-def trainer_logprobs(model: nn.Module, sequences: list[list[int]], device: torch.device) -> list[list[float]]:
-    """Collective under FSDP: log p(token t | < t) for every token after the first, per sequence."""
+def trainer_logprobs(model: nn.Module, sequences: list[list[int]], device: torch.device,
+                     rows: AdapterRows | None = None) -> list[list[float]]:
+    """Collective under FSDP: log p(token t | < t) for every token after the first, per sequence; `rows`: in a
+    model with several adapters, which one each row runs under."""
     width = max(len(s) for s in sequences)
     tokens = torch.zeros(len(sequences), width, dtype=torch.long)
     for i, s in enumerate(sequences):
         tokens[i, : len(s)] = torch.tensor(s)
     was_training = model.training
     model.eval()
-    logits = model(tokens.to(device)).float()
+    if rows is None:
+        logits = model(tokens.to(device)).float()
+    else:
+        with routed(model, rows):
+            logits = model(tokens.to(device)).float()
     model.train(was_training)
     logp = F.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:, None].to(device)).squeeze(-1)
     return [logp[i, : len(s) - 1].tolist() for i, s in enumerate(sequences)]
@@ -39,9 +47,12 @@ class ParityProbe:
         self.tolerance = tolerance
         self.violations = 0
 
-    def trainer_side(self) -> list[list[float]]:
-        """Collective (a forward under FSDP): the trainer's log-probs of the fixed batch."""
-        return trainer_logprobs(self.model, self.sequences, self.device)
+    def trainer_side(self, adapter: int | None = None, adapters: int = 1) -> list[list[float]]:
+        """Collective (a forward under FSDP): the trainer's log-probs of the fixed batch; in a model with
+        `adapters` adapters, every row under adapter `adapter`."""
+        rows = None if adapter is None else AdapterRows(tuple(len(self.sequences) * (k == adapter)
+                                                               for k in range(adapters)))
+        return trainer_logprobs(self.model, self.sequences, self.device, rows)
 
     def compare(self, ours: list[list[float]], adapter: str) -> dict[str, float]:
         """Rank 0: the engine's log-probs under `adapter` against ours; a violation is logged with figures."""

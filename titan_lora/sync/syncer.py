@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from titan_lora.clients.base import AdapterPayload, Emitter, HasReplicas, verify_ack
+from titan_lora.clients.base import AdapterSet, Emitter, HasReplicas, send_adapter_set, verify_ack
 from titan_lora.config import WeightSync
 from titan_lora.lora.finite import NonFiniteAdapterError
+from titan_lora.sync.adapter_set import AdapterSetSource
 from titan_lora.sync.adapter_source import AdapterSource
 from titan_lora.sync.base_giving import BaseGiving
 from titan_lora.sync.base_stream import BaseStream
@@ -68,8 +69,9 @@ def _engine_fault(err: BaseException) -> bool:
     return isinstance(err, (EngineUnreachable, EngineWeightsLost))
 
 
-def check_engine_limits(limits: EngineLimits, rank: int, targets: list[str], keep_versions: int) -> None:
-    """Fail before training when the engine cannot serve our adapter or hold the retention window."""
+def check_engine_limits(limits: EngineLimits, rank: int, targets: list[str], keep_versions: int,
+                        adapters: int = 1) -> None:
+    """Fail before training when the engine cannot serve our adapters or hold their retention windows."""
     if rank > limits.max_lora_rank:
         raise TransferError(
             f"[lora] rank = {rank} exceeds the engine's max LoRA rank {limits.max_lora_rank}; "
@@ -82,25 +84,28 @@ def check_engine_limits(limits: EngineLimits, rank: int, targets: list[str], kee
                 f"the engine cannot apply LoRA to {missing} (it supports {sorted(limits.target_modules)}); "
                 "narrow [lora] target_modules or restart the engine with those modules enabled"
             )
-    if limits.max_loras < keep_versions + 1:  # the window, plus the version being loaded
+    slots = adapters * (keep_versions + 1)  # each adapter's window, plus its version being loaded
+    if limits.max_loras < slots:
+        each = f" for each of {adapters} adapters" if adapters > 1 else ""
         raise TransferError(
-            f"[weight_sync] keep_versions = {keep_versions} needs {keep_versions + 1} adapter slots but the "
-            f"engine has {limits.max_loras}; restart it with --max-loras >= {keep_versions + 1}"
+            f"[weight_sync] keep_versions = {keep_versions}{each} needs {slots} adapter slots but the "
+            f"engine has {limits.max_loras}; restart it with --max-loras >= {slots}"
+            + (" or train fewer [[adapters]]" if adapters > 1 else "")
         )
 
 
 class WeightSyncer(BaseGiving):
-    """Keeps one engine on the newest adapter version."""
+    """Keeps one engine on the newest version of each adapter (one family of versions per adapter)."""
 
     def __init__(
         self,
-        source: AdapterSource,
+        source: AdapterSource | AdapterSetSource,
         base_weights: BaseStream,
         emitter: Emitter | None,
         cfg: WeightSync,
         device: torch.device,
         *,
-        versions: AdapterVersions,
+        versions: AdapterVersions | list[AdapterVersions],
         engine: EmbeddedEngine | None = None,
         probe: ParityProbe | None = None,
         report: Callable[[], dict[str, float]] | None = None,
@@ -121,18 +126,41 @@ class WeightSyncer(BaseGiving):
         self.watchdog = watchdog  # rank 0: ends an operation's wait on a wedged engine (None: replicas watch
         # themselves)
         self._fault: BaseException | None = None  # rank 0: the last engine fault, for the revival
-        self.versions = versions  # the root's: objectives read the active version through it
-        self.retirer = (Retirer(self.versions, emitter.retire_adapter, cfg.retire_timeout_s)
-                        if emitter else None)
+        # One family of versions per adapter, in the source's adapter order (the root's: objectives read the
+        # active version through them).
+        self.families = [versions] if isinstance(versions, AdapterVersions) else list(versions)
+        self.retirers = [Retirer(family, emitter.retire_adapter, cfg.retire_timeout_s) for family in self.families
+                         ] if emitter else []
         self._base_incarnation: str | None = None
         self._acks_name_incarnation = False  # rank 0: the last install's ack named the engine's incarnation
         self._current: int | None = None  # the version the engine got last: the params as they are now
-        # rank 0: True published, False held back by the parity gate, None installed and awaiting its probe
-        self._current_published: bool | None = False
+        # rank 0, per adapter: True published, False held back by the parity gate, None installed and awaiting
+        # its probe
+        self._current_published: list[bool | None] = [False] * len(self.families)
         self._base_ms: float | None = None  # the base send of the sync in progress, if any
         self.counters = {"base_sends": 0, "base_verified": 0, "syncs": 0, "engine_recoveries": 0,
                          "probe_failures": 0, "parity_gated": 0}
         self.last_metrics: dict[str, float] = {}
+
+    @property
+    def versions(self) -> AdapterVersions:
+        """The first adapter's family (the only one in a job with one adapter)."""
+        return self.families[0]
+
+    @property
+    def retirer(self) -> Retirer | None:
+        """The first adapter's retirer (rank 0; None on the other ranks)."""
+        return self.retirers[0] if self.retirers else None
+
+    def forget_versions(self) -> None:
+        """The engine lost every adapter (restart): no family holds a live version."""
+        for family in self.families:
+            family.forget_all()
+
+    def _snapshot(self, version: int) -> AdapterSet | None:
+        """Collective: every adapter at `version`, as a set (rank 0; None elsewhere)."""
+        payload = self.source.snapshot(version)
+        return None if payload is None else AdapterSet.of(payload)
 
     # ---- rank 0's view of the engine -------------------------------------------------------------
     def _alive(self) -> bool:
@@ -237,12 +265,17 @@ class WeightSyncer(BaseGiving):
         self._ensure_base(self._current or 0)
         # A version the parity gate held back is not re-sent: rollouts must not get it after a restart.
         # One awaiting its probe (a fault during the probe) is re-sent but left for the probe to publish.
-        published = share(self._current_published if self.emitter is not None else False)
-        if republish and published is not False:
-            payload = self.source.snapshot(self._current)  # collective; the params of that version
-            self._rank0(lambda: self._install(payload), f"re-sending adapter version {self._current}")
-            if self.emitter is not None and published:
-                self.versions.publish(payload.version)
+        published = share(self._current_published if self.emitter is not None else None)
+        if republish and any(p is not False for p in published):
+            adapters = self._snapshot(self._current)  # collective; the params of that version
+            if adapters is not None and False in published:  # only what was not held back, one by one
+                adapters = AdapterSet(tuple(p for p, pub in zip(adapters.parts, published) if pub is not False),
+                                      None)
+            self._rank0(lambda: self._install(adapters), f"re-sending adapter version {self._current}")
+            if self.emitter is not None:
+                for family, pub in zip(self.families, published):
+                    if pub:
+                        family.publish(self._current)
 
     def _revive(self) -> None:
         """Rank 0: restart a dead or hung embedded engine (one whose requests timed out too: it is wedged
@@ -274,7 +307,7 @@ class WeightSyncer(BaseGiving):
         def check() -> None:
             limits = self._retrying(self.emitter.engine_limits, "reading the engine's limits")
             check_engine_limits(limits, self.source.rank, self.source.target_modules,
-                                self.versions.keep_versions)
+                                self.versions.keep_versions, len(self.families))
 
         try:
             self._rank0(check, "checking the engine's limits")
@@ -286,15 +319,15 @@ class WeightSyncer(BaseGiving):
         """Collective: bring the engine to adapter `version` (the training step)."""
         started = time.perf_counter()
         t0 = time.perf_counter()
-        payload = self.source.snapshot(version)  # collective
+        adapters = self._snapshot(version)  # collective
         metrics: dict[str, float] = {"gather_ms": (time.perf_counter() - t0) * 1e3}
         self._base_ms = None
-        metrics |= self._recovering(lambda: self._transfer(payload, version),
+        metrics |= self._recovering(lambda: self._transfer(adapters, version),
                                     f"syncing adapter version {version}", republish=False)
         if self._base_ms is not None:
             metrics["base_ms"] = self._base_ms
-        self._current, self._current_published = version, None
-        metrics |= self._maybe_probe_and_publish(payload)
+        self._current, self._current_published = version, [None] * len(self.families)
+        metrics |= self._maybe_probe_and_publish(adapters)
         metrics["total_ms"] = (time.perf_counter() - started) * 1e3
         self.counters["syncs"] += 1
         self.last_metrics = {f"sync/{k}": float(v) for k, v in {**metrics, **self.counters}.items()}
@@ -302,11 +335,11 @@ class WeightSyncer(BaseGiving):
             self.last_metrics |= self.report()
         return self.last_metrics
 
-    def _transfer(self, payload: AdapterPayload | None, version: int) -> dict[str, float]:
+    def _transfer(self, adapters: AdapterSet | None, version: int) -> dict[str, float]:
         """Collective: the whole adapter transfer, after the base when this engine incarnation lacks it.
         In the steady state this is one control message between the ranks (`_deliver`'s outcome)."""
         what = f"sending adapter version {version}"
-        outcome = self._rank0(lambda: self._deliver(payload), what, share_value=True)
+        outcome = self._rank0(lambda: self._deliver(adapters), what, share_value=True)
         if outcome == _Held.NONFINITE:
             active = self.versions.active
             raise NonFiniteAdapterError(
@@ -316,68 +349,94 @@ class WeightSyncer(BaseGiving):
             )
         if outcome in (_Held.NEEDS_BASE, _Held.REPLICAS_NEED_BASE):
             self._give_base(version, whole=outcome == _Held.NEEDS_BASE)
-            outcome = self._rank0(lambda: self._install(payload), what)
+            outcome = self._rank0(lambda: self._install(adapters), what)
         return outcome or {}
 
-    def _deliver(self, payload: AdapterPayload) -> dict[str, float] | _Held:
-        """Rank 0: install the adapter unless it is not finite or the engine lacks our base (then say
+    def _deliver(self, adapters: AdapterSet) -> dict[str, float] | _Held:
+        """Rank 0: install the adapters unless one is not finite or the engine lacks our base (then say
         which). The engine is asked for its incarnation first only when the last ack did not name it."""
-        if not payload.finite:
+        if not adapters.finite:
             return _Held.NONFINITE
         if (self._base_incarnation is None or not self._acks_name_incarnation) \
                 and self._incarnation() != self._base_incarnation:
             return _Held.NEEDS_BASE
         if isinstance(self.emitter, HasReplicas) and self.emitter.waiting_for_base():
             return _Held.REPLICAS_NEED_BASE
-        return self._install(payload)
+        return self._install(adapters)
 
-    def _install(self, payload: AdapterPayload) -> dict[str, float]:
-        """Rank 0: load the adapter into the engine (not yet published); check the ack, and that the
-        engine which installed it still holds our base."""
-        if len(self.versions.live) > self.versions.keep_versions:
-            # Retirements lag behind: give them a bounded chance, so live versions stay <= keep + 1.
-            self.retirer.wait_idle(self.cfg.retire_timeout_s)
-        what = f"sending adapter {payload.name}"
-        ack = self._retrying(self._watched(lambda: self.emitter.send_adapter(payload), what), what)
-        verify_ack(ack, payload.version, payload.num_tensors, payload.nbytes, f"adapter {payload.name}")
+    def _install(self, adapters: AdapterSet) -> dict[str, float]:
+        """Rank 0: load the adapters into the engine (not yet published); check each ack, and that the
+        engine which installed them still holds our base."""
+        for family, retirer in zip(self.families, self.retirers):
+            if len(family.live) > family.keep_versions:
+                # Retirements lag behind: give them a bounded chance, so live versions stay <= keep + 1.
+                retirer.wait_idle(self.cfg.retire_timeout_s)
+        names = ", ".join(part.name for part in adapters.parts)
+        what = f"sending adapter {names}"
+        acks = self._retrying(self._watched(lambda: send_adapter_set(self.emitter, adapters), what), what)
+        for ack, part in zip(acks, adapters.parts, strict=True):
+            verify_ack(ack, part.version, part.num_tensors, part.nbytes, f"adapter {part.name}")
+        ack = acks[0]
         self._acks_name_incarnation = ack.incarnation is not None
         if ack.incarnation is not None and ack.incarnation != self._base_incarnation:
             # Restarted (or lost its weights) since our base went in: recovery re-sends the base and the
             # adapter; this version was not published, so no rollout saw it on the wrong base.
             raise EngineWeightsLost(
-                f"adapter {payload.name} was installed by engine incarnation {ack.incarnation}, which does "
+                f"adapter {names} was installed by engine incarnation {ack.incarnation}, which does "
                 f"not hold our base (sent to {self._base_incarnation})")
-        return {**ack.phases_ms, "version": payload.version, "bytes": ack.nbytes, "tensors": ack.num_tensors}
+        return {**ack.phases_ms, "version": adapters.parts[0].version, "bytes": sum(a.nbytes for a in acks),
+                "tensors": sum(a.num_tensors for a in acks)}
 
-    def _maybe_probe_and_publish(self, payload: AdapterPayload | None) -> dict[str, float]:
-        """Collective: the parity probe when due; then rank 0 publishes unless the parity gate holds it."""
-        figures = {}
+    def _maybe_probe_and_publish(self, adapters: AdapterSet | None) -> dict[str, float]:
+        """Collective: the parity probe of each adapter when due; then rank 0 publishes each one the parity
+        gate does not hold back. Several adapters: each one's figures under `<family>/`, the worst as the job's."""
         every = self.cfg.parity_every
         due = self.probe is not None and every and self.counters["syncs"] % every == 0
+        figures: list[dict[str, float]] = [{} for _ in self.families]
         if due:
-            t0 = time.perf_counter()
-            figures = self._probe(payload.name if payload is not None else "")
-            if payload is not None:  # rank 0's figure: the other ranks only join the probe's collective
-                figures["probe_ms"] = (time.perf_counter() - t0) * 1e3  # inside total_ms: publishing waits for it
+            for k, family in enumerate(self.families):
+                t0 = time.perf_counter()
+                name = adapters.parts[k].name if adapters is not None else ""
+                figures[k] = self._probe(name, k if len(self.families) > 1 else None)
+                if adapters is not None:  # rank 0's figure: the other ranks only join the probe's collective
+                    figures[k]["probe_ms"] = (time.perf_counter() - t0) * 1e3  # inside total_ms: publishing waits
         if self.emitter is None:
-            return figures
-        if self.cfg.parity_gate and figures.get("parity_max_abs", 0.0) > self.probe.tolerance:
-            self.counters["parity_gated"] += 1
-            logger.warning("adapter %s not published: parity %.3g > [weight_sync] parity_tolerance %.3g; "
-                           "the engine keeps serving %s", payload.name, figures["parity_max_abs"],
-                           self.probe.tolerance, self.versions.active)
-            self.retirer.retire(Lease(payload.name, payload.version))
-            self._current_published = False
-            return {**figures, "published": 0}
-        self.versions.publish(payload.version)
-        self._current_published = True
-        self.retirer.schedule_expired()
-        return {**figures, "published": 1, "live_versions": len(self.versions.live),
-                "retired": self.retirer.retired, "retire_failed": self.retirer.failed}
+            return self._family_figures(figures)
+        published = 0
+        for k, (family, retirer, part) in enumerate(zip(self.families, self.retirers, adapters.parts)):
+            if self.cfg.parity_gate and figures[k].get("parity_max_abs", 0.0) > self.probe.tolerance:
+                self.counters["parity_gated"] += 1
+                logger.warning("adapter %s not published: parity %.3g > [weight_sync] parity_tolerance %.3g; "
+                               "the engine keeps serving %s", part.name, figures[k]["parity_max_abs"],
+                               self.probe.tolerance, family.active)
+                retirer.retire(Lease(part.name, part.version))
+                self._current_published[k] = False
+                continue
+            family.publish(part.version)
+            self._current_published[k] = True
+            retirer.schedule_expired()
+            published += 1
+        return {**self._family_figures(figures), "published": published,
+                "live_versions": sum(len(family.live) for family in self.families),
+                "retired": sum(r.retired for r in self.retirers), "retire_failed": sum(r.failed for r in self.retirers)}
 
-    def _probe(self, adapter: str) -> dict[str, float]:
-        """Collective: trainer vs engine log-probs; a failure is logged and counted, never raised."""
-        ours = self.probe.trainer_side()  # collective forward
+    def _family_figures(self, figures: list[dict[str, float]]) -> dict[str, float]:
+        """One adapter's probe figures as they are; several adapters' under `<family>/`, with the worst of each
+        figure as the job's."""
+        if len(figures) == 1:
+            return figures[0]
+        out: dict[str, float] = {}
+        for family, own in zip(self.families, figures):
+            out |= {f"{family.lora_name}/{key}": value for key, value in own.items()}
+            for key, value in own.items():  # probe time adds up; a parity figure is as bad as the worst
+                out[key] = out.get(key, 0.0) + value if key == "probe_ms" else max(out.get(key, value), value)
+        return out
+
+    def _probe(self, adapter: str, index: int | None = None) -> dict[str, float]:
+        """Collective: trainer vs engine log-probs under `adapter` (`index`: its place in a model with several);
+        a failure is logged and counted, never raised."""
+        # collective forward
+        ours = self.probe.trainer_side() if index is None else self.probe.trainer_side(index, len(self.families))
         try:
             return self.with_engine(lambda: self.probe.compare(ours, adapter), "the parity probe") or {}
         except Exception as err:  # noqa: BLE001 (C8: a diagnostic never ends the run; every rank is here)
@@ -389,8 +448,8 @@ class WeightSyncer(BaseGiving):
         """Stop the retirer, the embedded engine (it releases its mappings of our buffers), then the emitter."""
         if self.watchdog is not None:
             self.watchdog.close()
-        if self.retirer is not None:
-            self.retirer.close()
+        for retirer in self.retirers:
+            retirer.close()
         if self.engine is not None:
             self.engine.stop()
         if self.emitter is not None:

@@ -39,6 +39,10 @@ class MetricsLogger:
             self._writer.add_scalar(tag, value, step)
         self._writer.flush()
 
+    def prefixed(self, prefix: str) -> PrefixedMetrics:
+        """This logger with every tag under `prefix` (one adapter's objective logs as `<name>/...`)."""
+        return PrefixedMetrics(self, prefix)
+
     def progress(self, step: int, total: int, fields: Mapping[str, str]) -> None:
         """Print `step/total key=value ...` on one line."""
         if self.enabled:
@@ -49,3 +53,15 @@ class MetricsLogger:
         """Flush and close the event file."""
         if self._writer is not None:
             self._writer.close()
+
+
+class PrefixedMetrics:
+    """A `MetricsLogger` whose tags all start with `prefix`."""
+
+    def __init__(self, inner: MetricsLogger, prefix: str) -> None:
+        self.inner = inner
+        self.prefix = prefix
+
+    def log(self, step: int, scalars: Mapping[str, float]) -> None:
+        """Record `scalars` under the prefix."""
+        self.inner.log(step, {self.prefix + tag: value for tag, value in scalars.items()})

@@ -75,6 +75,27 @@ FRAMED_ROUTES = (BUCKET, BASE, UNLOAD)
 makes the offer and carries the nonce, always goes over HTTP."""
 
 
+ADAPTER_SET_SEP = "/"
+"""Several adapters in one transfer: each tensor is named `<k>/<its PEFT name>`, k the adapter's place in the
+commit's `adapters` list (PEFT names hold no '/'). The commit riding on the last bucket is then
+`{"adapters": [{"name", "version", "peft_config"}, ...]}`, and its ack `{"adapters": [{"name", "version",
+"tensors", "bytes"}, ...], "apply_ms", incarnation fields}`: one stream, one commit, K versions installed."""
+
+
+def adapter_set_name(k: int, tensor_name: str) -> str:
+    """The name of adapter `k`'s tensor `tensor_name` in a transfer of several adapters."""
+    return f"{k}{ADAPTER_SET_SEP}{tensor_name}"
+
+
+def adapter_set_part(name: str, count: int) -> tuple[int, str]:
+    """(k, PEFT name) of a tensor named by `adapter_set_name` in a transfer of `count` adapters."""
+    k, sep, tensor_name = name.partition(ADAPTER_SET_SEP)
+    if not sep or not k.isdigit() or int(k) >= count:
+        raise ValueError(f"tensor {name!r} of a transfer of {count} adapters is not named "
+                         f"'<adapter index below {count}>{ADAPTER_SET_SEP}<PEFT name>'")
+    return int(k), tensor_name
+
+
 def path(route: str) -> str:
     """The URL path of `route`."""
     return PREFIX + route

@@ -1,0 +1,105 @@
+"""GRPO on several `[[adapters]]` in one job, through the trainer (`TrainingRun`), with `[grpo] rollouts = false`
+(each step's samples are its task's answers and scrambled ones: no engine, the same samples on every run): two
+adapters with different ranks, targets, learning rates, tasks (digits) and seeds, trained together for 4 steps,
+end within 1e-6 (float32) of each trained alone in a one-adapter GRPO job, on 1 rank, on 2 FSDP ranks and with
+the log-prob forward cut into row chunks (each chunk routed to its rows' adapters, and again in the
+backward's recompute). The live path (rollouts of both adapters from one vLLM engine) is in
+tests/rl/test_multi_grpo_live.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from dist_helpers import run_ranks
+from model_helpers import full_copy, job_config_from
+from tiny_checkpoints import SMOLLM2_VOCAB, hf_toml, tiny_llama
+
+from titan_lora.lora.layer import adapter_params
+from titan_lora.lora.multi import adapter_of
+
+STEPS = 4
+GRPO = """
+[grpo]
+enabled = true
+rollouts = false
+prompts_per_step = 2
+group_size = 4
+max_new_tokens = 8
+eval_every = 0
+[checkpoint]
+enable = false
+"""
+OVERRIDES = (f"--training.steps={STEPS}", "--training.max_norm=1.0", "--lora.export_dir=")
+ADAPTERS = [  # name, rank, targets, lr, task digits, seed
+    ("two_digit", 4, '"all-linear"', 2e-3, 2, 1),
+    ("one_digit", 8, '["wq", "wv", "w2"]', 1e-3, 1, 7),
+]
+
+
+def table(name: str, rank: int, targets: str, lr: float, digits: int, seed: int) -> str:
+    """One `[[adapters]]` table with its own GRPO task and seed."""
+    return (f'[[adapters]]\nname = "{name}"\nrank = {rank}\nalpha = {2 * rank}\ntarget_modules = {targets}\n'
+            f'lr = {lr}\ntask_digits = {digits}\nseed = {seed}\n')
+
+
+def _train(rank: int, world: int, toml: str, dump: str, out: str, chunk_tokens: int | None) -> None:
+    from titan_lora.compose import check_plugins
+    from titan_lora.train import TrainingRun
+
+    cfg = job_config_from(toml, f"--job.dump_folder={dump}", *OVERRIDES)
+    run = TrainingRun(cfg, check_plugins(cfg))
+    if chunk_tokens is not None:  # so low a bound that the step's 16 rows run as several chunks
+        run.objective.logprob_chunk_tokens = chunk_tokens
+    try:
+        logged = []
+        real_step = run.train_step
+        run.train_step = lambda: logged.append(real_step()) or logged[-1]
+        run.train()
+        weights = {n: full_copy(p) for n, p in adapter_params(run.model)}
+        if rank == 0:
+            torch.save({"weights": weights, "metrics": logged}, out)
+    finally:
+        run.close()
+
+
+def _job(tmp: Path, toml: str, name: str, world: int, chunk_tokens: int | None = None) -> dict:
+    out = tmp / f"{name}.pt"
+    run_ranks(world, _train, toml, str(tmp / name), str(out), chunk_tokens)
+    return torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory, smollm2_dir) -> tuple[str, list[dict]]:
+    """The job text on a tiny checkpoint made here, and each adapter trained alone on 1 rank."""
+    tmp = tmp_path_factory.mktemp("multi_grpo")
+    job = hf_toml("llama3", tiny_llama(tmp / "tiny", vocab=SMOLLM2_VOCAB, tokenizer_from=smollm2_dir)) + GRPO
+    return job, [_job(tmp, job + table(*spec), f"alone{k}", 1) for k, spec in enumerate(ADAPTERS)]
+
+
+LAYOUTS = {"1 rank": (1, None), "2 FSDP ranks": (2, None), "1 rank, log-probs in row chunks": (1, 150)}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_two_adapters_trained_together_with_grpo_end_as_each_trained_alone(alone, tmp_path: Path, layout: str) -> None:
+    job, each = alone
+    world, chunk_tokens = LAYOUTS[layout]
+    together = _job(tmp_path, job + "".join(table(*spec) for spec in ADAPTERS), "together", world, chunk_tokens)
+    by_adapter: dict[int, dict[str, torch.Tensor]] = {}
+    for name, value in together["weights"].items():
+        by_adapter.setdefault(adapter_of(name), {})[name.rsplit("_", 1)[0]] = value
+    for k, (name, *_rest) in enumerate(ADAPTERS):
+        ours, theirs = by_adapter[k], each[k]["weights"]
+        assert sorted(ours) == sorted(theirs), f"{name}: other targets than its one-adapter job"
+        diff = max(float((ours[n] - theirs[n]).abs().max()) for n in ours)
+        assert diff <= 1e-6, f"{layout}: adapter {name} differs from its one-adapter job by {diff:.2e}"
+        moved = max(float(theirs[n].abs().max()) for n in theirs if ".lora_B" in n)
+        assert moved > 1e-4, f"adapter {name} barely trained: the comparison proves nothing"
+        ours_loss = [m[f"{name}/loss"] for m in together["metrics"]]
+        theirs_loss = [m["loss"] for m in each[k]["metrics"]]
+        assert max(abs(a - b) for a, b in zip(ours_loss, theirs_loss)) <= 1e-5, (name, ours_loss, theirs_loss)
+        assert [m[f"{name}/rl/reward_mean"] for m in together["metrics"]] == \
+            [m["rl/reward_mean"] for m in each[k]["metrics"]], f"{name}: other samples than its own job's"
+    loss = [m["loss"] for m in together["metrics"]]
+    assert loss == pytest.approx([sum(m[f"{n}/loss"] for n, *_ in ADAPTERS) for m in together["metrics"]])

@@ -1,0 +1,113 @@
+"""GRPO on several adapters in one job: each adapter a `GRPOObjective` of its own (task, reward, seed, prompts,
+held-out eval, family of versions), their rollouts drawn together and their rows trained in one batch.
+
+Rank 0 draws every adapter's groups at once, one thread per adapter, so the engine batches requests of several
+adapters together (vLLM serves many adapters in one batch). The step's rows go through the model in one
+forward, grouped by adapter (`multi_rows`), and the loss is the sum of each adapter's own GRPO loss, normalised
+by its own tokens: every adapter gets the gradient its one-adapter job would get from the same samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from titan_lora.lora.multi_rows import AdapterRows
+from titan_lora.rl.logprobs import LOGPROB_CHUNK_TOKENS, chunk_count, chunked_token_logprobs
+from titan_lora.rl.objective import GRPOObjective, StepBatch
+from titan_lora.rl.rollout import Sample, share
+from titan_lora.sync.engine_access import EngineRollouts
+
+JOB_TOTALS = ("rl/samples", "rl/reward_errors")
+"""Per-adapter figures the job's totals add up; the job's `rl/reward_mean` is the mean over adapters."""
+
+
+def padded_rows(batches: Sequence[StepBatch], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every batch's (inputs, labels, mask) rows in order, right-padded to the widest (mask 0 there)."""
+    width = max(b.mask.shape[1] for b in batches)
+
+    def pad(t: torch.Tensor, value: float) -> torch.Tensor:
+        return F.pad(t, (0, width - t.shape[1]), value=value)
+
+    return (torch.cat([pad(b.inputs, pad_id) for b in batches]), torch.cat([pad(b.labels, pad_id) for b in batches]),
+            torch.cat([pad(b.mask, 0.0) for b in batches]))
+
+
+class MultiGRPOObjective:
+    """One GRPO step per optimizer step for every adapter (`objectives`, in adapter order, named `names`)."""
+
+    logprob_chunk_tokens = LOGPROB_CHUNK_TOKENS
+
+    def __init__(self, objectives: Sequence[GRPOObjective], names: Sequence[str], engine: EngineRollouts) -> None:
+        self.objectives = list(objectives)
+        self.names = list(names)
+        self.engine = engine
+        self._pool = ThreadPoolExecutor(len(self.objectives), thread_name_prefix="titan-adapter-rollouts")
+
+    def before_training(self, step: int) -> None:
+        """Each adapter's held-out eval before any update, then its sample source starts."""
+        for objective in self.objectives:
+            objective.before_training(step)
+
+    def _draw_all(self, step: int) -> list[list[Sample]]:
+        """Rank 0: every adapter's groups of step `step`, drawn at once (one thread each)."""
+        return list(self._pool.map(lambda o: o.source.take(step), self.objectives))
+
+    def _samples(self, step: int) -> list[list[Sample]]:
+        """Collective: each adapter's samples of the step on every rank (rank 0 draws, with engine recovery)."""
+        if not self.objectives[0].cfg.rollouts:
+            return [objective._samples(step) for objective in self.objectives]
+        return share(self.engine.call(lambda: self._draw_all(step), f"rollouts of step {step}"))
+
+    def loss(self, model: nn.Module, step: int) -> tuple[torch.Tensor, dict[str, float]]:
+        """The sum of every adapter's GRPO loss on its own rows, from one forward over all of them."""
+        batches = [o.step_batch(samples, step) for o, samples in zip(self.objectives, self._samples(step))]
+        inputs, labels, mask = padded_rows(batches, self.objectives[0].pad_id)
+        rows = AdapterRows(tuple(len(b.mine) for b in batches))
+        chunks = chunk_count(mask, self.logprob_chunk_tokens, self.objectives[0].dp.group)
+        logp = chunked_token_logprobs(model, inputs, labels, mask, chunks, rows)
+        total, metrics = logp.new_zeros(()), {}
+        for k, (name, objective, batch) in enumerate(zip(self.names, self.objectives, batches)):
+            first, last = rows.bounds(k)
+            loss, own = objective.step_loss(step, batch, logp[first:last, : batch.mask.shape[1]])
+            total = total + loss
+            metrics |= {f"{name}/{key}": value for key, value in own.items()}
+        metrics["loss"] = sum(metrics[f"{name}/loss"] for name in self.names)
+        metrics["rl/reward_mean"] = sum(metrics[f"{name}/rl/reward_mean"] for name in self.names) / len(self.names)
+        for key in JOB_TOTALS:
+            metrics[key] = sum(metrics[f"{name}/{key}"] for name in self.names)
+        metrics["phase/rollout_wait_s"] = metrics[f"{self.names[0]}/phase/rollout_wait_s"]  # one wait for all
+        return total, metrics
+
+    def after_step(self, step: int) -> dict[str, float]:
+        """Each adapter's after-step figures (held-out eval when due), under its name."""
+        out = {}
+        for name, objective in zip(self.names, self.objectives):
+            out |= {f"{name}/{key}": value for key, value in objective.after_step(step).items()}
+        return out
+
+    def progress_fields(self, metrics: dict[str, float]) -> dict[str, str]:
+        """Each adapter's reward (and held-out accuracy when measured), then the step and sync times."""
+        fields = {}
+        for name in self.names:
+            fields[f"{name}.reward"] = f"{metrics[f'{name}/rl/reward_mean']:.3f}"
+            if f"{name}/eval/accuracy" in metrics:
+                fields[f"{name}.acc"] = f"{metrics[f'{name}/eval/accuracy']:.3f}"
+        fields["step_s"] = f"{metrics['step_time_s']:.1f}"
+        if "sync/total_ms" in metrics:
+            fields["sync_ms"] = f"{metrics['sync/total_ms']:.0f}"
+        return fields
+
+    def data_state(self) -> dict | None:
+        """None: the sync loop's step is every adapter's data position."""
+        return None
+
+    def close(self) -> None:
+        """Stop every adapter's sample source and the drawing threads."""
+        for objective in self.objectives:
+            objective.close()
+        self._pool.shutdown(wait=True)
