@@ -143,3 +143,18 @@ def test_without_a_directory_a_temporary_one_is_used_and_removed_on_close() -> N
     assert (tmp / "policy-v4" / "adapter_config.json").exists()
     emitter.close()
     assert not tmp.exists()
+
+
+def test_several_adapters_go_one_directory_and_one_engine_load_each(tmp_path: Path) -> None:
+    from titan_lora.clients.base import AdapterSet, send_adapter_set
+
+    client = AckingClient()
+    emitter = DiskEmitter(client, bucket_mb=1, directory=str(tmp_path))
+    try:
+        parts = (_adapter("a-v4"), _adapter("b-v4"))
+        acks = send_adapter_set(emitter, AdapterSet(parts, parts[0]))  # not the bucket stream it inherits
+        assert [(route, body["name"]) for route, body, _ in client.requests] == [
+            ("/titan/adapter_from_path", "a-v4"), ("/titan/adapter_from_path", "b-v4")]
+        assert len(acks) == 2 and all((tmp_path / n / "adapter_config.json").exists() for n in ("a-v4", "b-v4"))
+    finally:
+        emitter.close()

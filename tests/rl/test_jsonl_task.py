@@ -242,7 +242,7 @@ def _fake_sync(monkeypatch: pytest.MonkeyPatch) -> list[list[list[int]]]:
 
     class Syncer:
         def __init__(self, *args, versions, engine, probe, report, watchdog, base_digests) -> None:
-            self.versions, self.with_engine = versions, None
+            self.versions, self.with_engine, self.families = versions, None, [versions]
 
         def check_engine(self) -> None:
             pass

@@ -2,14 +2,16 @@
 process, whose digests of the bytes it holds are the oracle: every sync is one gather and one bucket for all
 three adapters; each adapter's bytes in the engine equal its own params (PEFT names, RoPE rows permuted) as a
 one-adapter export has them; each family is published and retired on its own window; and when one family's
-version is unloaded, the others' bytes in the slab they share are not overwritten by the next sync."""
+version is unloaded, the others' bytes in the slab they share are not overwritten by the next sync. An engine
+SIGKILLed while the bucket of three adapters is on its way is brought back (base, then the whole set again):
+each family ends with exactly that version published once, with the right bytes."""
 
 from __future__ import annotations
 
 import torch
 from dist_helpers import run_ranks
 from model_helpers import DEBUG_LORA, build_from, full_adapter, job_config_from
-from syncer_helpers import CPU, engine_adapters, engine_digest, shim_on_path, start_receiver, sync_cfg
+from syncer_helpers import CPU, engine_adapters, engine_digest, kill, shim_on_path, start_receiver, sync_cfg
 from test_syncer import digests
 
 from titan_lora.clients.http import JsonClient
@@ -48,7 +50,9 @@ def expected(built) -> list[dict[str, str]]:
                                   built.peft_layout)) for k in range(len(NAMES))]
 
 
-def _sync_three(rank: int, world: int, tmp: str) -> None:
+def three_adapter_syncer(rank: int, tmp: str):
+    """(engine, built model, syncer): the debug model with the three adapters seeded, a syncer of one family each
+    into the receiver process (rank 0's engine; None elsewhere)."""
     shim_on_path()
     engine = start_receiver(tmp, max_loras=len(NAMES) * (KEEP + 1)) if rank == 0 else None
     built, job = build_from(TOML), job_config_from(TOML)
@@ -61,6 +65,12 @@ def _sync_three(rank: int, world: int, tmp: str) -> None:
     assert (source.names, source.ranks, source.rank) == (NAMES, [4, 8, 2], 8)
     syncer = WeightSyncer(source, base_weights_source(built.model, built.sd_adapter, tied_embeddings=True), emitter,
                           cfg, CPU, versions=[AdapterVersions(n, KEEP) for n in NAMES], engine=engine)
+    return engine, built, syncer
+
+
+def _sync_three(rank: int, world: int, tmp: str) -> None:
+    engine, built, syncer = three_adapter_syncer(rank, tmp)
+    emitter = syncer.emitter
     try:
         syncer.check_engine()
         held = {}
@@ -94,3 +104,34 @@ def _sync_three(rank: int, world: int, tmp: str) -> None:
 
 def test_three_adapters_sync_in_one_bucket_each_its_own_family_with_exact_bytes(tmp_path) -> None:
     run_ranks(2, _sync_three, str(tmp_path))
+
+
+def _kill_mid_set_stream(rank: int, world: int, tmp: str) -> None:
+    engine, built, syncer = three_adapter_syncer(rank, tmp)
+    try:
+        syncer.sync(1)
+        if rank == 0:  # SIGKILL the engine as the bucket of the three adapters (with their commit) goes out
+            real = syncer.emitter.client.post
+
+            def post(path, body=None, timeout_s=None):
+                if path == "/titan/bucket" and "adapters" in body.get("commit", {}) and engine.starts == 1:
+                    kill(engine)
+                return real(path, body, timeout_s)
+
+            syncer.emitter.client.post = post
+        randomize(built.model, seed=2)
+        metrics = syncer.sync(2)
+        want = expected(built)
+        if rank == 0:
+            assert engine.starts == 2 and syncer.counters["engine_recoveries"] == 1
+            assert metrics["sync/published"] == 3 and syncer.counters["base_sends"] == 2
+            assert sorted(engine_adapters(syncer)) == sorted(f"{n}-v2" for n in NAMES), "each version once"
+            assert [f.live for f in syncer.families] == [[2]] * 3, "the restart took version 1 of every family"
+            for name, own in zip(NAMES, want):
+                assert engine_digest(syncer, f"{name}-v2") == own, f"{name}-v2's bytes after the recovery"
+    finally:
+        syncer.close()
+
+
+def test_an_engine_killed_mid_set_stream_gets_the_base_and_every_adapter_again(tmp_path) -> None:
+    run_ranks(2, _kill_mid_set_stream, str(tmp_path))

@@ -38,7 +38,7 @@ def test_an_install_waits_for_lagging_retirements_only_past_keep_versions(rig) -
     assert waits == []
     real_wait(5.0)
     metrics = r.syncer.sync(4)  # live [1, 2, 3] when installing: one past the window
-    assert waits == [4.0]
+    assert len(waits) == 1 and 3.9 < waits[0] <= 4.0, waits  # what is left of retire_timeout_s
     assert metrics["sync/retire_failed"] >= 1.0 and metrics["sync/retired"] == 0.0
 
 

@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from titan_lora.clients.base import AdapterPayload, Endpoint, bucket_route, log_route
+from titan_lora.clients.base import AdapterPayload, AdapterSet, Endpoint, bucket_route, log_route
 from titan_lora.clients.http import JsonClient
 from titan_lora.clients.vllm import VLLMBucketEmitter
 from titan_lora.clients.vllm_openai import VLLM
@@ -46,6 +46,11 @@ class DiskEmitter(VLLMBucketEmitter):
         t2 = time.perf_counter()
         return Ack(ack["version"], ack["tensors"], ack["bytes"],
                    {"pack_ms": (t1 - t0) * 1e3, "transfer_ms": 0.0, "apply_ms": (t2 - t1) * 1e3})
+
+    def send_adapters(self, adapters: AdapterSet) -> list[Ack]:
+        """Several adapters: one directory and one engine load each, one after the other (as K one-adapter jobs
+        would), not the bucket stream this emitter's base inherits."""
+        return [self.send_adapter(part) for part in adapters.parts]
 
     def retire_adapter(self, name: str, timeout_s: float) -> bool:
         """Unload in the engine, then delete the directory."""

@@ -388,7 +388,7 @@ class VLLMBucketEmitter:
     def remember_base_digests(self, ours: dict[str, Any], version: int) -> None:
         """Nothing to keep: this engine's revival goes through the syncer, which holds the digests."""
 
-    def _stream_adapters(self, payload: AdapterPayload, commit: dict) -> tuple[dict, dict[str, float]]:
+    def _stream_payload(self, payload: AdapterPayload, commit: dict) -> tuple[dict, dict[str, float]]:
         """Stream `payload`'s tensors, `commit` riding on the last bucket; the commit's ack and the phases."""
         _, streamed = self._transfer("adapter", lambda tr: self._post_planned(
             tr, payload.tensors, payload.home, commit, payload.home_checksum))
@@ -403,7 +403,7 @@ class VLLMBucketEmitter:
     def send_adapter(self, payload: AdapterPayload) -> Ack:
         """Stream the adapter; the last bucket asks the engine to register it under `payload.name`."""
         commit = {"name": payload.name, "version": payload.version, "peft_config": dict(payload.peft_config)}
-        ack, phases = self._stream_adapters(payload, commit)
+        ack, phases = self._stream_payload(payload, commit)
         # An engine that names its incarnation in the ack spares the syncer a round trip before each sync.
         incarnation = protocol.incarnation_of(ack) if "incarnation" in ack else None
         return Ack(ack["version"], ack["tensors"], ack["bytes"], phases, incarnation)
@@ -413,7 +413,7 @@ class VLLMBucketEmitter:
         the last bucket's commit registers each under its own name. The phases go with the first ack."""
         commit = {"adapters": [{"name": p.name, "version": p.version, "peft_config": dict(p.peft_config)}
                                for p in adapters.parts]}
-        ack, phases = self._stream_adapters(adapters.together, commit)
+        ack, phases = self._stream_payload(adapters.together, commit)
         parts = ack.get("adapters")
         if not isinstance(parts, list) or len(parts) != len(adapters.parts):
             raise TransferError(f"the engine acknowledged {len(parts or [])} of the {len(adapters.parts)} adapters "
@@ -446,14 +446,14 @@ def build_vllm_emitter(ws: WeightSync, engine: Engine, endpoint: Endpoint) -> VL
                              endpoint.transport)
 
 
+RECEIVER_SLOTS = 8
+"""The receiver's adapter slots unless a job needs more (it holds only bytes: slots cost nothing)."""
+
+
 def receiver_launch(req: LaunchRequest) -> LaunchPlan:
     """The receiver: vLLM's transfer protocol and copy-out with no inference, on the trainer's device, with a
     slot for every live version of every adapter."""
     return receiver_plan(req.device, max(req.adapter_slots, RECEIVER_SLOTS))
-
-
-RECEIVER_SLOTS = 8
-"""The receiver's adapter slots unless a job needs more (it holds only bytes: slots cost nothing)."""
 
 
 def receiver_plan(device: torch.device, max_loras: int = RECEIVER_SLOTS) -> LaunchPlan:

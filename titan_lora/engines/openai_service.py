@@ -99,8 +99,8 @@ class TitanService:
         self._layouts.resolve(layout, header)
         args = (req["transfer_id"], req["segment"], layout, header)
         if "commit" in req and "adapters" in req["commit"]:
-            ack = await self._commit_set(req["commit"]["adapters"], lambda ids: self.rpc(
-                "titan_receive_and_commit_set", *args, req.get("checksum"), ids))
+            ack = await self._commit_set(req["commit"]["adapters"], lambda installs: self.rpc(
+                "titan_receive_and_commit_set", *args, req.get("checksum"), installs))
         elif "commit" in req:
             ack = await self._commit(req["commit"], lambda lora_id, name, peft_config: self.rpc(
                 "titan_receive_and_commit", *args, req.get("checksum"), lora_id, name, peft_config))

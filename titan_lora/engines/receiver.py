@@ -143,6 +143,8 @@ class ReceiverService:
         if "adapters" in req:
             parts = req["adapters"]
             names = [check_name(part["name"]) for part in parts]
+            if len(set(names)) != len(names):
+                raise ValueError(f"adapters committed together must have distinct names, got {names}")
             kept = self.transfers.take_set(req["transfer_id"], len(parts))
             acks = [{**self._keep(name, staged), "name": name, "version": part["version"]}
                     for name, staged, part in zip(names, kept, parts)]

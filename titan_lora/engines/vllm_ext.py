@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import logging
 import time
 
 import torch
@@ -48,6 +49,7 @@ else:
 # the names it patches).
 PROMPT_LOGPROBS_FIX = compat.is_cpu() and compat.score_prompt_rows_under_their_adapter()
 
+logger = logging.getLogger(__name__)
 ADAPTER_SCHEME = compat.MEMORY_SCHEME
 SLABS_KEPT_PER_LAYOUT = 2
 HOST = torch.device("cpu")
@@ -148,24 +150,30 @@ class TitanLoRAWorkerExtension:
     def titan_commit_adapters(self, transfer_id: str, adapters: list[list]) -> list[dict]:
         """Install a transfer of several adapters (`protocol.adapter_set_name`), each `[lora_int_id, lora_name,
         peft_config]` in the transfer's order; all or none: a failed install removes the ones before it."""
+        specs = [(int(lora_int_id), str(lora_name), dict(peft_config)) for lora_int_id, lora_name, peft_config
+                 in adapters]  # a malformed one fails here, before any slab is taken
         state = self._titan_state()
-        parts = state.transfers.take_set(transfer_id, len(adapters))
+        parts = state.transfers.take_set(transfer_id, len(specs))
         done: list[int] = []
         try:
-            for (lora_int_id, lora_name, peft_config), staged in zip(adapters, parts):
+            for (lora_int_id, lora_name, peft_config), staged in zip(specs, parts, strict=True):
                 self._titan_install(staged, lora_int_id, lora_name, peft_config)
                 done.append(lora_int_id)
         except Exception:
-            for lora_int_id in done:
-                self.titan_remove_adapter(lora_int_id)
+            for lora_int_id in done:  # each on its own: one failed removal must not keep the others
+                try:
+                    self.titan_remove_adapter(lora_int_id)
+                except Exception:  # the install's error is the one to raise
+                    logger.exception("removing adapter %d after a failed install of its set", lora_int_id)
             for staged in parts[len(done) + 1:]:  # never installed: their shares of the slabs go back
                 state.slabs.give_all(staged)
             raise
         return [staged.size() for staged in parts]
 
     def _titan_install(self, staged: Staged, lora_int_id: int, lora_name: str, peft_config: dict) -> None:
-        """Build `staged` into adapter `lora_int_id` and register it with vLLM's LoRA manager (on failure its
-        slabs go back: vLLM holds no view of them)."""
+        """Build `staged` into adapter `lora_int_id` and register it with vLLM's LoRA manager. A failed build
+        gives its slabs back (vLLM never saw them); a failed registration keeps them out of the pool, since the
+        manager may already hold views of them."""
         state = self._titan_state()
         try:
             model, planned = self._titan_build(lora_int_id, peft_config, staged.tensors)
@@ -181,7 +189,6 @@ class TitanLoRAWorkerExtension:
                 manager.add_adapter(LoRARequest(lora_name, lora_int_id, ADAPTER_SCHEME + lora_name))
         except Exception:
             state.adapters.pop(lora_int_id)
-            state.slabs.give_all(staged)
             raise
 
     def titan_receive_and_commit(self, transfer_id: str, segment: dict, layout: str, header: list[dict] | None,

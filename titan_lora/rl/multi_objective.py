@@ -10,7 +10,9 @@ by its own tokens: every adapter gets the gradient its one-adapter job would get
 from __future__ import annotations
 
 from collections.abc import Sequence
+import time
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 
 import torch
 import torch.nn as nn
@@ -54,8 +56,11 @@ class MultiGRPOObjective:
             objective.before_training(step)
 
     def _draw_all(self, step: int) -> list[list[Sample]]:
-        """Rank 0: every adapter's groups of step `step`, drawn at once (one thread each)."""
-        return list(self._pool.map(lambda o: o.source.take(step), self.objectives))
+        """Rank 0: every adapter's groups of step `step`, drawn at once (one thread each). Every draw ends before
+        a failure is raised: a retry after the engine's recovery must not run beside a draw still going."""
+        draws = [self._pool.submit(o.source.take, step) for o in self.objectives]
+        futures_wait(draws)
+        return [draw.result() for draw in draws]
 
     def _samples(self, step: int) -> list[list[Sample]]:
         """Collective: each adapter's samples of the step on every rank (rank 0 draws, with engine recovery)."""
@@ -65,7 +70,10 @@ class MultiGRPOObjective:
 
     def loss(self, model: nn.Module, step: int) -> tuple[torch.Tensor, dict[str, float]]:
         """The sum of every adapter's GRPO loss on its own rows, from one forward over all of them."""
-        batches = [o.step_batch(samples, step) for o, samples in zip(self.objectives, self._samples(step))]
+        started = time.monotonic()
+        drawn = self._samples(step)
+        wait_s = time.monotonic() - started
+        batches = [o.step_batch(samples, step) for o, samples in zip(self.objectives, drawn)]
         inputs, labels, mask = padded_rows(batches, self.objectives[0].pad_id)
         rows = AdapterRows(tuple(len(b.mine) for b in batches))
         chunks = chunk_count(mask, self.logprob_chunk_tokens, self.objectives[0].dp.group)
@@ -75,12 +83,13 @@ class MultiGRPOObjective:
             first, last = rows.bounds(k)
             loss, own = objective.step_loss(step, batch, logp[first:last, : batch.mask.shape[1]])
             total = total + loss
+            own.pop("phase/rollout_wait_s")  # one wait for all adapters, measured here
             metrics |= {f"{name}/{key}": value for key, value in own.items()}
         metrics["loss"] = sum(metrics[f"{name}/loss"] for name in self.names)
         metrics["rl/reward_mean"] = sum(metrics[f"{name}/rl/reward_mean"] for name in self.names) / len(self.names)
         for key in JOB_TOTALS:
             metrics[key] = sum(metrics[f"{name}/{key}"] for name in self.names)
-        metrics["phase/rollout_wait_s"] = metrics[f"{self.names[0]}/phase/rollout_wait_s"]  # one wait for all
+        metrics["phase/rollout_wait_s"] = wait_s
         return total, metrics
 
     def after_step(self, step: int) -> dict[str, float]:

@@ -48,6 +48,17 @@ def completion_batch(samples: list[Sample], pad_id: int) -> tuple[torch.Tensor, 
     return inputs, labels, mask
 
 
+_TOKENIZER_LOCKS: dict[int, threading.Lock] = {}
+_LOCKS_LOCK = threading.Lock()
+
+
+def tokenizer_lock(tokenizer: object) -> threading.Lock:
+    """One lock per tokenizer object: a fast tokenizer is not reentrant, and the objectives of several adapters
+    share one tokenizer and draw from their own threads at once."""
+    with _LOCKS_LOCK:
+        return _TOKENIZER_LOCKS.setdefault(id(tokenizer), threading.Lock())
+
+
 @dataclasses.dataclass(frozen=True)
 class StepBatch:
     """One step's samples and this rank's share of the trainable ones, as model inputs."""
@@ -90,7 +101,7 @@ class GRPOObjective:
         self.device = device
         self.metrics_logger = metrics_logger
         self.train_problems, self.heldout = train_and_heldout(task, cfg.train_size, cfg.eval_size, cfg.seed)
-        self._tokenizing = threading.Lock()  # producer threads encode at once; a fast tokenizer is not reentrant
+        self._tokenizing = tokenizer_lock(tokenizer)  # producer threads (and other adapters' objectives) encode at once
         self._bind_task(task)
         self.stop_ids = [tokenizer.eos_token_id]
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Callable
 
@@ -45,7 +46,7 @@ class ParityProbe:
         self.device = device
         self.score = score  # rank 0 only
         self.tolerance = tolerance
-        self.violations = 0
+        self.violations: collections.Counter[str] = collections.Counter()  # per family of versions
 
     def trainer_side(self, adapter: int | None = None, adapters: int = 1) -> list[list[float]]:
         """Collective (a forward under FSDP): the trainer's log-probs of the fixed batch; in a model with
@@ -54,8 +55,9 @@ class ParityProbe:
                                                                for k in range(adapters)))
         return trainer_logprobs(self.model, self.sequences, self.device, rows)
 
-    def compare(self, ours: list[list[float]], adapter: str) -> dict[str, float]:
-        """Rank 0: the engine's log-probs under `adapter` against ours; a violation is logged with figures."""
+    def compare(self, ours: list[list[float]], adapter: str, family: str = "") -> dict[str, float]:
+        """Rank 0: the engine's log-probs under `adapter` against ours; a violation is logged with figures and
+        counted for `family` (the adapter's, in a job with several)."""
         if self.score is None or not adapter:
             return {}
         theirs = self.score(self.sequences, adapter)
@@ -63,8 +65,8 @@ class ParityProbe:
                               for a, b in zip(x, y, strict=True)])
         worst, mean = float(diffs.max()), float(diffs.mean())
         if worst > self.tolerance:
-            self.violations += 1
+            self.violations[family] += 1
             logger.warning("parity probe on %s: max |trainer - engine| log-prob %.3g > [weight_sync] "
                            "parity_tolerance %.3g (mean %.3g over %d tokens)", adapter, worst, self.tolerance,
                            mean, diffs.numel())
-        return {"parity_max_abs": worst, "parity_mean_abs": mean, "parity_violations": self.violations}
+        return {"parity_max_abs": worst, "parity_mean_abs": mean, "parity_violations": self.violations[family]}

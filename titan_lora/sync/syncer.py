@@ -129,6 +129,9 @@ class WeightSyncer(BaseGiving):
         # One family of versions per adapter, in the source's adapter order (the root's: objectives read the
         # active version through them).
         self.families = [versions] if isinstance(versions, AdapterVersions) else list(versions)
+        if isinstance(source, AdapterSetSource) and source.names != [f.lora_name for f in self.families]:
+            raise ValueError(f"the syncer's families {[f.lora_name for f in self.families]} are not the source's "
+                             f"adapters {source.names}: one family of versions per adapter, in its order")
         self.retirers = [Retirer(family, emitter.retire_adapter, cfg.retire_timeout_s) for family in self.families
                          ] if emitter else []
         self._base_incarnation: str | None = None
@@ -265,7 +268,7 @@ class WeightSyncer(BaseGiving):
         self._ensure_base(self._current or 0)
         # A version the parity gate held back is not re-sent: rollouts must not get it after a restart.
         # One awaiting its probe (a fault during the probe) is re-sent but left for the probe to publish.
-        published = share(self._current_published if self.emitter is not None else None)
+        published = share(self._current_published if self.emitter is not None else [False] * len(self.families))
         if republish and any(p is not False for p in published):
             adapters = self._snapshot(self._current)  # collective; the params of that version
             if adapters is not None and False in published:  # only what was not held back, one by one
@@ -367,24 +370,27 @@ class WeightSyncer(BaseGiving):
     def _install(self, adapters: AdapterSet) -> dict[str, float]:
         """Rank 0: load the adapters into the engine (not yet published); check each ack, and that the
         engine which installed them still holds our base."""
+        deadline = time.monotonic() + self.cfg.retire_timeout_s  # one bound for every family's wait
         for family, retirer in zip(self.families, self.retirers):
             if len(family.live) > family.keep_versions:
                 # Retirements lag behind: give them a bounded chance, so live versions stay <= keep + 1.
-                retirer.wait_idle(self.cfg.retire_timeout_s)
+                retirer.wait_idle(max(0.0, deadline - time.monotonic()))
         names = ", ".join(part.name for part in adapters.parts)
         what = f"sending adapter {names}"
         acks = self._retrying(self._watched(lambda: send_adapter_set(self.emitter, adapters), what), what)
+        phases: dict[str, float] = {}
         for ack, part in zip(acks, adapters.parts, strict=True):
             verify_ack(ack, part.version, part.num_tensors, part.nbytes, f"adapter {part.name}")
-        ack = acks[0]
-        self._acks_name_incarnation = ack.incarnation is not None
-        if ack.incarnation is not None and ack.incarnation != self._base_incarnation:
-            # Restarted (or lost its weights) since our base went in: recovery re-sends the base and the
-            # adapter; this version was not published, so no rollout saw it on the wrong base.
-            raise EngineWeightsLost(
-                f"adapter {names} was installed by engine incarnation {ack.incarnation}, which does "
-                f"not hold our base (sent to {self._base_incarnation})")
-        return {**ack.phases_ms, "version": adapters.parts[0].version, "bytes": sum(a.nbytes for a in acks),
+            if ack.incarnation is not None and ack.incarnation != self._base_incarnation:
+                # Restarted (or lost its weights) since our base went in: recovery re-sends the base and the
+                # adapters; this version was not published, so no rollout saw it on the wrong base.
+                raise EngineWeightsLost(
+                    f"adapter {part.name} was installed by engine incarnation {ack.incarnation}, which does "
+                    f"not hold our base (sent to {self._base_incarnation})")
+            for key, value in ack.phases_ms.items():  # parts sent one after the other: each its own phases
+                phases[key] = phases.get(key, 0.0) + value
+        self._acks_name_incarnation = all(ack.incarnation is not None for ack in acks)
+        return {**phases, "version": adapters.parts[0].version, "bytes": sum(a.nbytes for a in acks),
                 "tensors": sum(a.num_tensors for a in acks)}
 
     def _maybe_probe_and_publish(self, adapters: AdapterSet | None) -> dict[str, float]:
@@ -428,8 +434,9 @@ class WeightSyncer(BaseGiving):
         out: dict[str, float] = {}
         for family, own in zip(self.families, figures):
             out |= {f"{family.lora_name}/{key}": value for key, value in own.items()}
-            for key, value in own.items():  # probe time adds up; a parity figure is as bad as the worst
-                out[key] = out.get(key, 0.0) + value if key == "probe_ms" else max(out.get(key, value), value)
+            for key, value in own.items():  # times and counts add up; a parity figure is as bad as the worst
+                added = key in ("probe_ms", "parity_violations")
+                out[key] = out.get(key, 0.0) + value if added else max(out.get(key, value), value)
         return out
 
     def _probe(self, adapter: str, index: int | None = None) -> dict[str, float]:
@@ -437,8 +444,13 @@ class WeightSyncer(BaseGiving):
         a failure is logged and counted, never raised."""
         # collective forward
         ours = self.probe.trainer_side() if index is None else self.probe.trainer_side(index, len(self.families))
+        def compare() -> dict[str, float]:
+            if index is None:
+                return self.probe.compare(ours, adapter)
+            return self.probe.compare(ours, adapter, self.families[index].lora_name)  # its own violations
+
         try:
-            return self.with_engine(lambda: self.probe.compare(ours, adapter), "the parity probe") or {}
+            return self.with_engine(compare, "the parity probe") or {}
         except Exception as err:  # noqa: BLE001 (C8: a diagnostic never ends the run; every rank is here)
             self.counters["probe_failures"] += 1
             logger.warning("the parity probe failed (%s); training goes on", err)
