@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 from dist_helpers import rank_device
 
-from titan_lora.lora.layer import LoRALayer, is_adapter_param, lora_class, lora_modules
+from titan_lora.lora.layer import LoRALayer, adapter_params, is_adapter_param, lora_class, lora_modules
 from titan_lora.titan.lora_linear import fill_param
 from titan_lora.trainer.build import BuiltModel, build_from_toml
 from titan_lora.trainer.job_config import job_config_from_toml
@@ -186,3 +186,15 @@ def init_adapters(model: nn.Module, seed: int = 0) -> None:
         full_a.uniform_(-bound, bound, generator=gen)
         fill_param(module.lora_A, full_a.to(module.lora_A.dtype))
         fill_param(module.lora_B, torch.zeros(module.lora_B.shape, dtype=module.lora_B.dtype))
+
+
+def train_and_save(run, rank: int, out: str) -> None:
+    """Collective: run `run.train()`, then rank 0 saves every adapter param in full and each step's metrics to
+    `out` ({"weights": {name: tensor}, "metrics": [per-step dict]})."""
+    logged = []
+    real_step = run.train_step
+    run.train_step = lambda: logged.append(real_step()) or logged[-1]
+    run.train()
+    weights = {n: full_copy(p) for n, p in adapter_params(run.model)}
+    if rank == 0:
+        torch.save({"weights": weights, "metrics": logged}, out)

@@ -13,10 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 from dist_helpers import run_ranks
-from model_helpers import full_copy, job_config_from
+from model_helpers import job_config_from, train_and_save
 from tiny_checkpoints import SMOLLM2_VOCAB, hf_toml, tiny_llama
 
-from titan_lora.lora.layer import adapter_params
 from titan_lora.lora.multi import adapter_of
 
 STEPS = 4
@@ -53,13 +52,7 @@ def _train(rank: int, world: int, toml: str, dump: str, out: str, chunk_tokens: 
     if chunk_tokens is not None:  # so low a bound that the step's 16 rows run as several chunks
         run.objective.logprob_chunk_tokens = chunk_tokens
     try:
-        logged = []
-        real_step = run.train_step
-        run.train_step = lambda: logged.append(real_step()) or logged[-1]
-        run.train()
-        weights = {n: full_copy(p) for n, p in adapter_params(run.model)}
-        if rank == 0:
-            torch.save({"weights": weights, "metrics": logged}, out)
+        train_and_save(run, rank, out)
     finally:
         run.close()
 

@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 from dist_helpers import run_ranks
-from model_helpers import SFT_SECTIONS, TP2, full_copy, job_config_from
+from model_helpers import SFT_SECTIONS, TP2, job_config_from, train_and_save
 from tiny_checkpoints import SMOLLM2_VOCAB, hf_toml, tiny_llama
 
-from titan_lora.lora.layer import adapter_params
 from titan_lora.lora.multi import adapter_of
 
 REPO = Path(__file__).resolve().parents[2]
@@ -74,13 +73,7 @@ def _train(rank: int, world: int, toml: str, dump: str, out: str, nan_adapter: i
                 return clip(groups, *args)
 
             train_module.clip_per_adapter = clip_with_a_nan
-        logged = []
-        real_step = run.train_step
-        run.train_step = lambda: logged.append(real_step()) or logged[-1]
-        run.train()
-        weights = {n: full_copy(p) for n, p in adapter_params(run.model)}
-        if rank == 0:
-            torch.save({"weights": weights, "metrics": logged}, out)
+        train_and_save(run, rank, out)
     finally:
         run.close()
 
