@@ -198,3 +198,14 @@ def train_and_save(run, rank: int, out: str) -> None:
     weights = {n: full_copy(p) for n, p in adapter_params(run.model)}
     if rank == 0:
         torch.save({"weights": weights, "metrics": logged}, out)
+
+
+def weights_by_adapter(weights: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
+    """A K-adapter model's adapter weights per adapter index, each under the name its one-adapter job gives it
+    (`...wq.lora_A_1` -> adapter 1's `...wq.lora_A`)."""
+    from titan_lora.lora.multi import adapter_of, one_adapter_name
+
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for name, value in weights.items():
+        out.setdefault(adapter_of(name), {})[one_adapter_name(name)] = value
+    return out

@@ -13,10 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 from dist_helpers import run_ranks
-from model_helpers import job_config_from, train_and_save
+from model_helpers import job_config_from, train_and_save, weights_by_adapter
 from tiny_checkpoints import SMOLLM2_VOCAB, hf_toml, tiny_llama
 
-from titan_lora.lora.multi import adapter_of
 
 STEPS = 4
 GRPO = """
@@ -79,9 +78,7 @@ def test_two_adapters_trained_together_with_grpo_end_as_each_trained_alone(alone
     job, each = alone
     world, chunk_tokens = LAYOUTS[layout]
     together = _job(tmp_path, job + "".join(table(*spec) for spec in ADAPTERS), "together", world, chunk_tokens)
-    by_adapter: dict[int, dict[str, torch.Tensor]] = {}
-    for name, value in together["weights"].items():
-        by_adapter.setdefault(adapter_of(name), {})[name.rsplit("_", 1)[0]] = value
+    by_adapter = weights_by_adapter(together["weights"])
     for k, (name, *_rest) in enumerate(ADAPTERS):
         ours, theirs = by_adapter[k], each[k]["weights"]
         assert sorted(ours) == sorted(theirs), f"{name}: other targets than its one-adapter job"

@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 from dist_helpers import run_ranks
-from model_helpers import SFT_SECTIONS, TP2, job_config_from, train_and_save
+from model_helpers import SFT_SECTIONS, TP2, job_config_from, train_and_save, weights_by_adapter
 from tiny_checkpoints import SMOLLM2_VOCAB, hf_toml, tiny_llama
 
-from titan_lora.lora.multi import adapter_of
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 10
@@ -85,11 +84,6 @@ def _job(tmp: Path, job: str, name: str, tables: str, nan_adapter: int | None, w
     return torch.load(out)
 
 
-def _alone_name(name: str) -> str:
-    """A K-adapter parameter name as its one-adapter job names it (`...wq.lora_A_1` -> `...wq.lora_A`)."""
-    return name.rsplit("_", 1)[0]
-
-
 @dataclasses.dataclass
 class Setup:
     job: str
@@ -118,9 +112,7 @@ def test_three_adapters_trained_together_end_as_each_trained_alone(setup: Setup,
     together = _job(tmp_path, setup.job, "together", "".join(setup.tables), 2, world, overrides)
     alone = setup.alone
 
-    by_adapter: dict[int, dict[str, torch.Tensor]] = {}
-    for name, value in together["weights"].items():
-        by_adapter.setdefault(adapter_of(name), {})[_alone_name(name)] = value
+    by_adapter = weights_by_adapter(together["weights"])
     for k in (0, 1):
         ours, theirs = by_adapter[k], alone[k]["weights"]
         assert sorted(ours) == sorted(theirs), f"adapter {k}: other targets than its one-adapter job"

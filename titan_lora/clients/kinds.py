@@ -17,6 +17,7 @@ from titan_lora.clients.base import Emitter, Endpoint
 from titan_lora.clients.rollout import RolloutClient
 from titan_lora.config import Engine, WeightSync
 from titan_lora.registry import Registry
+from titan_lora.transfer.protocol import adapter_slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,8 +38,8 @@ class LaunchRequest:
 
     @property
     def adapter_slots(self) -> int:
-        """Live adapter versions the engine must hold: each adapter's window, plus its version being loaded."""
-        return self.adapters * (self.keep_versions + 1)
+        """Live adapter versions the engine must hold (`protocol.adapter_slots`)."""
+        return adapter_slots(self.adapters, self.keep_versions)
 
 
 @dataclasses.dataclass(frozen=True)

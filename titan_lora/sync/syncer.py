@@ -39,7 +39,7 @@ from titan_lora.transfer.errors import (
     EngineWeightsLost,
     TransferError,
 )
-from titan_lora.transfer.protocol import EngineLimits
+from titan_lora.transfer.protocol import EngineLimits, adapter_slots
 
 if TYPE_CHECKING:
     from titan_lora.clients.launch import EmbeddedEngine
@@ -84,7 +84,7 @@ def check_engine_limits(limits: EngineLimits, rank: int, targets: list[str], kee
                 f"the engine cannot apply LoRA to {missing} (it supports {sorted(limits.target_modules)}); "
                 "narrow [lora] target_modules or restart the engine with those modules enabled"
             )
-    slots = adapters * (keep_versions + 1)  # each adapter's window, plus its version being loaded
+    slots = adapter_slots(adapters, keep_versions)
     if limits.max_loras < slots:
         each = f" for each of {adapters} adapters" if adapters > 1 else ""
         raise TransferError(

@@ -82,6 +82,11 @@ commit's `adapters` list (PEFT names hold no '/'). The commit riding on the last
 "tensors", "bytes"}, ...], "apply_ms", incarnation fields}`: one stream, one commit, K versions installed."""
 
 
+def adapter_slots(adapters: int, keep_versions: int) -> int:
+    """Live adapter versions an engine must hold: each adapter's retention window, plus its version being loaded."""
+    return adapters * (keep_versions + 1)
+
+
 def adapter_set_name(k: int, tensor_name: str) -> str:
     """The name of adapter `k`'s tensor `tensor_name` in a transfer of several adapters."""
     return f"{k}{ADAPTER_SET_SEP}{tensor_name}"
