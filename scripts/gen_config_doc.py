@@ -21,7 +21,7 @@ OUT = ROOT / "docs" / "config.md"
 RUN_SECTIONS = ("job", "model", "training", "optimizer", "lr_scheduler", "parallelism", "checkpoint",
                 "activation_checkpoint", "compile", "debug")
 """The run's sections (titan_lora/run_sections.py: torchtitan 0.2.2's names, the keys titan_lora honours)."""
-OUR_SECTIONS = ("lora", "adapters", "engine", "weight_sync", "grpo", "task", "data")
+OUR_SECTIONS = ("lora", "adapters", "engine", "weight_sync", "grpo", "task", "data", "service")
 
 HEADER = """# Config reference
 

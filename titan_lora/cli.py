@@ -1,8 +1,9 @@
-"""`titan-lora`, the command for people: `check` a config without starting anything, or `train`: check it
-once, then run `torchrun -m titan_lora.train` with the same arguments.
+"""`titan-lora`, the command for people: `check` a config without starting anything, `train`: check it
+once, then run `torchrun -m titan_lora.train` with the same arguments, or `serve` the Tinker API over it.
 
     titan-lora check train_configs/smollm2_grpo_arith.toml [--section.key value ...]
     titan-lora train train_configs/smollm2_grpo_arith.toml --nproc 2 [--section.key value ...]
+    titan-lora serve train_configs/smollm2_service.toml [--service.port 8000 ...]
 
 A config error is one line per mistake and exit code 2, before torchrun starts (no model, no engine, no
 process group); a failure after the start ends with the failing rank's own error line.
@@ -110,11 +111,11 @@ def root_cause(lines: Iterable[str]) -> tuple[int, str] | None:
     return (first[0], errors[first[0]]) if first else None
 
 
-def launch(config: str, overrides: list[str], nproc: int) -> int:
-    """Run `torchrun -m titan_lora.train` on the checked config, its output passed through; on a failure,
-    end with the root cause. Returns torchrun's exit code."""
+def launch(config: str, overrides: list[str], nproc: int, module: str = "titan_lora.train") -> int:
+    """Run `torchrun -m <module>` (training, or the service) on the checked config, its output passed through;
+    on a failure, end with the root cause. Returns torchrun's exit code."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "--tee", "3",
-           "-m", "titan_lora.train", "--job.config_file", config, *overrides]
+           "-m", module, "--job.config_file", config, *overrides]
     rc, seen, stopped_by = supervise(cmd)
     if stopped_by is not None:
         print(f"titan-lora: stopped by {signal.Signals(stopped_by).name}, passed on to torchrun, which stopped its "
@@ -122,7 +123,8 @@ def launch(config: str, overrides: list[str], nproc: int) -> int:
     elif rc != 0:
         found = root_cause(seen)
         where = f"rank {found[0]}: {found[1]}" if found else "no rank printed an error line; see above"
-        print(f"titan-lora: training failed (exit code {rc}); root cause, {where}", file=sys.stderr)
+        what = "training" if module == "titan_lora.train" else "the service"
+        print(f"titan-lora: {what} failed (exit code {rc}); root cause, {where}", file=sys.stderr)
     return rc
 
 
@@ -167,6 +169,22 @@ def train(config: str, overrides: list[str], nproc: int) -> int:
     return launch(config, overrides, nproc)
 
 
+def serve(config: str, overrides: list[str], nproc: int) -> int:
+    """`titan-lora serve`: check the config as training does, and the `[service]` keys, then launch the
+    Tinker-compatible service."""
+    from titan_lora.service.main import service_errors
+    from titan_lora.trainer.job_config import load_job
+
+    errors = config_errors(config, overrides, nproc)
+    if not errors:
+        errors = service_errors(load_job(["--job.config_file", config, *overrides])[0], nproc)
+    for line in errors:
+        print(f"titan_lora: config error: {line}", file=sys.stderr)
+    if errors:
+        return CONFIG_ERROR_EXIT
+    return launch(config, overrides, nproc, module="titan_lora.service.main")
+
+
 def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     """`argv` split into the command's own arguments and the `--section.key [value]` overrides (a value
     follows unless it is joined by `=` or the key is a flag: true or false)."""
@@ -199,6 +217,10 @@ def _parser() -> argparse.ArgumentParser:
                              epilog="Any other --section.key value is an override passed to every rank.")
     train_p.add_argument("config", metavar="CONFIG")
     train_p.add_argument("--nproc", type=int, default=1, help="torchrun --nproc_per_node (default 1)")
+    serve_p = sub.add_parser("serve", help="serve the Tinker API (the tinker SDK's training calls) over a "
+                                           "config's model", epilog="Any other --section.key value is an override.")
+    serve_p.add_argument("config", metavar="CONFIG")
+    serve_p.add_argument("--nproc", type=int, default=1, help="ranks (1 in this release)")
     return parser
 
 
@@ -209,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(rest)
     if args.command == "check":
         rc = check(args.configs, overrides, args.nproc)
+    elif args.command == "serve":
+        rc = serve(args.config, overrides, args.nproc)
     else:
         rc = train(args.config, overrides, args.nproc)
     if argv is None:

@@ -198,6 +198,36 @@ class GRPO:
 
 
 @dataclass
+class Service:
+    """`[service]`: `titan-lora serve`, the Tinker-compatible API over this config's model (docs/service.md)."""
+
+    host: str = "127.0.0.1"
+    """The address the API listens on (127.0.0.1: this machine only)."""
+    port: int = 8000
+    """The API's TCP port; 0 picks a free one (printed at start)."""
+    base_model: str = ""
+    """The name clients pass as `base_model` (e.g. "meta-llama/Llama-3.2-1B"), served by [model]'s weights;
+    "": the name of [model]'s checkpoint directory."""
+    api_keys: list[str] = field(default_factory=list)
+    """The X-API-Key values let in (each starts with "tml-", as the tinker SDK requires); also from the
+    environment's TITAN_LORA_API_KEYS (comma-separated). Each key sees only its own models."""
+    max_adapters: int = 4
+    """LoRA training clients live at once (adapter slots built into the model; each client takes one)."""
+    max_rank: int = 32
+    """The largest LoRA rank a client may ask for (each slot is built at this rank; a smaller one is exact)."""
+    lora_alpha: float = 32.0
+    """A client's adapter output is scaled by lora_alpha / its rank."""
+    state_dir: str = "service_states"
+    """Where save_state writes (one file per state); relative: under [job] dump_folder. Kept across restarts."""
+    max_request_tokens: int = 65536
+    """Tokens one forward/forward_backward request may carry (all its datums)."""
+    max_queued: int = 256
+    """Requests one client may have waiting; more are refused until some finish."""
+    session_timeout_s: float = 120.0
+    """A session not heard from for this long (the SDK beats every 10 s) ends, and its adapter slots are freed."""
+
+
+@dataclass
 class JobConfig:
     """Every section a TOML may name: the run's (`run_sections`, torchtitan 0.2.2's names) and titan_lora's."""
 
@@ -216,6 +246,7 @@ class JobConfig:
     engine: Engine = field(default_factory=Engine)
     weight_sync: WeightSync = field(default_factory=WeightSync)
     grpo: GRPO = field(default_factory=GRPO)
+    service: Service = field(default_factory=Service)
     task: dict[str, str | int | float | bool | list] = field(default_factory=dict)
     """`[task]`: the options of the task `[grpo] task` names; that task checks them (rl/task.py)."""
     adapters: list[Adapter] = field(default_factory=list)

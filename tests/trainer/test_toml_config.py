@@ -67,7 +67,12 @@ no TOML), with the two defaults titan_lora changed on purpose
 CHANGED_AT_030 = {"parallelism.disable_loss_parallel": ["bool", True]}
 """Keys whose value changed at the switch to 0.3.0: loss parallelism is not offered (the head's logits are always
 gathered), so the key is always true."""
-ADDED_SINCE = {"engine.cpu_threads": ["int", 0], "engine.standby": ["str", "auto"], "adapters": []}
+ADDED_SINCE = {"engine.cpu_threads": ["int", 0], "engine.standby": ["str", "auto"], "adapters": [],
+               "service.host": ["str", "127.0.0.1"], "service.port": ["int", 8000], "service.base_model": ["str", ""],
+               "service.api_keys": [], "service.max_adapters": ["int", 4], "service.max_rank": ["int", 32],
+               "service.lora_alpha": ["float", 32.0], "service.state_dir": ["str", "service_states"],
+               "service.max_request_tokens": ["int", 65536], "service.max_queued": ["int", 256],
+               "service.session_timeout_s": ["float", 120.0]}
 """Keys titan_lora added after the record, at their defaults (no shipped config sets them); each new key is named
 here, so that a key that appears or vanishes unannounced still fails."""
 

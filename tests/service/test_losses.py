@@ -1,0 +1,41 @@
+"""Tinker's losses as titan_lora computes them: sums over tokens, with Tinker's documented formulas."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from titan_lora.service.losses import LossInputError, check_loss, datum_loss
+
+LOGP = torch.tensor([-1.0, -0.5, -2.0])
+OLD = torch.tensor([-1.0, -1.0, -1.0])
+ADV = torch.tensor([0.0, 2.0, -1.0])
+
+
+def test_cross_entropy_is_the_weighted_sum() -> None:
+    assert datum_loss("cross_entropy", LOGP, {"weights": torch.tensor([0.0, 1.0, 0.5])}, {}) == pytest.approx(1.5)
+
+
+def test_importance_sampling_weights_the_advantage_by_the_ratio() -> None:
+    ratios = torch.exp(LOGP - OLD)
+    expected = -(ratios * ADV).sum()
+    assert datum_loss("importance_sampling", LOGP, {"logprobs": OLD, "advantages": ADV}, {}) == pytest.approx(
+        float(expected))
+
+
+def test_ppo_clips_the_ratio_at_its_thresholds() -> None:
+    inputs = {"logprobs": OLD, "advantages": ADV}
+    # ratio e^0.5 = 1.65 with A = 2: clipped to 1.2 -> -2.4; ratio e^-1 = 0.37 with A = -1: min(-0.37, -0.8) = -0.8
+    assert datum_loss("ppo", LOGP, inputs, {}) == pytest.approx(-(0 + 1.2 * 2 + 0.8 * -1))
+    assert datum_loss("ppo", LOGP, inputs, {"clip_high_threshold": 1.5, "clip_low_threshold": 0.5}) == pytest.approx(
+        -(1.5 * 2 + 0.5 * -1))
+
+
+def test_inputs_are_checked_by_name_and_length() -> None:
+    with pytest.raises(LossInputError, match="needs loss_fn_inputs\\['advantages'\\]"):
+        check_loss("ppo", {"target_tokens": LOGP, "logprobs": OLD}, 3, 0)
+    with pytest.raises(LossInputError, match="datum 2: loss_fn_inputs\\['weights'\\] has shape \\[2\\]"):
+        check_loss("cross_entropy", {"target_tokens": LOGP, "weights": LOGP[:2]}, 3, 2)
+    with pytest.raises(LossInputError, match="'cispo' is not served; titan_lora serves cross_entropy, "
+                                             "importance_sampling, ppo"):
+        check_loss("cispo", {}, 3, 0)

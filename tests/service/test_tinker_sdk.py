@@ -1,0 +1,202 @@
+"""The unmodified tinker SDK (0.38.0) against a live `titan-lora serve` on SmolLM2-135M: it trains, each client
+gets its own results whoever else trains beside it, bad calls fail alone, keys are kept apart, and a saved
+state survives a restart of the service to give the identical next step."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tinker
+from wait_helpers import waited
+from tinker import types
+
+pytestmark = pytest.mark.slow
+
+CONFIG = "train_configs/smollm2_service.toml"
+NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+KEY, OTHER_KEY = "tml-local-dev", "tml-someone-else"
+ADAM = types.AdamParams(learning_rate=2e-3, beta1=0.9, beta2=0.95, eps=1e-8)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Service:
+    """A `titan-lora serve` process on a free port."""
+
+    def __init__(self, dump: Path) -> None:
+        env = {**os.environ, "TITAN_LORA_API_KEYS": OTHER_KEY}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "titan_lora.cli", "serve", CONFIG, "--service.port", "0",
+             "--job.dump_folder", str(dump)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            found = re.search(r"on (http://127\.0\.0\.1:\d+)", line)
+            if found:
+                self.url = found.group(1)
+                break
+        else:
+            raise AssertionError("the service did not start:\n" + "".join(self.lines[-30:]))
+        threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        assert self.proc.wait(60) is not None
+
+
+@pytest.fixture(scope="module")
+def dump(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("service")
+
+
+@pytest.fixture(scope="module")
+def service(dump: Path) -> Iterator[Service]:
+    served = Service(dump)
+    yield served
+    served.stop()
+
+
+def _batch(tokenizer, start: int, count: int = 4) -> list[types.Datum]:
+    """SFT datums from the shipped arithmetic data: loss on the completion tokens only."""
+    lines = (ROOT / "titan_lora/data/arith_sft.jsonl").read_text().splitlines()[start:start + count]
+    data = []
+    for row in map(json.loads, lines):
+        prompt = tokenizer.encode(row["prompt"] + " ", add_special_tokens=False)
+        tokens = prompt + tokenizer.encode(row["completion"], add_special_tokens=False) + [tokenizer.eos_token_id]
+        weights = [0.0] * (len(prompt) - 1) + [1.0] * (len(tokens) - len(prompt))
+        data.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                                loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights}))
+    return data
+
+
+def _step(client, data) -> float:
+    backward = client.forward_backward(data, "cross_entropy")
+    client.optim_step(ADAM).result()
+    return backward.result().metrics["loss:sum"]
+
+
+def _logprobs(result) -> list[np.ndarray]:
+    return [np.asarray(o["logprobs"].data) for o in result.loss_fn_outputs]
+
+
+def test_the_sdk_trains_and_forward_agrees_with_forward_backward(service: Service) -> None:
+    with tinker.ServiceClient(base_url=service.url, api_key=KEY) as sdk:
+        _train_and_compare(sdk.create_lora_training_client(base_model=NAME, rank=8, seed=1))
+
+
+def _train_and_compare(client) -> None:
+    assert client.get_info().lora_rank == 8
+    data = _batch(client.get_tokenizer(), 0)
+    losses = [_step(client, data) for _ in range(8)]
+    assert losses[-1] < 0.5 * losses[0], losses
+    seen = client.forward(data, "cross_entropy").result()
+    trained = client.forward_backward(data, "cross_entropy").result()
+    for ours, theirs in zip(_logprobs(seen), _logprobs(trained)):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-6)
+    weights = [np.asarray(d.loss_fn_inputs["weights"].data) for d in data]
+    assert seen.metrics["loss:sum"] == pytest.approx(-sum((w * lp).sum() for w, lp in zip(weights, _logprobs(seen))),
+                                                     rel=1e-5)
+
+
+def test_two_clients_at_once_each_get_what_they_get_alone(service: Service) -> None:
+    """Three clients live at once, then closed: their slots are freed (the later tests need them)."""
+    with tinker.ServiceClient(base_url=service.url, api_key=KEY) as sdk:
+        session = _two_at_once(service, sdk)
+    assert waited(lambda: sum(f"{session}:train:" in line and "released" in line for line in service.lines) == 3,
+                  10), [line for line in service.lines if session in line]
+
+
+def _two_at_once(service: Service, sdk) -> str:
+    alone = sdk.create_lora_training_client(base_model=NAME, rank=4, seed=7)
+    tokenizer = alone.get_tokenizer()
+    mine, theirs = _batch(tokenizer, 8), _batch(tokenizer, 20, 6)
+    expected = [_step(alone, mine) for _ in range(3)]
+    first, second = (sdk.create_lora_training_client(base_model=NAME, rank=4, seed=7),
+                     sdk.create_lora_training_client(base_model=NAME, rank=16, seed=8))
+    results: dict[str, list[float]] = {}
+    threads = [threading.Thread(target=lambda c=c, d=d, k=k: results.__setitem__(k, [_step(c, d) for _ in range(3)]))
+               for c, d, k in ((first, mine, "first"), (second, theirs, "second"))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    np.testing.assert_allclose(results["first"], expected, rtol=1e-6)
+    assert len(results["second"]) == 3
+    mixed = [line for line in service.lines if "mixed step" in line]
+    assert not mixed, mixed  # no step failed
+    return alone.get_info().model_id.split(":")[0]
+
+
+def test_a_bad_call_fails_alone_and_the_client_goes_on(service: Service) -> None:
+    with tinker.ServiceClient(base_url=service.url, api_key=KEY) as sdk:
+        _bad_calls(sdk.create_lora_training_client(base_model=NAME, rank=4, seed=2))
+
+
+def _bad_calls(client) -> None:
+    data = _batch(client.get_tokenizer(), 30, 2)
+    bad = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 10**6]),
+                      loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 1.0]})
+    with pytest.raises(tinker.RequestFailedError, match="token id 1000000 outside the vocabulary"):
+        client.forward_backward([bad], "cross_entropy").result()
+    short = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
+                        loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0]})
+    with pytest.raises(tinker.RequestFailedError, match=r"loss_fn_inputs\['weights'\] has shape \[1\]"):
+        client.forward_backward([short], "cross_entropy").result()
+    assert _step(client, data) > 0  # the next calls run
+
+
+def test_a_key_sees_only_its_own_models(service: Service) -> None:
+    with tinker.ServiceClient(base_url=service.url, api_key=KEY) as sdk:
+        _kept_apart(service, sdk.create_lora_training_client(base_model=NAME, rank=4))
+
+
+def _kept_apart(service: Service, mine) -> None:
+    model_id = mine.get_info().model_id
+    future = mine.forward_backward(_batch(mine.get_tokenizer(), 0, 1), "cross_entropy")
+    future.result()
+    with httpx.Client(base_url=f"{service.url}/api/v1", headers={"X-API-Key": OTHER_KEY}) as other:
+        answer = other.post("/get_info", json={"model_id": model_id, "type": "get_info"})
+        assert answer.status_code == 404 and "not one of this API key's models" in answer.json()["detail"]
+        answer = other.post("/optim_step", json={"model_id": model_id, "seq_id": 99, "type": "optim_step",
+                                                "adam_params": {"learning_rate": 1.0}})
+        assert answer.status_code == 404
+    with httpx.Client(base_url=f"{service.url}/api/v1", headers={"X-API-Key": "tml-not-a-key"}) as stranger:
+        answer = stranger.post("/create_session", json={"tags": [], "sdk_version": "0.38.0", "type": "create_session"})
+        assert answer.status_code == 401 and "unknown API key" in answer.json()["detail"]
+
+
+def test_a_saved_state_survives_a_restart_and_gives_the_identical_next_step(service: Service, dump: Path) -> None:
+    client = tinker.ServiceClient(base_url=service.url, api_key=KEY).create_lora_training_client(
+        base_model=NAME, rank=8, seed=3)
+    data, probe = _batch(client.get_tokenizer(), 40), _batch(client.get_tokenizer(), 60, 2)
+    for _ in range(3):
+        _step(client, data)
+    path = client.save_state("after-3").result().path
+    assert path.endswith("/weights/after-3")
+    expected_loss = _step(client, data)
+    expected = _logprobs(client.forward(probe, "cross_entropy").result())
+    service.stop()
+    again = Service(dump)
+    try:
+        resumed = tinker.ServiceClient(base_url=again.url, api_key=KEY).create_training_client_from_state_with_optimizer(
+            path)
+        assert resumed.get_info().lora_rank == 8
+        assert _step(resumed, data) == pytest.approx(expected_loss, rel=1e-6)
+        for ours, theirs in zip(_logprobs(resumed.forward(probe, "cross_entropy").result()), expected):
+            np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-6)
+        stranger = tinker.ServiceClient(base_url=again.url, api_key=OTHER_KEY)
+        with pytest.raises(tinker.RequestFailedError, match="no saved state"):
+            stranger.create_training_client_from_state(path).result()
+    finally:
+        again.stop()

@@ -1,0 +1,70 @@
+"""The losses a Tinker client names in `forward_backward`, as pure functions of one datum's log-probs.
+
+Tinker's losses are sums over tokens and datums, never means (the client normalises through `weights` or
+`advantages`). Position i of a datum's model input predicts its `target_tokens[i]`; every per-token input has
+the datum's length. The formulas are Tinker's documented ones (its "Loss Functions" page): cross_entropy
+-sum(w * logp); importance_sampling -sum(exp(logp - q) * A); ppo -sum(min(r * A, clip(r, lo, hi) * A)).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+
+LOSS_INPUTS: dict[str, tuple[str, ...]] = {
+    "cross_entropy": ("target_tokens", "weights"),
+    "importance_sampling": ("target_tokens", "logprobs", "advantages"),
+    "ppo": ("target_tokens", "logprobs", "advantages"),
+}
+"""The losses served and the `loss_fn_inputs` each needs (more keys are ignored)."""
+
+PPO_CLIP = (0.8, 1.2)
+"""PPO's default ratio bounds (epsilon 0.2), as Tinker documents them."""
+
+
+class LossInputError(ValueError):
+    """A request's loss or its inputs are wrong: the request fails, no adapter changes."""
+
+
+def check_loss(loss_fn: str, inputs: Mapping[str, torch.Tensor], length: int, index: int) -> None:
+    """Raise LossInputError unless datum `index` carries every input `loss_fn` needs, each `length` long."""
+    if loss_fn not in LOSS_INPUTS:
+        raise LossInputError(f"loss_fn {loss_fn!r} is not served; titan_lora serves {', '.join(LOSS_INPUTS)}")
+    for key in LOSS_INPUTS[loss_fn]:
+        if key not in inputs:
+            raise LossInputError(f"datum {index}: loss_fn {loss_fn!r} needs loss_fn_inputs[{key!r}]; it has "
+                                 f"{sorted(inputs)}")
+        if inputs[key].shape != (length,):
+            raise LossInputError(f"datum {index}: loss_fn_inputs[{key!r}] has shape {list(inputs[key].shape)}; "
+                                 f"it must have one value per model-input token, [{length}]")
+
+
+def _cross_entropy(logp: torch.Tensor, inputs: Mapping[str, torch.Tensor], config: Mapping[str, float]) -> torch.Tensor:
+    return -(inputs["weights"] * logp).sum()
+
+
+def _importance_sampling(logp: torch.Tensor, inputs: Mapping[str, torch.Tensor],
+                         config: Mapping[str, float]) -> torch.Tensor:
+    ratio = torch.exp(logp - inputs["logprobs"])
+    return -(ratio * inputs["advantages"]).sum()
+
+
+def _ppo(logp: torch.Tensor, inputs: Mapping[str, torch.Tensor], config: Mapping[str, float]) -> torch.Tensor:
+    lo = config.get("clip_low_threshold", PPO_CLIP[0])
+    hi = config.get("clip_high_threshold", PPO_CLIP[1])
+    ratio = torch.exp(logp - inputs["logprobs"])
+    advantages = inputs["advantages"]
+    return -torch.minimum(ratio * advantages, ratio.clamp(lo, hi) * advantages).sum()
+
+
+_LOSSES: dict[str, Callable[[torch.Tensor, Mapping[str, torch.Tensor], Mapping[str, float]], torch.Tensor]] = {
+    "cross_entropy": _cross_entropy, "importance_sampling": _importance_sampling, "ppo": _ppo,
+}
+
+
+def datum_loss(loss_fn: str, logp: torch.Tensor, inputs: Mapping[str, torch.Tensor],
+               config: Mapping[str, float]) -> torch.Tensor:
+    """One datum's loss under `loss_fn` (checked by `check_loss`): `logp` [N] are its target tokens' log-probs
+    under the current weights."""
+    return _LOSSES[loss_fn](logp, inputs, config)

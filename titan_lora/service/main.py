@@ -1,0 +1,139 @@
+"""Entry point of `titan-lora serve`: `torchrun -m titan_lora.service.main --job.config_file CONFIG`.
+
+Builds the config's model once with `[service] max_adapters` adapter slots (the trainer a TOML job uses:
+`build_model`, the K-adapter LoRA linears, torchtitan's parallelism), serves the Tinker API from a thread
+(`routes`), and runs the calls on the main thread (`worker`) until stopped (SIGTERM or Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import uvicorn
+
+from titan_lora.config import JobConfig
+from titan_lora.config_adapters import Adapter
+from titan_lora.models.resolve import ResolvedModel
+from titan_lora.service.futures import FutureStore
+from titan_lora.service.ledger import Ledger
+from titan_lora.service.routes import Api, ServedModel
+from titan_lora.service.slots import AdapterSlots
+from titan_lora.service.step import Limits
+from titan_lora.service.worker import Worker
+from titan_lora.titan.parallel import build_parallel_dims
+from titan_lora.trainer.build import BuiltModel, build_model
+from titan_lora.trainer.distributed import device_for_rank, init_distributed, leave_distributed
+from titan_lora.trainer.job_config import load_job
+
+logger = logging.getLogger("titan_lora")
+
+ENV_KEYS = "TITAN_LORA_API_KEYS"
+"""Comma-separated API keys let in besides `[service] api_keys`."""
+
+
+def api_keys(job_config: JobConfig) -> set[str]:
+    """The keys let in: `[service] api_keys` and $TITAN_LORA_API_KEYS."""
+    extra = [k.strip() for k in os.environ.get(ENV_KEYS, "").split(",") if k.strip()]
+    return set(job_config.service.api_keys) | set(extra)
+
+
+def service_errors(job_config: JobConfig, nproc: int) -> list[str]:
+    """What `titan-lora serve` refuses in a config that training would accept, one line each."""
+    errors = []
+    keys = api_keys(job_config)
+    if not keys:
+        errors.append(f"[service] api_keys is empty: set at least one key (\"tml-...\"), or export {ENV_KEYS}")
+    errors += [f"[service] api_keys: {k[:8]}... must start with \"tml-\" (the tinker SDK refuses other keys)"
+               for k in sorted(keys) if not k.startswith("tml-")]
+    if "lora" not in job_config.model.converters:
+        errors.append('[model] converters must include "lora": the service trains LoRA adapters')
+    if job_config.adapters:
+        errors.append("[[adapters]] tables are for training jobs; the service makes [service] max_adapters "
+                      "slots itself: remove the tables")
+    if nproc != 1:
+        errors.append(f"titan-lora serve runs on one rank in this release (--nproc {nproc}): use --nproc 1")
+    return errors
+
+
+def slot_adapters(job_config: JobConfig) -> list[Adapter]:
+    """The adapter slots the service's model is built with: `max_adapters` of `max_rank` on [lora]'s targets."""
+    svc = job_config.service
+    return [Adapter(name=f"slot{k}", rank=svc.max_rank, alpha=svc.lora_alpha) for k in range(svc.max_adapters)]
+
+
+def build_slots(job_config: JobConfig, resolved: ResolvedModel, device: torch.device) -> tuple[BuiltModel, AdapterSlots]:
+    """The config's model built with the service's adapter slots (`slot_adapters`), and the slots over it."""
+    job_config = dataclasses.replace(job_config, adapters=slot_adapters(job_config))
+    built = build_model(job_config, build_parallel_dims(job_config.parallelism, 1, device), device, resolved)
+    return built, AdapterSlots(built.model, job_config.service.lora_alpha)
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Build the model, serve the API, run calls until stopped."""
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    logging.basicConfig(level=logging.INFO, format="[titan_lora %(asctime)s] %(message)s", datefmt="%H:%M:%S")
+    job_config, resolved = load_job(sys.argv[1:] if argv is None else argv)
+    errors = service_errors(job_config, int(os.environ.get("WORLD_SIZE", "1")))
+    if errors:
+        for line in errors:
+            print(f"titan_lora: config error: {line}", file=sys.stderr)
+        sys.exit(2)
+    svc = job_config.service
+    device = device_for_rank()
+    init_distributed(device)
+    try:
+        built, slots = build_slots(job_config, resolved, device)
+        state_dir = Path(job_config.job.dump_folder) / svc.state_dir
+        limits = Limits(resolved.shape.vocab_size, min(resolved.shape.max_seq_len, job_config.training.seq_len),
+                        svc.max_request_tokens)
+        serve(job_config, built.model, slots, limits, device, str(state_dir),
+              ServedModel(svc.base_model or Path(built.hf_dir).name, built.hf_dir, svc.max_rank, limits.max_seq_len,
+                          svc.max_queued))
+    finally:
+        leave_distributed(together=False)
+
+
+def serve(job_config: JobConfig, model: nn.Module, slots: AdapterSlots, limits: Limits, device: torch.device,
+          state_dir: str, served: ServedModel) -> None:
+    """Run the API in a thread and the worker here until SIGTERM/SIGINT."""
+    ledger, futures = Ledger(slots.count, job_config.service.session_timeout_s), FutureStore()
+    worker = Worker(model, slots, limits, device, state_dir, ledger, futures)
+    api = Api(served, api_keys(job_config), ledger, futures)
+    server = uvicorn.Server(uvicorn.Config(api.app(), host=job_config.service.host, port=job_config.service.port,
+                                           log_level="warning", timeout_keep_alive=75))
+    thread = threading.Thread(target=server.run, name="tinker-api", daemon=True)
+    thread.start()
+    while not server.started and thread.is_alive():
+        thread.join(0.05)
+    if not thread.is_alive():
+        raise RuntimeError(f"the API could not listen on {job_config.service.host}:{job_config.service.port}; "
+                           "pick another [service] port")
+    port = server.servers[0].sockets[0].getsockname()[1]
+    logger.info("serving the Tinker API for %s on http://%s:%d (%d adapter slots of rank <= %d); "
+                "point the SDK at it: TINKER_BASE_URL=http://%s:%d", served.name, job_config.service.host, port,
+                slots.count, slots.max_rank, job_config.service.host, port)
+    try:
+        while thread.is_alive():
+            ops = ledger.take(1.0)
+            if ops:
+                worker.run(ops)
+    finally:
+        ledger.close()
+        server.should_exit = True
+        thread.join(10)
+
+
+if __name__ == "__main__":
+    main()

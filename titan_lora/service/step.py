@@ -1,0 +1,120 @@
+"""One mixed step: the forward/forward_backward requests of several clients, each on its own adapter slot, in one
+forward over all their datums (rows grouped by slot) and one backward.
+
+Gradients accumulate in each slot's parameters until that client's `optim_step`, as Tinker's
+`forward_backward` calls accumulate. A request whose datums are wrong (tokens outside the vocabulary, a
+sequence over the model's length, loss inputs of the wrong shape, an unknown loss) is refused before the
+forward and changes nothing; the others of the step go on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from titan_lora.lora.multi_rows import group_rows, route
+from titan_lora.rl.logprobs import LOGPROB_CHUNK_TOKENS, chunk_count, chunked_token_logprobs
+from titan_lora.service.losses import LossInputError, check_loss, datum_loss
+from titan_lora.service.wire import ForwardBackward
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may carry."""
+
+    vocab_size: int
+    max_seq_len: int
+    max_request_tokens: int
+
+
+@dataclass
+class Work:
+    """One client's request in a mixed step, on its slot."""
+
+    slot: int
+    request: ForwardBackward
+
+
+@dataclass
+class Outcome:
+    """A request's result: each datum's target log-probs and `loss:sum`, or why it was refused."""
+
+    logprobs: list[np.ndarray] | None = None
+    metrics: dict[str, float] | None = None
+    error: str | None = None
+
+
+def request_error(request: ForwardBackward, limits: Limits) -> str | None:
+    """Why `request` cannot run (None: it can)."""
+    if not request.data:
+        return "the request has no datums"
+    total = sum(len(d.tokens) for d in request.data)
+    if total > limits.max_request_tokens:
+        return (f"the request carries {total} tokens; [service] max_request_tokens is "
+                f"{limits.max_request_tokens}: send fewer datums per call")
+    for i, datum in enumerate(request.data):
+        n = len(datum.tokens)
+        if n == 0 or n > limits.max_seq_len:
+            return f"datum {i} has {n} tokens; the model takes 1 to {limits.max_seq_len}"
+        for key, tokens in (("model_input", datum.tokens), ("target_tokens", datum.inputs.get("target_tokens"))):
+            if tokens is not None and tokens.size and (tokens.min() < 0 or tokens.max() >= limits.vocab_size):
+                return (f"datum {i}: {key} holds token id {int(tokens.max() if tokens.max() >= 0 else tokens.min())}"
+                        f" outside the vocabulary [0, {limits.vocab_size})")
+        try:
+            check_loss(request.loss_fn, {k: torch.as_tensor(v) for k, v in datum.inputs.items()}, n, i)
+        except LossInputError as err:
+            return str(err)
+    return None
+
+
+def run_step(model: nn.Module, works: Sequence[Work], slots: int, limits: Limits,
+             device: torch.device) -> list[Outcome]:
+    """Collective under FSDP: every valid request's datums in one forward (and one backward if any request
+    trains); one outcome per work, in order."""
+    outcomes = [Outcome(error=request_error(w.request, limits)) for w in works]
+    valid = [i for i, o in enumerate(outcomes) if o.error is None]
+    rows = [(i, datum) for i in valid for datum in works[i].request.data]
+    if not rows:
+        return outcomes
+    order, segments = group_rows([works[i].slot for i, _ in rows], slots)
+    ordered = [rows[j] for j in order.tolist()]
+    width = max(len(d.tokens) for _, d in ordered)
+    tokens = torch.zeros(len(ordered), width, dtype=torch.int64)
+    labels = torch.zeros_like(tokens)
+    mask = torch.zeros(len(ordered), width, dtype=torch.bool)
+    for r, (_, datum) in enumerate(ordered):
+        n = len(datum.tokens)
+        tokens[r, :n] = torch.from_numpy(datum.tokens)
+        labels[r, :n] = torch.from_numpy(datum.inputs["target_tokens"].astype(np.int64))
+        mask[r, :n] = True
+    tokens, labels, mask = tokens.to(device), labels.to(device), mask.to(device)
+    trains = any(not works[i].request.forward_only for i in valid)
+    try:
+        with torch.set_grad_enabled(trains):
+            logp = chunked_token_logprobs(model, tokens, labels, mask, chunk_count(mask, LOGPROB_CHUNK_TOKENS),
+                                          segments)
+            total, per_work = None, {i: [] for i in valid}
+            losses = {i: 0.0 for i in valid}
+            for r, (i, datum) in enumerate(ordered):
+                n = len(datum.tokens)
+                request = works[i].request
+                inputs = {k: torch.as_tensor(v, device=device).float() for k, v in datum.inputs.items()
+                          if k != "target_tokens"}
+                loss = datum_loss(request.loss_fn, logp[r, :n], inputs, request.config)
+                losses[i] += float(loss.detach())
+                per_work[i].append((datum, logp[r, :n].detach().float().cpu().numpy()))
+                if not request.forward_only:
+                    total = loss if total is None else total + loss
+            if total is not None:
+                total.backward()
+    finally:
+        route(model, None)
+    for i in valid:
+        by_datum = {id(d): lp for d, lp in per_work[i]}
+        outcomes[i] = Outcome(logprobs=[by_datum[id(d)] for d in works[i].request.data],
+                              metrics={"loss:sum": losses[i]})
+    return outcomes

@@ -1,0 +1,143 @@
+"""The trainer side of the service: runs the calls the ledger hands out on the model, in rounds (every
+client's ready forward/forward_backward in one mixed step, then the other calls in turn), and finishes each
+call's future. One call's failure fails that future only."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from titan_lora.service.futures import FutureStore, Result
+from titan_lora.service.ledger import Ledger, Op
+from titan_lora.service.slots import AdapterSlots
+from titan_lora.service.step import Limits, Work, run_step
+from titan_lora.service.wire import write_forward_backward
+
+logger = logging.getLogger(__name__)
+
+STATE_PATH = re.compile(r"tinker://(?P<model>[^/]+)/weights/(?P<name>[^/]+)")
+"""A state's `tinker://` path: the model that saved it and the name it was saved under."""
+STATE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+
+
+def key_digest(key: str) -> str:
+    """An API key's digest, stored with its states (a state loads only for the key that saved it)."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class Worker:
+    """Runs calls on the trainer's model and finishes their futures."""
+
+    def __init__(self, model: nn.Module, slots: AdapterSlots, limits: Limits, device: torch.device,
+                 state_dir: str, ledger: Ledger, futures: FutureStore) -> None:
+        self.model, self.slots, self.limits, self.device = model, slots, limits, device
+        self.state_dir = Path(state_dir)
+        self.ledger, self.futures = ledger, futures
+
+    def run(self, ops: list[Op]) -> None:
+        """One round: creates, then one mixed step of the forward/forward_backward calls, then the rest."""
+        for op in (o for o in ops if o.kind == "release"):
+            self._release(op)
+        for op in (o for o in ops if o.kind == "create"):
+            self._guarded(op, self._create)
+        steps = [o for o in ops if o.kind == "forward_backward"]
+        if steps:
+            self._mixed_step(steps)
+        for op in (o for o in ops if o.kind not in ("release", "create", "forward_backward")):
+            self._guarded(op, getattr(self, f"_{op.kind}"))
+
+    def _guarded(self, op: Op, run: object) -> None:
+        try:
+            result = run(op)
+        except (ValueError, FileNotFoundError, KeyError) as err:
+            result = Result(error=str(err), category="user")
+        except Exception as err:  # a call's fault fails its future, not the service
+            logger.exception("%s of %s failed", op.kind, op.model_id)
+            result = Result(error=f"{type(err).__name__}: {err}", category="server")
+        self.futures.finish(op.request_id, result)
+
+    def _create(self, op: Op) -> Result:
+        model = self.ledger.models[op.model_id]
+        try:
+            if op.args is not None:  # create from a saved state (create_training_client_from_state)
+                self._load_into(model.slot, model.key, *op.args)
+            else:
+                self.slots.claim(model.slot, model.spec)
+        except BaseException:
+            self.ledger.forget(op.model_id)
+            raise
+        model.spec = self.slots.specs[model.slot]  # a state's own spec when created from one
+        self.ledger.created(op.model_id)
+        logger.info("model %s: LoRA rank %d in slot %d", op.model_id, self.slots.specs[model.slot].rank, model.slot)
+        if op.args is not None:  # the SDK awaits a LoadWeightsResponse for a create from a state
+            return Result(json={"model_id": op.model_id, "path": op.args[0], "type": "load_weights"})
+        return Result(json={"model_id": op.model_id, "type": "create_model"})
+
+    def _release(self, op: Op) -> None:
+        """A model whose session ended: its slot is freed, its queued calls fail."""
+        slot = self.ledger.models[op.model_id].slot
+        self.slots.release(slot)
+        for left in self.ledger.forget(op.model_id):
+            self.futures.finish(left.request_id, Result(error="the training client's session ended", category="user"))
+        logger.info("model %s released (slot %d free)", op.model_id, slot)
+
+    def _mixed_step(self, ops: list[Op]) -> None:
+        works = [Work(self.ledger.models[o.model_id].slot, o.args) for o in ops]
+        try:
+            outcomes = run_step(self.model, works, self.slots.count, self.limits, self.device)
+        except Exception as err:  # the step's fault fails its calls, not the service
+            logger.exception("a mixed step of %d calls failed", len(ops))
+            for op in ops:
+                self.futures.finish(op.request_id, Result(error=f"{type(err).__name__}: {err}", category="server"))
+            return
+        for op, outcome in zip(ops, outcomes):
+            if outcome.error is not None:
+                self.futures.finish(op.request_id, Result(error=outcome.error, category="user"))
+            else:
+                self.futures.finish(op.request_id, Result(proto=write_forward_backward(outcome.logprobs,
+                                                                                       outcome.metrics)))
+
+    def _optim_step(self, op: Op) -> Result:
+        metrics = self.slots.step(self.ledger.models[op.model_id].slot, op.args)
+        return Result(json={"metrics": metrics, "type": "optim_step"})
+
+    def _state_file(self, model_id: str, name: str) -> Path:
+        return self.state_dir / model_id.replace(":", "_") / f"{name}.pt"
+
+    def _save_state(self, op: Op) -> Result:
+        name = op.args
+        if not STATE_NAME.fullmatch(name):
+            raise ValueError(f"state name {name!r}: use 1-128 letters, digits, '_', '.' or '-'")
+        model = self.ledger.models[op.model_id]
+        state = self.slots.state(model.slot) | {"key": key_digest(model.key)}
+        path = self._state_file(op.model_id, name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state, f"{path}.tmp")
+        os.replace(f"{path}.tmp", path)  # a crash mid-write leaves the last whole state
+        return Result(json={"path": f"tinker://{op.model_id}/weights/{name}", "type": "save_weights"})
+
+    def _load_into(self, slot: int, key: str, path: str, with_optimizer: bool) -> None:
+        match = STATE_PATH.fullmatch(path)
+        if match is None:
+            raise ValueError(f"{path!r} is not a state path: save_state returns tinker://<model>/weights/<name>")
+        file = self._state_file(match["model"], match["name"])
+        if not file.is_file():
+            raise FileNotFoundError(f"no saved state {path}")
+        state = torch.load(file, weights_only=True)
+        if state.get("key") != key_digest(key):
+            raise FileNotFoundError(f"no saved state {path}")  # another key's: not told apart from none
+        if state["spec"]["rank"] > self.slots.max_rank:
+            raise ValueError(f"{path} has rank {state['spec']['rank']}; this service's max_rank is "
+                             f"{self.slots.max_rank}")
+        self.slots.load(slot, state, with_optimizer)
+
+    def _load_state(self, op: Op) -> Result:
+        model = self.ledger.models[op.model_id]
+        self._load_into(model.slot, model.key, *op.args)
+        return Result(json={"path": op.args[0], "type": "load_weights"})
