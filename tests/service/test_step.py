@@ -13,7 +13,7 @@ from model_helpers import DEBUG_LORA
 
 from titan_lora.config_adapters import Adapter
 from titan_lora.lora.multi import param_pattern
-from titan_lora.service.main import build_slots
+from titan_lora.service.main import build_slots, service_job
 from titan_lora.service.slots import AdamStep, SlotSpec
 from titan_lora.service.step import Limits, Work, run_step
 from titan_lora.service.wire import Datum, ForwardBackward
@@ -41,7 +41,7 @@ def _request(seed: int, rows: int = 2, length: int = 12, vocab: int = 2000) -> F
 def service():
     init_distributed(CPU)
     cfg, resolved = job_from_toml(SERVICE)
-    built, slots = build_slots(cfg, resolved, CPU)
+    built, slots = build_slots(service_job(cfg), resolved, CPU)
     limits = Limits(resolved.shape.vocab_size, 64, 4096)
     return built.model, slots, limits
 

@@ -33,11 +33,11 @@ ROOT = Path(__file__).resolve().parents[2]
 class Service:
     """A `titan-lora serve` process on a free port."""
 
-    def __init__(self, dump: Path) -> None:
+    def __init__(self, dump: Path, *overrides: str) -> None:
         env = {**os.environ, "TITAN_LORA_API_KEYS": OTHER_KEY}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "titan_lora.cli", "serve", CONFIG, "--service.port", "0",
-             "--job.dump_folder", str(dump)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+             "--job.dump_folder", str(dump), *overrides], cwd=ROOT, env=env, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         for line in self.proc.stdout:
@@ -176,7 +176,51 @@ def _kept_apart(service: Service, mine) -> None:
         assert answer.status_code == 401 and "unknown API key" in answer.json()["detail"]
 
 
+def _prompt_and_answer(tokenizer) -> tuple[list[int], list[int]]:
+    prompt = tokenizer.encode("What is 2 + 3? Answer with just the number. ", add_special_tokens=False)
+    return prompt, tokenizer.encode("5", add_special_tokens=False) + [tokenizer.eos_token_id]
+
+
+def test_a_sampler_serves_exactly_the_version_saved(service: Service) -> None:
+    """save_weights_for_sampler puts the adapter into the live vLLM engine through the sync: the engine's
+    log-probs of that version equal the trainer's (1e-3), move with training, and an older sampler keeps
+    its own version."""
+    with tinker.ServiceClient(base_url=service.url, api_key=KEY) as sdk:
+        client = sdk.create_lora_training_client(base_model=NAME, rank=8, seed=4).result()
+        tokenizer = client.get_tokenizer()
+        prompt, answer = _prompt_and_answer(tokenizer)
+        tokens = prompt + answer
+        datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
+            "target_tokens": tokens[1:], "weights": [0.0] * (len(prompt) - 1) + [1.0] * len(answer)})
+        before = client.save_weights_and_get_sampling_client()
+        untrained = before.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
+        for _ in range(5):
+            client.forward_backward([datum], "cross_entropy")
+            client.optim_step(types.AdamParams(learning_rate=3e-3)).result()
+        path = client.save_weights_for_sampler("trained").result().path
+        assert re.fullmatch(r"tinker://[0-9a-f]+:train:\d+/sampler_weights/trained", path)
+        after = sdk.create_sampling_client(model_path=path)
+        engine = np.asarray(after.compute_logprobs(types.ModelInput.from_ints(tokens)).result()[1:])
+        trainer = np.asarray(client.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].data)
+        np.testing.assert_allclose(engine, trainer, atol=1e-3)
+        moved = engine[-len(answer):] - np.asarray(untrained[-len(answer):])
+        assert moved.min() > 0.5, moved  # the trained answer got likelier: the engine serves the new weights
+        greedy = after.sample(types.ModelInput.from_ints(prompt), num_samples=2,
+                              sampling_params=types.SamplingParams(max_tokens=8, temperature=0.0)).result()
+        assert [list(s.tokens) for s in greedy.sequences] == [answer, answer]
+        assert all(s.stop_reason == "stop" and len(s.logprobs) == len(answer) for s in greedy.sequences)
+        again = before.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
+        np.testing.assert_allclose(np.asarray(again[1:]), np.asarray(untrained[1:]), atol=1e-5)
+        drawn = before.sample(types.ModelInput.from_ints(prompt), num_samples=3,
+                              sampling_params=types.SamplingParams(max_tokens=6, temperature=1.0, seed=1)).result()
+        assert len(drawn.sequences) == 3 and all(len(s.tokens) == len(s.logprobs) for s in drawn.sequences)
+    with tinker.ServiceClient(base_url=service.url, api_key=OTHER_KEY) as stranger:
+        with pytest.raises(tinker.NotFoundError, match="no sampler weights"):
+            stranger.create_sampling_client(model_path=path).result()
+
+
 def test_a_saved_state_survives_a_restart_and_gives_the_identical_next_step(service: Service, dump: Path) -> None:
+    """Last in the module: it stops the module's service."""
     client = tinker.ServiceClient(base_url=service.url, api_key=KEY).create_lora_training_client(
         base_model=NAME, rank=8, seed=3)
     data, probe = _batch(client.get_tokenizer(), 40), _batch(client.get_tokenizer(), 60, 2)
@@ -187,7 +231,7 @@ def test_a_saved_state_survives_a_restart_and_gives_the_identical_next_step(serv
     expected_loss = _step(client, data)
     expected = _logprobs(client.forward(probe, "cross_entropy").result())
     service.stop()
-    again = Service(dump)
+    again = Service(dump, "--weight_sync.no-enabled")  # training alone: no engine to start again
     try:
         resumed = tinker.ServiceClient(base_url=again.url, api_key=KEY).create_training_client_from_state_with_optimizer(
             path)

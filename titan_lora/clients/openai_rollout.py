@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 from titan_lora.clients.base import Endpoint
 from titan_lora.clients.http import ApiKey, JsonClient
-from titan_lora.clients.rollout import REFUSED_STATUSES, Completion, RequestRefused
+from titan_lora.clients.rollout import REFUSED_STATUSES, Completion, RequestRefused, Samples, SampleSpec
 from titan_lora.config import WeightSync
 from titan_lora.transfer.errors import EngineHung, EngineUnreachable, TransferError
 
@@ -204,6 +204,32 @@ class OpenAIRolloutClient:
                                 stop_token_ids) for start, prompt, n in runs]
         results = self._await(futures)
         return [c for r, (_, _, n) in zip(results, runs) for c in (r * n if greedy else r)]
+
+    def sample(self, prompt: list[int], adapter: str | None, n: int, spec: SampleSpec) -> Samples:
+        """`n` completions of one token-id prompt under model `adapter` (None: the base), in one request;
+        stop strings stay at the end of each completion's tokens and text."""
+        model = self._model(adapter)
+        greedy = spec.temperature == 0  # vLLM refuses n > 1 without sampling; greedy samples are all one
+        extra: dict[str, Any] = {"return_token_ids": True, "top_k": spec.top_k, "include_stop_str_in_output": True,
+                                 "stop_token_ids": list(spec.stop_token_ids)}
+        if spec.stop == ():
+            extra["ignore_eos"] = True
+        if spec.prompt_logprobs:
+            extra["prompt_logprobs"] = 0
+        reply = self._await([self._submit(
+            self._call, self.client.completions.create, model=model, prompt=prompt, n=1 if greedy else n,
+            seed=spec.seed, max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p,
+            logprobs=0, stop=list(spec.stop or []) or None, extra_body=extra)])[0]
+        if reply.model != model:
+            raise TransferError(f"asked for model {model!r}, the engine answered with {reply.model!r}")
+        choices = sorted(reply.choices, key=lambda c: c.index)
+        completions = [Completion(list(c.token_ids), c.text, list(c.logprobs.token_logprobs),
+                                  "length" if c.finish_reason == "length" else "stop") for c in choices]
+        scored = None
+        if spec.prompt_logprobs:
+            per_token = choices[0].prompt_logprobs
+            scored = [None] + [per_token[j][str(prompt[j])]["logprob"] for j in range(1, len(prompt))]
+        return Samples(completions * n if greedy else completions, scored)
 
     def chat(self, model: str, messages: list[dict], max_tokens: int, temperature: float,
              seed: int | None = None) -> ChatReply:

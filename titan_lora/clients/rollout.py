@@ -24,6 +24,32 @@ class Completion:
     token_ids: list[int]
     text: str
     logprobs: list[float]
+    finish_reason: str = "stop"
+    """"stop" (a stop string or token, or EOS) or "length" (cut at max_tokens)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleSpec:
+    """How to sample one prompt: the sampling parameters, and whether to score the prompt itself too."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: tuple[str, ...] | None = None
+    """Stop strings (kept at the end of the output); None: stop at EOS; (): not even at EOS."""
+    stop_token_ids: tuple[int, ...] = ()
+    prompt_logprobs: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Samples:
+    """`n` completions of one prompt; with `SampleSpec.prompt_logprobs`, log p(prompt token t | tokens < t)
+    for every prompt token (None for the first)."""
+
+    completions: list[Completion]
+    prompt_logprobs: list[float | None] | None = None
 
 
 class RolloutClient(Protocol):

@@ -16,18 +16,20 @@ import threading
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 import uvicorn
 
+from titan_lora.compose import adapter_source, build_sync, engine_side
 from titan_lora.config import JobConfig
 from titan_lora.config_adapters import Adapter
 from titan_lora.models.resolve import ResolvedModel
 from titan_lora.service.futures import FutureStore
 from titan_lora.service.ledger import Ledger
 from titan_lora.service.routes import Api, ServedModel
+from titan_lora.service.sampling import Publisher, Sampling
 from titan_lora.service.slots import AdapterSlots
 from titan_lora.service.step import Limits
 from titan_lora.service.worker import Worker
+from titan_lora.sync.syncer import WeightSyncer
 from titan_lora.titan.parallel import build_parallel_dims
 from titan_lora.trainer.build import BuiltModel, build_model
 from titan_lora.trainer.distributed import device_for_rank, init_distributed, leave_distributed
@@ -69,11 +71,60 @@ def slot_adapters(job_config: JobConfig) -> list[Adapter]:
     return [Adapter(name=f"slot{k}", rank=svc.max_rank, alpha=svc.lora_alpha) for k in range(svc.max_adapters)]
 
 
+def service_job(job_config: JobConfig) -> JobConfig:
+    """The config as the service builds it: `[service] max_adapters` adapter tables (`slot_adapters`)."""
+    return dataclasses.replace(job_config, adapters=slot_adapters(job_config))
+
+
 def build_slots(job_config: JobConfig, resolved: ResolvedModel, device: torch.device) -> tuple[BuiltModel, AdapterSlots]:
-    """The config's model built with the service's adapter slots (`slot_adapters`), and the slots over it."""
-    job_config = dataclasses.replace(job_config, adapters=slot_adapters(job_config))
+    """The model of `service_job(job_config)`, and the slots over it."""
     built = build_model(job_config, build_parallel_dims(job_config.parallelism, 1, device), device, resolved)
     return built, AdapterSlots(built.model, job_config.service.lora_alpha)
+
+
+@dataclasses.dataclass
+class Service:
+    """Every part of a running service, built once (`build_service`)."""
+
+    job_config: JobConfig
+    ledger: Ledger
+    futures: FutureStore
+    worker: Worker
+    api: Api
+    syncer: WeightSyncer | None
+
+    def close(self) -> None:
+        """Stop the engine (if the service started one)."""
+        if self.syncer is not None:
+            self.syncer.close()
+
+
+def build_service(job_config: JobConfig, resolved: ResolvedModel, device: torch.device) -> Service:
+    """Collective: the model with its slots; with `[weight_sync] enabled`, the engine, the syncer over every
+    slot and sampling; the ledger, the worker and the API."""
+    job_config, svc = service_job(job_config), job_config.service
+    built, slots = build_slots(job_config, resolved, device)
+    limits = Limits(resolved.shape.vocab_size, min(resolved.shape.max_seq_len, job_config.training.seq_len),
+                    svc.max_request_tokens)
+    served = ServedModel(svc.base_model or Path(built.hf_dir).name, built.hf_dir, svc.max_rank, limits.max_seq_len,
+                         svc.max_queued)
+    ledger, futures = Ledger(slots.count, svc.session_timeout_s), FutureStore()
+    syncer, sampling, publisher = None, None, None
+    if job_config.weight_sync.enabled:
+        side = engine_side(job_config, built, device)
+        try:
+            source = adapter_source(job_config, built, side)
+            syncer, _ = build_sync(job_config, source, built, device, side, None)
+        except BaseException:
+            side.stop()
+            raise
+        sampling = Sampling(syncer.families, side.rollouts, futures, served.name, limits.vocab_size)
+        publisher = Publisher(syncer, source, sampling)
+        publisher.start()
+    worker = Worker(built.model, slots, limits, device, str(Path(job_config.job.dump_folder) / svc.state_dir),
+                    ledger, futures, publisher)
+    return Service(job_config, ledger, futures, worker, Api(served, api_keys(job_config), ledger, futures, sampling),
+                   syncer)
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:
@@ -84,33 +135,29 @@ def main(argv: list[str] | None = None) -> None:
     """Build the model, serve the API, run calls until stopped."""
     signal.signal(signal.SIGTERM, _exit_on_signal)
     logging.basicConfig(level=logging.INFO, format="[titan_lora %(asctime)s] %(message)s", datefmt="%H:%M:%S")
+    for client_log in ("httpx", "httpx2"):  # the openai client's one line per engine request
+        logging.getLogger(client_log).setLevel(logging.WARNING)
     job_config, resolved = load_job(sys.argv[1:] if argv is None else argv)
     errors = service_errors(job_config, int(os.environ.get("WORLD_SIZE", "1")))
     if errors:
         for line in errors:
             print(f"titan_lora: config error: {line}", file=sys.stderr)
         sys.exit(2)
-    svc = job_config.service
     device = device_for_rank()
     init_distributed(device)
+    service = None
     try:
-        built, slots = build_slots(job_config, resolved, device)
-        state_dir = Path(job_config.job.dump_folder) / svc.state_dir
-        limits = Limits(resolved.shape.vocab_size, min(resolved.shape.max_seq_len, job_config.training.seq_len),
-                        svc.max_request_tokens)
-        serve(job_config, built.model, slots, limits, device, str(state_dir),
-              ServedModel(svc.base_model or Path(built.hf_dir).name, built.hf_dir, svc.max_rank, limits.max_seq_len,
-                          svc.max_queued))
+        service = build_service(job_config, resolved, device)
+        serve(service)
     finally:
+        if service is not None:
+            service.close()
         leave_distributed(together=False)
 
 
-def serve(job_config: JobConfig, model: nn.Module, slots: AdapterSlots, limits: Limits, device: torch.device,
-          state_dir: str, served: ServedModel) -> None:
+def serve(service: Service) -> None:
     """Run the API in a thread and the worker here until SIGTERM/SIGINT."""
-    ledger, futures = Ledger(slots.count, job_config.service.session_timeout_s), FutureStore()
-    worker = Worker(model, slots, limits, device, state_dir, ledger, futures)
-    api = Api(served, api_keys(job_config), ledger, futures)
+    job_config, api, ledger = service.job_config, service.api, service.ledger
     server = uvicorn.Server(uvicorn.Config(api.app(), host=job_config.service.host, port=job_config.service.port,
                                            log_level="warning", timeout_keep_alive=75))
     thread = threading.Thread(target=server.run, name="tinker-api", daemon=True)
@@ -121,14 +168,15 @@ def serve(job_config: JobConfig, model: nn.Module, slots: AdapterSlots, limits: 
         raise RuntimeError(f"the API could not listen on {job_config.service.host}:{job_config.service.port}; "
                            "pick another [service] port")
     port = server.servers[0].sockets[0].getsockname()[1]
-    logger.info("serving the Tinker API for %s on http://%s:%d (%d adapter slots of rank <= %d); "
-                "point the SDK at it: TINKER_BASE_URL=http://%s:%d", served.name, job_config.service.host, port,
-                slots.count, slots.max_rank, job_config.service.host, port)
+    svc = job_config.service
+    logger.info("serving the Tinker API for %s on http://%s:%d (%d adapter slots of rank <= %d, sampling %s); "
+                "point the SDK at it: TINKER_BASE_URL=http://%s:%d", api.served.name, svc.host, port,
+                svc.max_adapters, svc.max_rank, "on" if api.sampling else "off", svc.host, port)
     try:
         while thread.is_alive():
             ops = ledger.take(1.0)
             if ops:
-                worker.run(ops)
+                service.worker.run(ops)
     finally:
         ledger.close()
         server.should_exit = True

@@ -19,7 +19,7 @@ from starlette.routing import Route
 
 from titan_lora.service.futures import FutureStore, Result
 from titan_lora.service.ledger import Ledger, Op, RequestError
-from titan_lora.service.losses import LOSS_INPUTS
+from titan_lora.service.sampling import Sampling
 from titan_lora.service.slots import AdamStep, SlotSpec
 from titan_lora.service.wire import WireError, read_forward_backward
 
@@ -43,8 +43,11 @@ class ServedModel:
 class Api:
     """The routes, over one ledger and one future store."""
 
-    def __init__(self, served: ServedModel, keys: set[str], ledger: Ledger, futures: FutureStore) -> None:
+    def __init__(self, served: ServedModel, keys: set[str], ledger: Ledger, futures: FutureStore,
+                 sampling: Sampling | None = None) -> None:
+        """`sampling`: sampler paths and sessions over the engine (None: sampling is not served)."""
         self.served, self.keys, self.ledger, self.futures = served, keys, ledger, futures
+        self.sampling = sampling
 
     def app(self) -> Starlette:
         """The ASGI app."""
@@ -54,13 +57,14 @@ class Api:
             "telemetry": self.telemetry, "create_model": self.create_model, "get_info": self.get_info,
             "forward_backward": self.forward_backward, "optim_step": self.optim_step,
             "save_weights": self.save_weights, "load_weights": self.load_weights,
-            "retrieve_future": self.retrieve_future, "save_weights_for_sampler": self.not_served,
-            "asample": self.not_served, "create_sampling_session": self.not_served,
+            "retrieve_future": self.retrieve_future, "save_weights_for_sampler": self.save_for_sampler,
+            "asample": self.sample, "create_sampling_session": self.create_sampling_session,
         }
         routes = [Route(f"/api/v1/{path}", self._guard(handler), methods=["POST"]) for path, handler in post.items()]
         routes += [Route("/api/v1/sessions/{session}/finish", self._guard(self.finish_session), methods=["POST"]),
                    Route("/api/v1/healthz", self.healthz, methods=["GET"]),
-                   Route("/api/v1/get_server_capabilities", self._guard(self.capabilities), methods=["GET"])]
+                   Route("/api/v1/get_server_capabilities", self._guard(self.capabilities), methods=["GET"]),
+                   Route("/api/v1/samplers/{sampler}", self._guard(self.sampler_info), methods=["GET"])]
         return Starlette(routes=routes)
 
     def _guard(self, handler: Callable[[Request, str], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
@@ -97,7 +101,7 @@ class Api:
     async def capabilities(self, request: Request, key: str) -> Response:
         """The base model served."""
         return JSONResponse({"supported_models": [{"model_name": self.served.name, "trainable": True,
-                                                   "sampleable": False,
+                                                   "sampleable": self.sampling is not None,
                                                    "max_context_length": self.served.max_seq_len}]})
 
     async def heartbeat(self, request: Request, key: str) -> Response:
@@ -191,11 +195,43 @@ class Api:
         self.ledger.create(key, body["session_id"], model_id, SlotSpec(rank=1), request_id, args)
         return JSONResponse({"request_id": request_id, "model_id": model_id})
 
-    async def not_served(self, request: Request, key: str) -> Response:
-        """Sampling: not served by this release."""
-        raise RequestError("sampling (save_weights_for_sampler, sample, sampling clients) is not served yet by "
-                           "titan-lora serve; this release serves training: forward, forward_backward "
-                           f"({', '.join(LOSS_INPUTS)}), optim_step, save_state and load_state")
+    def _sampling(self) -> Sampling:
+        if self.sampling is None:
+            raise RequestError("sampling is not served: this service runs with [weight_sync] enabled = false "
+                               "(no engine); it serves forward, forward_backward, optim_step, save_state and "
+                               "load_state")
+        return self.sampling
+
+    async def save_for_sampler(self, request: Request, key: str) -> Response:
+        """`save_weights_for_sampler` (named: a path) or `save_weights_and_get_sampling_client` (a session)."""
+        body = await request.json()
+        self._sampling()
+        path = body.get("path")
+        return self._queue(key, body["model_id"], int(body["seq_id"]), "save_for_sampler",
+                           (None if path is None else str(path), path is None))
+
+    async def create_sampling_session(self, request: Request, key: str) -> Response:
+        """A sampling client on a saved sampler path, or on the base model."""
+        body = await request.json()
+        self.ledger.own_session(body["session_id"], key)
+        path = body.get("model_path")
+        if path is None and body.get("base_model") != self.served.name:
+            raise RequestError(f"base_model {body.get('base_model')!r} is not served; this service serves "
+                               f"{self.served.name!r}", 404)
+        session = self._sampling().open(key, path)
+        return JSONResponse({"sampling_session_id": session, "type": "create_sampling_session"})
+
+    async def sampler_info(self, request: Request, key: str) -> Response:
+        """What a sampling session samples from."""
+        session = self._sampling().session(request.path_params["sampler"], key)
+        return JSONResponse({"sampler_id": request.path_params["sampler"], "base_model": self.served.name,
+                             "model_path": session.path})
+
+    async def sample(self, request: Request, key: str) -> Response:
+        """`sample` / `compute_logprobs`: drawn from the engine under the session's version."""
+        body = await request.json()
+        self._room(key)
+        return JSONResponse(self._sampling().submit(key, body))
 
     async def retrieve_future(self, request: Request, key: str) -> Response:
         """The future's result once ready, held up to POLL_HOLD_S; then "try again"."""

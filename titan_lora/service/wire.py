@@ -1,4 +1,4 @@
-"""The protobuf half of the Tinker wire format: `forward_backward` requests in, their results out.
+"""The protobuf half of the Tinker wire format: `forward_backward` requests in, their results and `sample`'s out.
 
 The one module that imports the `tinker` SDK (its generated `tinker_public_pb2`, the schema the SDK writes and
 reads; `.importlinter` fences it here). Everything else of the API is JSON (`routes`). Arrays are
@@ -101,4 +101,27 @@ def write_forward_backward(logprobs: list[np.ndarray], metrics: dict[str, float]
     batched.dtype = pb.DTYPE_FLOAT32
     for key, value in metrics.items():
         out.metrics[key] = float(value)
+    return out.SerializeToString()
+
+
+@dataclass
+class SampledTokens:
+    """One sampled sequence as `sample` returns it: its tokens, their log-probs, and why it stopped."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    stopped: bool
+
+
+def write_sample(sequences: list[SampledTokens], prompt_logprobs: list[float | None] | None = None) -> bytes:
+    """A `SampleResponse`: the sequences in order (each with a log-prob per token, which the SDK's RL loops
+    require) and, when asked, one log-prob per prompt token (NaN for the first)."""
+    out = pb.SampleResponse()
+    for seq in sequences:
+        out.sequences.add(stop_reason=pb.STOP_REASON_STOP if seq.stopped else pb.STOP_REASON_LENGTH,
+                          tokens=np.asarray(seq.tokens, dtype=np.int32).tobytes(),
+                          logprobs=np.asarray(seq.logprobs, dtype=np.float32).tobytes())
+    if prompt_logprobs is not None:
+        out.prompt_logprobs = np.asarray([np.nan if v is None else v for v in prompt_logprobs],
+                                         dtype=np.float32).tobytes()
     return out.SerializeToString()

@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from titan_lora.service.futures import FutureStore, Result
 from titan_lora.service.ledger import Ledger, Op
+from titan_lora.service.sampling import Publisher
 from titan_lora.service.slots import AdapterSlots
 from titan_lora.service.step import Limits, Work, run_step
 from titan_lora.service.wire import write_forward_backward
@@ -35,10 +36,12 @@ class Worker:
     """Runs calls on the trainer's model and finishes their futures."""
 
     def __init__(self, model: nn.Module, slots: AdapterSlots, limits: Limits, device: torch.device,
-                 state_dir: str, ledger: Ledger, futures: FutureStore) -> None:
+                 state_dir: str, ledger: Ledger, futures: FutureStore, publisher: Publisher | None = None) -> None:
+        """`publisher`: puts a client's adapter into the engine for sampling (None: sampling is not served)."""
         self.model, self.slots, self.limits, self.device = model, slots, limits, device
         self.state_dir = Path(state_dir)
         self.ledger, self.futures = ledger, futures
+        self.publisher = publisher
 
     def run(self, ops: list[Op]) -> None:
         """One round: creates, then one mixed step of the forward/forward_backward calls, then the rest."""
@@ -73,6 +76,8 @@ class Worker:
             self.ledger.forget(op.model_id)
             raise
         model.spec = self.slots.specs[model.slot]  # a state's own spec when created from one
+        if self.publisher is not None:
+            self.publisher.scale(model.slot, self.slots.alpha / model.spec.rank)
         self.ledger.created(op.model_id)
         logger.info("model %s: LoRA rank %d in slot %d", op.model_id, self.slots.specs[model.slot].rank, model.slot)
         if op.args is not None:  # the SDK awaits a LoadWeightsResponse for a create from a state
@@ -106,6 +111,23 @@ class Worker:
     def _optim_step(self, op: Op) -> Result:
         metrics = self.slots.step(self.ledger.models[op.model_id].slot, op.args)
         return Result(json={"metrics": metrics, "type": "optim_step"})
+
+    def _save_for_sampler(self, op: Op) -> Result:
+        """Collective: the client's adapter into the engine as a new version; its path, and a sampling session
+        on it when the SDK asked for a sampling client (`save_weights_and_get_sampling_client`)."""
+        name, open_session = op.args
+        if self.publisher is None:
+            raise ValueError("sampling is not served: this service runs with [weight_sync] enabled = false")
+        if name and not STATE_NAME.fullmatch(name):
+            raise ValueError(f"sampler weights name {name!r}: use 1-128 letters, digits, '_', '.' or '-'")
+        model = self.ledger.models[op.model_id]
+        path, _, metrics = self.publisher.publish(model.key, op.model_id, model.slot, name)
+        logger.info("model %s: %s published (sync %.0f ms, parity max |trainer - engine| %.2g)", op.model_id, path,
+                    metrics.get("sync/total_ms", 0.0), metrics.get("sync/parity_max_abs", float("nan")))
+        answer = {"path": path, "type": "save_weights_for_sampler"}
+        if open_session:
+            answer["sampling_session_id"] = self.publisher.sampling.open(model.key, path)
+        return Result(json=answer)
 
     def _state_file(self, model_id: str, name: str) -> Path:
         return self.state_dir / model_id.replace(":", "_") / f"{name}.pt"

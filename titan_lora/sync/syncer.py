@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
@@ -160,10 +160,13 @@ class WeightSyncer(BaseGiving):
         for family in self.families:
             family.forget_all()
 
-    def _snapshot(self, version: int) -> AdapterSet | None:
-        """Collective: every adapter at `version`, as a set (rank 0; None elsewhere)."""
+    def _snapshot(self, version: int, only: Sequence[int] | None = None) -> AdapterSet | None:
+        """Collective: every adapter (`only`: those adapters) at `version`, as a set (rank 0; None elsewhere)."""
         payload = self.source.snapshot(version)
-        return None if payload is None else AdapterSet.of(payload)
+        if payload is None:
+            return None
+        adapters = AdapterSet.of(payload)
+        return adapters if only is None else AdapterSet(tuple(adapters.parts[k] for k in only), None)
 
     # ---- rank 0's view of the engine -------------------------------------------------------------
     def _alive(self) -> bool:
@@ -270,11 +273,9 @@ class WeightSyncer(BaseGiving):
         # One awaiting its probe (a fault during the probe) is re-sent but left for the probe to publish.
         published = share(self._current_published if self.emitter is not None else [False] * len(self.families))
         if republish and any(p is not False for p in published):
-            adapters = self._snapshot(self._current)  # collective; the params of that version
-            if adapters is not None and False in published:  # only what was not held back, one by one
-                adapters = AdapterSet(tuple(p for p, pub in zip(adapters.parts, published) if pub is not False),
-                                      None)
-            self._rank0(lambda: self._install(adapters), f"re-sending adapter version {self._current}")
+            again = [k for k, pub in enumerate(published) if pub is not False]  # not held back, not left out
+            adapters = self._snapshot(self._current, None if len(again) == len(published) else again)
+            self._rank0(lambda: self._install(adapters, again), f"re-sending adapter version {self._current}")
             if self.emitter is not None:
                 for family, pub in zip(self.families, published):
                     if pub:
@@ -318,19 +319,22 @@ class WeightSyncer(BaseGiving):
             raise TransferError(str(err)) from err
 
     # ---- adapter -----------------------------------------------------------------------------------
-    def sync(self, version: int) -> dict[str, float]:
-        """Collective: bring the engine to adapter `version` (the training step)."""
+    def sync(self, version: int, only: Sequence[int] | None = None) -> dict[str, float]:
+        """Collective: bring the engine to adapter `version` (the training step); `only`: of those adapters
+        alone (the others keep their versions; an engine restart re-sends only these)."""
         started = time.perf_counter()
         t0 = time.perf_counter()
-        adapters = self._snapshot(version)  # collective
+        synced = list(range(len(self.families))) if only is None else list(only)
+        adapters = self._snapshot(version, only)  # collective
         metrics: dict[str, float] = {"gather_ms": (time.perf_counter() - t0) * 1e3}
         self._base_ms = None
-        metrics |= self._recovering(lambda: self._transfer(adapters, version),
+        metrics |= self._recovering(lambda: self._transfer(adapters, version, synced),
                                     f"syncing adapter version {version}", republish=False)
         if self._base_ms is not None:
             metrics["base_ms"] = self._base_ms
-        self._current, self._current_published = version, [None] * len(self.families)
-        metrics |= self._maybe_probe_and_publish(adapters)
+        self._current = version
+        self._current_published = [None if k in synced else False for k in range(len(self.families))]
+        metrics |= self._maybe_probe_and_publish(adapters, synced)
         metrics["total_ms"] = (time.perf_counter() - started) * 1e3
         self.counters["syncs"] += 1
         self.last_metrics = {f"sync/{k}": float(v) for k, v in {**metrics, **self.counters}.items()}
@@ -338,11 +342,11 @@ class WeightSyncer(BaseGiving):
             self.last_metrics |= self.report()
         return self.last_metrics
 
-    def _transfer(self, adapters: AdapterSet | None, version: int) -> dict[str, float]:
+    def _transfer(self, adapters: AdapterSet | None, version: int, synced: list[int]) -> dict[str, float]:
         """Collective: the whole adapter transfer, after the base when this engine incarnation lacks it.
         In the steady state this is one control message between the ranks (`_deliver`'s outcome)."""
         what = f"sending adapter version {version}"
-        outcome = self._rank0(lambda: self._deliver(adapters), what, share_value=True)
+        outcome = self._rank0(lambda: self._deliver(adapters, synced), what, share_value=True)
         if outcome == _Held.NONFINITE:
             active = self.versions.active
             raise NonFiniteAdapterError(
@@ -352,10 +356,10 @@ class WeightSyncer(BaseGiving):
             )
         if outcome in (_Held.NEEDS_BASE, _Held.REPLICAS_NEED_BASE):
             self._give_base(version, whole=outcome == _Held.NEEDS_BASE)
-            outcome = self._rank0(lambda: self._install(adapters), what)
+            outcome = self._rank0(lambda: self._install(adapters, synced), what)
         return outcome or {}
 
-    def _deliver(self, adapters: AdapterSet) -> dict[str, float] | _Held:
+    def _deliver(self, adapters: AdapterSet, synced: list[int]) -> dict[str, float] | _Held:
         """Rank 0: install the adapters unless one is not finite or the engine lacks our base (then say
         which). The engine is asked for its incarnation first only when the last ack did not name it."""
         if not adapters.finite:
@@ -365,13 +369,14 @@ class WeightSyncer(BaseGiving):
             return _Held.NEEDS_BASE
         if isinstance(self.emitter, HasReplicas) and self.emitter.waiting_for_base():
             return _Held.REPLICAS_NEED_BASE
-        return self._install(adapters)
+        return self._install(adapters, synced)
 
-    def _install(self, adapters: AdapterSet) -> dict[str, float]:
-        """Rank 0: load the adapters into the engine (not yet published); check each ack, and that the
-        engine which installed them still holds our base."""
+    def _install(self, adapters: AdapterSet, synced: list[int]) -> dict[str, float]:
+        """Rank 0: load the adapters (of families `synced`) into the engine (not yet published); check each
+        ack, and that the engine which installed them still holds our base."""
         deadline = time.monotonic() + self.cfg.retire_timeout_s  # one bound for every family's wait
-        for family, retirer in zip(self.families, self.retirers):
+        for k in synced:
+            family, retirer = self.families[k], self.retirers[k]
             if len(family.live) > family.keep_versions:
                 # Retirements lag behind: give them a bounded chance, so live versions stay <= keep + 1.
                 retirer.wait_idle(max(0.0, deadline - time.monotonic()))
@@ -393,23 +398,27 @@ class WeightSyncer(BaseGiving):
         return {**phases, "version": adapters.parts[0].version, "bytes": sum(a.nbytes for a in acks),
                 "tensors": sum(a.num_tensors for a in acks)}
 
-    def _maybe_probe_and_publish(self, adapters: AdapterSet | None) -> dict[str, float]:
-        """Collective: the parity probe of each adapter when due; then rank 0 publishes each one the parity
-        gate does not hold back. Several adapters: each one's figures under `<family>/`, the worst as the job's."""
+    def _maybe_probe_and_publish(self, adapters: AdapterSet | None,
+                                 synced: list[int] | None = None) -> dict[str, float]:
+        """Collective: the parity probe of each synced adapter (None: all) when due; then rank 0 publishes each
+        one the parity gate does not hold back. Several adapters: each one's figures under `<family>/`, the
+        worst as the job's."""
+        synced = list(range(len(self.families))) if synced is None else synced
         every = self.cfg.parity_every
         due = self.probe is not None and every and self.counters["syncs"] % every == 0
         figures: list[dict[str, float]] = [{} for _ in self.families]
         if due:
-            for k, family in enumerate(self.families):
+            for i, k in enumerate(synced):
                 t0 = time.perf_counter()
-                name = adapters.parts[k].name if adapters is not None else ""
+                name = adapters.parts[i].name if adapters is not None else ""
                 figures[k] = self._probe(name, k if len(self.families) > 1 else None)
                 if adapters is not None:  # rank 0's figure: the other ranks only join the probe's collective
                     figures[k]["probe_ms"] = (time.perf_counter() - t0) * 1e3  # inside total_ms: publishing waits
         if self.emitter is None:
             return self._family_figures(figures)
         published = 0
-        for k, (family, retirer, part) in enumerate(zip(self.families, self.retirers, adapters.parts)):
+        for k, part in zip(synced, adapters.parts, strict=True):
+            family, retirer = self.families[k], self.retirers[k]
             if self.cfg.parity_gate and figures[k].get("parity_max_abs", 0.0) > self.probe.tolerance:
                 self.counters["parity_gated"] += 1
                 logger.warning("adapter %s not published: parity %.3g > [weight_sync] parity_tolerance %.3g; "

@@ -100,13 +100,22 @@ class AdapterVersions:
             self._generation += 1
             self._cond.notify_all()
 
-    @contextlib.contextmanager
-    def lease(self) -> Iterator[Lease]:
+    def lease(self) -> contextlib.AbstractContextManager[Lease]:
         """Hold the active version for the duration of one request."""
         with self._cond:
             if self._active is None:
                 raise RuntimeError("no adapter version is active yet: sync before the first rollout")
-            held = Lease(self._live[self._active], self._active)
+            return self.hold(self._active)
+
+    @contextlib.contextmanager
+    def hold(self, version: int) -> Iterator[Lease]:
+        """Hold live version `version` (not only the active one) for the duration of one request; KeyError if
+        the engine no longer holds it."""
+        with self._cond:
+            if version not in self._live:
+                raise KeyError(f"adapter version {version} of {self.lora_name} is not live (retired, or lost with "
+                               "an engine restart)")
+            held = Lease(self._live[version], version)
             self._leases[held.version] = self._leases.get(held.version, 0) + 1
             generation = self._generation
         try:
