@@ -20,6 +20,7 @@ import pytest
 import tinker
 from wait_helpers import waited
 from tinker import types
+from tinker.proto.request_conv import forward_backward_request_to_proto
 
 pytestmark = pytest.mark.slow
 
@@ -28,6 +29,20 @@ NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 KEY, OTHER_KEY = "tml-local-dev", "tml-someone-else"
 ADAM = types.AdamParams(learning_rate=2e-3, beta1=0.9, beta2=0.95, eps=1e-8)
 ROOT = Path(__file__).resolve().parents[2]
+MAX_QUEUED = 16
+ABANDONING_CLIENT = """
+import os, sys, tinker
+from tinker import types
+from tinker.proto.request_conv import forward_backward_request_to_proto
+client = tinker.ServiceClient(base_url=sys.argv[1], api_key=sys.argv[2]).create_lora_training_client(
+    base_model=sys.argv[3], rank=4).result()
+print(client.get_info().model_id, flush=True)
+datum = types.Datum(model_input=types.ModelInput.from_ints(list(range(1, 1500))),
+                    loss_fn_inputs={"target_tokens": list(range(2, 1501)), "weights": [1.0] * 1499})
+futures = [client.forward_backward([datum] * 4, "cross_entropy") for _ in range(6)]
+print("submitted", flush=True)
+futures[-1].result()
+"""
 
 
 class Service:
@@ -62,7 +77,7 @@ def dump(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def service(dump: Path) -> Iterator[Service]:
-    served = Service(dump)
+    served = Service(dump, "--service.max_queued", str(MAX_QUEUED), "--service.session_timeout_s", "25")
     yield served
     served.stop()
 
@@ -174,6 +189,32 @@ def _kept_apart(service: Service, mine) -> None:
     with httpx.Client(base_url=f"{service.url}/api/v1", headers={"X-API-Key": "tml-not-a-key"}) as stranger:
         answer = stranger.post("/create_session", json={"tags": [], "sdk_version": "0.38.0", "type": "create_session"})
         assert answer.status_code == 401 and "unknown API key" in answer.json()["detail"]
+
+
+def test_a_flood_is_refused_and_a_vanished_client_is_cleaned_up(service: Service) -> None:
+    """A key over [service] max_queued waiting calls gets 429 (the SDK's back-off signal) and the other
+    clients go on; a client killed mid-future leaves the service healthy, and its slot is freed once its
+    session goes silent ([service] session_timeout_s)."""
+    vanishing = subprocess.Popen([sys.executable, "-c", ABANDONING_CLIENT, service.url, OTHER_KEY, NAME],
+                                 stdout=subprocess.PIPE, text=True)
+    model_id = vanishing.stdout.readline().strip()
+    assert vanishing.stdout.readline().strip() == "submitted"
+    vanishing.kill()  # mid-future: its calls run or wait with nobody polling
+    vanishing.wait()
+    with tinker.ServiceClient(base_url=service.url, api_key=OTHER_KEY) as flooder:
+        flooding = flooder.create_lora_training_client(base_model=NAME, rank=4).result()
+        data = _batch(flooding.get_tokenizer(), 50, 2)
+        model = flooding.get_info().model_id
+        with httpx.Client(base_url=f"{service.url}/api/v1", headers={"X-API-Key": OTHER_KEY}) as raw:
+            codes = [raw.post("/forward_backward", headers={"Content-Type": "application/x-protobuf"},
+                              content=forward_backward_request_to_proto(types.ForwardBackwardRequest(
+                                  forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn="cross_entropy"),
+                                  model_id=model, seq_id=1000 + i)).SerializeToString()).status_code
+                     for i in range(MAX_QUEUED + 4)]
+        assert 200 in codes and codes[-4:] == [429] * 4, codes  # the vanished client's calls count too
+        with tinker.ServiceClient(base_url=service.url, api_key=KEY) as sdk:  # another key is not held up
+            assert _step(sdk.create_lora_training_client(base_model=NAME, rank=4).result(), data) > 0
+    assert waited(lambda: any(f"{model_id} released" in line for line in service.lines), 60), model_id
 
 
 def _prompt_and_answer(tokenizer) -> tuple[list[int], list[int]]:
