@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import uuid
 from dataclasses import dataclass
+
+RESULT_TTL_S = 600.0
+"""How long a finished result is kept for its poller (the SDK polls at once; a lost poll is retried in seconds)."""
 
 
 @dataclass
@@ -26,10 +30,12 @@ class Result:
 class FutureStore:
     """Request id -> its pending or finished result, per API key (a key polls only its own ids)."""
 
-    def __init__(self) -> None:
+    def __init__(self, ttl_s: float = RESULT_TTL_S) -> None:
         self._lock = threading.Lock()
         self._owner: dict[str, str] = {}
         self._results: dict[str, Result] = {}
+        self._finished: dict[str, float] = {}  # request id -> when, in finishing order
+        self._ttl_s = ttl_s
         self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
 
     def new(self, key: str) -> str:
@@ -53,13 +59,19 @@ class FutureStore:
         """Set a request's result (any thread) and wake its pollers."""
         with self._lock:
             self._results[request_id] = result
+            now = time.monotonic()
+            self._finished[request_id] = now
+            for old, when in list(self._finished.items()):  # oldest first: stop at the first one kept
+                if now - when < self._ttl_s:
+                    break
+                del self._finished[old], self._results[old], self._owner[old]
             waiters = self._waiters.pop(request_id, [])
         for loop, event in waiters:
             loop.call_soon_threadsafe(event.set)
 
     async def wait(self, request_id: str, timeout_s: float) -> Result | None:
-        """The result, waiting up to `timeout_s` for it (None: still pending). Results stay until the store
-        closes: a poll lost on the network is answered again."""
+        """The result, waiting up to `timeout_s` for it (None: still pending). A result stays `RESULT_TTL_S`
+        after it finished: a poll lost on the network is answered again."""
         with self._lock:
             if request_id in self._results:
                 return self._results[request_id]

@@ -126,11 +126,6 @@ class Ledger:
             self._lock.notify_all()
             return op.request_id
 
-    def queued(self, key: str) -> int:
-        """How many calls of `key`'s models wait."""
-        with self._lock:
-            return sum(len(m.queued) for m in self.models.values() if m.key == key)
-
     def finish_session(self, session: str, key: str) -> None:
         """End `key`'s session now: its models are released."""
         self.own_session(session, key)

@@ -123,9 +123,9 @@ class Api:
         return JSONResponse({"session_id": self.ledger.new_session(key), "type": "create_session"})
 
     def _room(self, key: str) -> None:
-        if self.ledger.queued(key) >= self.served.max_queued:
-            raise RequestError(f"this API key has {self.served.max_queued} calls waiting ([service] max_queued): "
-                               "wait for some to finish", 429)
+        if self.futures.pending(key) >= self.served.max_queued:
+            raise RequestError(f"this API key has {self.served.max_queued} calls unfinished ([service] max_queued):"
+                               " wait for some to finish", 429)
 
     async def create_model(self, request: Request, key: str) -> Response:
         """`create_lora_training_client`: a LoRA of the asked rank on a free slot."""

@@ -162,4 +162,7 @@ class Worker:
     def _load_state(self, op: Op) -> Result:
         model = self.ledger.models[op.model_id]
         self._load_into(model.slot, model.key, *op.args)
+        model.spec = self.slots.specs[model.slot]  # the state's rank and parts
+        if self.publisher is not None:
+            self.publisher.scale(model.slot, self.slots.alpha / model.spec.rank)
         return Result(json={"path": op.args[0], "type": "load_weights"})
