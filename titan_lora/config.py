@@ -202,7 +202,7 @@ class Service:
     """`[service]`: `titan-lora serve`, the Tinker-compatible API over this config's model (docs/service.md)."""
 
     host: str = "127.0.0.1"
-    """The address the API listens on (127.0.0.1: this machine only)."""
+    """The address the API listens on (127.0.0.1: the local host only)."""
     port: int = 8000
     """The API's TCP port; 0 picks a free one (printed at start)."""
     base_model: str = ""
