@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from titan_lora.service.ledger import Ledger, Op, RequestError
+from titan_lora.service.ledger import RESEND_WINDOW, Ledger, Op, RequestError
 from titan_lora.service.slots import SlotSpec
 
 
@@ -64,3 +64,13 @@ def test_a_silent_session_ends_and_its_models_are_released() -> None:
     assert [op.request_id for op in ledger.forget(f"{session}:train:0")] == ["waiting"]
     with pytest.raises(RequestError, match="not a live session"):
         ledger.own_session(session, "tml-a")
+
+
+def test_request_ids_are_kept_for_the_resend_window_only() -> None:
+    ledger = _ledger_with_model()
+    for seq in range(1, RESEND_WINDOW + 11):
+        ledger.submit("s:train:0", seq, Op("optim_step", "s:train:0", f"r{seq}"))
+        ledger.take(0)
+    assert ledger.sent("s:train:0", RESEND_WINDOW + 10) == f"r{RESEND_WINDOW + 10}"
+    assert ledger.sent("s:train:0", 10) is None
+    assert len(ledger.models["s:train:0"].requests) <= RESEND_WINDOW

@@ -16,6 +16,10 @@ from dataclasses import dataclass, field
 from titan_lora.service.slots import SlotSpec
 
 
+RESEND_WINDOW = 1024
+"""A model's last calls whose request ids are kept, so that the SDK's resend of one gets the same future."""
+
+
 class RequestError(ValueError):
     """A request refused at once (HTTP 4xx with this message): `status` is its code."""
 
@@ -111,6 +115,11 @@ class Ledger:
             self._lock.notify_all()
             return model
 
+    def sent(self, model_id: str, seq_id: int) -> str | None:
+        """The request id of call `seq_id` of the model if it was sent already (None: it was not)."""
+        with self._lock:
+            return self.models[model_id].requests.get(seq_id)
+
     def submit(self, model_id: str, seq_id: int, op: Op) -> str:
         """Queue `op` as call `seq_id` of its model; its request id, or the first one's when the SDK sends the
         same seq_id again (its retry after a lost answer): the call runs once."""
@@ -118,7 +127,7 @@ class Ledger:
             model = self.models[model_id]
             if seq_id in model.requests:
                 return model.requests[seq_id]
-            if seq_id < model.next_seq:
+            if seq_id < model.next_seq:  # older than the resend window
                 raise RequestError(f"seq_id {seq_id} of model {model_id!r} is behind its next call "
                                    f"({model.next_seq}): a training client numbers its calls 1, 2, 3, ...")
             model.requests[seq_id] = op.request_id
@@ -154,6 +163,7 @@ class Ledger:
                 op = model.queued.pop(model.next_seq, None) if model.created and not model.released else None
                 if op is not None:
                     model.next_seq += 1
+                    model.requests.pop(model.next_seq - RESEND_WINDOW, None)  # too old to be resent: bounded
                     ops.append(op)
             return ops
 

@@ -143,10 +143,7 @@ class Api:
             raise RequestError(f"optimizer {optimizer!r} is not served; titan_lora serves adamw")
         spec = SlotSpec(rank=rank, seed=int(lora.get("seed") or 0), train_attn=lora.get("train_attn", True),
                         train_mlp=lora.get("train_mlp", True), train_unembed=lora.get("train_unembed", True))
-        model_id = f"{body['session_id']}:train:{body['model_seq_id']}"
-        request_id = self.futures.new(key)
-        self.ledger.create(key, body["session_id"], model_id, spec, request_id)
-        return JSONResponse({"request_id": request_id, "model_id": model_id})
+        return self._create(key, body["session_id"], f"{body['session_id']}:train:{body['model_seq_id']}", spec)
 
     async def get_info(self, request: Request, key: str) -> Response:
         """The model's base, tokenizer and LoRA rank."""
@@ -160,8 +157,19 @@ class Api:
 
     def _queue(self, key: str, model_id: str, seq_id: int, kind: str, args: object) -> Response:
         self.ledger.model(model_id, key)
-        self._room(key)
-        request_id = self.ledger.submit(model_id, seq_id, Op(kind, model_id, self.futures.new(key), args))
+        request_id = self.ledger.sent(model_id, seq_id)  # the SDK's resend of a call: the same future, run once
+        if request_id is None:
+            self._room(key)
+            request_id = self.ledger.submit(model_id, seq_id, Op(kind, model_id, self.futures.new(key), args))
+        return JSONResponse({"request_id": request_id, "model_id": model_id})
+
+    def _create(self, key: str, session: str, model_id: str, spec: SlotSpec, args: object = None) -> Response:
+        request_id = self.futures.new(key)
+        try:
+            self.ledger.create(key, session, model_id, spec, request_id, args)
+        except RequestError as err:
+            self.futures.finish(request_id, Result(error=str(err)))  # not left pending
+            raise
         return JSONResponse({"request_id": request_id, "model_id": model_id})
 
     async def forward_backward(self, request: Request, key: str) -> Response:
@@ -190,10 +198,8 @@ class Api:
         if "model_id" in body:
             return self._queue(key, body["model_id"], int(body["seq_id"]), "load_state", args)
         self.ledger.own_session(body["session_id"], key)
-        model_id = f"{body['session_id']}:train:{body['model_seq_id']}"
-        request_id = self.futures.new(key)
-        self.ledger.create(key, body["session_id"], model_id, SlotSpec(rank=1), request_id, args)
-        return JSONResponse({"request_id": request_id, "model_id": model_id})
+        return self._create(key, body["session_id"], f"{body['session_id']}:train:{body['model_seq_id']}",
+                            SlotSpec(rank=1), args)  # the state's own spec replaces it
 
     def _sampling(self) -> Sampling:
         if self.sampling is None:
