@@ -36,6 +36,17 @@ def test_inputs_are_checked_by_name_and_length() -> None:
         check_loss("ppo", {"target_tokens": LOGP, "logprobs": OLD}, 3, 0)
     with pytest.raises(LossInputError, match="datum 2: loss_fn_inputs\\['weights'\\] has shape \\[2\\]"):
         check_loss("cross_entropy", {"target_tokens": LOGP, "weights": LOGP[:2]}, 3, 2)
-    with pytest.raises(LossInputError, match="'cispo' is not served; titan_lora serves cross_entropy, "
-                                             "importance_sampling, ppo"):
-        check_loss("cispo", {}, 3, 0)
+    with pytest.raises(LossInputError, match="'gspo' is not served; titan_lora serves cross_entropy, "
+                                             "importance_sampling, ppo, cispo"):
+        check_loss("gspo", {}, 3, 0)
+
+
+def test_cispo_weights_the_log_prob_by_the_clipped_ratio_without_its_gradient() -> None:
+    logp = LOGP.clone().requires_grad_()
+    loss = datum_loss("cispo", logp, {"logprobs": OLD, "advantages": ADV}, {"clip_high_threshold": 1.5})
+    # ratios 1, e^0.5 = 1.65 -> 1.5, e^-1 = 0.37: -(0 + 1.5 * -0.5 * 2 + 0.37 * -2 * -1)
+    assert float(loss) == pytest.approx(-(1.5 * -0.5 * 2 + float(torch.exp(torch.tensor(-1.0))) * -2.0 * -1))
+    loss.backward()
+    assert logp.grad.tolist() == pytest.approx([0.0, -1.5 * 2, -float(torch.exp(torch.tensor(-1.0))) * -1])
+    assert datum_loss("cispo", LOGP, {"logprobs": OLD, "advantages": ADV}, {}) == pytest.approx(
+        -(1.0 * -1.0 * 0 + float(torch.exp(torch.tensor(0.5))) * -0.5 * 2 + float(torch.exp(torch.tensor(-1.0))) * -2 * -1))

@@ -2,8 +2,9 @@
 
 Tinker's losses are sums over tokens and datums, never means (the client normalises through `weights` or
 `advantages`). Position i of a datum's model input predicts its `target_tokens[i]`; every per-token input has
-the datum's length. The formulas are Tinker's documented ones (its "Loss Functions" page): cross_entropy
--sum(w * logp); importance_sampling -sum(exp(logp - q) * A); ppo -sum(min(r * A, clip(r, lo, hi) * A)).
+the datum's length. The formulas are Tinker's documented ones (its "Loss Functions" pages): cross_entropy
+-sum(w * logp); importance_sampling -sum(exp(logp - q) * A); ppo -sum(min(r * A, clip(r, lo, hi) * A));
+cispo -sum(sg(clip(r, lo, hi)) * logp * A).
 """
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ LOSS_INPUTS: dict[str, tuple[str, ...]] = {
     "cross_entropy": ("target_tokens", "weights"),
     "importance_sampling": ("target_tokens", "logprobs", "advantages"),
     "ppo": ("target_tokens", "logprobs", "advantages"),
+    "cispo": ("target_tokens", "logprobs", "advantages"),
 }
 """The losses served and the `loss_fn_inputs` each needs (more keys are ignored)."""
 
 PPO_CLIP = (0.8, 1.2)
 """PPO's default ratio bounds (epsilon 0.2), as Tinker documents them."""
+CISPO_CLIP = (0.0, 4.0)
+"""CISPO's default bounds of its (detached) ratio coefficient."""
 
 
 class LossInputError(ValueError):
@@ -58,8 +62,15 @@ def _ppo(logp: torch.Tensor, inputs: Mapping[str, torch.Tensor], config: Mapping
     return -torch.minimum(ratio * advantages, ratio.clamp(lo, hi) * advantages).sum()
 
 
+def _cispo(logp: torch.Tensor, inputs: Mapping[str, torch.Tensor], config: Mapping[str, float]) -> torch.Tensor:
+    lo = config.get("clip_low_threshold", CISPO_CLIP[0])
+    hi = config.get("clip_high_threshold", CISPO_CLIP[1])
+    coefficient = torch.exp(logp - inputs["logprobs"]).clamp(lo, hi).detach()  # a weight, not a path for gradients
+    return -(coefficient * logp * inputs["advantages"]).sum()
+
+
 _LOSSES: dict[str, Callable[[torch.Tensor, Mapping[str, torch.Tensor], Mapping[str, float]], torch.Tensor]] = {
-    "cross_entropy": _cross_entropy, "importance_sampling": _importance_sampling, "ppo": _ppo,
+    "cross_entropy": _cross_entropy, "importance_sampling": _importance_sampling, "ppo": _ppo, "cispo": _cispo,
 }
 
 
