@@ -179,49 +179,23 @@ class OpenAIRolloutClient:
                 raise
             raise lost from None
 
-    def _sample(self, model: str, prompt: list[int], n: int, seed: int | None, max_tokens: int,
-                temperature: float, stop_token_ids: list[int]) -> list[Completion]:
-        reply = self._call(self.client.completions.create, model=model, prompt=prompt, n=n, seed=seed,
-                           max_tokens=max_tokens, temperature=temperature, logprobs=0,
-                           extra_body={"return_token_ids": True, "stop_token_ids": stop_token_ids})
-        if reply.model != model:
-            raise TransferError(f"asked for model {model!r}, the engine answered with {reply.model!r}")
-        if len(reply.choices) != n:
-            raise TransferError(f"asked for {n} completions, the engine returned {len(reply.choices)}")
-        return [Completion(list(c.token_ids), c.text, list(c.logprobs.token_logprobs))
-                for c in sorted(reply.choices, key=lambda c: c.index)]
-
-    def generate(self, prompts: list[list[int]], adapter: str | None, max_tokens: int,
-                 temperature: float, seed: int | None, stop_token_ids: list[int]) -> list[Completion]:
-        """One completion per token-id prompt, sampled under model `adapter` (None: the base)."""
-        model = self._model(adapter)
-        # Greedy decoding is the same for a repeated prompt, and vLLM refuses n > 1 without sampling: one
-        # request per run, its answer repeated.
-        greedy = temperature == 0
-        runs = prompt_runs(prompts)
-        futures = [self._submit(self._sample, model, prompt, 1 if greedy else n,
-                                None if seed is None else seed + start, max_tokens, temperature,
-                                stop_token_ids) for start, prompt, n in runs]
-        results = self._await(futures)
-        return [c for r, (_, _, n) in zip(results, runs) for c in (r * n if greedy else r)]
-
-    def sample(self, prompt: list[int], adapter: str | None, n: int, spec: SampleSpec) -> Samples:
-        """`n` completions of one token-id prompt under model `adapter` (None: the base), in one request;
-        stop strings stay at the end of each completion's tokens and text."""
-        model = self._model(adapter)
-        greedy = spec.temperature == 0  # vLLM refuses n > 1 without sampling; greedy samples are all one
+    def _complete(self, model: str, prompt: list[int], n: int, spec: SampleSpec) -> Samples:
+        """One `/v1/completions` request on a pool thread: `n` completions of `prompt` (greedy: one, repeated:
+        vLLM refuses n > 1 without sampling), stop strings kept at the end of each completion."""
+        greedy = spec.temperature == 0
         extra: dict[str, Any] = {"return_token_ids": True, "top_k": spec.top_k, "include_stop_str_in_output": True,
                                  "stop_token_ids": list(spec.stop_token_ids)}
         if spec.stop == ():
             extra["ignore_eos"] = True
         if spec.prompt_logprobs:
             extra["prompt_logprobs"] = 0
-        reply = self._await([self._submit(
-            self._call, self.client.completions.create, model=model, prompt=prompt, n=1 if greedy else n,
-            seed=spec.seed, max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p,
-            logprobs=0, stop=list(spec.stop or []) or None, extra_body=extra)])[0]
+        reply = self._call(self.client.completions.create, model=model, prompt=prompt, n=1 if greedy else n,
+                           seed=spec.seed, max_tokens=spec.max_tokens, temperature=spec.temperature,
+                           top_p=spec.top_p, logprobs=0, stop=list(spec.stop or []) or None, extra_body=extra)
         if reply.model != model:
             raise TransferError(f"asked for model {model!r}, the engine answered with {reply.model!r}")
+        if len(reply.choices) != (1 if greedy else n):
+            raise TransferError(f"asked for {n} completions, the engine returned {len(reply.choices)}")
         choices = sorted(reply.choices, key=lambda c: c.index)
         completions = [Completion(list(c.token_ids), c.text, list(c.logprobs.token_logprobs),
                                   "length" if c.finish_reason == "length" else "stop") for c in choices]
@@ -230,6 +204,21 @@ class OpenAIRolloutClient:
             per_token = choices[0].prompt_logprobs
             scored = [None] + [per_token[j][str(prompt[j])]["logprob"] for j in range(1, len(prompt))]
         return Samples(completions * n if greedy else completions, scored)
+
+    def generate(self, prompts: list[list[int]], adapter: str | None, max_tokens: int,
+                 temperature: float, seed: int | None, stop_token_ids: list[int]) -> list[Completion]:
+        """One completion per token-id prompt, sampled under model `adapter` (None: the base)."""
+        model = self._model(adapter)
+        runs = prompt_runs(prompts)  # a run of identical prompts (a group): one request with n samples
+        futures = [self._submit(self._complete, model, prompt, n,
+                                SampleSpec(max_tokens, temperature, seed=None if seed is None else seed + start,
+                                           stop_token_ids=tuple(stop_token_ids)))
+                   for start, prompt, n in runs]
+        return [c for samples in self._await(futures) for c in samples.completions]
+
+    def sample(self, prompt: list[int], adapter: str | None, n: int, spec: SampleSpec) -> Samples:
+        """`n` completions of one token-id prompt under model `adapter` (None: the base), in one request."""
+        return self._await([self._submit(self._complete, self._model(adapter), prompt, n, spec)])[0]
 
     def chat(self, model: str, messages: list[dict], max_tokens: int, temperature: float,
              seed: int | None = None) -> ChatReply:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+import numpy as np
 import torch
 
 LOSS_INPUTS: dict[str, tuple[str, ...]] = {
@@ -31,7 +32,7 @@ class LossInputError(ValueError):
     """A request's loss or its inputs are wrong: the request fails, no adapter changes."""
 
 
-def check_loss(loss_fn: str, inputs: Mapping[str, torch.Tensor], length: int, index: int) -> None:
+def check_loss(loss_fn: str, inputs: Mapping[str, torch.Tensor | np.ndarray], length: int, index: int) -> None:
     """Raise LossInputError unless datum `index` carries every input `loss_fn` needs, each `length` long."""
     if loss_fn not in LOSS_INPUTS:
         raise LossInputError(f"loss_fn {loss_fn!r} is not served; titan_lora serves {', '.join(LOSS_INPUTS)}")

@@ -155,8 +155,7 @@ class Publisher:
 
     def scale(self, slot: int, scale: float) -> None:
         """The engine scales `slot`'s adapter by `scale` (its config keeps the slot's padded rank)."""
-        config = self.source.configs[slot]
-        config["lora_alpha"] = scale * config["r"]
+        self.source.set_scale(slot, scale)
 
     def publish(self, key: str, model_id: str, slot: int, name: str) -> tuple[str, SamplerWeights, dict]:
         """Collective: `slot` into the engine as the next version, published once acknowledged; its path."""

@@ -65,7 +65,7 @@ def request_error(request: ForwardBackward, limits: Limits) -> str | None:
                 return (f"datum {i}: {key} holds token id {int(tokens.max() if tokens.max() >= 0 else tokens.min())}"
                         f" outside the vocabulary [0, {limits.vocab_size})")
         try:
-            check_loss(request.loss_fn, {k: torch.as_tensor(v) for k, v in datum.inputs.items()}, n, i)
+            check_loss(request.loss_fn, datum.inputs, n, i)
         except LossInputError as err:
             return str(err)
     return None

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from titan_lora.service.futures import FutureStore, Result
-from titan_lora.service.ledger import Ledger, Op
+from titan_lora.service.ledger import Ledger, Model, Op
 from titan_lora.service.sampling import Publisher
 from titan_lora.service.slots import AdapterSlots
 from titan_lora.service.step import Limits, Work, run_step
@@ -75,14 +75,18 @@ class Worker:
         except BaseException:
             self.ledger.forget(op.model_id)
             raise
-        model.spec = self.slots.specs[model.slot]  # a state's own spec when created from one
-        if self.publisher is not None:
-            self.publisher.scale(model.slot, self.slots.alpha / model.spec.rank)
+        self._adopt(model)  # a state's own spec when created from one
         self.ledger.created(op.model_id)
         logger.info("model %s: LoRA rank %d in slot %d", op.model_id, self.slots.specs[model.slot].rank, model.slot)
         if op.args is not None:  # the SDK awaits a LoadWeightsResponse for a create from a state
             return Result(json={"model_id": op.model_id, "path": op.args[0], "type": "load_weights"})
         return Result(json={"model_id": op.model_id, "type": "create_model"})
+
+    def _adopt(self, model: Model) -> None:
+        """The model takes its slot's spec as claimed or loaded; the engine scales the slot to match."""
+        model.spec = self.slots.specs[model.slot]
+        if self.publisher is not None:
+            self.publisher.scale(model.slot, self.slots.alpha / model.spec.rank)
 
     def _release(self, op: Op) -> None:
         """A model whose session ended: its slot is freed, its queued calls fail."""
@@ -162,7 +166,5 @@ class Worker:
     def _load_state(self, op: Op) -> Result:
         model = self.ledger.models[op.model_id]
         self._load_into(model.slot, model.key, *op.args)
-        model.spec = self.slots.specs[model.slot]  # the state's rank and parts
-        if self.publisher is not None:
-            self.publisher.scale(model.slot, self.slots.alpha / model.spec.rank)
+        self._adopt(model)  # the state's rank and parts
         return Result(json={"path": op.args[0], "type": "load_weights"})

@@ -57,6 +57,11 @@ class AdapterSetSource:
         self._part_bytes = ([sum(t.numel() * t.element_size() for t in part.values()) for part in self._parts]
                             if views else [])
 
+    def set_scale(self, adapter: int, scale: float) -> None:
+        """The engine scales `adapter` by `scale` from its next snapshot on (its config keeps the built rank:
+        a smaller rank held in it as zero rows scales as its own, alpha = scale x the built rank)."""
+        self.configs[adapter]["lora_alpha"] = scale * self.configs[adapter]["r"]
+
     def snapshot(self, version: int) -> AdapterSet | None:
         """Collective. Rank 0 gets version `version` of every adapter (views reused by the next call)."""
         gathered = self.gatherer.gather()
