@@ -6,8 +6,10 @@ GPU (one process per GPU; 8B full fine-tuning needs ~16 bytes a param, so one 80
     torchrun --nproc_per_node=4 scripts/bench_step.py --tp 2     (TP=2 x FSDP=2)
     add --compile to compile each block ([compile] enable = true) in all three variants,
     --phases to time forward, backward, clip and optimizer of the LoRA and full steps apart
+    --model qwen3_moe --flavor 30B-A3B --layers 4: Qwen3-30B-A3B's shape, LoRA on attention and every expert
 CPU smoke test:
     python scripts/bench_step.py --device cpu --flavor debugmodel --seq-len 64 --steps 2
+    python scripts/bench_step.py --device cpu --model qwen3_moe --flavor debugmodel_moe --seq-len 64 --steps 2
 
 Four variants, built one after another through titan_lora's own path (`job_from_toml`, `build_model`),
 same shape, same random token batch, bf16 params through titan_lora's FSDP2 (a 1-rank mesh on one GPU,
@@ -72,6 +74,10 @@ class Result:
     phases: dict[str, float] | None = None  # --phases: p50 ms of each phase
 
 
+# A mixture of experts: attention and every routed expert (`all-linear` leaves the experts out, docs/models.md).
+TARGETS = {"qwen3_moe": '["q_proj", "k_proj", "v_proj", "o_proj", "experts"]'}
+
+
 def job_toml(args: argparse.Namespace, variant: str) -> str:
     """The job the variant runs: the same shape and precision, with or without the "lora" converter."""
     lora = variant in LORA_VARIANTS
@@ -84,7 +90,7 @@ converters = [{'"lora"' if lora else ""}]
 rank = 16
 alpha = 32
 dtype = "bfloat16"
-target_modules = "all-linear"
+target_modules = {TARGETS.get(args.model, '"all-linear"')}
 replicate_adapters = {str(variant == "lora_replicated").lower()}
 [training]
 seq_len = {args.seq_len}
@@ -275,7 +281,7 @@ def report(args: argparse.Namespace, results: dict[str, Result], device: torch.d
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The benchmark's options."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", choices=["llama3", "qwen3"], default="llama3")
+    ap.add_argument("--model", choices=["llama3", "qwen3", "qwen3_moe"], default="llama3")
     ap.add_argument("--flavor", default="8B", help="a torchtitan flavor of --model (debugmodel for a smoke test)")
     ap.add_argument("--layers", type=int, default=0, help="override n_layers (0: the flavor's) to fit the GPU")
     ap.add_argument("--seq-len", type=int, default=2048)

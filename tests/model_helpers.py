@@ -107,11 +107,12 @@ def build_from(toml: str, *overrides: str) -> BuiltModel:
 
 @torch.no_grad()
 def randomize_adapters(model: torch.nn.Module, seed: int = 1, std: float = 0.05) -> None:
-    """Give every adapter a non-zero, seeded B (and A), identical for any sharding."""
+    """Give every adapter a non-zero, seeded B (and A), identical for any sharding (LoRA experts too)."""
     for i, (_, m) in enumerate(lora_modules(model)):
         g = torch.Generator().manual_seed(seed * 7919 + i)
-        fill_param(m.lora_A, torch.randn(m.lora_A.shape, generator=g) * std)
-        fill_param(m.lora_B, torch.randn(m.lora_B.shape, generator=g) * std)
+        for name, p in m.named_parameters(recurse=False):
+            if is_adapter_param(name):
+                fill_param(p, torch.randn(p.shape, generator=g) * std)
 
 
 class StubSdAdapter:

@@ -64,6 +64,18 @@ def tiny_qwen3(out: Path, vocab: int = 256, tied: bool = False, tokenizer_from: 
                  rope_parameters={"rope_type": "default", "rope_theta": 1e6})
 
 
+def tiny_qwen3_moe(out: Path, vocab: int = 256, tied: bool = False, tokenizer_from: Path | None = None,
+                   shard_mb: float | None = None, seed: int = 0, kv_heads: int = 2) -> Path:
+    """A Qwen3-MoE as `tiny_qwen3`, with 4 experts of width 32 (top 2, renormalised) in layer 0 and a dense
+    SwiGLU of 96 in layer 1 (`mlp_only_layers`), saved to `out`."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    return _tiny(Qwen3MoeConfig, Qwen3MoeForCausalLM, out, vocab, tied, tokenizer_from, shard_mb, seed, kv_heads,
+                 intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                 norm_topk_prob=True, mlp_only_layers=[1], head_dim=32, rms_norm_eps=1e-6,
+                 rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+
+
 def hf_toml(name: str, hf_dir: Path, rank: int = 8, alpha: int = 16) -> str:
     """A LoRA job on the checkpoint in `hf_dir` through `[model] name`; no flavor: config.json gives the shape."""
     return lora_toml(f'name = "{name}"\nhf_assets_path = "{hf_dir}"\nload_pretrained = true', rank, alpha)

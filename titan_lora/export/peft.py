@@ -74,6 +74,46 @@ def titan_rope_permute(rows: torch.Tensor, n_heads: int, head_dim: int) -> torch
     return rows.view(n_heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(rows.shape)
 
 
+EXPERT_ADAPTER = re.compile(r"lora_([AB])_(gate_up_proj|down_proj)")
+"""A routed experts module's adapter param (`LoRAExperts`): stacked (experts, r, in) / (experts, out, r)."""
+# PEFT nests its ParamWrappers in sorted target order: gate_up_proj's is the inner one (`experts.base_layer`).
+_EXPERT_WRAPPER = {"gate_up_proj": "base_layer.", "down_proj": ""}
+EXPERT_TARGET_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+"""The `target_parameters` of PEFT's adapter config for adapted experts (HF's fused expert parameters)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertLayout:
+    """One stacked expert adapter param in PEFT 0.21's layout for HF's fused expert parameters
+    (`ParamWrapper`): A's rows blocked per expert ((experts * r, in): a plain reshape), B's columns
+    interleaved ((out, r * experts), column j * experts + e being expert e's j-th: PEFT views B as (out, r,
+    experts), peft/tuners/lora/layer.py `get_delta_factors`)."""
+
+    is_a: bool
+    shape: tuple[int, int, int]
+    """The trainer's stacked shape."""
+
+    @property
+    def peft_shape(self) -> tuple[int, int]:
+        experts, rows, cols = self.shape
+        return (experts * rows, cols) if self.is_a else (rows, cols * experts)
+
+    def to_peft(self, stacked: torch.Tensor) -> torch.Tensor:
+        """The stacked tensor in PEFT's layout."""
+        return stacked.reshape(self.peft_shape) if self.is_a else stacked.permute(1, 2, 0).reshape(self.peft_shape)
+
+    def to_trainer(self, peft: torch.Tensor) -> torch.Tensor:
+        """A tensor in PEFT's layout back in the trainer's stacked one (for positions: where each goes)."""
+        experts, rows, cols = self.shape
+        return peft.reshape(self.shape) if self.is_a else peft.reshape(rows, cols, experts).permute(2, 0, 1)
+
+
+def expert_layout(name: str, shape: tuple[int, ...]) -> ExpertLayout | None:
+    """The PEFT layout of a stacked expert adapter param `name` of `shape`; None for any other param."""
+    match = EXPERT_ADAPTER.fullmatch(name.rsplit(".", 1)[-1])
+    return None if match is None else ExpertLayout(match.group(1) == "A", tuple(shape))  # type: ignore[arg-type]
+
+
 def peft_name_and_rope(name: str, layout: PeftLayout) -> tuple[str, RopeRows | None]:
     """PEFT name of adapter tensor `name`, and the RoPE rows its permutation needs (None: no permutation).
 
@@ -82,6 +122,10 @@ def peft_name_and_rope(name: str, layout: PeftLayout) -> tuple[str, RopeRows | N
     lora_A, and modules outside `layout.rope`, get None.
     """
     module, suffix = name.rsplit(".", 1)
+    expert = EXPERT_ADAPTER.fullmatch(suffix)
+    if expert is not None:  # `...mlp.experts.base_layer.lora_A.weight`: PEFT's wrapper of gate_up_proj
+        wrapper = _EXPERT_WRAPPER[expert.group(2)]
+        return f"{PEFT_PREFIX}{hf_module_name(module, layout.hf_modules)}.{wrapper}lora_{expert.group(1)}.weight", None
     rope = layout.rope.get(re.sub(r"\d+", "{}", module, count=1)) if suffix == "lora_B" else None
     return f"{PEFT_PREFIX}{hf_module_name(module, layout.hf_modules)}.{suffix}.weight", rope
 
@@ -102,13 +146,19 @@ def to_peft_names(adapter: Mapping[str, torch.Tensor], layout: PeftLayout) -> di
     out: dict[str, torch.Tensor] = {}
     for name, tensor in adapter.items():
         peft_name, rope = peft_name_and_rope(name, layout)
+        expert = expert_layout(name, tuple(tensor.shape))
+        if expert is not None:
+            tensor = expert.to_peft(tensor)
         out[peft_name] = tensor if rope is None else hf_rope_permute(tensor, rope.n_heads, rope.head_dim)
     return out
 
 
-def peft_config(cfg: LoRA, hf_target_modules: list[str], base_model_path: str = "") -> dict[str, Any]:
-    """The `adapter_config.json` contents that PEFT, vLLM and SGLang read."""
+def peft_config(cfg: LoRA, hf_target_modules: list[str], base_model_path: str = "",
+                experts: bool = False) -> dict[str, Any]:
+    """The `adapter_config.json` contents that PEFT, vLLM and SGLang read (`experts`: routed experts adapted,
+    as PEFT's `target_parameters`)."""
     return {
+        **({"target_parameters": EXPERT_TARGET_PARAMETERS} if experts else {}),
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_path,

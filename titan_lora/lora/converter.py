@@ -13,9 +13,10 @@ from collections.abc import Sequence
 
 from titan_lora.config import JobConfig, LoRA, validate_lora
 from titan_lora.config_adapters import Adapter, job_adapters
-from titan_lora.lora.layer import lora_class, lora_scale
+from titan_lora.lora.layer import lora_class, lora_experts_mixin, lora_scale
 from titan_lora.lora.multi import multi_lora_class
-from titan_lora.lora.targets import LeafNames, resolve_target_names
+from titan_lora.lora.targets import EXPERTS, LeafNames, resolve_target_names
+from titan_lora.titan.lora_experts import ExpertsLoRAConverter
 from titan_lora.titan.lora_linear import LoRAConfigConverter
 from titan_lora.titan.multi_lora_linear import AdapterTargets, MultiLoRAConfigConverter
 from titan_lora.titan.parallel import ParallelDims
@@ -40,6 +41,9 @@ class LoRAConverter:
         """The tree with the targeted linears as LoRA linears (the base is frozen once built: `freeze_base`);
         with several `[[adapters]]`, as K-adapter linears."""
         if self.adapters:
+            if any(EXPERTS in a.target_modules for a in self.adapters):
+                raise ValueError("[[adapters]] cannot target `experts` yet: several adapters on routed experts "
+                                 "are not built; adapt the experts in a one-adapter job ([lora] target_modules)")
             multi = multi_lora_converter(self.adapters, self.cfg, self.names, self.seed)
             model_config = multi(model_config)
             for adapter, targets in zip(self.adapters, multi.targets):
@@ -49,6 +53,10 @@ class LoRAConverter:
         converter = lora_converter(self.cfg, self.names, self.seed)
         model_config = converter(model_config)
         self.targets = converter.targets
+        if EXPERTS in self.cfg.target_modules:
+            experts = experts_converter(self.cfg, self.seed, first_index=len(self.targets))
+            model_config = experts(model_config)
+            self.targets = self.targets + experts.targets
         logger.info(
             "LoRA rank %d alpha %g on %d linears (%s)",
             self.cfg.rank, self.cfg.alpha, len(self.targets), self.cfg.target_modules,
@@ -64,6 +72,14 @@ def lora_converter(cfg: LoRA, names: LeafNames, seed: int = 0) -> LoRAConfigConv
         lora_class=lora_class, select=lambda linears: resolve_target_names(linears, cfg.target_modules, names),
         rank=cfg.rank, scale=lora_scale(cfg.rank, cfg.alpha, cfg.use_rslora), dropout=cfg.dropout, dtype=cfg.dtype,
         seed=seed)
+
+
+def experts_converter(cfg: LoRA, seed: int = 0, first_index: int = 0) -> ExpertsLoRAConverter:
+    """`[lora]` on every routed expert (`experts` in target_modules) as a config-tree converter (it refuses a
+    model without routed experts), seeded after the `first_index` LoRA linears."""
+    return ExpertsLoRAConverter(
+        experts_mixin=lora_experts_mixin, rank=cfg.rank, scale=lora_scale(cfg.rank, cfg.alpha, cfg.use_rslora),
+        dropout=cfg.dropout, dtype=cfg.dtype, seed=seed, first_index=first_index)
 
 
 def multi_lora_converter(adapters: Sequence[Adapter], cfg: LoRA, names: LeafNames,

@@ -21,8 +21,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-# `lora_A` / `lora_B`, and adapter k's `lora_A_<k>` / `lora_B_<k>` of a multi-adapter linear (`lora.multi`).
-_ADAPTER_LEAF = re.compile(r"lora_[AB](_\d+)?")
+from titan_lora.titan.moe import grouped_mm
+
+# `lora_A` / `lora_B`, adapter k's `lora_A_<k>` / `lora_B_<k>` of a multi-adapter linear (`lora.multi`), and
+# routed experts' `lora_A_gate_up_proj` ... `lora_B_down_proj` (`LoRAExperts`).
+_ADAPTER_LEAF = re.compile(r"lora_[AB](_\d+|_gate_up_proj|_down_proj)?")
 
 
 class LoRALayer:
@@ -45,6 +48,42 @@ class LoRALayer:
         # In place, with the scale as add's alpha: one elementwise kernel and no extra activation
         # (F.linear's backward does not need its output, so autograd allows it).
         return base.add_(update, alpha=self.scale)
+
+
+class LoRAExperts:
+    """The LoRA half of routed experts (`titan_lora.titan.lora_experts`): each expert's projections of its rows
+    plus scale * dropout(x) A_e^T B_e^T (one A for gate and up, as PEFT and vLLM), mixed in before the
+    experts' own class."""
+
+    scale: float
+    lora_dropout_p: float
+    training: bool
+
+    def gate_up(self, x: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each expert's gate and up projections plus the halves of its gate/up update."""
+        gate, up = super().gate_up(x, offsets)  # type: ignore[misc]
+        update = self._update("gate_up_proj", x, offsets)
+        return gate.add_(update[:, :gate.shape[1]], alpha=self.scale), up.add_(update[:, gate.shape[1]:],
+                                                                              alpha=self.scale)
+
+    def down(self, hidden: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Each expert's down projection plus its update."""
+        return super().down(hidden, offsets).add_(  # type: ignore[misc]
+            self._update("down_proj", hidden, offsets), alpha=self.scale)
+
+    def _update(self, adapter: str, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        a = local_part(getattr(self, f"lora_A_{adapter}")).to(x.dtype)
+        b = local_part(getattr(self, f"lora_B_{adapter}")).to(x.dtype)
+        dropped = F.dropout(x, self.lora_dropout_p, self.training) if self.lora_dropout_p else x
+        return grouped_mm(grouped_mm(dropped, a, offsets), b, offsets)
+
+
+@functools.cache
+def lora_experts_mixin(experts_cls: type) -> type:
+    """The LoRA subclass of an experts class (one per class)."""
+    if issubclass(experts_cls, LoRAExperts):
+        return experts_cls
+    return type(f"LoRA{experts_cls.__name__}", (LoRAExperts, experts_cls), {"__module__": __name__})
 
 
 @functools.cache
@@ -71,10 +110,10 @@ def clean_fqn(name: str) -> str:
     return name.replace("_checkpoint_wrapped_module.", "")
 
 
-def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALayer]]:
-    """The LoRA linears of `model` with their clean qualified names, in module order."""
+def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALayer | LoRAExperts]]:
+    """The LoRA linears and LoRA experts of `model` with their clean qualified names, in module order."""
     for name, module in model.named_modules():
-        if isinstance(module, LoRALayer):
+        if isinstance(module, LoRALayer | LoRAExperts):
             yield clean_fqn(name), module
 
 

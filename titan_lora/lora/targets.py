@@ -10,6 +10,11 @@ LeafNames = Mapping[str, str]
 """A family's linear leaf names, torchtitan -> HF/PEFT (`wq` -> `q_proj`); users may write either."""
 # Excluded from "all-linear" unless named: PEFT does the same for the output head.
 HEAD_NAMES = frozenset({"lm_head", "tok_embeddings", "embed_tokens"})
+EXPERTS = "experts"
+"""The `[lora] target_modules` entry that adapts every routed expert of a mixture-of-experts model."""
+ROUTER_SEGMENT = ".router."
+DENSE_MLP_SEGMENT = ".feed_forward."
+"""In the qualified name of an MoE router's gate: never adapted, so LoRA keeps the base model's routing."""
 
 
 def _leaf(name: str) -> str:
@@ -28,12 +33,28 @@ def resolve_targets(model: nn.Module, target_modules: list[str] | str, names: Le
 
 
 def resolve_target_names(linears: Sequence[str], target_modules: list[str] | str, names: LeafNames) -> list[str]:
-    """Of the linears' qualified names, those to adapt; raises if a named target matches nothing."""
+    """Of the linears' qualified names, those to adapt (`experts` left to the experts converter; an MoE router
+    never); raises if a named target matches nothing."""
+    routers = {_leaf(n) for n in linears if ROUTER_SEGMENT in n}
+    # In a mixture-of-experts model PEFT 0.21 reads gate_proj/up_proj/down_proj as the experts' projections
+    # (peft/utils/transformers_weight_conversion.py), so an adapter on a dense layer's MLP would load wrongly.
+    dense_mlp = {_leaf(n) for n in linears if routers and DENSE_MLP_SEGMENT in n}
+    linears = [n for n in linears if ROUTER_SEGMENT not in n and not (routers and DENSE_MLP_SEGMENT in n)]
     if target_modules == "all-linear":
         return [n for n in linears if _leaf(n) not in HEAD_NAMES]
     to_titan = {hf: titan for titan, hf in names.items()}
+    target_modules = [t for t in target_modules if t != EXPERTS]
     wanted = {to_titan.get(t, t) for t in target_modules}
     present = {_leaf(n) for n in linears}
+    router = sorted(t for t in target_modules if to_titan.get(t, t) in routers - present)
+    if router:
+        raise ValueError(f"[lora] target_modules {router} name the MoE router, which titan_lora does not adapt "
+                         "(LoRA keeps the base model's routing, and vLLM serves no adapter on it); remove it")
+    dense = sorted(t for t in target_modules if to_titan.get(t, t) in dense_mlp - present)
+    if dense:
+        raise ValueError(f"[lora] target_modules {dense} name the MLP of this mixture-of-experts model's dense "
+                         "layers, which titan_lora does not adapt: PEFT reads those names as the experts' "
+                         "projections, so the export would load wrongly; adapt `experts` instead")
     missing = sorted(t for t in target_modules if to_titan.get(t, t) not in present)
     if missing:
         hf = sorted(names[p] for p in present if p in names)

@@ -74,6 +74,7 @@ BUILT_IN_FAMILIES = {
     "llama3": "titan_lora.models.llama3:LLAMA3",
     "llama3_lora": "titan_lora.models.llama3:LLAMA3",  # the name before `llama3`, kept for old configs
     "qwen3": "titan_lora.models.qwen3:QWEN3",
+    "qwen3_moe": "titan_lora.models.qwen3_moe:QWEN3_MOE",
 }
 _FAMILIES: Registry[ModelFamily] = Registry("[model] name", "model family", BUILT_IN_FAMILIES,
                                             accept=ModelFamily)

@@ -24,6 +24,33 @@ from titan_lora.models.slices import SliceReader, local_box
 from titan_lora.titan.models import OUTPUT_HEAD, StateDictAdapter
 
 
+# torchtitan's stacked expert weights (`layers.3.moe.routed_experts.inner_experts.w1_EFD`): each expert's
+# slice is its own HF tensor (`model.layers.3.mlp.experts.<e>.gate_proj.weight`).
+_EXPERTS = re.compile(r"(.*)\.inner_experts\.(w[123]_E\w\w)")
+
+
+def _split_experts(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """`shapes` with each expert's HF tensor left out but expert 0's (the row maps probe one of each)."""
+    return {n: s for n, s in shapes.items() if not re.search(r"\.experts\.[1-9]\d*\.", n)}
+
+
+def _expert_names(sd_adapter: StateDictAdapter, name: str) -> str | None:
+    """The HF name pattern (`{}` for the expert) of a stacked expert weight, None for any other weight."""
+    if not _EXPERTS.fullmatch(name):
+        return None
+    to_hf = {titan: hf for hf, titan in sd_adapter.from_hf_map.items() if titan is not None}
+    layer = re.findall(r"\d+", name)[0]
+    return to_hf[abstract_name(name)].replace("{}", layer, 1)
+
+
+def _read_experts(reader: SliceReader, pattern: str, box: tuple[slice, ...]) -> torch.Tensor:
+    """A stacked expert weight's box, read expert by expert (each its own HF tensor)."""
+    parts = [reader.read(pattern.format(e), box[1:]) for e in range(box[0].start, box[0].stop)]
+    if parts:
+        return torch.stack(parts)
+    return torch.empty(0, *(b.stop - b.start for b in box[1:]))
+
+
 def _known(sd_adapter: StateDictAdapter, hf_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The weights the adapter maps (names it maps to None, e.g. rotary buffers, dropped); unknown: error."""
     table = sd_adapter.from_hf_map
@@ -92,16 +119,22 @@ def load_base_weights(model: nn.Module, hf_dir: str | Path, sd_adapter: StateDic
     adapters stay as initialised. Returns the reader (its byte count)."""
     files = weight_files(hf_dir)
     shapes = {n: tuple(t.shape) for n, t in _with_tied_head(weight_shapes(hf_dir), tied).items()}
-    maps = row_maps(lambda hf: sd_adapter.from_hf(_known(sd_adapter, hf)), shapes)
     params = {clean_fqn(n): p for n, p in model.named_parameters() if not is_adapter_param(n)}
-    hf_names = _hf_names(sd_adapter, list(params), set(files), tied)
+    experts = {n: hf for n in params if (hf := _expert_names(sd_adapter, n)) is not None}
+    maps = row_maps(lambda hf: sd_adapter.from_hf(_known(sd_adapter, hf)),
+                    _split_experts(shapes) if experts else shapes)
+    hf_names = _hf_names(sd_adapter, [n for n in params if n not in experts], set(files), tied)
+    hf_names.update({n: hf.format(0) for n, hf in experts.items() if hf.format(0) in files})
     missing = sorted(set(params) - set(hf_names))
     if missing:
         raise ValueError(f"checkpoint {hf_dir} lacks {len(missing)} base weights, e.g. {missing[:3]}; "
                          f"{NO_WEIGHTS_FIX}")
     reader = SliceReader(files)
     for name, param in params.items():
-        part = reader.read_rows(hf_names[name], local_box(param), maps.get(abstract_name(name)))
+        if name in experts:
+            part = _read_experts(reader, experts[name], local_box(param))
+        else:
+            part = reader.read_rows(hf_names[name], local_box(param), maps.get(abstract_name(name)))
         # A DTensor's local tensor is a view of the sharded storage (FSDP2's padded one too): copied in place.
         local = param.to_local() if isinstance(param, DTensor) else param
         if part.shape != local.shape:  # copy_ would broadcast a misshapen slice silently

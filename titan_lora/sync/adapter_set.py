@@ -32,7 +32,7 @@ class AdapterSetSource:
         for name, p in adapter_params(model):
             by_adapter[adapter_of(name)].append((name, p))
         params = [param for part in by_adapter for param in part]  # adapter by adapter: each one run of bytes
-        peft_names, layouts = peft_names_and_layouts([one_adapter_name(name) for name, _ in params], layout)
+        peft_names, layouts, _ = peft_names_and_layouts([one_adapter_name(name) for name, _ in params], layout)
         self.gatherer = ShardGatherer(params, layouts=layouts, lend=lend)
         self.names = [name for name, _ in adapters]
         self.configs = []

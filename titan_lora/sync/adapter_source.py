@@ -12,24 +12,28 @@ import torch.nn as nn
 from titan_lora.clients.base import AdapterPayload
 from titan_lora.config import LoRA
 from titan_lora.export.peft import (
-    PeftLayout, peft_config, peft_name_and_rope, save_peft_dir, titan_rope_permute,
+    PeftLayout, expert_layout, peft_config, peft_name_and_rope, save_peft_dir, titan_rope_permute,
 )
-from titan_lora.lora.layer import adapter_params, lora_modules
+from titan_lora.lora.layer import LoRAExperts, adapter_params, lora_modules
 from titan_lora.lora.targets import hf_leaf_names, leaf_names_of
 from titan_lora.sync.gather import Layout, Lend, ShardGatherer
 from titan_lora.sync.versions import versioned_name
 from titan_lora.transfer.transport import offset_in, plain_buffer
 
 
-def peft_names_and_layouts(names: list[str], layout: PeftLayout) -> tuple[list[str], list[Layout | None]]:
-    """The PEFT name of each adapter param (torchtitan names of a one-adapter model), and the row order the
-    gather writes it in: the scatter puts RoPE lora_B rows straight into HF (rotate-half) order, so no
-    per-step permute."""
+def peft_names_and_layouts(names: list[str], layout: PeftLayout, shapes: list[tuple[int, ...]] | None = None,
+                           ) -> tuple[list[str], list[Layout | None], list[tuple[int, ...] | None]]:
+    """The PEFT name of each adapter param (torchtitan names of a one-adapter model of param `shapes`), the
+    order the gather writes it in and its shape there (None: the param's): the scatter puts RoPE lora_B rows
+    straight into HF (rotate-half) order and stacked expert adapters into PEFT's layout, so no per-step
+    permute."""
     named = [peft_name_and_rope(name, layout) for name in names]
-    layouts = [None if rope is None else functools.partial(titan_rope_permute, n_heads=rope.n_heads,
-                                                            head_dim=rope.head_dim)
-               for _, rope in named]
-    return [peft for peft, _ in named], layouts
+    experts = [expert_layout(name, shape) for name, shape in zip(names, shapes or [()] * len(names))]
+    layouts = [expert.to_trainer if expert is not None else
+               None if rope is None else functools.partial(titan_rope_permute, n_heads=rope.n_heads,
+                                                           head_dim=rope.head_dim)
+               for (_, rope), expert in zip(named, experts)]
+    return [peft for peft, _ in named], layouts, [None if e is None else e.peft_shape for e in experts]
 
 
 class AdapterSource:
@@ -42,8 +46,9 @@ class AdapterSource:
         """`lend`: rank 0's gather buffer, from the emitter that will send it (`Emitter.lend_buffer`). A model
         with several adapters is published by `AdapterSetSource`."""
         params = adapter_params(model)
-        self.peft_names, layouts = peft_names_and_layouts([name for name, _ in params], layout)
-        self.gatherer = ShardGatherer(params, layouts=layouts, lend=lend)
+        self.peft_names, layouts, shapes = peft_names_and_layouts(
+            [name for name, _ in params], layout, [tuple(p.shape) for _, p in params])
+        self.gatherer = ShardGatherer(params, layouts=layouts, lend=lend, out_shapes=shapes)
         # The gatherer hands out the same views every time: one read-only mapping of them in PEFT naming
         # serves every snapshot, so the emitter recognises it and reuses its bucket plan.
         views = self.gatherer.views
@@ -51,9 +56,10 @@ class AdapterSource:
         home = self.gatherer.home
         self._home_offset = offset_in(home, next(iter(views.values()))) if home is not None else None
         self.lora_name = lora_name
-        adapted = [n for n, _ in lora_modules(model)]
+        adapted = [n for n, m in lora_modules(model) if not isinstance(m, LoRAExperts)]
         self.target_modules = hf_leaf_names(adapted, leaf_names_of(layout.hf_modules))
-        self.config: dict[str, Any] = peft_config(lora, self.target_modules, base_model_path)
+        experts = any(isinstance(m, LoRAExperts) for _, m in lora_modules(model))
+        self.config: dict[str, Any] = peft_config(lora, self.target_modules, base_model_path, experts=experts)
         self.rank = lora.rank
 
     def snapshot(self, version: int) -> AdapterPayload | None:

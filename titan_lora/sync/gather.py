@@ -57,10 +57,11 @@ def sends_its_part(param: torch.Tensor, dst_global: int) -> bool:
     return all(c == 0 for c, placement in zip(coordinate, param.placements) if placement.is_replicate())
 
 
-def _global_flat_index(param: torch.Tensor, offset: int, layout: Layout | None) -> torch.Tensor:
+def _global_flat_index(param: torch.Tensor, offset: int, layout: Layout | None,
+                       out_shape: tuple[int, ...]) -> torch.Tensor:
     """Positions, in the flat output buffer, of this rank's local elements of `param`."""
-    positions = torch.arange(offset, offset + param.numel(), dtype=torch.int64).view(param.shape)
-    if layout is not None:  # the output holds the param in another row order: move positions with it
+    positions = torch.arange(offset, offset + param.numel(), dtype=torch.int64).view(out_shape)
+    if layout is not None:  # the output holds the param in another order: move positions with it
         positions = layout(positions)
     if not isinstance(param, DTensor):
         return positions.reshape(-1)
@@ -171,17 +172,20 @@ class ShardGatherer:
         scatter: str | None = None,
         lend: Lend = plain_buffer,
         cuda_graphs: bool = True,
+        out_shapes: Sequence[tuple[int, ...] | None] | None = None,
     ) -> None:
         """`scatter`: "runs" or "index"; by default runs on CPU and one index_copy_ elsewhere. `lend`
         gives rank 0 its output buffer (the emitter's, to hand the engine with no copy). `cuda_graphs`:
-        on GPU with the index scatter, replay the pack and the scatter from CUDA graphs."""
+        on GPU with the index scatter, replay the pack and the scatter from CUDA graphs. `layouts` and
+        `out_shapes` (None: the param's) say how each output holds its param."""
         if not named_params:
             raise ValueError("no adapter parameters to gather: is the `lora` converter enabled?")
         dtypes = {p.dtype for _, p in named_params}
         if len(dtypes) != 1:
             raise ValueError(f"adapter params must share one dtype to be gathered together, got {dtypes}")
         self.names = [n for n, _ in named_params]
-        self.shapes = [tuple(p.shape) for _, p in named_params]
+        self.shapes = [tuple(shape or p.shape) for (_, p), shape in
+                       zip(named_params, out_shapes or [None] * len(named_params))]
         self.dtype = dtypes.pop()
         self.group = group
         self.dst = dst
@@ -200,8 +204,8 @@ class ShardGatherer:
         # From the first tensor's start to the last one's end: the bucket `plan_buckets` makes of them all.
         self.region_bytes = (offsets[-2] + math.prod(self.shapes[-1])) * element_size
         local_indices = [
-            _global_flat_index(p, o, lay)
-            for (_, p), o, lay, s in zip(named_params, offsets, layouts, sends) if s
+            _global_flat_index(p, o, lay, shape)
+            for (_, p), o, lay, shape, s in zip(named_params, offsets, layouts, self.shapes, sends) if s
         ]
         local_index = torch.cat(local_indices) if local_indices else torch.empty(0, dtype=torch.int64)
         self.local_numel = local_index.numel()

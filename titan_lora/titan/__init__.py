@@ -9,8 +9,9 @@ objects (the LoRA mixin's `lora_class`, target selection, run sections) come in 
 One concern a module: `configs` (titan_lora's run sections as 0.3.0's optimizer, LR, AC, compile and
 parallelism configs), `converters` (the registered model converters, which rewrite a model's config tree
 before the build), `decoder` (0.3.0 config trees from a neutral `DecoderShape`, and back), `lora_linear`
-(LoRA linears as a config-tree converter), `models` (the `Architecture`: shape to config tree, meta model,
-state-dict adapter; lm_head's logits kept whole under TP), `llama3` and `qwen3` (each architecture),
+(LoRA linears as a config-tree converter), `moe` (Qwen3-MoE's routed experts from a `MoEShape`),
+`lora_experts` (LoRA on every expert, the same way), `models` (the `Architecture`: shape to config tree, meta model,
+state-dict adapter; lm_head's logits kept whole under TP), `llama3` and `qwen3` (each architecture; qwen3 also its MoE),
 `parallel` (ParallelDims on the partial-DTensor backend, meshes, TP, activation checkpointing, compile) and
 `optim` (optimizers, LR schedules, gradient clipping).
 """

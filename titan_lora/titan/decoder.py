@@ -1,4 +1,5 @@
-"""torchtitan 0.3.0's dense decoders as config trees built from a neutral `DecoderShape`, and back.
+"""torchtitan 0.3.0's decoders (dense, or with Qwen3-MoE experts: `titan_lora.titan.moe`) as config trees
+built from a neutral `DecoderShape`, and back.
 
 Part of the seam (`titan_lora.titan`). 0.3.0 builds a model from a tree of `Module.Config` dataclasses
 (`Llama3Model.Config`, `Qwen3Model.Config`); `decoder_config` fills one from a shape with 0.3.0's public
@@ -28,6 +29,7 @@ from torchtitan.models.common.param_init import skip_param_init
 from torchtitan.protocols.module import Module
 
 from titan_lora.model_shape import DecoderShape, RopeScaling
+from titan_lora.titan.moe import moe_config, moe_shape_of
 
 __all__ = ["SplitQKVLinear", "decoder_config", "rope_config_of", "shape_of_config", "split_qkv",
            "split_all_qkv"]
@@ -105,7 +107,7 @@ def decoder_config(shape: DecoderShape, model_cls: type, block_cls: type, *, com
         return RMSNorm.Config(normalized_shape=n, eps=shape.norm_eps, param_init=_NORM_INIT)
 
     layers = []
-    for _ in range(shape.n_layers):
+    for index in range(shape.n_layers):
         attention = make_gqa_config(
             dim=shape.dim, n_heads=shape.n_heads, n_kv_heads=shape.n_kv_heads,
             # None keeps GQAttention's default (dim // n_heads); passed when it differs.
@@ -114,10 +116,13 @@ def decoder_config(shape: DecoderShape, model_cls: type, block_cls: type, *, com
             inner_attention=ScaledDotProductAttention.Config(), rope=rope_config(shape, complex_rope),
             fuse_qkv=False, qk_norm=norm(shape.head_dim) if shape.qk_norm else None)
         attention.qkv_linear = split_qkv(attention.qkv_linear)
-        layers.append(block_cls.Config(
-            attention_norm=norm(shape.dim), ffn_norm=norm(shape.dim), attention=attention,
-            feed_forward=make_ffn_config(dim=shape.dim, hidden_dim=shape.ffn_hidden_dim,
-                                         w1_param_init=_LINEAR_INIT, w2w3_param_init=_LINEAR_INIT)))
+        if shape.is_moe_layer(index):
+            ffn = {"moe": moe_config(shape.dim, shape.moe, _LINEAR_INIT, _LINEAR_INIT)}
+        else:
+            ffn = {"feed_forward": make_ffn_config(dim=shape.dim, hidden_dim=shape.ffn_hidden_dim,
+                                                   w1_param_init=_LINEAR_INIT, w2w3_param_init=_LINEAR_INIT)}
+        layers.append(block_cls.Config(attention_norm=norm(shape.dim), ffn_norm=norm(shape.dim),
+                                       attention=attention, **ffn))
     return model_cls.Config(
         dim=shape.dim, vocab_size=shape.vocab_size, enable_weight_tying=shape.tied,
         tok_embeddings=Embedding.Config(
@@ -136,9 +141,11 @@ def rope_config_of(model_config: Any) -> Any:
 
 
 def shape_of_config(config: Any, eos_id: int = 0) -> DecoderShape:  # a Decoder.Config
-    """A 0.3.0 dense decoder config tree (one of torchtitan's flavors) as a shape."""
+    """A 0.3.0 decoder config tree (one of torchtitan's flavors) as a shape."""
     block = config.layers[0]
-    attention, ffn = block.attention, block.feed_forward
+    attention = block.attention
+    moe = moe_shape_of(config)
+    dense = next((b.feed_forward for b in config.layers if getattr(b, "feed_forward", None) is not None), None)
     n_heads = attention.n_heads
     n_kv_heads = attention.n_kv_heads or n_heads
     head_dim = attention.qkv_linear.head_dim
@@ -149,6 +156,7 @@ def shape_of_config(config: Any, eos_id: int = 0) -> DecoderShape:  # a Decoder.
                               rope.original_max_position_embeddings)
     return DecoderShape(
         dim=config.dim, n_layers=len(config.layers), n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
-        ffn_hidden_dim=ffn.w1.out_features, vocab_size=config.vocab_size, norm_eps=block.attention_norm.eps,
+        ffn_hidden_dim=dense.w1.out_features if dense is not None else moe.hidden_dim,
+        vocab_size=config.vocab_size, norm_eps=block.attention_norm.eps,
         rope_theta=rope.theta, rope_scaling=scaling, qk_norm=attention.qk_norm is not None,
-        tied=config.enable_weight_tying, max_seq_len=rope.max_seq_len, eos_id=eos_id)
+        tied=config.enable_weight_tying, max_seq_len=rope.max_seq_len, eos_id=eos_id, moe=moe)

@@ -1,4 +1,4 @@
-"""torchtitan 0.3.0's Qwen3 (dense) as an `Architecture`: shapes to its config tree, its dense flavors as
+"""torchtitan 0.3.0's Qwen3 (dense, and its MoE) as `Architecture`s: shapes to its config tree, its dense flavors as
 shapes, its HF names.
 
 Part of the seam (`titan_lora.titan`): trees built here are unfused (`SplitQKVLinear`) with SDPA and
@@ -17,7 +17,7 @@ from titan_lora.model_shape import DecoderShape
 from titan_lora.titan.decoder import decoder_config
 from titan_lora.titan.models import architecture
 
-__all__ = ["QWEN3", "model_config"]
+__all__ = ["QWEN3", "QWEN3_MOE", "model_config"]
 
 
 def model_config(shape: DecoderShape) -> Any:  # Qwen3Model.Config
@@ -33,3 +33,7 @@ def _dense(flavor: str) -> bool:
 
 QWEN3 = architecture("qwen3", model_config, Qwen3StateDictAdapter, qwen3_configs, include=_dense)
 """torchtitan's dense Qwen3 flavors (its MoE ones are left out); the HF map includes the MoE weights."""
+
+QWEN3_MOE = architecture("qwen3_moe", model_config, Qwen3StateDictAdapter, qwen3_configs,
+                         include=lambda flavor: not _dense(flavor))
+"""torchtitan's Qwen3-MoE flavors (`debugmodel_moe`, `30B-A3B`, `235B-A22B`), same model class and HF map."""

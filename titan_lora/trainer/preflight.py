@@ -45,6 +45,21 @@ def check_tensor_parallel_heads(tp: int, shape: DecoderShape) -> None:
         )
 
 
+def check_moe(job_config: JobConfig, shape: DecoderShape) -> None:
+    """Refuse what a mixture-of-experts model cannot do here yet, naming why, before anything is built."""
+    if shape.moe is None:
+        return
+    if job_config.parallelism.tensor_parallel_degree > 1:
+        raise ValueError("[parallelism] tensor_parallel_degree > 1 with a mixture-of-experts model: LoRA on "
+                         "TP-sharded experts is not built (nor expert parallelism); shard it with FSDP "
+                         "([parallelism] data_parallel_shard_degree)")
+    if job_config.weight_sync.enabled:
+        raise ValueError("[weight_sync] enabled with a mixture-of-experts model: syncing its adapters into an "
+                         "engine is not built (vLLM 0.32 serves LoRA on MoE layers only with its Triton GPU "
+                         "kernels, and takes expert adapters per expert); set [weight_sync] enabled = false and "
+                         "export the adapter (`python -m titan_lora.export.vllm_moe` rewrites it for vLLM)")
+
+
 def linear_dims(shape: DecoderShape) -> dict[str, tuple[int, int]]:
     """The (in, out) features of each linear of a decoder of `shape`, by torchtitan leaf name."""
     q, kv = shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
@@ -191,6 +206,7 @@ def preflight(job_config: JobConfig, targets: list[str] | None, shape: DecoderSh
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     dp = data_parallel_size(job_config.parallelism, world_size)  # refuses degrees that do not fit the ranks
     check_tensor_parallel_heads(job_config.parallelism.tensor_parallel_degree, shape)
+    check_moe(job_config, shape)
     if targets is not None:
         check_lora_rank(job_config.lora.rank, targets, shape)
     check_sft_data(job_config, dp)
