@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -119,6 +120,36 @@ def kill_tree(pid: int) -> None:
             proc.send_signal(signal.SIGKILL)
         except psutil.NoSuchProcess:
             pass
+
+
+def kill_job_but_its_engine(job: subprocess.Popen) -> None:
+    """SIGKILL every process of the job but its engine (torchrun, ranks), as an OOM killer or a lost node
+    would; the engine (vLLM's API server and engine core, in their own session, maybe decoding) must end by
+    its own parent-death wiring within 5 s, though a graceful shutdown would wait for the running requests."""
+    import psutil
+    from process_helpers import engine_pid
+
+    engine: list[psutil.Process] = []
+    try:
+        server = psutil.Process(engine_pid(job.pid))
+        engine = [server, *server.children(recursive=True)]
+        names = [" ".join(p.cmdline()) for p in engine]
+        assert any("EngineCore" in n for n in names), f"no vLLM engine core among {names}"
+        for proc in [*psutil.Process(job.pid).children(recursive=True), psutil.Process(job.pid)]:
+            if proc not in engine:
+                proc.kill()
+        job.wait()
+        ended = time.monotonic() + 5
+        while (left := [p for p in engine if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]):
+            assert time.monotonic() < ended, f"engine processes outlived their job by 5 s: {left}"
+            time.sleep(0.1)
+    finally:
+        if job.poll() is None:
+            kill_tree(job.pid)
+            job.wait()
+        for proc in engine:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
 
 
 def scalars(tb: Path) -> dict[str, dict[int, float]]:

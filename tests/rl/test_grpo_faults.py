@@ -10,12 +10,13 @@ published version per step and the engine serving the trainer's adapter after ev
 found by the watchdog within 2 x health_timeout_s, not after the rollout timeout (600 s here). Its per-step
 rewards and trainer figures are the reference for a job resumed from its step-5 checkpoint, SIGKILLed in
 rollouts after it (all but its engine, which must end by itself within 5 s), and resumed again with the
-same command.
+same command: that test is `long` (`pytest -m long`; 73 s in CI). In the default run the async job of
+test_grpo_async.py is killed (all but its engine, which must end by itself) and resumed from a checkpoint,
+and tests/trainer/test_checkpoint_resume.py resumes a run that repeats the uninterrupted one exactly.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import re
@@ -26,8 +27,8 @@ from pathlib import Path
 
 import pytest
 from dist_helpers import free_port
-from job_helpers import (in_flight, kill_tree, launch, on_tiny_model, run_job, scalars, shipped_config, wait_for,
-                         watched_engine)
+from job_helpers import (in_flight, kill_job_but_its_engine, kill_tree, launch, on_tiny_model, run_job, scalars,
+                         shipped_config, wait_for, watched_engine)
 from process_helpers import engine_core_pid, engine_pid
 from shm_helpers import shm_segments, unlink_orphaned
 from test_grpo_learning import assert_one_version_per_step
@@ -63,35 +64,18 @@ def kill_job_in_rollouts(config: Path, log: Path, line: str, env: dict[str, str]
     """Launch the job and, once `line` is logged and rollouts are in flight, SIGKILL every process of the job
     but its engine (torchrun, ranks), as an OOM killer or a lost node would; the engine (vLLM's API server and
     engine core, in their own session, decoding) must end by its own parent-death wiring within 5 s, though a
-    graceful shutdown would wait for the running requests. Then unlink the shared-memory buffers the job
-    could not unlink itself."""
-    import psutil
-
+    graceful shutdown would wait for the running requests (`job_helpers.kill_job_but_its_engine`). Then
+    unlink the shared-memory buffers the job could not unlink itself."""
     segments_before = shm_segments()
     job = launch(config, log, env=env)
-    engine: list[psutil.Process] = []
     try:
         wait_for(lambda: line in log.read_text(), repr(line), job, log, timeout_s=900, poll_s=0.05)
         wait_for(lambda: in_flight(port, API_KEY) > 0, "rollouts in flight", job, log, poll_s=0.005)
-        server = psutil.Process(engine_pid(job.pid))
-        engine = [server, *server.children(recursive=True)]
-        names = [" ".join(p.cmdline()) for p in engine]
-        assert any("EngineCore" in n for n in names), f"no vLLM engine core among {names}"
-        for proc in [*psutil.Process(job.pid).children(recursive=True), psutil.Process(job.pid)]:
-            if proc not in engine:
-                proc.kill()
+    except BaseException:
+        kill_tree(job.pid)
         job.wait()
-        ended = time.monotonic() + 5
-        while (left := [p for p in engine if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]):
-            assert time.monotonic() < ended, f"engine processes outlived their job by 5 s: {left}"
-            time.sleep(0.1)
-    finally:
-        if job.poll() is None:
-            kill_tree(job.pid)
-            job.wait()
-        for proc in engine:
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
+        raise
+    kill_job_but_its_engine(job)
     # Other jobs' segments are still mapped and stay.
     unlink_orphaned({n for n in shm_segments() - segments_before if n.startswith("psm_")})
 
@@ -202,6 +186,7 @@ def test_grpo_job_survives_kills_and_a_wedged_engine_core_in_rollouts_and_mid_bu
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_killed_and_resumed_runs_repeat_the_reference_rewards_exactly(reference, tmp_path, smollm2_dir):
     """The README's claim: resumed from a checkpoint with the same command, the adapter reaches the fresh
     engine before the first rollout, held-out accuracy at the resume step reads the same, and the rewards of
