@@ -64,32 +64,61 @@ def _untested_env(allowed: bool) -> dict[str, str]:
     return {**env, ALLOW_UNTESTED_ENV: "1"} if allowed else env
 
 
-def test_an_untested_version_is_refused_before_the_engine_starts_and_in_a_worker() -> None:
-    refusal = f"vLLM {UNTESTED} is installed, but titan_lora's vLLM engine supports only vLLM 0.32.x"
+ALLOWED_PROBE = (
+    "import json, sys\n"
+    "from titan_lora.engines import vllm_ext\n"
+    "from vllm.lora.ops.torch_ops import lora_ops\n"
+    "print(json.dumps({'cpu_kernels': vllm_ext.CPU_KERNELS,\n"
+    "    'prompt_logprobs_fix': vllm_ext.PROMPT_LOGPROBS_FIX,\n"
+    "    'fastpath_imported': 'titan_lora.engines.vllm_fastpath' in sys.modules,\n"
+    "    'kernel_module': lora_ops.bgmv_shrink.__module__}))\n"
+)
+UNTESTED_RUNS = {  # name: (command, TITAN_LORA_ALLOW_UNTESTED_VLLM set)
     # No model is there to load: the refusal comes first, as a message, not a traceback.
-    engine = subprocess.run([sys.executable, "-m", "titan_lora.engines.vllm_openai", "/no/such/model"],
-                            env=_untested_env(False), capture_output=True, text=True, timeout=120)
+    "engine": ([sys.executable, "-m", "titan_lora.engines.vllm_openai", "/no/such/model"], False),
+    # A worker of an engine started by `vllm serve --worker-extension-cls` imports the extension.
+    "worker": ([sys.executable, "-c", "import titan_lora.engines.vllm_ext"], False),
+    "allowed": ([sys.executable, "-c", ALLOWED_PROBE], True),
+}
+
+
+@pytest.fixture(scope="module")
+def untested_runs(tmp_path_factory):
+    """name -> the finished run of UNTESTED_RUNS[name]. The three interpreters start together, each importing
+    vLLM (~10 s of one core): side by side on two cores rather than one after the other."""
+    tmp = tmp_path_factory.mktemp("untested")
+    procs = {}
+    for name, (cmd, allowed) in UNTESTED_RUNS.items():
+        with (tmp / f"{name}.out").open("w") as out, (tmp / f"{name}.err").open("w") as err:
+            procs[name] = subprocess.Popen(cmd, env=_untested_env(allowed), stdout=out, stderr=err, text=True)
+
+    def run(name: str) -> subprocess.CompletedProcess:
+        proc = procs[name]
+        proc.wait(timeout=120)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, (tmp / f"{name}.out").read_text(),
+                                           (tmp / f"{name}.err").read_text())
+
+    try:
+        yield run
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def test_an_untested_version_is_refused_before_the_engine_starts_and_in_a_worker(untested_runs) -> None:
+    refusal = f"vLLM {UNTESTED} is installed, but titan_lora's vLLM engine supports only vLLM 0.32.x"
+    engine = untested_runs("engine")
     assert engine.returncode == 1, engine.stderr
     assert refusal in engine.stderr and "Traceback" not in engine.stderr, engine.stderr
     assert "pip install torch==2.13.0 vllm==0.32.0" in engine.stderr
-    # A worker of an engine started by `vllm serve --worker-extension-cls` imports the extension.
-    worker = subprocess.run([sys.executable, "-c", "import titan_lora.engines.vllm_ext"],
-                            env=_untested_env(False), capture_output=True, text=True, timeout=120)
+    worker = untested_runs("worker")
     assert worker.returncode == 1 and f"RuntimeError: {refusal}" in worker.stderr, worker.stderr
 
 
-def test_an_allowed_untested_version_warns_once_and_leaves_vllm_as_it_is() -> None:
-    probe = (
-        "import json, sys\n"
-        "from titan_lora.engines import vllm_ext\n"
-        "from vllm.lora.ops.torch_ops import lora_ops\n"
-        "print(json.dumps({'cpu_kernels': vllm_ext.CPU_KERNELS,\n"
-        "    'prompt_logprobs_fix': vllm_ext.PROMPT_LOGPROBS_FIX,\n"
-        "    'fastpath_imported': 'titan_lora.engines.vllm_fastpath' in sys.modules,\n"
-        "    'kernel_module': lora_ops.bgmv_shrink.__module__}))\n"
-    )
-    done = subprocess.run([sys.executable, "-c", probe], env=_untested_env(True), capture_output=True,
-                          text=True, timeout=120)
+def test_an_allowed_untested_version_warns_once_and_leaves_vllm_as_it_is(untested_runs) -> None:
+    done = untested_runs("allowed")
     assert done.returncode == 0, done.stderr
     assert done.stderr.count(WARNING) == 1, done.stderr
     assert json.loads(done.stdout.splitlines()[-1]) == {
