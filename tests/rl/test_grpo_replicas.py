@@ -6,7 +6,14 @@ one published version per step, and one step's rollouts are split over both repl
 
 The job trains a tiny random Qwen3 rewarded by completion length (`job_helpers.on_tiny_model`): a step takes
 about a second, so once two steps have run without a replica the test holds the job in its rewards until
-the replica has rejoined (a revival takes an engine start, ~25 s), and both rejoins land inside the run."""
+the replica has rejoined (a revival takes an engine start, ~25 s), and both rejoins land inside the run.
+
+`long` (`pytest -m long`; 86 s of the CI run: four engine starts, two of them waited for) since 2026-12-06.
+In the default run the same quarantine, revival and rejoin logic runs on the recording fakes of
+tests/sync/test_replicas.py (a failed replica quarantined, revived with its own base verified or the base
+sent, fed the newest version and rejoined; a wedged one quarantined within its health timeout, its rollouts
+sent to the others; one version to every live replica; the router's spread and pinning), and a live
+engine's kill, wedge and restart inside a job in test_grpo_faults.py and test_grpo_async.py."""
 
 from __future__ import annotations
 
@@ -84,6 +91,7 @@ def held_until(pattern: str, hold: Path, job, log: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_grpo_job_goes_on_while_one_replica_is_killed_and_another_frozen(tmp_path, smollm2_dir):
     marker, hold = tmp_path / "bucket-pause", tmp_path / "hold"
     marker.touch()  # disarmed until the test removes it
