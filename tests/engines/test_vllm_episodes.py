@@ -24,7 +24,7 @@ import openai
 import pytest
 from model_helpers import SMOLLM2_LORA, build_from, job_config_from, randomize_adapters
 from safetensors.torch import load_file, save_file
-from vllm_helpers import (CPU, PARITY_TOL, assert_adapter_parity, rollouts_of, syncer_into,
+from vllm_helpers import (CPU, PARITY_TOL, assert_adapter_parity, rollouts_of, start_while, syncer_into,
                           verify_base_and_record_sends, vllm_engine)
 from wait_helpers import waited
 
@@ -98,13 +98,15 @@ def ctx(smollm2_dir, tmp_path_factory) -> Ctx:
                          max_model_len=MAX_LEN, base_digests=True)
     os.environ[MAX_EPISODES_ENV] = str(MAX_EPISODES)  # read by the engine process at start
     try:
-        engine.start()
+        built = start_while(engine, lambda: build_from(TRAINER))  # the trainer built during the start
+    except BaseException:
+        engine.stop()
+        raise
     finally:
         del os.environ[MAX_EPISODES_ENV]
     try:
         cfg = WeightSync(enabled=True, keep_versions=2, bucket_mb=4, timeout_s=60, retries=1,
                          retire_timeout_s=60, parity_every=0)
-        built = build_from(TRAINER)
         _, syncer = syncer_into(engine, cfg, built, job_config_from(TRAINER).lora)
         streamed = verify_base_and_record_sends(syncer, built)
         api = openai.OpenAI(base_url=engine.url + "/v1", api_key=engine.api_key, max_retries=0, timeout=300)

@@ -19,10 +19,10 @@ import psutil
 import pytest
 import torch
 from dist_helpers import free_port
-from model_helpers import randomize_adapters
+from model_helpers import SMOLLM2_LORA, build_from, randomize_adapters
 from shm_helpers import mapped_segments
 from vllm_helpers import (CPU, PARITY_TOL, alias_logprobs, assert_adapter_parity, emitter_to, max_abs_diff,
-                          rollouts_of, smollm2_engine, smollm2_trainer, syncer_into)
+                          rollouts_of, smollm2_engine, smollm2_trainer, start_while, syncer_into)
 
 from titan_lora.clients.base import Endpoint
 from titan_lora.clients.http import JsonClient
@@ -103,12 +103,12 @@ def ctx(smollm2_dir, tmp_path_factory) -> Ctx:
 
     engine = smollm2_engine(smollm2_dir, tmp_path_factory.mktemp("engine") / "engine.log")
     started = time.perf_counter()
-    engine.start()
-    FIGURES["engine_start_s"] = [time.perf_counter() - started]
     try:
+        trainer = start_while(engine, lambda: build_from(SMOLLM2_LORA))  # the trainer built during the start
+        FIGURES["engine_start_s"] = [time.perf_counter() - started]
         cfg = WeightSync(enabled=True, keep_versions=2, bucket_mb=4,
                          timeout_s=60, retries=1, retire_timeout_s=60, parity_every=0)
-        built, lora, source, syncer = smollm2_trainer(engine, cfg)
+        built, lora, source, syncer = smollm2_trainer(engine, cfg, built=trainer)
         client = JsonClient(engine.url, engine.key, timeout_s=300)
         tokenizer = AutoTokenizer.from_pretrained(built.hf_dir)
         yield Ctx(engine, built, lora, source, syncer, client, rollouts_of(engine), tokenizer,

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import openai
 import torch
@@ -23,6 +26,8 @@ from titan_lora.sync.syncer import WeightSyncer
 from titan_lora.sync.versions import AdapterVersions
 from titan_lora.trainer.build import BuiltModel
 from titan_lora.transfer.transport import TransportChoice
+
+T = TypeVar("T")
 
 PARITY_TOL = 1e-3
 CPU = torch.device("cpu")
@@ -80,6 +85,28 @@ def smollm2_engine(model_dir: Path, log: Path) -> EmbeddedEngine:
     return vllm_engine(model_dir, log)
 
 
+def start_while(engine: EmbeddedEngine, build: Callable[[], T]) -> T:
+    """Start `engine` on a thread while `build()` runs here, and return what it built once both are done:
+    the engine's start is mostly one core importing vLLM, and a trainer's build can take the other."""
+    errors: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            engine.start()
+        except BaseException as err:  # noqa: BLE001 (re-raised below, once the build is done)
+            errors.append(err)
+
+    thread = threading.Thread(target=start, name="titan-engine-start")
+    thread.start()
+    try:
+        built = build()
+    finally:
+        thread.join()  # bounded by the engine's start_timeout_s
+    if errors:
+        raise errors[0]
+    return built
+
+
 def rollouts_of(engine: EmbeddedEngine) -> OpenAIRolloutClient:
     """The OpenAI rollout client of `engine` (sample and score under an adapter name)."""
     return OpenAIRolloutClient(engine.url, engine.key, timeout_s=300)
@@ -101,10 +128,10 @@ def syncer_into(engine: EmbeddedEngine, cfg: WeightSync, built: BuiltModel, lora
 
 
 def smollm2_trainer(engine: EmbeddedEngine, cfg: WeightSync,
-                    transport: TransportChoice = TransportChoice()):
-    """Pretrained SmolLM2 + rank-8 LoRA on 1 trainer rank, its adapter source, and a syncer into
-    `engine` whose buckets take `transport` (closing the syncer stops the engine)."""
-    built = build_from(SMOLLM2_LORA)
+                    transport: TransportChoice = TransportChoice(), built: BuiltModel | None = None):
+    """Pretrained SmolLM2 + rank-8 LoRA on 1 trainer rank (`built`, when given, is that model), its adapter
+    source, and a syncer into `engine` whose buckets take `transport` (closing the syncer stops the engine)."""
+    built = built or build_from(SMOLLM2_LORA)
     lora = job_config_from(SMOLLM2_LORA).lora
     source, syncer = syncer_into(engine, cfg, built, lora, transport)
     return built, lora, source, syncer
