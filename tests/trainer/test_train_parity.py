@@ -85,17 +85,17 @@ def _one_step(rank: int, world: int, dump: str, out: str, *layout: str) -> None:
         run.close()
 
 
-def test_one_step_on_one_and_two_ranks_is_the_same(tmp_path) -> None:
-    _one_vs_two_ranks(tmp_path, "gloo")
+def test_one_step_on_one_and_two_ranks_is_the_same(tmp_path, one_rank) -> None:
+    _one_vs_two_ranks(tmp_path, one_rank, "gloo")
 
 
-def test_one_step_on_one_rank_and_under_tp2_is_the_same(tmp_path) -> None:
-    _one_vs_two_ranks(tmp_path, "gloo", *TP2)
+def test_one_step_on_one_rank_and_under_tp2_is_the_same(tmp_path, one_rank) -> None:
+    _one_vs_two_ranks(tmp_path, one_rank, "gloo", *TP2)
 
 
 @pytest.mark.slow
-def test_one_step_on_one_rank_and_under_tp2_fsdp2_is_the_same(tmp_path) -> None:
-    _one_vs_two_ranks(tmp_path, "gloo", *TP2_FSDP2, ranks=4)
+def test_one_step_on_one_rank_and_under_tp2_fsdp2_is_the_same(tmp_path, one_rank) -> None:
+    _one_vs_two_ranks(tmp_path, one_rank, "gloo", *TP2_FSDP2, ranks=4)
 
 
 SHARDED = ("--lora.no_replicate_adapters",)
@@ -104,8 +104,8 @@ REPLICAS2 = ("--parallelism.data_parallel_replicate_degree=2", "--parallelism.da
 HSDP = ("--parallelism.data_parallel_replicate_degree=2", "--parallelism.data_parallel_shard_degree=2")
 
 
-def test_one_step_on_one_rank_and_on_two_replicas_without_fsdp_is_the_same(tmp_path) -> None:
-    _one_vs_two_ranks(tmp_path, "gloo", *REPLICAS2)
+def test_one_step_on_one_rank_and_on_two_replicas_without_fsdp_is_the_same(tmp_path, one_rank) -> None:
+    _one_vs_two_ranks(tmp_path, one_rank, "gloo", *REPLICAS2)
 
 
 def _build_unsummed(rank: int, world: int) -> None:
@@ -121,44 +121,60 @@ def test_replicas_without_fsdp_and_without_replicated_adapters_are_refused_at_th
 
 
 @pytest.mark.slow
-def test_one_step_on_one_rank_and_under_hsdp_2x2_is_the_same(tmp_path) -> None:
-    _one_vs_two_ranks(tmp_path, "gloo", *HSDP, ranks=4)
+def test_one_step_on_one_rank_and_under_hsdp_2x2_is_the_same(tmp_path, one_rank) -> None:
+    _one_vs_two_ranks(tmp_path, one_rank, "gloo", *HSDP, ranks=4)
 
 
-def test_one_step_with_fsdp_sharded_adapters_on_one_and_two_ranks_is_the_same(tmp_path) -> None:
+def test_one_step_with_fsdp_sharded_adapters_on_one_and_two_ranks_is_the_same(tmp_path, one_rank) -> None:
     """`[lora] replicate_adapters = false`: adapters sharded by FSDP with the base, reduce-scattered by it."""
-    _one_vs_two_ranks(tmp_path, "gloo", *SHARDED)
+    _one_vs_two_ranks(tmp_path, one_rank, "gloo", *SHARDED)
 
 
 @pytest.mark.slow
-def test_one_step_with_fsdp_sharded_adapters_under_tp2_fsdp2_is_the_same(tmp_path) -> None:
-    _one_vs_two_ranks(tmp_path, "gloo", *TP2_FSDP2, *SHARDED, ranks=4)
+def test_one_step_with_fsdp_sharded_adapters_under_tp2_fsdp2_is_the_same(tmp_path, one_rank) -> None:
+    _one_vs_two_ranks(tmp_path, one_rank, "gloo", *TP2_FSDP2, *SHARDED, ranks=4)
 
 
 @needs_gpus(2)
-def test_one_step_on_one_and_two_gpus_is_the_same(tmp_path) -> None:
-    _one_vs_two_ranks(tmp_path, "nccl")
+def test_one_step_on_one_and_two_gpus_is_the_same(tmp_path, one_rank) -> None:
+    _one_vs_two_ranks(tmp_path, one_rank, "nccl")
 
 
 @needs_gpus(2)
-def test_one_step_with_fsdp_sharded_adapters_on_one_and_two_gpus_is_the_same(tmp_path) -> None:
-    _one_vs_two_ranks(tmp_path, "nccl", *SHARDED)
+def test_one_step_with_fsdp_sharded_adapters_on_one_and_two_gpus_is_the_same(tmp_path, one_rank) -> None:
+    _one_vs_two_ranks(tmp_path, one_rank, "nccl", *SHARDED)
 
 
 @needs_gpus(2)
-def test_one_step_on_one_gpu_and_under_tp2_is_the_same(tmp_path) -> None:
-    _one_vs_two_ranks(tmp_path, "nccl", *TP2)
+def test_one_step_on_one_gpu_and_under_tp2_is_the_same(tmp_path, one_rank) -> None:
+    _one_vs_two_ranks(tmp_path, one_rank, "nccl", *TP2)
 
 
 @needs_gpus(4)
-def test_one_step_on_one_gpu_and_under_tp2_fsdp2_is_the_same(tmp_path) -> None:
-    _one_vs_two_ranks(tmp_path, "nccl", *TP2_FSDP2, ranks=4)
+def test_one_step_on_one_gpu_and_under_tp2_fsdp2_is_the_same(tmp_path, one_rank) -> None:
+    _one_vs_two_ranks(tmp_path, one_rank, "nccl", *TP2_FSDP2, ranks=4)
 
 
-def _one_vs_two_ranks(tmp_path, backend: str, *layout: str, ranks: int = 2) -> None:
-    run_ranks(1, _one_step, str(tmp_path / "d1"), str(tmp_path / "one.pt"), backend=backend)
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """backend -> the 1-rank step every layout is compared with: it takes no layout, so it runs once per
+    backend for the module (a read-only dict of tensors)."""
+    done: dict[str, dict] = {}
+
+    def step(backend: str) -> dict:
+        if backend not in done:
+            tmp = tmp_path_factory.mktemp(f"one_rank_{backend}")
+            run_ranks(1, _one_step, str(tmp / "d1"), str(tmp / "one.pt"), backend=backend)
+            done[backend] = torch.load(tmp / "one.pt")
+        return done[backend]
+
+    return step
+
+
+def _one_vs_two_ranks(tmp_path, one_rank, backend: str, *layout: str, ranks: int = 2) -> None:
+    one = one_rank(backend)
     run_ranks(ranks, _one_step, str(tmp_path / "d2"), str(tmp_path / "two.pt"), *layout, backend=backend)
-    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    two = torch.load(tmp_path / "two.pt")
 
     assert one["base_unchanged"] and two["base_unchanged"], "a base weight changed during the step"
     assert one["tokens"] == two["tokens"] > 0, "both runs must see the same global batch"
