@@ -113,7 +113,8 @@ def test_the_sdk_trains_and_forward_agrees_with_forward_backward(service: Servic
 def _train_and_compare(client) -> None:
     assert client.get_info().lora_rank == 8
     data = _batch(client.get_tokenizer(), 0)
-    losses = [_step(client, data) for _ in range(8)]
+    # 4 steps: measured 47.6 -> 13.1, 14.3, 4.6 (0.1 of the first; 0.006 after 8)
+    losses = [_step(client, data) for _ in range(4)]
     assert losses[-1] < 0.5 * losses[0], losses
     seen = client.forward(data, "cross_entropy").result()
     trained = client.forward_backward(data, "cross_entropy").result()
