@@ -47,6 +47,17 @@ warmup_steps = 2
 """An SFT job's optimizer and schedule: AdamW at 1e-3, two warmup steps."""
 DEBUG_SFT = DEBUG_LORA + SFT_SECTIONS
 """An SFT job on the debug SmolLM2."""
+ONE_STEP_SECTIONS = """
+[optimizer]
+name = "AdamW"
+lr = 1e-3
+weight_decay = 0.0
+[lr_scheduler]
+warmup_steps = 0
+[checkpoint]
+enable = false
+"""
+"""A one-step comparison's optimizer: AdamW at 1e-3 from the first step (no warmup), no checkpoint."""
 
 
 TP2 = ("--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1",

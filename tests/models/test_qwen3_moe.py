@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 from dist_helpers import run_ranks
-from model_helpers import build_from, full_copy, job_config_from, lora_toml, randomize_adapters
+from model_helpers import (ONE_STEP_SECTIONS, build_from, full_copy, job_config_from, lora_toml,
+                           randomize_adapters)
 from tiny_checkpoints import SMOLLM2_VOCAB, hf_model, tiny_qwen3_moe
 
 from titan_lora.export.vllm_moe import to_vllm_moe
@@ -167,23 +168,13 @@ def test_vllm_loads_the_per_expert_export_with_each_experts_update(exported, tmp
             torch.testing.assert_close(theirs, scale * update, rtol=1e-5, atol=1e-6)
 
 
-SFT = """
-[optimizer]
-name = "AdamW"
-lr = 1e-3
-weight_decay = 0.0
-[lr_scheduler]
-warmup_steps = 0
-[checkpoint]
-enable = false
-"""
 SHARDED = ("--lora.no_replicate_adapters",)
 
 
 def _one_step(rank: int, world: int, toml: str, dump: str, out: str, *layout: str) -> None:
     from titan_lora.train import TrainingRun
 
-    cfg = job_config_from(toml + SFT, f"--job.dump_folder={dump}", "--training.global_batch_size=4",
+    cfg = job_config_from(toml + ONE_STEP_SECTIONS, f"--job.dump_folder={dump}", "--training.global_batch_size=4",
                           f"--training.local_batch_size={4 // world}", "--training.steps=1",
                           f"--data.path={REPO / 'titan_lora/data/arith_sft.jsonl'}", *layout)
     run = TrainingRun(cfg)

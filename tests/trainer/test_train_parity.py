@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from dist_helpers import needs_gpus, run_ranks
-from model_helpers import DEBUG_LORA, TP2, TP2_FSDP2, full_copy, job_config_from, randomize_adapters
+from model_helpers import (DEBUG_LORA, ONE_STEP_SECTIONS, TP2, TP2_FSDP2, full_copy, job_config_from,
+                           randomize_adapters)
 
 from torch.distributed.tensor import DTensor
 
@@ -18,16 +19,7 @@ from titan_lora.lora.layer import adapter_params, is_adapter_param
 from titan_lora.titan.lora_linear import fill_param
 
 REPO = Path(__file__).resolve().parents[2]
-TRAIN = DEBUG_LORA + """
-[optimizer]
-name = "AdamW"
-lr = 1e-3
-weight_decay = 0.0
-[lr_scheduler]
-warmup_steps = 0
-[checkpoint]
-enable = false
-"""
+TRAIN = DEBUG_LORA + ONE_STEP_SECTIONS
 
 
 @torch.no_grad()
