@@ -104,8 +104,8 @@ class ExpertLayout:
 
     def to_trainer(self, peft: torch.Tensor) -> torch.Tensor:
         """A tensor in PEFT's layout back in the trainer's stacked one (for positions: where each goes)."""
-        experts, rows, cols = self.shape
-        return peft.reshape(self.shape) if self.is_a else peft.reshape(rows, cols, experts).permute(2, 0, 1)
+        _, rows, cols = self.shape
+        return peft.reshape(self.shape) if self.is_a else peft.reshape(rows, cols, -1).permute(2, 0, 1)
 
 
 def expert_layout(name: str, shape: tuple[int, ...]) -> ExpertLayout | None:

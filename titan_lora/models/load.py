@@ -26,7 +26,7 @@ from titan_lora.titan.models import OUTPUT_HEAD, StateDictAdapter
 
 # torchtitan's stacked expert weights (`layers.3.moe.routed_experts.inner_experts.w1_EFD`): each expert's
 # slice is its own HF tensor (`model.layers.3.mlp.experts.<e>.gate_proj.weight`).
-_EXPERTS = re.compile(r"(.*)\.inner_experts\.(w[123]_E\w\w)")
+_EXPERTS = re.compile(r".*\.inner_experts\.w[123]_E\w\w")
 
 
 def _split_experts(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
@@ -34,11 +34,15 @@ def _split_experts(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, .
     return {n: s for n, s in shapes.items() if not re.search(r"\.experts\.[1-9]\d*\.", n)}
 
 
-def _expert_names(sd_adapter: StateDictAdapter, name: str) -> str | None:
+def _to_hf(sd_adapter: StateDictAdapter) -> dict[str, str]:
+    """Abstract torchtitan weight name -> abstract HF name: the adapter's `from_hf_map` read backwards."""
+    return {titan: hf for hf, titan in sd_adapter.from_hf_map.items() if titan is not None}
+
+
+def _expert_names(to_hf: dict[str, str], name: str) -> str | None:
     """The HF name pattern (`{}` for the expert) of a stacked expert weight, None for any other weight."""
     if not _EXPERTS.fullmatch(name):
         return None
-    to_hf = {titan: hf for hf, titan in sd_adapter.from_hf_map.items() if titan is not None}
     layer = re.findall(r"\d+", name)[0]
     return to_hf[abstract_name(name)].replace("{}", layer, 1)
 
@@ -97,10 +101,8 @@ def check_weights(model: nn.Module, hf_dir: str | Path, sd_adapter: StateDictAda
                          f"{'; '.join(wrong[:3])}; check config.json against the weights")
 
 
-def _hf_names(sd_adapter: StateDictAdapter, titan_names: list[str], hf_names: set[str],
-              tied: bool) -> dict[str, str]:
-    """torchtitan weight -> the HF weight it is read from: the adapter's `from_hf_map` read backwards."""
-    to_hf = {titan: hf for hf, titan in sd_adapter.from_hf_map.items() if titan is not None}
+def _hf_names(to_hf: dict[str, str], titan_names: list[str], hf_names: set[str], tied: bool) -> dict[str, str]:
+    """torchtitan weight -> the HF weight it is read from (`to_hf`: `_to_hf` of the state-dict adapter)."""
     out = {}
     for name in titan_names:
         hf = to_hf.get(abstract_name(name))
@@ -120,10 +122,11 @@ def load_base_weights(model: nn.Module, hf_dir: str | Path, sd_adapter: StateDic
     files = weight_files(hf_dir)
     shapes = {n: tuple(t.shape) for n, t in _with_tied_head(weight_shapes(hf_dir), tied).items()}
     params = {clean_fqn(n): p for n, p in model.named_parameters() if not is_adapter_param(n)}
-    experts = {n: hf for n in params if (hf := _expert_names(sd_adapter, n)) is not None}
+    to_hf = _to_hf(sd_adapter)
+    experts = {n: hf for n in params if (hf := _expert_names(to_hf, n)) is not None}
     maps = row_maps(lambda hf: sd_adapter.from_hf(_known(sd_adapter, hf)),
                     _split_experts(shapes) if experts else shapes)
-    hf_names = _hf_names(sd_adapter, [n for n in params if n not in experts], set(files), tied)
+    hf_names = _hf_names(to_hf, [n for n in params if n not in experts], set(files), tied)
     hf_names.update({n: hf.format(0) for n, hf in experts.items() if hf.format(0) in files})
     missing = sorted(set(params) - set(hf_names))
     if missing:

@@ -56,9 +56,10 @@ class AdapterSource:
         home = self.gatherer.home
         self._home_offset = offset_in(home, next(iter(views.values()))) if home is not None else None
         self.lora_name = lora_name
-        adapted = [n for n, m in lora_modules(model) if not isinstance(m, LoRAExperts)]
+        modules = list(lora_modules(model))
+        adapted = [n for n, m in modules if not isinstance(m, LoRAExperts)]
         self.target_modules = hf_leaf_names(adapted, leaf_names_of(layout.hf_modules))
-        experts = any(isinstance(m, LoRAExperts) for _, m in lora_modules(model))
+        experts = len(adapted) < len(modules)
         self.config: dict[str, Any] = peft_config(lora, self.target_modules, base_model_path, experts=experts)
         self.rank = lora.rank
 
