@@ -7,7 +7,8 @@ at test time, adapters on attention and on every expert.
 - the export rewritten per expert is loaded by vLLM 0.32's own LoRA code (its rank check, its unexpected-module
   check, its MoE packing): each expert's gate/up/down update there == the trainer's B_e A_e * scale;
 - one SFT step on 1 rank == on 2 FSDP ranks with the expert adapters sharded too;
-- the router and the dense layers' MLP refused as targets, `experts` refused on a dense family.
+- the router and the dense layers' MLP refused as targets, `experts` refused on a dense family, a sync of
+  expert adapters refused (attention adapters sync: tests/engines/test_vllm_qwen3_moe.py).
 """
 
 from __future__ import annotations
@@ -71,10 +72,12 @@ def test_the_router_and_dense_mlps_of_an_moe_are_refused_and_experts_on_a_dense_
         build_from(dense)
 
 
-def test_a_sync_or_tp_of_an_moe_is_refused_before_the_build(tmp_path, monkeypatch) -> None:
-    toml = _toml(tiny_qwen3_moe(tmp_path / "hf"))
-    with pytest.raises(ValueError, match=r"\[weight_sync\] enabled with a mixture-of-experts model"):
+def test_a_sync_of_expert_adapters_or_tp_of_an_moe_is_refused_before_the_build(tmp_path, monkeypatch) -> None:
+    hf_dir = tiny_qwen3_moe(tmp_path / "hf")
+    toml = _toml(hf_dir)
+    with pytest.raises(ValueError, match=r"\[weight_sync\] enabled with adapters on the experts.*drop \"experts\""):
         job_config_from(toml, "--weight_sync.enabled")
+    job_config_from(_toml(hf_dir, '["q_proj", "o_proj"]'), "--weight_sync.enabled")  # attention only: synced
     monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it for 2 ranks
     with pytest.raises(ValueError, match="TP-sharded experts is not built"):
         job_config_from(toml, "--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1")

@@ -14,24 +14,15 @@ change between releases; this module is the one place that names them, in two ti
   depend on layer classes, weight containers, LRU-manager fields and kernel signatures that a release
   may change without notice, so on any other version (run only with the opt-in below) they are off,
   and each worker says so once.
-- the fixes of vLLM bugs titan_lora's users meet (`score_prompt_rows_under_their_adapter`): on any
-  version that has the names they patch, since without them the engine fails; each acts only where the
-  inputs are laid out as the fix expects, and leaves vLLM's behaviour otherwise.
+- the fixes of vLLM bugs titan_lora's users meet (`score_prompt_rows_under_their_adapter`,
+  `serve_moe_models_on_cpu`): on any version that has the names they patch, since without them
+  the engine fails; each acts only where the inputs are laid out as the fix expects, and leaves vLLM's
+  behaviour otherwise.
 
 The version check (TESTED_SERIES, the pins scripts/setup.sh installs, the refusal of any other release
 and its opt-in TITAN_LORA_ALLOW_UNTESTED_VLLM=1) is `titan_lora.transfer.vllm_release`; the trainer's
-preflight runs it too. What vLLM 0.33.0 would need (read from its wheel; details in docs/gpu.md):
-- the OpenAI tier: `make_arg_parser` and `validate_parsed_serve_args` moved to
-  entrypoints/common/cli_args.py:431,531 and `cli_env_setup` to entrypoints/common/startup.py:131
-  (0.33 cannot even parse the engine's flags without them);
-- the fast tier: `BaseClassificationHeadWithLoRA` (lora/layers/classifier.py:14) is the class to send
-  through vLLM's own activation (a new token-level head beside ours); `activate_adapter` claims its slot
-  after the writes (lora/model_manager.py:410-411); the CPU ops now skip index -1 and leave those rows
-  untouched (lora/ops/torch_ops/lora_ops.py:31-57, 84-92, 133-150), which the grouped kernels must match;
-- the adapter drop is not new: a base reload (`reload_weights`, v1/worker/gpu_model_runner.py:5241) or a
-  weight-transfer update (v1/worker/gpu_worker.py:1654) calls `reset_lora_state`, as 0.32 does (:5302,
-  :1604); `reload_base`'s caller re-adds every stored adapter, from memory.
-Every other name here is unchanged in 0.33.0.
+preflight runs it too. What vLLM 0.33.0 changes in these names (the OpenAI tier's moved parsers, the fast
+tier's classifier head, slot claim and CPU index -1) is in docs/gpu.md; the others are unchanged there.
 """
 
 from __future__ import annotations
@@ -345,6 +336,50 @@ def score_prompt_rows_under_their_adapter() -> bool:
     setattr(lora_logits, _PATCHED, True)
     GPUModelRunner._get_prompt_logprobs_dict = get_prompt_logprobs_dict
     LogitsProcessorWithLoRA._get_logits = lora_logits
+    return True
+
+
+def serve_moe_models_on_cpu() -> bool:
+    """Two fixes for a CPU engine on a mixture-of-experts model; False if this vLLM lacks the names.
+    - LoRA on: vLLM 0.32 forces every unquantized MoE layer onto its Triton kernels
+      (fused_moe/oracle/unquantized.py:234) and wraps it in a LoRA layer with no CPU path: the engine dies in
+      its first forward (`triton.language` has no `bfloat16`). Here the experts keep the CPU kernels and are
+      never LoRA layers (expert LoRA is GPU-only in vLLM); attention and dense layers still are.
+    - A base reload: a weight update skips the CPU experts' prepacking
+      (unquantized_fused_moe_method.py:191-205), so the kernel reads the fresh weights as packed ones and
+      serves another model (0.018 max log-prob change reloading a tiny model's own checkpoint). Here they are
+      prepacked again, where no padding of the intermediate size is involved (it would be applied twice)."""
+    try:
+        from vllm.lora.layers import fused_moe as lora_moe
+        from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    except ImportError:
+        return False
+    if getattr(FusedMoEConfig, _PATCHED, False):
+        return True
+    post_init, setup_kernel = FusedMoEConfig.__post_init__, UnquantizedFusedMoEMethod._setup_kernel
+
+    def cpu_experts(self: FusedMoEConfig) -> None:
+        self.is_lora_enabled = False
+        post_init(self)
+
+    def setup_and_prepack(self: UnquantizedFusedMoEMethod, layer: Any, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        update = self.moe_kernel is not None
+        setup_kernel(self, layer, w13, w2)
+        experts = self.moe_kernel.fused_experts
+        if update and isinstance(experts, CPUUnquantizedExperts):
+            if experts._padded_intermediate_size(layer.moe_config) != layer.moe_config.intermediate_size_per_partition:
+                logger.warning("the CPU experts of %s pad their intermediate size: a base reload serves them "
+                               "unpacked (vLLM 0.32)", type(layer).__name__)
+                return
+            experts.process_weights_after_loading(layer)
+
+    FusedMoEConfig.__post_init__ = cpu_experts
+    UnquantizedFusedMoEMethod._setup_kernel = setup_and_prepack
+    for wrapper in (lora_moe.FusedMoEWithLoRA, lora_moe.FusedMoE3DWithLoRA):
+        wrapper.can_replace_layer = classmethod(lambda cls, *args, **kwargs: False)
+    setattr(FusedMoEConfig, _PATCHED, True)
     return True
 
 

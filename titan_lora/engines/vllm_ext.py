@@ -48,6 +48,8 @@ else:
 # Without it a CPU engine core dies when a prompt-logprobs request shares a batch (on any vLLM that has
 # the names it patches).
 PROMPT_LOGPROBS_FIX = compat.is_cpu() and compat.score_prompt_rows_under_their_adapter()
+# Without it a CPU engine on a mixture-of-experts model dies with LoRA on, and serves garbage after a base reload.
+MOE_ON_CPU_FIX = compat.is_cpu() and compat.serve_moe_models_on_cpu()
 
 logger = logging.getLogger(__name__)
 ADAPTER_SCHEME = compat.MEMORY_SCHEME

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from titan_lora.export.peft import PeftLayout, hf_rope_permute
 from titan_lora.lora.layer import clean_fqn, is_adapter_param, local_part
-from titan_lora.sync.base_stream import hf_name_of
+from titan_lora.sync.base_stream import hf_names_of
 from titan_lora.sync.gather import sends_its_part
 from titan_lora.transfer.digest import as_matrix, block_digest, fold
 
@@ -65,6 +65,20 @@ def _partial(hf_name: str, titan_name: str, param: torch.Tensor, layout: PeftLay
     return block_digest(hf_name, local.to(dtype), row_index, col_index)
 
 
+def _expert_partials(hf_names: list[str], param: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
+    """This rank's two lanes of each expert's digest of a stacked expert weight (experts, out, in): a rank
+    holds whole experts (FSDP shards dim 0), zeros for the others'."""
+    local = local_part(param).detach()
+    lanes = [torch.zeros(2, dtype=torch.int64, device=local.device) for _ in hf_names]
+    if not sends_its_part(param, 0) or local.numel() == 0:
+        return lanes
+    experts_here = _local_index(param, torch.arange(len(hf_names), device=local.device).view(-1, 1, 1), 0)
+    rows, cols = (torch.arange(n, device=local.device) for n in local.shape[1:])
+    for j, expert in enumerate(experts_here.tolist()):
+        lanes[expert] = block_digest(hf_names[expert], local[j].to(dtype), rows, cols)
+    return lanes
+
+
 def base_digests(model: nn.Module, sd_adapter, layout: PeftLayout, tied_embeddings: bool,  # noqa: ANN001
                  dtype: torch.dtype | None = None) -> dict[str, str]:
     """Collective: HF name -> digest of every base weight the engine holds (a tied `lm_head` is the
@@ -74,11 +88,15 @@ def base_digests(model: nn.Module, sd_adapter, layout: PeftLayout, tied_embeddin
         if is_adapter_param(name):
             continue
         titan_name = clean_fqn(name)
-        hf_name = hf_name_of(sd_adapter, titan_name, param)
-        if hf_name is None or (tied_embeddings and hf_name == "lm_head.weight"):
+        hf_names = hf_names_of(sd_adapter, titan_name, param)
+        if len(hf_names) > 1:  # a stacked expert weight: one HF tensor per expert
+            names.extend(hf_names)
+            parts.extend(_expert_partials(hf_names, param, dtype or param.dtype))
             continue
-        names.append(hf_name)
-        parts.append(_partial(hf_name, titan_name, param, layout, dtype or param.dtype))
+        if not hf_names or (tied_embeddings and hf_names[0] == "lm_head.weight"):
+            continue
+        names.append(hf_names[0])
+        parts.append(_partial(hf_names[0], titan_name, param, layout, dtype or param.dtype))
     if not parts:
         return {}
     lanes = torch.stack(parts)

@@ -29,22 +29,24 @@ def base_weights_source(model: nn.Module, sd_adapter, tied_embeddings: bool) -> 
         for name, param in model.named_parameters():
             if is_adapter_param(name):
                 continue
-            hf_name = hf_name_of(sd_adapter, clean_fqn(name), param)  # same on every rank: no collective
-            if hf_name is None or (tied_embeddings and hf_name == "lm_head.weight"):
-                continue  # the engine ties lm_head to the embedding itself
-            if only is not None and hf_name not in only:
-                continue  # `only` is the same on every rank: the same gathers run everywhere
+            hf_names = [n for n in hf_names_of(sd_adapter, clean_fqn(name), param)  # same on every rank
+                        if not (tied_embeddings and n == "lm_head.weight")]  # the engine ties it itself
+            if only is not None:
+                hf_names = [n for n in hf_names if n in only]  # `only` is the same on every rank
+            if not hf_names:
+                continue  # the same gathers run everywhere
             full = param.full_tensor() if isinstance(param, DTensor) else param.detach()
             if rank0:
-                # to_hf handles one tensor at a time: it renames and permutes wq/wk rows per key.
-                (_, hf), = sd_adapter.to_hf({clean_fqn(name): full}).items()
-                yield hf_name, hf
+                # to_hf renames, permutes wq/wk rows per key and splits stacked experts into one per expert.
+                for hf_name, hf in sd_adapter.to_hf({clean_fqn(name): full}).items():
+                    if hf_name in hf_names:
+                        yield hf_name, hf
             del full  # other ranks: nothing kept
 
     return stream
 
 
-def hf_name_of(sd_adapter, name: str, param: torch.Tensor) -> str | None:  # noqa: ANN001
-    """The HF name `name` maps to (None: the engine has no such weight), found on a meta tensor."""
-    mapped = sd_adapter.to_hf({name: torch.empty(param.shape, device="meta")})
-    return next(iter(mapped), None)
+def hf_names_of(sd_adapter, name: str, param: torch.Tensor) -> list[str]:  # noqa: ANN001
+    """The HF names weight `name` maps to, found on a meta tensor: one, or one per expert for a stacked
+    expert weight; none where the engine has no such weight."""
+    return list(sd_adapter.to_hf({name: torch.empty(param.shape, device="meta")}))

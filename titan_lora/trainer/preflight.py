@@ -11,7 +11,7 @@ import torch
 from titan_lora.clients.kinds import EngineKind, engine_kind
 from titan_lora.config import Engine, JobConfig, attached_urls
 from titan_lora.config_adapters import job_adapters
-from titan_lora.lora.targets import hf_leaf_names
+from titan_lora.lora.targets import EXPERTS, hf_leaf_names
 from titan_lora.model_shape import DecoderShape
 from titan_lora.models.family import model_family
 from titan_lora.titan.parallel import data_parallel_size
@@ -53,11 +53,13 @@ def check_moe(job_config: JobConfig, shape: DecoderShape) -> None:
         raise ValueError("[parallelism] tensor_parallel_degree > 1 with a mixture-of-experts model: LoRA on "
                          "TP-sharded experts is not built (nor expert parallelism); shard it with FSDP "
                          "([parallelism] data_parallel_shard_degree)")
-    if job_config.weight_sync.enabled:
-        raise ValueError("[weight_sync] enabled with a mixture-of-experts model: syncing its adapters into an "
-                         "engine is not built (vLLM 0.32 serves LoRA on MoE layers only with its Triton GPU "
-                         "kernels, and takes expert adapters per expert); set [weight_sync] enabled = false and "
-                         "export the adapter (`python -m titan_lora.export.vllm_moe` rewrites it for vLLM)")
+    targets = job_config.lora.target_modules
+    if job_config.weight_sync.enabled and isinstance(targets, list) and EXPERTS in targets:
+        raise ValueError("[weight_sync] enabled with adapters on the experts: the engine side takes adapters on "
+                         "attention (and the dense layers) of a mixture-of-experts model, not on its experts "
+                         "(vLLM 0.32 serves expert LoRA only with its Triton GPU kernels, not run here); drop "
+                         '"experts" from [lora] target_modules, or set [weight_sync] enabled = false and export '
+                         "the adapter (`python -m titan_lora.export.vllm_moe` rewrites it for vLLM)")
 
 
 def linear_dims(shape: DecoderShape) -> dict[str, tuple[int, int]]:
