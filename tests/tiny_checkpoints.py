@@ -13,6 +13,30 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 SMOLLM2_VOCAB = 49152
 
 
+CHAR_VOCAB = 128
+"""The ids of `char_tokenizer`'s vocabulary (3 specials, newline and printable ASCII, padded)."""
+CHAR_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'][0] }}: {{ m['content'] }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}a: {% endif %}")
+
+
+def char_tokenizer(out: Path) -> Path:
+    """A one-character-a-token tokenizer (<unk> 0, <s> 1, </s> 2, then newline and printable ASCII) with a
+    chat template, saved to `out`: a random model of CHAR_VOCAB ids samples digits often enough to be
+    rewarded on arithmetic, which one of SmolLM2's 49152 ids never is."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = ["<unk>", "<s>", "</s>", "\n", *(chr(c) for c in range(32, 127))]
+    backend = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                        unk_token="<unk>", pad_token="<unk>")
+    tokenizer.chat_template = CHAR_CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(out))
+    return out
+
+
 def _randomize_norms(model: torch.nn.Module) -> None:
     with torch.no_grad():  # HF's init leaves norms at 1; random norms exercise the mapping more
         for name, p in model.named_parameters():

@@ -62,16 +62,22 @@ def on_tiny_model(config: Path, smollm2_dir: Path) -> dict[str, str]:
     from tiny_checkpoints import SMOLLM2_VOCAB, tiny_qwen3
 
     tmp = config.parent
-    hf_dir = tiny_qwen3(tmp / "tiny_qwen3", vocab=SMOLLM2_VOCAB, tokenizer_from=smollm2_dir)
     (tmp / "length_reward.py").write_text(LENGTH_REWARD)
+    on_checkpoint(config, "qwen3", tiny_qwen3(tmp / "tiny_qwen3", vocab=SMOLLM2_VOCAB, tokenizer_from=smollm2_dir),
+                  {r"^reward = .*$": 'reward = "length_reward:by_length"'})
+    return {"PYTHONPATH": os.pathsep.join([str(tmp), os.environ.get("PYTHONPATH", "")])}
+
+
+def on_checkpoint(config: Path, family: str, hf_dir: Path, more: dict[str, str] | None = None) -> None:
+    """`config` (a shipped SmolLM2 job) rewritten to train `family` from the checkpoint in `hf_dir`, with the
+    engine's length the model's own positions and each line matching a pattern of `more` replaced."""
     text = config.read_text()
-    for pattern, line in ((r'^name = "smollm2"$', f'name = "qwen3"\nhf_assets_path = "{hf_dir}"'),
-                          (r"^flavor = .*\n", ""), (r"^reward = .*$", 'reward = "length_reward:by_length"'),
-                          (r"^\[engine\]$", "[engine]\nmax_model_len = 256")):  # the model's own positions
+    for pattern, line in ((r'^name = "smollm2"$', f'name = "{family}"\nhf_assets_path = "{hf_dir}"'),
+                          (r"^flavor = .*\n", ""), (r"^\[engine\]$", "[engine]\nmax_model_len = 256"),
+                          *(more or {}).items()):
         text, n = re.subn(pattern, line, text, count=1, flags=re.M)
         assert n == 1, f"{pattern} not found in {config}"
     config.write_text(text)
-    return {"PYTHONPATH": os.pathsep.join([str(tmp), os.environ.get("PYTHONPATH", "")])}
 
 
 def watched_engine(config: Path, port: int, api_key: str, health_timeout_s: float) -> Path:
