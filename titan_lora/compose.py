@@ -277,7 +277,8 @@ def check_plugins(job_config: JobConfig) -> Task | None:
 def multi_grpo_objective(job_config: JobConfig, tokenizer, engine: EngineRollouts | None,  # noqa: ANN001
                          dp: DataParallelInfo, device: torch.device, metrics: MetricsLogger) -> MultiGRPOObjective:
     """GRPO on every `[[adapters]]` table: each its own `[grpo]` keys (task, reward, seed, temperature, ...),
-    its family of versions and its record (`rollouts_<name>.jsonl`), trained in one batch (sync loop)."""
+    its family of versions and its record (`rollouts_<name>.jsonl`), trained in one step (sync loop), in one
+    forward or one per adapter (`[grpo] adapter_batches`)."""
     objectives, names = [], []
     for k, adapter in enumerate(job_adapters(job_config)):
         grpo = adapter_section(adapter, "grpo", job_config.grpo)
@@ -287,7 +288,9 @@ def multi_grpo_objective(job_config: JobConfig, tokenizer, engine: EngineRollout
                                         metrics.prefixed(f"{adapter.name}/"), sample_source(grpo), record,
                                         adapter.name))
         names.append(adapter.name)
-    return MultiGRPOObjective(objectives, names, engine)
+    each = job_config.grpo.adapter_batches == "each" or (job_config.grpo.adapter_batches == "auto"
+                                                         and device.type == "cpu")
+    return MultiGRPOObjective(objectives, names, engine, backward_each=each)
 
 
 def build_objective(job_config: JobConfig, hf_dir: str, dims: ParallelDims, device: torch.device, metrics: MetricsLogger,

@@ -195,6 +195,11 @@ class GRPO:
     """Seed of the task's problems and of the rollouts' sampling."""
     rollouts: bool = True
     """false: no engine rollouts (GPU timing without an inference engine); samples come from the data."""
+    adapter_batches: str = "auto"
+    """Several [[adapters]]: "one" runs every adapter's rows in one forward and one backward (the base computes
+    once: fastest where memory allows, a GPU); "each" runs a forward and a backward per adapter, the gradients
+    accumulating (activations of one adapter's rows at a time: K adapters in near one job's memory, and as
+    fast on CPU); "auto": "each" on CPU, "one" on GPU."""
 
 
 @dataclass
@@ -397,6 +402,7 @@ def validate_weight_sync(cfg: WeightSync) -> None:
 
 
 GRPO_LOOPS = ("sync", "async")
+ADAPTER_BATCHES = ("auto", "one", "each")
 
 
 def versions_needed(cfg: GRPO) -> int:
@@ -412,6 +418,9 @@ def validate_grpo(cfg: GRPO, weight_sync: WeightSync) -> None:
     raise_range_errors("grpo", cfg)
     if cfg.loop not in GRPO_LOOPS:
         raise ValueError(f'[grpo] loop = {cfg.loop!r}: use "sync" or "async"')
+    if cfg.adapter_batches not in ADAPTER_BATCHES:
+        raise ValueError(f'[grpo] adapter_batches = {cfg.adapter_batches!r}: use "auto", "one" (every adapter\'s '
+                         'rows in one forward) or "each" (a forward and backward per adapter)')
     if not cfg.enabled:
         return
     if cfg.prompts_per_step > cfg.train_size:

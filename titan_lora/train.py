@@ -27,6 +27,7 @@ from titan_lora.lora.finite import NonFiniteAdapterError, first_nonfinite_adapte
 from titan_lora.lora.multi import adapter_of
 from titan_lora.lora.multi_optim import adapter_optimizer_groups, clip_per_adapter
 from titan_lora.lora.multi_rows import route
+from titan_lora.lora.replicated import one_sum_for_the_step
 from titan_lora.models.resolve import ResolvedModel
 from titan_lora.rl.prompt_lengths import check_prompt_lengths
 from titan_lora.rl.task import Task
@@ -99,9 +100,11 @@ class TrainingRun:
     def train_step(self) -> dict[str, float]:
         """One optimizer step; returns its metrics."""
         self.optimizers.zero_grad()
-        loss, metrics = self.objective.loss(self.model, self.step)
         try:
-            loss.backward()
+            with one_sum_for_the_step(self.model):  # replicated adapters: one sum over the ranks, after every backward
+                loss, metrics = self.objective.loss(self.model, self.step)
+                if loss.requires_grad:  # else the objective ran its backwards (one per adapter)
+                    loss.backward()
         finally:
             route(self.model, None)  # several adapters: the rows the objective routed for this step
         if self.adapters:  # each adapter clipped by its own norm; one with a NaN/Inf gradient skips the step

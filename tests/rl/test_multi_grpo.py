@@ -1,9 +1,11 @@
 """GRPO on several `[[adapters]]` in one job, through the trainer (`TrainingRun`), with `[grpo] rollouts = false`
 (each step's samples are its task's answers and scrambled ones: no engine, the same samples on every run): two
 adapters with different ranks, targets, learning rates, tasks (digits) and seeds, trained together for 4 steps,
-end within 1e-6 (float32) of each trained alone in a one-adapter GRPO job, on 1 rank, on 2 FSDP ranks and with
-the log-prob forward cut into row chunks (each chunk routed to its rows' adapters, and again in the
-backward's recompute). The live path (rollouts of both adapters from one vLLM engine) is in
+end within 1e-6 (float32) of each trained alone in a one-adapter GRPO job: in one forward of both adapters' rows on
+1 rank (`[grpo] adapter_batches = "one"`); in a forward and a backward per adapter on 2 FSDP ranks (the
+replicated adapters' gradients summed over the ranks once, after the last backward); and per adapter with the
+log-prob forward cut into row chunks (each chunk routed to its rows' adapter, and again in the backward's
+recompute). The live path (rollouts of both adapters from one vLLM engine) is in
 tests/rl/test_multi_grpo_live.py."""
 
 from __future__ import annotations
@@ -42,23 +44,25 @@ def table(name: str, rank: int, targets: str, lr: float, digits: int, seed: int)
             f'lr = {lr}\ntask_digits = {digits}\nseed = {seed}\n')
 
 
-def _train(rank: int, world: int, toml: str, dump: str, out: str, chunk_tokens: int | None) -> None:
+def _train(rank: int, world: int, toml: str, dump: str, out: str, chunk_tokens: int | None, batches: str) -> None:
     from titan_lora.compose import check_plugins
     from titan_lora.train import TrainingRun
 
-    cfg = job_config_from(toml, f"--job.dump_folder={dump}", *OVERRIDES)
+    cfg = job_config_from(toml, f"--job.dump_folder={dump}", f"--grpo.adapter_batches={batches}", *OVERRIDES)
     run = TrainingRun(cfg, check_plugins(cfg))
-    if chunk_tokens is not None:  # so low a bound that the step's 16 rows run as several chunks
+    if chunk_tokens is not None:  # so low a bound that each adapter's 8 rows run as several chunks
         run.objective.logprob_chunk_tokens = chunk_tokens
+    if batches != "auto":
+        assert run.objective.backward_each == (batches == "each")
     try:
         train_and_save(run, rank, out)
     finally:
         run.close()
 
 
-def _job(tmp: Path, toml: str, name: str, world: int, chunk_tokens: int | None = None) -> dict:
+def _job(tmp: Path, toml: str, name: str, world: int, chunk_tokens: int | None = None, batches: str = "auto") -> dict:
     out = tmp / f"{name}.pt"
-    run_ranks(world, _train, toml, str(tmp / name), str(out), chunk_tokens)
+    run_ranks(world, _train, toml, str(tmp / name), str(out), chunk_tokens, batches)
     return torch.load(out)
 
 
@@ -70,14 +74,16 @@ def alone(tmp_path_factory, smollm2_dir) -> tuple[str, list[dict]]:
     return job, [_job(tmp, job + table(*spec), f"alone{k}", 1) for k, spec in enumerate(ADAPTERS)]
 
 
-LAYOUTS = {"1 rank": (1, None), "2 FSDP ranks": (2, None), "1 rank, log-probs in row chunks": (1, 150)}
+LAYOUTS = {"1 rank, one forward": (1, None, "one"), "2 FSDP ranks, a backward per adapter": (2, None, "each"),
+           "1 rank, a backward per adapter, log-probs in row chunks": (1, 150, "each")}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_two_adapters_trained_together_with_grpo_end_as_each_trained_alone(alone, tmp_path: Path, layout: str) -> None:
     job, each = alone
-    world, chunk_tokens = LAYOUTS[layout]
-    together = _job(tmp_path, job + "".join(table(*spec) for spec in ADAPTERS), "together", world, chunk_tokens)
+    world, chunk_tokens, batches = LAYOUTS[layout]
+    together = _job(tmp_path, job + "".join(table(*spec) for spec in ADAPTERS), "together", world, chunk_tokens,
+                    batches)
     by_adapter = weights_by_adapter(together["weights"])
     for k, (name, *_rest) in enumerate(ADAPTERS):
         ours, theirs = by_adapter[k], each[k]["weights"]

@@ -11,8 +11,9 @@ already divided by the global token count.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -21,8 +22,29 @@ import torch.nn as nn
 from titan_lora.lora.layer import local_part
 
 
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+_ACCUMULATING: list[bool] = [False]
+
+
+@contextlib.contextmanager
+def one_sum_for_the_step(model: nn.Module) -> Iterator[None]:
+    """Every backward run inside accumulates into `model`'s replicated adapters' gradients, which are summed
+    over the ranks once, when the scope ends without an error (a step of several micro-batch backwards);
+    every rank must run it. Without it each backward is summed when it ends."""
+    _ACCUMULATING[0] = True
+    try:
+        yield
+    finally:
+        _ACCUMULATING[0] = False
+    params = {id(p) for p in model.parameters()}
+    for summer in list(_LIVE):  # the same summers on every rank: the same all-reduces
+        if id(summer.params[0]) in params:
+            summer.sum_grads()
+
+
 class ReplicatedGradSum:
-    """Sums the gradients of `params` over `group` once per backward, when the backward ends.
+    """Sums the gradients of `params` over `group` once per backward, when the backward ends (inside
+    `one_sum_for_the_step`: once, after the step's last backward).
 
     The first gradient of a backward queues the sum as an autograd callback (as FSDP2 queues its own
     post-backward work), so every training loop gets it with no call of its own. A second backward
@@ -43,8 +65,11 @@ class ReplicatedGradSum:
         self._summed: dict[int, weakref.ref] = {}  # id(param) -> its gradient as the last sum left it
         for param in self.params:
             param.register_post_accumulate_grad_hook(self._queue)
+        _LIVE.add(self)
 
     def _queue(self, param: torch.Tensor) -> None:
+        if _ACCUMULATING[0]:
+            return  # summed once, at the end of `one_sum_for_the_step`
         summed = self._summed.get(id(param))
         if summed is not None and summed() is param.grad:
             raise RuntimeError(

@@ -3,8 +3,10 @@ held-out eval, family of versions), their rollouts drawn together and their rows
 
 Rank 0 draws every adapter's groups at once, one thread per adapter, so the engine batches requests of several
 adapters together (vLLM serves many adapters in one batch). The step's rows go through the model in one
-forward, grouped by adapter (`multi_rows`), and the loss is the sum of each adapter's own GRPO loss, normalised
-by its own tokens: every adapter gets the gradient its one-adapter job would get from the same samples.
+forward, grouped by adapter (`multi_rows`), or (`backward_each`, `[grpo] adapter_batches`) in one forward and
+one backward per adapter, the gradients accumulating: the activations of one adapter's rows at a time. The loss
+is the sum of each adapter's own GRPO loss, normalised by its own tokens: every adapter gets the gradient its
+one-adapter job would get from the same samples, either way.
 """
 
 from __future__ import annotations
@@ -44,7 +46,9 @@ class MultiGRPOObjective:
 
     logprob_chunk_tokens = LOGPROB_CHUNK_TOKENS
 
-    def __init__(self, objectives: Sequence[GRPOObjective], names: Sequence[str], engine: EngineRollouts) -> None:
+    def __init__(self, objectives: Sequence[GRPOObjective], names: Sequence[str], engine: EngineRollouts,
+                 backward_each: bool = False) -> None:
+        self.backward_each = backward_each
         self.objectives = list(objectives)
         self.names = list(names)
         self.engine = engine
@@ -69,22 +73,36 @@ class MultiGRPOObjective:
         return share(self.engine.call(lambda: self._draw_all(step), f"rollouts of step {step}"))
 
     def loss(self, model: nn.Module, step: int) -> tuple[torch.Tensor, dict[str, float]]:
-        """The sum of every adapter's GRPO loss on its own rows, from one forward over all of them."""
+        """The sum of every adapter's GRPO loss on its own rows, from one forward over all of them; with
+        `backward_each`, from one forward per adapter, each followed by its backward (the sum returned carries
+        no graph then: the training loop has no backward left to run)."""
         started = time.monotonic()
         drawn = self._samples(step)
         wait_s = time.monotonic() - started
         batches = [o.step_batch(samples, step) for o, samples in zip(self.objectives, drawn)]
         inputs, labels, mask = padded_rows(batches, self.objectives[0].pad_id)
         rows = AdapterRows(tuple(len(b.mine) for b in batches))
-        chunks = chunk_count(mask, self.logprob_chunk_tokens, self.objectives[0].dp.group)
-        logp = chunked_token_logprobs(model, inputs, labels, mask, chunks, rows)
-        total, metrics = logp.new_zeros(()), {}
+        group = self.objectives[0].dp.group
+        if not self.backward_each:
+            logp = chunked_token_logprobs(model, inputs, labels, mask, chunk_count(mask, self.logprob_chunk_tokens,
+                                                                                   group), rows)
+        total, metrics = None, {}
         for k, (name, objective, batch) in enumerate(zip(self.names, self.objectives, batches)):
             first, last = rows.bounds(k)
-            loss, own = objective.step_loss(step, batch, logp[first:last, : batch.mask.shape[1]])
-            total = total + loss
-            own.pop("phase/rollout_wait_s")  # one wait for all adapters, measured here
-            metrics |= {f"{name}/{key}": value for key, value in own.items()}
+            if self.backward_each:  # every rank runs the same K forwards and backwards (FSDP gathers in each)
+                own = slice(first, last)
+                chunks = chunk_count(mask[own], self.logprob_chunk_tokens, group)
+                logp_k = chunked_token_logprobs(model, inputs[own], labels[own], mask[own], chunks,
+                                                rows.within(first, last))
+            else:
+                logp_k = logp[first:last]
+            loss, own_metrics = objective.step_loss(step, batch, logp_k[:, : batch.mask.shape[1]])
+            if self.backward_each and loss.requires_grad:
+                loss.backward()
+                loss = loss.detach()
+            total = loss if total is None else total + loss
+            own_metrics.pop("phase/rollout_wait_s")  # one wait for all adapters, measured here
+            metrics |= {f"{name}/{key}": value for key, value in own_metrics.items()}
         metrics["loss"] = sum(metrics[f"{name}/loss"] for name in self.names)
         metrics["rl/reward_mean"] = sum(metrics[f"{name}/rl/reward_mean"] for name in self.names) / len(self.names)
         for key in JOB_TOTALS:
