@@ -172,12 +172,14 @@ def connect_engine(engine: Engine, ws: WeightSync, hf_dir: str, device: torch.de
 
 def build_syncer(ws: WeightSync, side: EngineSide, adapter: AdapterSource | AdapterSetSource, model: nn.Module,
                  sd_adapter, hf_dir: str, tied: bool, device: torch.device,  # noqa: ANN001
-                 probe_task: Task | None = None, layout: PeftLayout | None = None) -> WeightSyncer:
+                 probe_task: Task | None = None, layout: PeftLayout | None = None,
+                 recently_used: bool = False) -> WeightSyncer:
     """Collective: the syncer over `side` (rank 0's handles; empty elsewhere), engine limits checked.
 
     `tied`: the model's output head is the embedding (`BuiltModel.tied`), so the base stream leaves
     lm_head out. The parity probe scores `probe_task`'s prompts (the default task when None). `layout`: the
-    family's RoPE rows, which the base's digests need ([weight_sync] base = "verify"; None: pushed)."""
+    family's RoPE rows, which the base's digests need ([weight_sync] base = "verify"; None: pushed).
+    `recently_used`: the engine keeps the versions last published or sampled, not the newest."""
     from transformers import AutoTokenizer
 
     probe = None
@@ -185,7 +187,7 @@ def build_syncer(ws: WeightSync, side: EngineSide, adapter: AdapterSource | Adap
         sequences = probe_sequences(AutoTokenizer.from_pretrained(hf_dir), task=probe_task)
         probe = ParityProbe(model, sequences, device, side.rollouts.score if side.rollouts else None, ws.parity_tolerance)
     names = adapter.names if isinstance(adapter, AdapterSetSource) else [ws.lora_name]
-    families = [AdapterVersions(name, ws.keep_versions) for name in names]  # one family per adapter
+    families = [AdapterVersions(name, ws.keep_versions, recently_used) for name in names]  # one per adapter
     versions = families[0] if len(families) == 1 else families
     report = side.replicas.metrics if side.replicas is not None else None
     digests = (functools.partial(base_digests, model, sd_adapter, layout, tied)
@@ -222,12 +224,13 @@ def adapter_source(job_config: JobConfig, built: BuiltModel, side: EngineSide,
 
 
 def build_sync(job_config: JobConfig, adapter: AdapterSource | AdapterSetSource, built: BuiltModel, device: torch.device,
-               side: EngineSide, task: Task | None) -> tuple[WeightSyncer, EngineRollouts]:
+               side: EngineSide, task: Task | None, recently_used: bool = False) -> tuple[WeightSyncer, EngineRollouts]:
     """Collective: the syncer over `side` (from `engine_side`), and what objectives may use.
 
-    `task` is what `check_plugins` built: the parity probe scores its prompts."""
+    `task` is what `check_plugins` built: the parity probe scores its prompts. `recently_used`: retention
+    keeps the versions last published or sampled (a service's sampling clients), not the newest."""
     syncer = build_syncer(job_config.weight_sync, side, adapter, built.model, built.sd_adapter, built.hf_dir,
-                          built.tied, device, task, built.peft_layout)
+                          built.tied, device, task, built.peft_layout, recently_used)
     return syncer, EngineRollouts(side.rollouts, syncer.versions, syncer.with_engine, tuple(syncer.families))
 
 

@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 import sys
 import threading
 from collections.abc import Iterator
@@ -226,7 +227,7 @@ def _prompt_and_answer(tokenizer) -> tuple[list[int], list[int]]:
 def test_a_sampler_serves_exactly_the_version_saved(service: Service) -> None:
     """save_weights_for_sampler puts the adapter into the live vLLM engine through the sync: the engine's
     log-probs of that version equal the trainer's (1e-3), move with training, and an older sampler keeps
-    its own version."""
+    its own version, for as long as it samples (the versions no sampler uses are retired first)."""
     with tinker.ServiceClient(base_url=service.url, api_key=KEY) as sdk:
         client = sdk.create_lora_training_client(base_model=NAME, rank=8, seed=4).result()
         tokenizer = client.get_tokenizer()
@@ -256,6 +257,23 @@ def test_a_sampler_serves_exactly_the_version_saved(service: Service) -> None:
         drawn = before.sample(types.ModelInput.from_ints(prompt), num_samples=3,
                               sampling_params=types.SamplingParams(max_tokens=6, temperature=1.0, seed=1)).result()
         assert len(drawn.sequences) == 3 and all(len(s.tokens) == len(s.logprobs) for s in drawn.sequences)
+        one = types.SamplingParams(max_tokens=1, temperature=0.0)
+        tail = before.sample(types.ModelInput.from_ints(tokens), 1, one, include_prompt_logprobs=True,
+                             prompt_logprobs_last_n=3).result().prompt_logprobs
+        assert tail[:-3] == [None] * (len(tokens) - 3), tail
+        np.testing.assert_allclose(tail[-3:], untrained[-3:], atol=1e-5)
+        with pytest.raises(tinker.BadRequestError, match="topk_prompt_logprobs not served"):
+            before.sample(types.ModelInput.from_ints(tokens), 1, one, topk_prompt_logprobs=2).result()
+        # The engine keeps 4 versions of a client (the shipped keep_versions): those last saved or sampled.
+        # `before`, sampled between saves, outlives 4 newer saves; `after`, left alone since, is retired.
+        for k in range(4):
+            client.save_weights_for_sampler(f"more{k}").result()
+            again = before.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
+            np.testing.assert_allclose(np.asarray(again[1:]), np.asarray(untrained[1:]), atol=1e-5)
+        with pytest.raises(tinker.RequestFailedError, match="no longer served.*last saved or sampled"):
+            for _ in range(40):  # the engine unloads a retired version off the save's path, within seconds
+                after.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
+                time.sleep(0.25)
     with tinker.ServiceClient(base_url=service.url, api_key=OTHER_KEY) as stranger:
         with pytest.raises(tinker.NotFoundError, match="no sampler weights"):
             stranger.create_sampling_client(model_path=path).result()

@@ -59,6 +59,27 @@ def test_expired_is_everything_outside_the_window_oldest_first() -> None:
     assert v.live == [2, 3, 4] and v.expired() == [Lease("policy-v2", 2)]
 
 
+def test_recently_used_retention_keeps_the_versions_last_held_and_always_the_active_one() -> None:
+    v = AdapterVersions("slot0", 2, recently_used=True)
+    for step in (1, 2, 3):
+        v.publish(step)
+    assert v.expired() == [Lease("slot0-v1", 1)]  # nothing held yet: the oldest publish goes first
+    with v.hold(1):  # a sampling client still samples version 1
+        pass
+    assert v.expired() == [Lease("slot0-v2", 2)]
+    v.publish(4)  # 4 active, 1 held last: 2 and 3 least recently used
+    assert v.expired() == [Lease("slot0-v2", 2), Lease("slot0-v3", 3)]
+    for step in (1, 2, 3):
+        with v.hold(step):
+            pass
+    assert 4 not in [lease.version for lease in v.expired()], "the active version is never retired"
+    assert v.expired() == [Lease("slot0-v1", 1), Lease("slot0-v2", 2)]
+    v.mark_retired(1)
+    with pytest.raises(KeyError):
+        with v.hold(1):
+            pass
+
+
 def test_lease_pins_the_version_that_was_active_when_taken() -> None:
     v = AdapterVersions("policy", 2)
     v.publish(1)

@@ -114,7 +114,9 @@ def build_service(job_config: JobConfig, resolved: ResolvedModel, device: torch.
         side = engine_side(job_config, built, device)
         try:
             source = adapter_source(job_config, built, side)
-            syncer, _ = build_sync(job_config, source, built, device, side, None)
+            # A sampling client may sample an older version for as long as it lives, and never says it is
+            # gone: the engine keeps each client's versions last published or sampled.
+            syncer, _ = build_sync(job_config, source, built, device, side, None, recently_used=True)
         except BaseException:
             side.stop()
             raise

@@ -6,8 +6,9 @@ as version n of its family (`<slot>-v<n>`, n counting every publish of the servi
 engine (and, with `[weight_sync] parity_every = 1`, checked against the trainer's log-probs) before its
 `tinker://<model>/sampler_weights/<name>` path is answered. A sampling session names such a path (or the
 base model); each `sample` holds its version while it runs, so the retirer never unloads it mid-request. The
-engine keeps the newest `[weight_sync] keep_versions` versions of each client; an older path is answered with
-an error saying so.
+engine keeps `[weight_sync] keep_versions` versions of each client, those last published or sampled (a sampling
+client that keeps sampling keeps its version; no client says when it is gone); a path retired since is
+answered with an error saying so.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ from titan_lora.service.wire import SampledTokens, write_sample
 
 logger = logging.getLogger(__name__)
 
+UNSERVED_SAMPLE_FIELDS = {"topk_prompt_logprobs": 0, "topk_sample_logprobs": 0, "target_prompt_logprobs": None,
+                          "prompt_alt_tokens_k": 0, "record_stability_info": None}
+"""`sample` request fields not served, at the value that asks for nothing: a request asking for one of them is
+refused, naming it, rather than answered without it."""
 MAX_SAMPLES = 128
 """Samples one `sample` call may ask for."""
 DEFAULT_MAX_TOKENS = 256
@@ -104,12 +109,22 @@ class Sampling:
         n = int(body.get("num_samples", 1))
         if not 1 <= n <= MAX_SAMPLES:
             raise RequestError(f"num_samples = {n}; one call samples 1 to {MAX_SAMPLES}")
+        asked = [f for f, none in UNSERVED_SAMPLE_FIELDS.items() if body.get(f, none) not in (none, False)]
+        if asked:
+            raise RequestError(f"{', '.join(asked)} not served: titan_lora's sample returns the sampled tokens' "
+                               "log-probs and, with prompt_logprobs, each prompt token's (optionally the last "
+                               "prompt_logprobs_last_n); see docs/service.md")
+        last_n = body.get("prompt_logprobs_last_n")
+        if last_n is not None and not (body.get("prompt_logprobs") and 1 <= int(last_n) <= len(prompt) - 1):
+            raise RequestError(f"prompt_logprobs_last_n = {last_n}: it needs prompt_logprobs and a value from 1 to "
+                               f"len(prompt) - 1 = {len(prompt) - 1}")
         spec = sample_spec(body.get("sampling_params") or {}, bool(body.get("prompt_logprobs")))
         request_id = self.futures.new(key)
-        self._pool.submit(self._sample, request_id, session, prompt, n, spec)
+        self._pool.submit(self._sample, request_id, session, prompt, n, spec, last_n)
         return {"request_id": request_id, "sample_sequence_ids": [uuid.uuid4().hex for _ in range(n)]}
 
-    def _sample(self, request_id: str, session: SamplingSession, prompt: list[int], n: int, spec: SampleSpec) -> None:
+    def _sample(self, request_id: str, session: SamplingSession, prompt: list[int], n: int, spec: SampleSpec,
+                last_n: int | None = None) -> None:
         try:
             if session.weights is None:
                 samples = self.rollouts.sample(prompt, None, n, spec)
@@ -118,11 +133,14 @@ class Sampling:
                     samples = self.rollouts.sample(prompt, lease.name, n, spec)
             sequences = [SampledTokens(c.token_ids, c.logprobs, c.finish_reason == "stop")
                          for c in samples.completions]
-            result = Result(proto=write_sample(sequences, samples.prompt_logprobs))
+            scored = samples.prompt_logprobs
+            if scored is not None and last_n is not None:  # the whole prompt was scored: keep the last n
+                scored = [None] * (len(scored) - last_n) + list(scored[-last_n:])
+            result = Result(proto=write_sample(sequences, scored))
         except KeyError:
             result = Result(error=f"the sampler weights {session.path} are no longer served: the engine keeps the "
-                                  "newest [weight_sync] keep_versions versions of each training client; save "
-                                  "again", category="user")
+                                  "[weight_sync] keep_versions versions of each training client last saved or "
+                                  "sampled; save again, or raise keep_versions", category="user")
         except Exception as err:  # noqa: BLE001 (the engine's fault fails this sample, not the service)
             logger.warning("a sample failed: %s", err)
             result = Result(error=f"{type(err).__name__}: {err}", category="server")

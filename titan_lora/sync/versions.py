@@ -47,13 +47,20 @@ class ServedVersions(Protocol):
 
 
 class AdapterVersions:
-    """Live adapter versions of one engine, the active one, and in-flight leases per version."""
+    """Live adapter versions of one engine, the active one, and in-flight leases per version.
 
-    def __init__(self, lora_name: str, keep_versions: int) -> None:
+    Retention keeps `keep_versions` versions: the newest (a training job's samples come from the newest), or
+    with `recently_used` the ones last published or held (a service's sampling clients may sample an older
+    version for as long as they live, and no client says when it is gone)."""
+
+    def __init__(self, lora_name: str, keep_versions: int, recently_used: bool = False) -> None:
         if keep_versions < 1:
             raise ValueError(f"[weight_sync] keep_versions must be >= 1, got {keep_versions}")
         self.lora_name = lora_name
         self.keep_versions = keep_versions
+        self.recently_used = recently_used
+        self._last_use: dict[int, int] = {}  # version -> the tick of its publish or its last hold
+        self._ticks = 0
         self._live: dict[int, str] = {}  # version -> name, in load order
         self._leases: dict[int, int] = {}
         self._active: int | None = None
@@ -87,6 +94,7 @@ class AdapterVersions:
                     "versions are training steps and must grow"
                 )
             self._live[version] = versioned_name(self.lora_name, version)
+            self._use(version)
             self._active = version
             self._cond.notify_all()
             return self._live[version]
@@ -95,6 +103,7 @@ class AdapterVersions:
         """Drop every record: the engine lost its adapters (restart)."""
         with self._cond:
             self._live.clear()
+            self._last_use.clear()
             self._leases.clear()
             self._active = None
             self._generation += 1
@@ -116,6 +125,7 @@ class AdapterVersions:
                 raise KeyError(f"adapter version {version} of {self.lora_name} is not live (retired, or lost with "
                                "an engine restart)")
             held = Lease(self._live[version], version)
+            self._use(version)
             self._leases[held.version] = self._leases.get(held.version, 0) + 1
             generation = self._generation
         try:
@@ -137,11 +147,18 @@ class AdapterVersions:
         with self._cond:
             return self._leases.get(version, 0)
 
+    def _use(self, version: int) -> None:
+        self._ticks += 1
+        self._last_use[version] = self._ticks
+
     def expired(self) -> list[Lease]:
-        """Versions outside the retention window (the newest `keep_versions` stay), oldest first."""
+        """Versions outside the retention window, oldest (or least recently used) first: the newest (or most
+        recently used) `keep_versions` stay, and the active one always."""
         with self._cond:
-            versions = list(self._live)
-            old = versions[: max(0, len(versions) - self.keep_versions)]
+            versions = [v for v in self._live if v != self._active]
+            if self.recently_used:
+                versions.sort(key=self._last_use.__getitem__)
+            old = versions[: max(0, len(self._live) - self.keep_versions)]
             return [Lease(self._live[v], v) for v in old]
 
     def wait_drained(self, version: int, timeout_s: float) -> bool:
@@ -155,3 +172,4 @@ class AdapterVersions:
             if version == self._active:
                 raise ValueError(f"refusing to retire the active adapter version {version}")
             self._live.pop(version, None)
+            self._last_use.pop(version, None)
