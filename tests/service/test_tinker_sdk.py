@@ -9,9 +9,9 @@ import os
 import re
 import signal
 import subprocess
-import time
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 

@@ -14,10 +14,10 @@ change between releases; this module is the one place that names them, in two ti
   depend on layer classes, weight containers, LRU-manager fields and kernel signatures that a release
   may change without notice, so on any other version (run only with the opt-in below) they are off,
   and each worker says so once.
-- the fixes of vLLM bugs titan_lora's users meet (`score_prompt_rows_under_their_adapter`,
-  `serve_moe_models_on_cpu`): on any version that has the names they patch, since without them
-  the engine fails; each acts only where the inputs are laid out as the fix expects, and leaves vLLM's
-  behaviour otherwise.
+- the fixes of vLLM bugs titan_lora's users meet (`score_prompt_rows_under_their_adapter`, and
+  `vllm_cpu_moe` through `cpu_moe_classes`): on any version that has the names they patch, since without
+  them the engine fails; each acts only where the inputs are laid out as the fix expects, and leaves
+  vLLM's behaviour otherwise.
 
 The version check (TESTED_SERIES, the pins scripts/setup.sh installs, the refusal of any other release
 and its opt-in TITAN_LORA_ALLOW_UNTESTED_VLLM=1) is `titan_lora.transfer.vllm_release`; the trainer's
@@ -339,48 +339,18 @@ def score_prompt_rows_under_their_adapter() -> bool:
     return True
 
 
-def serve_moe_models_on_cpu() -> bool:
-    """Two fixes for a CPU engine on a mixture-of-experts model; False if this vLLM lacks the names.
-    - LoRA on: vLLM 0.32 forces every unquantized MoE layer onto its Triton kernels
-      (fused_moe/oracle/unquantized.py:234) and wraps it in a LoRA layer with no CPU path: the engine dies in
-      its first forward (`triton.language` has no `bfloat16`). Here the experts keep the CPU kernels and are
-      never LoRA layers (expert LoRA is GPU-only in vLLM); attention and dense layers still are.
-    - A base reload: a weight update skips the CPU experts' prepacking
-      (unquantized_fused_moe_method.py:191-205), so the kernel reads the fresh weights as packed ones and
-      serves another model (0.018 max log-prob change reloading a tiny model's own checkpoint). Here they are
-      prepacked again, where no padding of the intermediate size is involved (it would be applied twice)."""
+def cpu_moe_classes() -> tuple[Any, Any, Any, tuple[Any, ...]] | None:
+    """What `vllm_cpu_moe` patches: (FusedMoEConfig, UnquantizedFusedMoEMethod, CPUUnquantizedExperts, the
+    MoE LoRA layer classes); None when this vLLM lacks them."""
     try:
         from vllm.lora.layers import fused_moe as lora_moe
         from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
         from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
         from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
     except ImportError:
-        return False
-    if getattr(FusedMoEConfig, _PATCHED, False):
-        return True
-    post_init, setup_kernel = FusedMoEConfig.__post_init__, UnquantizedFusedMoEMethod._setup_kernel
-
-    def cpu_experts(self: FusedMoEConfig) -> None:
-        self.is_lora_enabled = False
-        post_init(self)
-
-    def setup_and_prepack(self: UnquantizedFusedMoEMethod, layer: Any, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        update = self.moe_kernel is not None
-        setup_kernel(self, layer, w13, w2)
-        experts = self.moe_kernel.fused_experts
-        if update and isinstance(experts, CPUUnquantizedExperts):
-            if experts._padded_intermediate_size(layer.moe_config) != layer.moe_config.intermediate_size_per_partition:
-                logger.warning("the CPU experts of %s pad their intermediate size: a base reload serves them "
-                               "unpacked (vLLM 0.32)", type(layer).__name__)
-                return
-            experts.process_weights_after_loading(layer)
-
-    FusedMoEConfig.__post_init__ = cpu_experts
-    UnquantizedFusedMoEMethod._setup_kernel = setup_and_prepack
-    for wrapper in (lora_moe.FusedMoEWithLoRA, lora_moe.FusedMoE3DWithLoRA):
-        wrapper.can_replace_layer = classmethod(lambda cls, *args, **kwargs: False)
-    setattr(FusedMoEConfig, _PATCHED, True)
-    return True
+        return None
+    return (FusedMoEConfig, UnquantizedFusedMoEMethod, CPUUnquantizedExperts,
+            (lora_moe.FusedMoEWithLoRA, lora_moe.FusedMoE3DWithLoRA))
 
 
 def _row_offset(batch_rows: torch.Tensor, rows: torch.Tensor) -> int | None:

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from titan_lora.engines import base_record
+from titan_lora.engines import base_record, vllm_cpu_moe
 from titan_lora.engines import vllm_compat as compat
 from titan_lora.engines.transfers import BucketRequest, Slab, SlabPool, Staged, TransferStore, receive
 from titan_lora.engines.vllm_compat import LoRAModel, LoRARequest
@@ -49,7 +49,7 @@ else:
 # the names it patches).
 PROMPT_LOGPROBS_FIX = compat.is_cpu() and compat.score_prompt_rows_under_their_adapter()
 # Without it a CPU engine on a mixture-of-experts model dies with LoRA on, and serves garbage after a base reload.
-MOE_ON_CPU_FIX = compat.is_cpu() and compat.serve_moe_models_on_cpu()
+MOE_ON_CPU_FIX = compat.is_cpu() and vllm_cpu_moe.install()
 
 logger = logging.getLogger(__name__)
 ADAPTER_SCHEME = compat.MEMORY_SCHEME

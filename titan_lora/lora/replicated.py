@@ -23,7 +23,7 @@ from titan_lora.lora.layer import local_part
 
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
-_ACCUMULATING: list[bool] = [False]
+_accumulating = False
 
 
 @contextlib.contextmanager
@@ -31,11 +31,12 @@ def one_sum_for_the_step(model: nn.Module) -> Iterator[None]:
     """Every backward run inside accumulates into `model`'s replicated adapters' gradients, which are summed
     over the ranks once, when the scope ends without an error (a step of several micro-batch backwards);
     every rank must run it. Without it each backward is summed when it ends."""
-    _ACCUMULATING[0] = True
+    global _accumulating
+    _accumulating = True
     try:
         yield
     finally:
-        _ACCUMULATING[0] = False
+        _accumulating = False
     params = {id(p) for p in model.parameters()}
     for summer in list(_LIVE):  # the same summers on every rank: the same all-reduces
         if id(summer.params[0]) in params:
@@ -68,7 +69,7 @@ class ReplicatedGradSum:
         _LIVE.add(self)
 
     def _queue(self, param: torch.Tensor) -> None:
-        if _ACCUMULATING[0]:
+        if _accumulating:
             return  # summed once, at the end of `one_sum_for_the_step`
         summed = self._summed.get(id(param))
         if summed is not None and summed() is param.grad:

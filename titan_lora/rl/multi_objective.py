@@ -84,8 +84,8 @@ class MultiGRPOObjective:
         rows = AdapterRows(tuple(len(b.mine) for b in batches))
         group = self.objectives[0].dp.group
         if not self.backward_each:
-            logp = chunked_token_logprobs(model, inputs, labels, mask, chunk_count(mask, self.logprob_chunk_tokens,
-                                                                                   group), rows)
+            chunks = chunk_count(mask, self.logprob_chunk_tokens, group)
+            logp = chunked_token_logprobs(model, inputs, labels, mask, chunks, rows)
         total, metrics = None, {}
         for k, (name, objective, batch) in enumerate(zip(self.names, self.objectives, batches)):
             first, last = rows.bounds(k)
