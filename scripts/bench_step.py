@@ -7,6 +7,8 @@ GPU (one process per GPU; 8B full fine-tuning needs ~16 bytes a param, so one 80
     add --compile to compile each block ([compile] enable = true) in all three variants,
     --phases to time forward, backward, clip and optimizer of the LoRA and full steps apart
     --model qwen3_moe --flavor 30B-A3B --layers 4: Qwen3-30B-A3B's shape, LoRA on attention and every expert
+    --adapters 2 4 8: also K adapters ([[adapters]] tables) in one step of K x batch rows, each adapter its own
+        rows, against K one-adapter steps one after the other (the replicated LoRA variant, K times)
 CPU smoke test:
     python scripts/bench_step.py --device cpu --flavor debugmodel --seq-len 64 --steps 2
     python scripts/bench_step.py --device cpu --model qwen3_moe --flavor debugmodel_moe --seq-len 64 --steps 2
@@ -19,7 +21,10 @@ so the mixed precision and the FSDP hooks are those of a multi-GPU run), fp32 ma
 - LoRA, adapters sharded by FSDP: `converters = ["lora"]`, r16 alpha 32 on all linears, bf16 adapters,
   `[lora] replicate_adapters = false`;
 - LoRA, adapters replicated: the same with `replicate_adapters = true` (the default);
-- full: no converter, every param trained.
+- full: no converter, every param trained;
+- with `--adapters K`: K replicated adapters of the same shape in one job, one step of K x batch rows (each
+  adapter its own `batch` rows: the base runs once for all of them), clipped per adapter as
+  `TrainingRun.train_step` does.
 A LoRA or full step is what `TrainingRun.train_step` does: zero_grad, forward, the train spec's loss,
 backward, clip_grad_norm_ (foreach), the train spec's optimizer step (torchtitan's AdamW).
 Step times are the slowest rank's, with the device synchronised; peak memory is the largest rank's
@@ -29,6 +34,7 @@ Step times are the slowest rank's, with the device synchronised; peak memory is 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import statistics
@@ -42,7 +48,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from titan_lora.config_adapters import job_adapters
+from titan_lora.lora.multi_optim import adapter_optimizer_groups, clip_per_adapter
+from titan_lora.lora.multi_rows import AdapterRows, routed
 from titan_lora.lora.parallelize import shard_model
+from titan_lora.lora.replicated import one_sum_for_the_step
 from titan_lora.titan.optim import build_loss, build_optimizers, clip_grad_norm_
 from titan_lora.titan.parallel import build_parallel_dims
 from titan_lora.trainer.build import build_model
@@ -59,6 +69,20 @@ VARIANTS = {
     "full": "full fine-tuning step",
 }
 LORA_VARIANTS = ("lora", "lora_replicated")
+MULTI_PREFIX = "lora_x"  # + K: K adapters in one step
+
+
+def adapters_of(variant: str) -> int:
+    """How many adapters `variant` trains in one step (0: none, the floor and full; 1: the LoRA variants)."""
+    if variant.startswith(MULTI_PREFIX):
+        return int(variant[len(MULTI_PREFIX):])
+    return 1 if variant in LORA_VARIANTS else 0
+
+
+def describe(variant: str) -> str:
+    """The table's name for `variant`."""
+    k = adapters_of(variant)
+    return f"{k} adapters in one step ({k} x batch rows)" if variant.startswith(MULTI_PREFIX) else VARIANTS[variant]
 
 
 @dataclasses.dataclass
@@ -78,10 +102,17 @@ class Result:
 TARGETS = {"qwen3_moe": '["q_proj", "k_proj", "v_proj", "o_proj", "experts"]'}
 
 
+def rows_of(args: argparse.Namespace, variant: str) -> int:
+    """Sequences per rank in one step of `variant`: `--batch` per adapter."""
+    return args.batch * max(1, adapters_of(variant)) if variant.startswith(MULTI_PREFIX) else args.batch
+
+
 def job_toml(args: argparse.Namespace, variant: str) -> str:
     """The job the variant runs: the same shape and precision, with or without the "lora" converter."""
-    lora = variant in LORA_VARIANTS
-    return f"""
+    lora = adapters_of(variant) > 0
+    tables = "".join(f'[[adapters]]\nname = "a{k}"\n' for k in range(adapters_of(variant))) \
+        if variant.startswith(MULTI_PREFIX) else ""
+    return tables + f"""
 [model]
 name = "{args.model}"
 flavor = "{args.flavor}"
@@ -91,10 +122,10 @@ rank = 16
 alpha = 32
 dtype = "bfloat16"
 target_modules = {TARGETS.get(args.model, '"all-linear"')}
-replicate_adapters = {str(variant == "lora_replicated").lower()}
+replicate_adapters = {str(variant != "lora").lower()}
 [training]
 seq_len = {args.seq_len}
-local_batch_size = {args.batch}
+local_batch_size = {rows_of(args, variant)}
 mixed_precision_param = "{args.mixed_precision_param}"
 [optimizer]
 implementation = "{args.optimizer_impl}"
@@ -152,8 +183,26 @@ def step_fn(cfg, built, variant: str, tokens: torch.Tensor, labels: torch.Tensor
     n_tokens = labels.numel()
     if variant == "floor":
         return lambda: (loss_fn(model(tokens), labels) / n_tokens).backward()
-    optimizers = build_optimizers(model, cfg)
+    adapters = job_adapters(cfg) if variant.startswith(MULTI_PREFIX) else []
+    optimizers = build_optimizers(model, cfg, adapter_optimizer_groups(adapters))
     trainable = [p for p in model.parameters() if p.requires_grad]
+    rows = AdapterRows((tokens.shape[0] // len(adapters),) * len(adapters)) if adapters else None
+
+    def scope() -> contextlib.AbstractContextManager:
+        """Several adapters: each row through its own, the replicated adapters summed once a step."""
+        stack = contextlib.ExitStack()
+        if rows is not None:
+            stack.enter_context(one_sum_for_the_step(model))
+            stack.enter_context(routed(model, rows))
+        return stack
+
+    def clip() -> None:
+        """One norm over the adapter, or each adapter clipped by its own (`TrainingRun.train_step`)."""
+        if adapters:
+            (groups,) = [opt.param_groups for opt in optimizers.optimizers]
+            clip_per_adapter(groups, [a.max_norm for a in adapters], [a.name for a in adapters])
+        else:
+            clip_grad_norm_(trainable, cfg.training.max_norm, foreach=True)
 
     def step(marks: list[float] | None = None) -> None:
         """One step; with `marks`, the device is synchronised after each phase and the time appended."""
@@ -164,11 +213,12 @@ def step_fn(cfg, built, variant: str, tokens: torch.Tensor, labels: torch.Tensor
 
         optimizers.zero_grad()
         mark()
-        loss = loss_fn(model(tokens), labels) / n_tokens
+        with scope():
+            loss = loss_fn(model(tokens), labels) / n_tokens
+            mark()
+            loss.backward()
         mark()
-        loss.backward()
-        mark()
-        clip_grad_norm_(trainable, cfg.training.max_norm, foreach=True)
+        clip()
         mark()
         optimizers.step()
         mark()
@@ -208,7 +258,7 @@ def run_variant(args: argparse.Namespace, variant: str, device: torch.device, di
     model = built.model
     g = torch.Generator().manual_seed(0)
     vocab = model.tok_embeddings.num_embeddings
-    tokens, labels = (torch.randint(0, vocab, (args.batch, args.seq_len), generator=g).to(device) for _ in range(2))
+    tokens, labels = (torch.randint(0, vocab, (rows_of(args, variant), args.seq_len), generator=g).to(device) for _ in range(2))
     step = step_fn(cfg, built, variant, tokens, labels, dims)
     for _ in range(args.warmup):
         step()
@@ -263,7 +313,7 @@ def report(args: argparse.Namespace, results: dict[str, Result], device: torch.d
     for r in results.values():
         med = statistics.median(r.times)
         peak = f"{r.peak_gib:9.1f}" if r.peak_gib is not None else f"{'-':>9s}"
-        print(f"{VARIANTS[r.name]:42s} {r.trainable:12,d} {med:9.4f} {quantile(r.times, 0.9):9.4f} {peak} "
+        print(f"{describe(r.name):42s} {r.trainable:12,d} {med:9.4f} {quantile(r.times, 0.9):9.4f} {peak} "
               f"{med / statistics.median(floor.times):8.2f}")
     floor_ratio = statistics.median(floor.times) / statistics.median(full.times)
     for name in LORA_VARIANTS:
@@ -271,6 +321,14 @@ def report(args: argparse.Namespace, results: dict[str, Result], device: torch.d
         print(f"ratio {VARIANTS[name]} / full (p50): {ratio:.3f}  "
               f"(target <= {TARGET:.2f}; floor/full {floor_ratio:.3f})")
     print(f"baseline: {BASELINE}")
+    one = results["lora_replicated"]
+    for r in results.values():
+        if r.name.startswith(MULTI_PREFIX):
+            k = adapters_of(r.name)
+            alone = k * statistics.median(one.times)
+            mem = f"; peak {r.peak_gib / one.peak_gib:.2f}x one adapter's" if r.peak_gib and one.peak_gib else ""
+            print(f"{k} adapters in one step {statistics.median(r.times):.4f} s vs {k} one-adapter steps "
+                  f"{alone:.4f} s: {alone / statistics.median(r.times):.2f}x adapter-steps per second{mem}")
     for name in LORA_VARIANTS:
         lora = results[name]
         if lora.phases and full.phases:
@@ -295,6 +353,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--profile", action="store_true", help="print the top-15 ops of one LoRA step")
     ap.add_argument("--phases", action="store_true",
                     help="also time forward, backward, clip and optimizer apart (device synchronised between)")
+    ap.add_argument("--adapters", type=int, nargs="*", default=[],
+                    help="also K adapters in one step of K x batch rows, for each K given (e.g. 2 4 8)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each block and the loss, every variant")
     return ap.parse_args(argv)
 
@@ -308,7 +368,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--tp {args.tp} needs more than {args.tp} ranks (FSDP over the rest), got {dist.get_world_size()}")
     parallelism = job_from_toml(job_toml(args, "full"))[0].parallelism
     dims = build_parallel_dims(parallelism, dist.get_world_size(), device)
-    results = {v: run_variant(args, v, device, dims) for v in VARIANTS}
+    variants = [*VARIANTS, *(f"{MULTI_PREFIX}{k}" for k in args.adapters)]
+    results = {v: run_variant(args, v, device, dims) for v in variants}
     if dist.get_rank() == 0:
         report(args, results, device, dist.get_world_size())
     dist.destroy_process_group()

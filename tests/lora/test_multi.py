@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from dist_helpers import needs_gpus
 from model_helpers import DEBUG_LORA, build_from, convert_linear, init_adapters
 from multi_helpers import adapter_param_groups, params_by_adapter
 from multi_helpers import init_adapters as init_multi_adapters
@@ -58,7 +59,7 @@ def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
-def train_alone(base: nn.Module, k: int, loss_factor: float = 1.0) -> dict[str, torch.Tensor]:
+def train_alone(base: nn.Module, k: int, loss_factor: float = 1.0, device: str = "cpu") -> dict[str, torch.Tensor]:
     """Adapter k alone on its own rows, as titan_lora trains one adapter today; its weights by name."""
     spec = ADAPTERS[k]
     model = copy.deepcopy(base)
@@ -67,17 +68,18 @@ def train_alone(base: nn.Module, k: int, loss_factor: float = 1.0) -> dict[str, 
         convert_linear(linear, spec["rank"], scale, 0.0, torch.float32)
     init_adapters(model, spec["seed"])
     freeze_base(model)
+    model.to(device)
     params = [p for _, p in adapter_params(model)]
     opt = torch.optim.AdamW(params, lr=spec["lr"], weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(k))
-    rows = TOKENS[[i for i, a in enumerate(ROW_ADAPTER) if a == k]]
+    rows = TOKENS[[i for i, a in enumerate(ROW_ADAPTER) if a == k]].to(device)
     for _ in range(STEPS):
         opt.zero_grad()
         (_loss(model, rows) * loss_factor).backward()
         clip_grad_norm_(params, MAX_NORM, foreach=True)
         opt.step()
         sched.step()
-    return {n: p.detach().clone() for n, p in adapter_params(model)}
+    return {n: p.detach().cpu() for n, p in adapter_params(model)}
 
 
 def mixed_model(base: nn.Module) -> nn.Module:
@@ -93,17 +95,17 @@ def mixed_model(base: nn.Module) -> nn.Module:
 
 
 def train_mixed(base: nn.Module, loss_factors=(1.0, 1.0, 1.0),
-                poison_step: int | None = None):
+                poison_step: int | None = None, device: str = "cpu"):
     """All three adapters in one batch, one forward and backward a step: their weights, each step's norms
     and adapter 2's weights before each step, and the model.
 
     At `poison_step` adapter 2's loss is NaN."""
-    model = mixed_model(base)
+    model = mixed_model(base).to(device)
     groups = adapter_param_groups(params_by_adapter(model, len(ADAPTERS)), [a["lr"] for a in ADAPTERS])
     opt = torch.optim.AdamW(groups, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, [schedule(k) for k in range(len(ADAPTERS))])
     order, rows = group_rows(ROW_ADAPTER, len(ADAPTERS))
-    tokens, history = TOKENS[order], []
+    tokens, history = TOKENS[order].to(device), []
     for step in range(STEPS):
         opt.zero_grad()
         with routed(model, rows):
@@ -121,7 +123,7 @@ def train_mixed(base: nn.Module, loss_factors=(1.0, 1.0, 1.0),
         history.append((clip_per_adapter(opt.param_groups, MAX_NORM), before))
         opt.step()
         sched.step()
-    return {n: p.detach().clone() for n, p in adapter_params(model)}, history, model
+    return {n: p.detach().cpu() for n, p in adapter_params(model)}, history, model
 
 
 def _as_alone(weights: dict[str, torch.Tensor], k: int) -> dict[str, torch.Tensor]:
@@ -149,6 +151,19 @@ def test_three_adapters_in_one_batch_end_as_each_trained_alone(base, alone) -> N
     # Clipping did bite (else per-adapter clipping would be untested), and not for every adapter alike.
     first = history[0][0].norms
     assert min(first) < MAX_NORM < max(first), first
+
+
+@needs_gpus(1)
+def test_three_adapters_in_one_batch_on_a_gpu_end_as_each_trained_alone_there(base) -> None:
+    """The same on CUDA, float32 without TF32: the row slices and per-adapter clipping on the GPU's kernels
+    (the batch shapes differ, so cuBLAS may sum in another order: a looser bound than on CPU)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    mixed, _, _ = train_mixed(base, device="cuda")
+    for k in range(len(ADAPTERS)):
+        alone = train_alone(base, k, device="cuda")
+        diff = _max_diff(_as_alone(mixed, k), alone)
+        print(f"CUDA adapter {k}: max abs diff to alone {diff:.3g}")
+        assert diff <= 1e-5, k
 
 
 def test_a_huge_gradient_on_one_adapter_leaves_the_others_updates_unchanged(base, alone) -> None:
