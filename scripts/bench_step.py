@@ -276,8 +276,8 @@ def run_variant(args: argparse.Namespace, variant: str, device: torch.device, di
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     times = slowest_rank(times, device)
     peak = slowest_rank([peak], device)[0] if peak is not None else None
-    if variant in LORA_VARIANTS and args.profile:
-        profile(step, device)
+    if adapters_of(variant) and args.profile:
+        profile(step, device, variant)
     phases = phase_times(step, device, args.steps) if args.phases and variant != "floor" else None
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -287,7 +287,7 @@ def run_variant(args: argparse.Namespace, variant: str, device: torch.device, di
     return Result(variant, times, peak, params, trainable, layers, phases)
 
 
-def profile(step: Callable[[], None], device: torch.device) -> None:
+def profile(step: Callable[[], None], device: torch.device, variant: str) -> None:
     """Rank 0 prints torch.profiler's top-15 ops of one step by self device time (CPU time on CPU)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -298,7 +298,7 @@ def profile(step: Callable[[], None], device: torch.device) -> None:
         synchronize(device)
     if dist.get_rank() == 0:
         sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-        print(f"\ntop-15 ops of one LoRA step by {sort}")
+        print(f"\ntop-15 ops of one {describe(variant)} by {sort}")
         print(prof.key_averages().table(sort_by=sort, row_limit=15))
 
 
@@ -329,10 +329,10 @@ def report(args: argparse.Namespace, results: dict[str, Result], device: torch.d
             mem = f"; peak {r.peak_gib / one.peak_gib:.2f}x one adapter's" if r.peak_gib and one.peak_gib else ""
             print(f"{k} adapters in one step {statistics.median(r.times):.4f} s vs {k} one-adapter steps "
                   f"{alone:.4f} s: {alone / statistics.median(r.times):.2f}x adapter-steps per second{mem}")
-    for name in LORA_VARIANTS:
+    for name in (n for n in results if adapters_of(n)):
         lora = results[name]
         if lora.phases and full.phases:
-            print(f"phases of {VARIANTS[name]}, device synchronised between them (p50 ms): "
+            print(f"phases of {describe(name)}, device synchronised between them (p50 ms): "
                   + "; ".join(f"{p} LoRA {lora.phases[p]:.1f} / full {full.phases[p]:.1f}" for p in PHASES))
 
 

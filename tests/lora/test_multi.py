@@ -155,15 +155,18 @@ def test_three_adapters_in_one_batch_end_as_each_trained_alone(base, alone) -> N
 
 @needs_gpus(1)
 def test_three_adapters_in_one_batch_on_a_gpu_end_as_each_trained_alone_there(base) -> None:
-    """The same on CUDA, float32 without TF32: the row slices and per-adapter clipping on the GPU's kernels
-    (the batch shapes differ, so cuBLAS may sum in another order: a looser bound than on CPU)."""
+    """The same on CUDA, float32 without TF32: the row slices and per-adapter clipping on the GPU's kernels.
+    cuBLAS picks its kernels by the batch's shape, so a mixed batch sums in another order than one adapter's
+    rows alone, and Adam's normalised steps carry that over 10 steps (1.9e-05 seen on an H100); a row of
+    another adapter leaking in moves the weights by more than 1e-3."""
     torch.backends.cuda.matmul.allow_tf32 = False
     mixed, _, _ = train_mixed(base, device="cuda")
     for k in range(len(ADAPTERS)):
         alone = train_alone(base, k, device="cuda")
         diff = _max_diff(_as_alone(mixed, k), alone)
         print(f"CUDA adapter {k}: max abs diff to alone {diff:.3g}")
-        assert diff <= 1e-5, k
+        assert diff <= 1e-4, k
+        assert any(float(t.abs().max()) > 1e-3 for n, t in alone.items() if n.endswith("lora_B")), k
 
 
 def test_a_huge_gradient_on_one_adapter_leaves_the_others_updates_unchanged(base, alone) -> None:
