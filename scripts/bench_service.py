@@ -112,7 +112,7 @@ def save_to_sample_ms(url: str, repeats: int) -> tuple[float, float]:
             t0 = time.perf_counter()
             path = client.save_weights_for_sampler(f"bench-{i}").result().path
             t1 = time.perf_counter()
-            sdk.create_sampling_client(model_path=path).sample(
+            sdk.create_sampling_client(model_path=path).result().sample(
                 types.ModelInput.from_ints(tokens[:16]), num_samples=1,
                 sampling_params=types.SamplingParams(max_tokens=1, temperature=0.0)).result()
             saves.append((t1 - t0) * 1e3)

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 import torch
 
 from titan_lora.transfer.host_copy import MIN_SPLIT_BYTES, balanced_cut, copy_flat, in_two
@@ -37,3 +43,40 @@ def test_copy_flat_copies_every_byte_with_an_odd_length() -> None:
     dst = torch.zeros_like(src)
     copy_flat(dst, src)
     assert torch.equal(dst, src)
+
+
+def test_the_helpers_half_copies_every_dtype_layout_and_view_byte_for_byte() -> None:
+    g = torch.Generator().manual_seed(2)
+    base = torch.randn(600, 700, generator=g)
+    # bf16 and int64 contiguous, a transposed (non-contiguous) source, a param that requires grad, a 0-dim
+    srcs = [base.to(torch.bfloat16), torch.randint(-9, 9, (300_000,), generator=g), base.t(),
+            torch.nn.Parameter(base[:10].clone()), torch.tensor(3.5), torch.randn(8, generator=g)]
+    dsts = [torch.empty_like(s, memory_format=torch.contiguous_format).detach() for s in srcs]
+    in_two(torch._foreach_copy_, dsts, srcs, cut=len(dsts) - 1)  # every pair but the last on the helper
+    for d, s in zip(dsts, srcs):
+        assert d.dtype == s.dtype and torch.equal(d, s.detach())
+
+
+HELPER_THREADS = """
+import os, torch
+from titan_lora.transfer.host_copy import in_two
+def threads(): return len(os.listdir("/proc/self/task"))
+src, dst = [torch.randn(4_000_000), torch.randn(4_000_000)], [torch.empty(4_000_000), torch.empty(4_000_000)]
+torch.ones(4_000_000).sum()  # this thread's own OpenMP team, before counting
+before = threads()
+in_two(torch._foreach_copy_, dst, src, cut=1)
+assert torch.equal(dst[0], src[0]) and torch.equal(dst[1], src[1])
+print(torch.get_num_threads(), threads() - before)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_the_helper_starts_no_openmp_team_of_its_own() -> None:
+    """A second OpenMP team in the process makes libgomp stop spinning at every barrier of the training
+    thread's team (2.2x slower small ops on 2 cores): the helper adds its own thread and nothing else."""
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    out = subprocess.run([sys.executable, "-c", HELPER_THREADS], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    torch_threads, added = map(int, out.stdout.split())
+    assert torch_threads == 2
+    assert added == 1, f"the helper's copy started {added - 1} thread(s) beside the helper"
