@@ -20,7 +20,7 @@ from multi_helpers import adapter_param_groups, params_by_adapter
 from multi_helpers import init_adapters as init_multi_adapters
 
 from titan_lora.lora.layer import adapter_params, freeze_base, is_adapter_param, lora_scale
-from titan_lora.lora.multi import AdapterShape, add_adapters, adapter_of
+from titan_lora.lora.multi import AdapterShape, adapter_of, add_adapters, batched_delta
 from titan_lora.lora.multi_optim import clip_per_adapter
 from titan_lora.lora.multi_rows import AdapterRows, group_rows, routed
 from titan_lora.titan.optim import clip_grad_norm_
@@ -229,6 +229,58 @@ def test_each_row_gets_its_own_adapters_delta_and_gradient() -> None:
         h = x[start:end] @ a.T
         g = grad_out[start:end] * scales[k]
         torch.testing.assert_close(b.grad, torch.einsum("nto,ntr->or", g, h), rtol=1e-5, atol=1e-5)
+
+
+def _stackable_layer(device: str = "cpu") -> nn.Linear:
+    """Three adapters of one rank and different scales, all on the linear: the GPU's batched path applies."""
+    torch.manual_seed(3)
+    linear = nn.Linear(12, 10)
+    linear.requires_grad_(False)
+    add_adapters(linear, [AdapterShape(4, 0.5), AdapterShape(4, 2.0), AdapterShape(4, 3.0)])
+    with torch.no_grad():
+        for name, param in linear.named_parameters():
+            if is_adapter_param(name):
+                param.normal_()
+    return linear.to(device)
+
+
+def _loop_reference(linear: nn.Linear, x: torch.Tensor, grad_out: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """The output and adapter gradients of the per-segment loop (CPU), for three equal shares of rows."""
+    reference = copy.deepcopy(linear).cpu()
+    with routed(reference, AdapterRows((2, 2, 2))):
+        y = reference(x.cpu())
+    y.backward(grad_out.cpu())
+    return y.detach(), {n: p.grad for n, p in reference.named_parameters() if is_adapter_param(n)}
+
+
+def test_the_batched_delta_equals_the_per_segment_loop_with_its_gradients() -> None:
+    linear = _stackable_layer()
+    x, grad_out = torch.randn(6, 5, 12), torch.randn(6, 5, 10)
+    want, want_grads = _loop_reference(linear, x, grad_out)
+    a = [getattr(linear, f"lora_A_{k}") for k in range(3)]
+    b = [getattr(linear, f"lora_B_{k}") for k in range(3)]
+    y = F.linear(x, linear.weight, linear.bias) + batched_delta(x, a, b, torch.tensor([0.5, 2.0, 3.0]).view(3, 1, 1))
+    y.backward(grad_out)
+    torch.testing.assert_close(y, want, rtol=0, atol=1e-5)
+    for name, param in linear.named_parameters():
+        if is_adapter_param(name):
+            torch.testing.assert_close(param.grad, want_grads[name], rtol=1e-5, atol=1e-5)
+
+
+@needs_gpus(1)
+def test_a_gpu_linear_takes_the_batched_path_for_equal_shares_and_matches_the_loop() -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    linear = _stackable_layer("cuda")
+    x, grad_out = torch.randn(6, 5, 12, device="cuda"), torch.randn(6, 5, 10, device="cuda")
+    want, want_grads = _loop_reference(linear, x, grad_out)
+    assert linear._stackable(AdapterRows((2, 2, 2))) and not linear._stackable(AdapterRows((3, 2, 1)))
+    with routed(linear, AdapterRows((2, 2, 2))):
+        y = linear(x)
+    y.backward(grad_out)
+    torch.testing.assert_close(y.cpu(), want, rtol=0, atol=1e-5)
+    for name, param in linear.named_parameters():
+        if is_adapter_param(name):
+            torch.testing.assert_close(param.grad.cpu(), want_grads[name], rtol=1e-5, atol=1e-5)
 
 
 def test_an_adapter_with_no_rows_still_gets_a_zero_gradient() -> None:
