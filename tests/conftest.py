@@ -1,8 +1,9 @@
 """Shared fixtures: the converted SmolLM2 checkpoint and small job configs.
 
-The live-engine modules (engines/test_vllm_*.py) need vLLM. A host without it (the GPU hosts, where
-`pytest -m gpu` runs) leaves them out, and says so in the header, instead of failing to import them;
-on CPU, tests/test_environment.py fails when vLLM is missing, so the suite cannot pass without them.
+Some modules need a package the GPU hosts (where `pytest -m gpu` runs) do not have: the live-engine modules
+vLLM, the service's the tinker SDK, uvicorn and starlette, the agent episodes' the openai client. A host
+without one leaves those modules out, and says so in the header, instead of failing to import them; on CPU,
+tests/test_environment.py fails when any is missing, so the suite cannot pass without them.
 """
 
 from __future__ import annotations
@@ -15,17 +16,19 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+from optional_packages import NEEDS  # tests/ on the path first
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-HAS_VLLM = importlib.util.find_spec("vllm") is not None
-collect_ignore_glob = [] if HAS_VLLM else ["engines/test_vllm_*.py"]
+MISSING = [name for name in NEEDS if importlib.util.find_spec(name) is None]
+collect_ignore_glob = sorted({glob for name in MISSING for glob in NEEDS[name]})
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:
     """Say which modules were left out, and why."""
-    if HAS_VLLM:
+    if not MISSING:
         return None
-    return "vLLM is not installed: tests/engines/test_vllm_*.py (live engines) are left out"
+    return (f"not installed: {', '.join(MISSING)}; left out: "
+            f"{', '.join(f'tests/{glob}' for glob in collect_ignore_glob)}")
 
 
 @pytest.fixture(scope="session")

