@@ -64,9 +64,7 @@ class MultiLoRALayer(ReadsAdapterRows):
         base = super().forward(x)  # type: ignore[misc]  (the linear's own)
         dropped = F.dropout(x, self.lora_dropout_p, self.training) if self.lora_dropout_p else x
         if x.is_cuda and self._stackable(rows):
-            a = [getattr(self, f"lora_A_{k}") for k in range(self.num_adapters)]
-            b = [getattr(self, f"lora_B_{k}") for k in range(self.num_adapters)]
-            return base + batched_delta(dropped, a, b, self._scales_as(x))
+            return base + batched_delta(dropped, *self._factors(), self._scales_as(x))
         offsets = rows.offsets
         for k, scale in self.adapter_scales.items():
             start, end = offsets[k], offsets[k + 1]
@@ -79,18 +77,23 @@ class MultiLoRALayer(ReadsAdapterRows):
     def _scales_as(self, x: torch.Tensor) -> torch.Tensor:
         """The adapters' scales as a (K, 1, 1) tensor on `x`'s device and dtype, made once per value (no host to
         device copy a step; the service rescales a slot when a client takes it)."""
-        cache = self.__dict__.setdefault("_scale_tensors", {})
         key = (x.device, x.dtype, tuple(self.adapter_scales.items()))
-        if key not in cache:
-            cache[key] = torch.tensor([self.adapter_scales[k] for k in range(self.num_adapters)],
-                                      dtype=x.dtype, device=x.device).view(-1, 1, 1)
-        return cache[key]
+        cached = self.__dict__.get("_scale_tensor")
+        if cached is None or cached[0] != key:  # only the latest: a rescaled slot replaces it
+            cached = self.__dict__["_scale_tensor"] = (key, torch.tensor(
+                [self.adapter_scales[k] for k in range(self.num_adapters)], dtype=x.dtype, device=x.device).view(-1, 1, 1))
+        return cached[1]
+
+    def _factors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every adapter's A and B, in adapter order."""
+        return ([getattr(self, f"lora_A_{k}") for k in range(self.num_adapters)],
+                [getattr(self, f"lora_B_{k}") for k in range(self.num_adapters)])
 
     def _stackable(self, rows: AdapterRows) -> bool:
         """Every adapter here, at one rank, on plain (not TP-sharded) tensors, with as many rows as the others."""
         if len(self.adapter_scales) != self.num_adapters or len(set(rows.counts)) != 1 or not rows.counts[0]:
             return False
-        a = [getattr(self, f"lora_A_{k}") for k in range(self.num_adapters)]
+        a, _ = self._factors()
         return len({t.shape for t in a}) == 1 and all(type(t.data) is torch.Tensor for t in a)
 
 
