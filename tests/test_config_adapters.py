@@ -83,8 +83,8 @@ def test_several_adapters_are_refused_one_line_per_part_that_takes_one_adapter_s
                       '[[adapters]]\nname = "a"\n[[adapters]]\nname = "b"\n')
     errors = cli.config_errors(str(config), ["--training.on_nonfinite", "rollback"])
     assert [e.split(" so far")[0].rsplit("without ", 1)[1] for e in errors] == [
-        '[grpo] loop = "async"', "[grpo] kl_coef > 0", '[training] on_nonfinite = "rollback"'], errors
-    assert errors[2].endswith('set [training] on_nonfinite = "stop" (a NaN gradient already skips its own '
+        '[grpo] loop = "async"', '[training] on_nonfinite = "rollback"'], errors
+    assert errors[1].endswith('set [training] on_nonfinite = "stop" (a NaN gradient already skips its own '
                               "adapter's step), or keep one table"), errors[2]
 
 

@@ -5,7 +5,7 @@ end within 1e-6 (float32) of each trained alone in a one-adapter GRPO job: in on
 1 rank (`[grpo] adapter_batches = "one"`); in a forward and a backward per adapter on 2 FSDP ranks (the
 replicated adapters' gradients summed over the ranks once, after the last backward); and per adapter with the
 log-prob forward cut into row chunks (each chunk routed to its rows' adapter, and again in the backward's
-recompute). The live path (rollouts of both adapters from one vLLM engine) is in
+recompute); and with the KL term against the base (every adapter off) in one forward and per adapter. The live path (rollouts of both adapters from one vLLM engine) is in
 tests/rl/test_multi_grpo_live.py."""
 
 from __future__ import annotations
@@ -44,11 +44,13 @@ def table(name: str, rank: int, targets: str, lr: float, digits: int, seed: int)
             f'lr = {lr}\ntask_digits = {digits}\nseed = {seed}\n')
 
 
-def _train(rank: int, world: int, toml: str, dump: str, out: str, chunk_tokens: int | None, batches: str) -> None:
+def _train(rank: int, world: int, toml: str, dump: str, out: str, chunk_tokens: int | None, batches: str,
+           extra: tuple[str, ...]) -> None:
     from titan_lora.compose import check_plugins
     from titan_lora.train import TrainingRun
 
-    cfg = job_config_from(toml, f"--job.dump_folder={dump}", f"--grpo.adapter_batches={batches}", *OVERRIDES)
+    cfg = job_config_from(toml, f"--job.dump_folder={dump}", f"--grpo.adapter_batches={batches}", *OVERRIDES,
+                          *extra)
     run = TrainingRun(cfg, check_plugins(cfg))
     if chunk_tokens is not None:  # so low a bound that each adapter's 8 rows run as several chunks
         run.objective.logprob_chunk_tokens = chunk_tokens
@@ -60,9 +62,10 @@ def _train(rank: int, world: int, toml: str, dump: str, out: str, chunk_tokens: 
         run.close()
 
 
-def _job(tmp: Path, toml: str, name: str, world: int, chunk_tokens: int | None = None, batches: str = "auto") -> dict:
+def _job(tmp: Path, toml: str, name: str, world: int, chunk_tokens: int | None = None, batches: str = "auto",
+         extra: tuple[str, ...] = ()) -> dict:
     out = tmp / f"{name}.pt"
-    run_ranks(world, _train, toml, str(tmp / name), str(out), chunk_tokens, batches)
+    run_ranks(world, _train, toml, str(tmp / name), str(out), chunk_tokens, batches, extra)
     return torch.load(out)
 
 
@@ -99,3 +102,24 @@ def test_two_adapters_trained_together_with_grpo_end_as_each_trained_alone(alone
             [m["rl/reward_mean"] for m in each[k]["metrics"]], f"{name}: other samples than its own job's"
     loss = [m["loss"] for m in together["metrics"]]
     assert loss == pytest.approx([sum(m[f"{n}/loss"] for n, *_ in ADAPTERS) for m in together["metrics"]])
+
+
+KL = "--grpo.kl_coef=0.5"
+
+
+def test_two_adapters_with_the_kl_term_end_as_each_trained_alone_with_it(alone, tmp_path: Path) -> None:
+    """The KL reference is the base with every adapter off, K-adapter linears included (were they left on, the
+    reference would be the policy itself and the KL zero)."""
+    job, _ = alone
+    each = [_job(tmp_path, job + table(*spec), f"alone_kl{k}", 1, extra=(KL,)) for k, spec in enumerate(ADAPTERS)]
+    both = job + "".join(table(*spec) for spec in ADAPTERS)
+    for batches in ("one", "each"):
+        together = _job(tmp_path, both, f"together_kl_{batches}", 1, batches=batches, extra=(KL,))
+        by_adapter = weights_by_adapter(together["weights"])
+        for k, (name, *_rest) in enumerate(ADAPTERS):
+            ours, theirs = by_adapter[k], each[k]["weights"]
+            diff = max(float((ours[n] - theirs[n]).abs().max()) for n in ours)
+            assert diff <= 1e-6, f"{batches}: adapter {name} differs from its one-adapter KL job by {diff:.2e}"
+            kl = [m[f"{name}/rl/kl"] for m in together["metrics"]]
+            assert kl == pytest.approx([m["rl/kl"] for m in each[k]["metrics"]], abs=1e-7), (name, kl)
+            assert kl[0] == 0 and min(kl[1:]) > 1e-6, f"{name}: the KL term is not live: {kl}"

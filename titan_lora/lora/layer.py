@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from titan_lora.lora.multi import MultiLoRALayer
 from titan_lora.titan.moe import grouped_mm
 
 # `lora_A` / `lora_B`, adapter k's `lora_A_<k>` / `lora_B_<k>` of a multi-adapter linear (`lora.multi`), and
@@ -135,13 +136,20 @@ def freeze_base(model: nn.Module) -> None:
 
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[None]:
-    """Run the base model (every adapter's scale set to 0), e.g. for a KL reference, with no copy."""
+    """Run the base model (every adapter's scale set to 0; a K-adapter linear adds no adapter's delta), e.g. for a
+    KL reference, with no copy."""
     modules = [m for _, m in lora_modules(model)]
     scales = [m.scale for m in modules]
+    multi = [m for m in model.modules() if isinstance(m, MultiLoRALayer)]
+    adapter_scales = [m.adapter_scales for m in multi]
     for m in modules:
         m.scale = 0.0
+    for m in multi:  # no adapter targets it while disabled: the base alone, on every row
+        m.adapter_scales = {}
     try:
         yield
     finally:
         for m, s in zip(modules, scales):
             m.scale = s
+        for m, held in zip(multi, adapter_scales):
+            m.adapter_scales = held

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from titan_lora.lora.layer import adapters_disabled
 from titan_lora.lora.multi_rows import AdapterRows
 from titan_lora.rl.logprobs import LOGPROB_CHUNK_TOKENS, chunk_count, chunked_token_logprobs
 from titan_lora.rl.objective import GRPOObjective, StepBatch
@@ -40,6 +41,13 @@ def padded_rows(batches: Sequence[StepBatch], pad_id: int) -> tuple[torch.Tensor
 
     return (torch.cat([pad(b.inputs, pad_id) for b in batches]), torch.cat([pad(b.labels, pad_id) for b in batches]),
             torch.cat([pad(b.mask, 0.0) for b in batches]))
+
+
+def base_logprobs(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, chunks: int,
+                  rows: AdapterRows) -> torch.Tensor:
+    """The base model's log-probs of `labels` (every adapter off, no graph): the KL term's reference."""
+    with torch.no_grad(), adapters_disabled(model):
+        return chunked_token_logprobs(model, inputs, labels, mask, chunks, rows)
 
 
 class MultiGRPOObjective:
@@ -84,9 +92,11 @@ class MultiGRPOObjective:
         inputs, labels, mask = padded_rows(batches, self.objectives[0].pad_id)
         rows = AdapterRows(tuple(len(b.mine) for b in batches))
         group = self.objectives[0].dp.group
+        kl = self.objectives[0].cfg.kl_coef > 0  # one [grpo] kl_coef for every adapter
         if not self.backward_each:
             chunks = chunk_count(mask, self.logprob_chunk_tokens, group)
             logp = chunked_token_logprobs(model, inputs, labels, mask, chunks, rows)
+            ref = base_logprobs(model, inputs, labels, mask, chunks, rows) if kl else None
         total, metrics = None, {}
         for k, (name, objective, batch) in enumerate(zip(self.names, self.objectives, batches)):
             first, last = rows.bounds(k)
@@ -95,9 +105,14 @@ class MultiGRPOObjective:
                 chunks = chunk_count(mask[own], self.logprob_chunk_tokens, group)
                 logp_k = chunked_token_logprobs(model, inputs[own], labels[own], mask[own], chunks,
                                                 rows.within(first, last))
+                ref_k = base_logprobs(model, inputs[own], labels[own], mask[own], chunks,
+                                      rows.within(first, last)) if kl else None
             else:
                 logp_k = logp[first:last]
-            loss, own_metrics = objective.step_loss(step, batch, logp_k[:, : batch.mask.shape[1]])
+                ref_k = ref[first:last] if kl else None
+            width = batch.mask.shape[1]
+            loss, own_metrics = objective.step_loss(step, batch, logp_k[:, :width],
+                                                    ref_k[:, :width] if kl else None)
             if self.backward_each and loss.requires_grad:
                 loss.backward()
                 loss = loss.detach()

@@ -191,14 +191,13 @@ def apply_adapter_tables(job_config: JobConfig) -> None:
 def unsupported_with_adapters(job_config: JobConfig) -> list[str]:
     """What a job with several `[[adapters]]` sets that trains one adapter only so far, one line each with the
     fix: several adapters train in SFT and sync-loop GRPO jobs (per-adapter data or task, optimizer, clipping),
-    keep checkpoints, export one PEFT folder each and sync into the engine as one family of versions each; not
-    yet the async loop, the KL term or the rollback of one adapter (docs/multi_adapter.md); agent tasks are
+    keep checkpoints, export one PEFT folder each and sync into the engine as one family of versions each, with
+    the KL term; not yet the async loop or the rollback of one adapter (docs/multi_adapter.md); agent tasks are
     refused where tasks are built (`compose.check_plugins`)."""
     names = ", ".join(repr(t.name) for t in job_config.adapters)
     lead = f"[[adapters]] names {len(job_config.adapters)} adapters ({names}), which train together"
     grpo = job_config.grpo.enabled
     wants = [(grpo and job_config.grpo.loop == "async", '[grpo] loop = "async"', '[grpo] loop = "sync"'),
-             (grpo and job_config.grpo.kl_coef > 0, "[grpo] kl_coef > 0", "[grpo] kl_coef = 0"),
              (job_config.training.on_nonfinite == "rollback", '[training] on_nonfinite = "rollback"',
               '[training] on_nonfinite = "stop" (a NaN gradient already skips its own adapter\'s step)')]
     return [f"{lead} without {what} so far: set {fix}, or keep one table" for on, what, fix in wants if on]
