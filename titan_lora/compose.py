@@ -278,17 +278,20 @@ def check_plugins(job_config: JobConfig) -> Task | None:
 
 
 def multi_grpo_objective(job_config: JobConfig, tokenizer, engine: EngineRollouts | None,  # noqa: ANN001
-                         dp: DataParallelInfo, device: torch.device, metrics: MetricsLogger) -> MultiGRPOObjective:
+                         dp: DataParallelInfo, device: torch.device, metrics: MetricsLogger,
+                         data_state: dict | None = None) -> MultiGRPOObjective:
     """GRPO on every `[[adapters]]` table: each its own `[grpo]` keys (task, reward, seed, temperature, ...),
-    its family of versions and its record (`rollouts_<name>.jsonl`), trained in one step (sync loop), in one
-    forward or one per adapter (`[grpo] adapter_batches`)."""
+    its family of versions, its record (`rollouts_<name>.jsonl`) and its loop resumed at its own data position
+    (`data_state`, by adapter name), trained in one step, in one forward or one per adapter (`[grpo]
+    adapter_batches`)."""
     objectives, names = [], []
     for k, adapter in enumerate(job_adapters(job_config)):
         grpo = adapter_section(adapter, "grpo", job_config.grpo)
         record = os.path.join(job_config.job.dump_folder, f"rollouts_{adapter.name}.jsonl")
         own = engine.of_adapter(k) if engine is not None else None
         objectives.append(GRPOObjective(grpo, build_task(grpo, job_config.task), tokenizer, own, dp, device,
-                                        metrics.prefixed(f"{adapter.name}/"), sample_source(grpo), record,
+                                        metrics.prefixed(f"{adapter.name}/"),
+                                        sample_source(grpo, (data_state or {}).get(adapter.name)), record,
                                         adapter.name))
         names.append(adapter.name)
     each = job_config.grpo.adapter_batches == "each" or (job_config.grpo.adapter_batches == "auto"
@@ -305,7 +308,7 @@ def build_objective(job_config: JobConfig, hf_dir: str, dims: ParallelDims, devi
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     dp = data_parallel_info(dims)
     if job_config.grpo.enabled and len(job_config.adapters) > 1:
-        return multi_grpo_objective(job_config, tokenizer, engine, dp, device, metrics)
+        return multi_grpo_objective(job_config, tokenizer, engine, dp, device, metrics, data_state)
     if job_config.grpo.enabled:
         loop = sample_source(job_config.grpo, data_state)  # the one place `[grpo] loop` is read
         record = os.path.join(job_config.job.dump_folder, "rollouts.jsonl")

@@ -66,7 +66,8 @@ class Training:
     """The dtype gradients are reduced in across data-parallel ranks."""
     on_nonfinite: str = "stop"
     """A NaN/Inf adapter after an optimizer step: "stop" with an error, or "rollback" to the last
-    checkpoint and skip that batch (needs [checkpoint] enable)."""
+    checkpoint and skip that batch (needs [checkpoint] enable; with several [[adapters]], only the adapter
+    that holds it goes back, the others keep their step)."""
 
 
 @dataclass

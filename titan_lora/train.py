@@ -120,8 +120,7 @@ class TrainingRun:
 
     def check_and_sync(self) -> dict[str, float]:
         """Collective, after the optimizer step: stop or roll back on a non-finite adapter; then sync."""
-        bad = first_nonfinite_adapter(self.model)
-        if bad is not None:
+        while (bad := first_nonfinite_adapter(self.model)) is not None:  # several adapters: each rolled back
             self.handle_nonfinite(bad)
         synced = {}
         if self.syncer is not None:  # after a rollback too: the engine serves what the trainer holds
@@ -129,7 +128,8 @@ class TrainingRun:
         return {**synced, "nonfinite_rollbacks": self.rollbacks}
 
     def handle_nonfinite(self, bad: str) -> None:
-        """`[training] on_nonfinite`: raise ("stop"), or reload the last checkpoint and skip this batch."""
+        """`[training] on_nonfinite`: raise ("stop"), or reload the last checkpoint and skip this batch (several
+        adapters: only the adapter `bad` belongs to)."""
         k = adapter_of(bad) if self.adapters else None
         owner = "" if k is None else f" (adapter {self.adapters[k].name!r})"
         what = f"step {self.step}: adapter tensor {bad}{owner} holds NaN/Inf after the optimizer step"
@@ -143,8 +143,13 @@ class TrainingRun:
                 f"{what}, and there is no checkpoint to roll back to yet: set [checkpoint] enable = true "
                 "with a smaller [checkpoint] interval, or [training] on_nonfinite = \"stop\""
             )
-        restored = self.checkpointer.load_latest()
         self.rollbacks += 1
+        if k is not None:  # that adapter alone: the others keep this step's update
+            restored = self.checkpointer.restore_adapter(k)
+            logger.error("%s; rolled that adapter back to the checkpoint of step %d (its tensors and optimizer "
+                         "state; the schedule and the other adapters go on) and skipped its batch", what, restored)
+            return
+        restored = self.checkpointer.load_latest()
         logger.error("%s; rolled back to the checkpoint of step %d (adapter, optimizer, LR) and skipped "
                      "this batch", what, restored)
 

@@ -12,6 +12,7 @@ one-adapter job would get from the same samples, either way.
 from __future__ import annotations
 
 from collections.abc import Sequence
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
@@ -62,6 +63,7 @@ class MultiGRPOObjective:
         self.names = list(names)
         self.engine = engine
         self._pool = ThreadPoolExecutor(len(self.objectives), thread_name_prefix="titan-adapter-rollouts")
+        self._drawn_step, self._drawn = 0, {}  # rank 0: the adapters whose samples of that step are taken
 
     def before_training(self, step: int) -> None:
         """Each adapter's held-out eval before any update, then its sample source starts."""
@@ -70,10 +72,20 @@ class MultiGRPOObjective:
 
     def _draw_all(self, step: int) -> list[list[Sample]]:
         """Rank 0: every adapter's groups of step `step`, drawn at once (one thread each). Every draw ends before
-        a failure is raised: a retry after the engine's recovery must not run beside a draw still going."""
-        draws = [self._pool.submit(o.source.take, step) for o in self.objectives]
-        futures_wait(draws)
-        return [draw.result() for draw in draws]
+        a failure is raised: a retry after the engine's recovery must not run beside a draw still going. The
+        retry draws only for the adapters that failed: an async loop's take hands its groups once, and the
+        groups it handed are this step's."""
+        if self._drawn_step != step:
+            self._drawn_step, self._drawn = step, {}
+        missing = [k for k in range(len(self.objectives)) if k not in self._drawn]
+        draws = {k: self._pool.submit(self.objectives[k].source.take, step) for k in missing}
+        futures_wait(draws.values())
+        for k, draw in draws.items():
+            if draw.exception() is None:
+                self._drawn[k] = draw.result()
+        for draw in draws.values():
+            draw.result()  # the first failure, after every draw ended and the others' samples were kept
+        return [self._drawn[k] for k in range(len(self.objectives))]
 
     def _samples(self, step: int) -> list[list[Sample]]:
         """Collective: each adapter's samples of the step on every rank (rank 0 draws, with engine recovery)."""
@@ -126,6 +138,8 @@ class MultiGRPOObjective:
         metrics["rl/reward_mean"] = sum(metrics[f"{name}/rl/reward_mean"] for name in self.names) / len(self.names)
         for key in JOB_TOTALS:
             metrics[key] = sum(metrics[f"{name}/{key}"] for name in self.names)
+        for key, over in (("rl/staleness_mean", statistics.fmean), ("rl/staleness_max", max)):
+            metrics[key] = over(metrics[f"{name}/{key}"] for name in self.names)
         metrics["phase/rollout_wait_s"] = wait_s
         return total, metrics
 
@@ -143,14 +157,17 @@ class MultiGRPOObjective:
             fields[f"{name}.reward"] = f"{metrics[f'{name}/rl/reward_mean']:.3f}"
             if f"{name}/eval/accuracy" in metrics:
                 fields[f"{name}.acc"] = f"{metrics[f'{name}/eval/accuracy']:.3f}"
+        fields |= self.objectives[0].source.progress_fields(metrics)  # the loop's own (async: the staleness)
         fields["step_s"] = f"{metrics['step_time_s']:.1f}"
         if "sync/total_ms" in metrics:
             fields["sync_ms"] = f"{metrics['sync/total_ms']:.0f}"
         return fields
 
     def data_state(self) -> dict | None:
-        """None: the sync loop's step is every adapter's data position."""
-        return None
+        """Rank 0: each adapter's data position by name (the async loop's groups trained so far); None when the
+        step is every adapter's position (the sync loop)."""
+        states = {name: o.source.data_state() for name, o in zip(self.names, self.objectives)}
+        return states if any(state is not None for state in states.values()) else None
 
     def close(self) -> None:
         """Stop every adapter's sample source and the drawing threads."""

@@ -6,6 +6,7 @@ the size of the adapter and its optimizer state, and resuming works for any numb
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import logging
@@ -15,6 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
@@ -22,6 +24,7 @@ import torch.nn as nn
 from titan_lora.export.peft import PeftLayout
 from titan_lora.lora.finite import NonFiniteAdapterError, first_nonfinite_adapter
 from titan_lora.lora.layer import adapter_params, lora_modules
+from titan_lora.lora.multi import adapter_of
 from titan_lora.trainer.checkpoint_names import (
     NAMES,
     ROW_ORDER,
@@ -29,6 +32,7 @@ from titan_lora.trainer.checkpoint_names import (
     adapter_peft_names,
     adapters_change,
     hf_targets,
+    optimizer_state_param,
     peft_names,
     renamed_optimizer_state,
     renamed_params,
@@ -227,3 +231,30 @@ class AdapterCheckpointer:
         self.data_state = json.loads(data.read_text()) if data.exists() else None
         logger.info("resumed from %s", path)
         return int(state["trainer"]["step"])
+
+    def restore_adapter(self, k: int) -> int:
+        """Collective: adapter `k` of a K-adapter model (its tensors and optimizer state) as the newest
+        checkpoint holds it; every other adapter, the optimizer's param groups (learning rates), the LR schedule
+        and the data position stay as they are. Returns the checkpoint's step."""
+        others = {fqn: p.detach().clone() for fqn, p in adapter_params(self.model) if adapter_of(fqn) != k}
+        optimizer = {key: value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+                     for key, value in self.optimizers.state_dict().items()}
+        schedules, data_state = copy.deepcopy(self.lr_schedulers.state_dict()), self.data_state
+        step = self.load_latest()
+        with torch.no_grad():
+            for fqn, param in adapter_params(self.model):
+                if fqn in others:
+                    param.copy_(others[fqn])
+        restored = self.optimizers.state_dict()
+        self.optimizers.load_state_dict({key: restored[key] if _restores(key, k) else value
+                                         for key, value in optimizer.items()})
+        self.lr_schedulers.load_state_dict(schedules)
+        self.data_state = data_state
+        return step
+
+
+def _restores(key: str, k: int) -> bool:
+    """Whether a flattened optimizer state key is adapter `k`'s state (its moments and step), which a rollback of
+    that adapter takes from the checkpoint; its param group's keys (the learning rate the schedule set) are not."""
+    parts = optimizer_state_param(key)
+    return parts is not None and parts[0] == "state." and adapter_of(parts[1]) == k

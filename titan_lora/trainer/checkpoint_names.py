@@ -107,15 +107,25 @@ def renamed_params(state: Mapping[str, Any], names: Mapping[str, str]) -> dict[s
     return {names[key]: value for key, value in state.items()}
 
 
+def optimizer_state_param(key: str) -> tuple[str, str, str] | None:
+    """A flattened optimizer state key split into its section, parameter name and field
+    (`state.<param>.exp_avg` -> ("state.", "<param>", "exp_avg")); None for a key of no known section."""
+    section = next((s for s in _OPTIMIZER_SECTIONS if key.startswith(s)), None)
+    if section is None:
+        return None
+    param, _, field = key[len(section):].rpartition(".")
+    return section, param, field
+
+
 def renamed_optimizer_state(state: Mapping[str, Any], names: Mapping[str, str]) -> dict[str, Any]:
     """A flattened optimizer state dict (`state.<param>.<key>`, `param_groups.<param>.<key>`) with each
     parameter name renamed through `names`; a key naming no known parameter is an error."""
     out = {}
     for key, value in state.items():
-        section = next((s for s in _OPTIMIZER_SECTIONS if key.startswith(s)), None)
-        param, _, field = key[len(section or ""):].rpartition(".")
-        if section is None or param not in names:
+        parts = optimizer_state_param(key)
+        if parts is None or parts[1] not in names:
             raise KeyError(f"optimizer state key {key!r} names no adapter parameter; known: "
                            f"{sorted(names)[:3]} ...")
+        section, param, field = parts
         out[f"{section}{names[param]}.{field}"] = value
     return out

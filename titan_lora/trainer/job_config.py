@@ -172,35 +172,16 @@ def adapter_targets(job_config: JobConfig, model: ResolvedModel | None = None) -
 
 def apply_adapter_tables(job_config: JobConfig) -> None:
     """One `[[adapters]]` table: its keys set over the sections' and its name as `[weight_sync] lora_name`, so
-    the job is the one-adapter job those sections describe. Several tables: refused, one line per part of the
-    job that does not take several adapters yet (see `unsupported_with_adapters`)."""
+    the job is the one-adapter job those sections describe. Several tables are resolved where each part uses
+    them (`config_adapters.job_adapters`); agent tasks are refused where tasks are built
+    (`compose.check_plugins`)."""
     tables = job_config.adapters
-    if len(tables) > 1:
-        errors = unsupported_with_adapters(job_config)
-        if errors:
-            raise ours.ConfigError(errors)
-        return
-    if not tables:
+    if len(tables) != 1:
         return
     (adapter,) = job_adapters(job_config)
     for key, section in FALLBACK.items():
         setattr(getattr(job_config, section), section_key(key), getattr(adapter, key))
     job_config.weight_sync.lora_name = adapter.name
-
-
-def unsupported_with_adapters(job_config: JobConfig) -> list[str]:
-    """What a job with several `[[adapters]]` sets that trains one adapter only so far, one line each with the
-    fix: several adapters train in SFT and sync-loop GRPO jobs (per-adapter data or task, optimizer, clipping),
-    keep checkpoints, export one PEFT folder each and sync into the engine as one family of versions each, with
-    the KL term; not yet the async loop or the rollback of one adapter (docs/multi_adapter.md); agent tasks are
-    refused where tasks are built (`compose.check_plugins`)."""
-    names = ", ".join(repr(t.name) for t in job_config.adapters)
-    lead = f"[[adapters]] names {len(job_config.adapters)} adapters ({names}), which train together"
-    grpo = job_config.grpo.enabled
-    wants = [(grpo and job_config.grpo.loop == "async", '[grpo] loop = "async"', '[grpo] loop = "sync"'),
-             (job_config.training.on_nonfinite == "rollback", '[training] on_nonfinite = "rollback"',
-              '[training] on_nonfinite = "stop" (a NaN gradient already skips its own adapter\'s step)')]
-    return [f"{lead} without {what} so far: set {fix}, or keep one table" for on, what, fix in wants if on]
 
 
 def derive_keep_versions(job_config: JobConfig, named: bool) -> None:
