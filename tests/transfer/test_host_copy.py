@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from titan_lora.transfer.host_copy import MIN_SPLIT_BYTES, balanced_cut, copy_flat, in_two
+from titan_lora.transfer.host_copy import MIN_SPLIT_BYTES, HostCopies, balanced_cut, copy_flat, in_two
 
 
 def _tensors(sizes: list[int], seed: int) -> list[torch.Tensor]:
@@ -55,6 +55,36 @@ def test_the_helpers_half_copies_every_dtype_layout_and_view_byte_for_byte() -> 
     in_two(torch._foreach_copy_, dsts, srcs, cut=len(dsts) - 1)  # every pair but the last on the helper
     for d, s in zip(dsts, srcs):
         assert d.dtype == s.dtype and torch.equal(d, s.detach())
+
+
+def test_host_copies_copy_every_pair_byte_for_byte_run_after_run_with_the_numpy_views_made_once() -> None:
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(600, 700, generator=g)
+    # what numpy can copy (fp32, bf16, int64, a param) and what stays with torch (a transposed source, another
+    # dtype, a 0-dim), in a list big enough to split
+    srcs = [base.clone(), base.to(torch.bfloat16), torch.randint(-9, 9, (300_000,), generator=g),
+            torch.nn.Parameter(base[:10].clone()), base.t(), torch.tensor(3.5), base[:5]]
+    dsts = [torch.empty_like(s, memory_format=torch.contiguous_format).detach() for s in srcs]
+    dsts[-1] = torch.empty(5, 700, dtype=torch.float64)  # a converting copy: never copied as bytes
+    copies = HostCopies(dsts, srcs)
+    assert copies._helper_pairs and copies._dsts, "split between the helper and the caller"
+    assert len(copies._helper_pairs) + len(copies._dsts) == len(dsts)
+    for round_ in range(2):  # the same views, new values
+        with torch.no_grad():
+            for s in srcs:
+                if s.dtype.is_floating_point:
+                    s.add_(round_ + 1)
+        copies.run()
+        for d, s in zip(dsts, srcs):
+            assert torch.equal(d, s.detach().to(d.dtype)), (round_, d.dtype, s.shape)
+
+
+def test_small_host_copies_stay_on_the_calling_thread() -> None:
+    srcs, dsts = _tensors([10, 20], 4), [torch.zeros(10), torch.zeros(20)]
+    copies = HostCopies(dsts, srcs)
+    assert not copies._helper_pairs
+    copies.run()
+    assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
 
 
 HELPER_THREADS = """

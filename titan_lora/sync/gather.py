@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from titan_lora.lora.layer import local_part
 from titan_lora.transfer.buckets import ALIGN, checksum_words, format_checksum
 from titan_lora.transfer.cuda_graphs import GraphedReads, captured
-from titan_lora.transfer.host_copy import balanced_cut, in_two
+from titan_lora.transfer.host_copy import HostCopies
 from titan_lora.transfer.kernels import finite_and_checksum
 from titan_lora.transfer.transport import plain_buffer
 
@@ -101,7 +101,7 @@ class _RunPlan:
         self.dsts: list[torch.Tensor] = []
         # (source, which of its elements or None for all, their output positions)
         self._short: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
-        self.cut = 0  # where the batched copy splits over two threads
+        self._copies: HostCopies | None = None  # the long runs' copies, split over two threads
         self._stage = self._stage_index = torch.empty(0)
         self._whole: list[torch.Tensor] = []
         self._whole_numel = 0
@@ -127,7 +127,7 @@ class _RunPlan:
 
     def finish(self) -> _RunPlan:
         """Fix the staging layout and the thread split once every source is added."""
-        self.cut = balanced_cut(self.dsts)
+        self._copies = HostCopies(self.dsts, self.srcs)
         self._whole = [src for src, picks, _ in self._short if picks is None]
         picked = [(src, picks, idx) for src, picks, idx in self._short if picks is not None]
         indices = [idx for _, picks, idx in self._short if picks is None] + [idx for _, _, idx in picked]
@@ -141,7 +141,7 @@ class _RunPlan:
 
     def run(self) -> None:
         """Move every planned element into the output."""
-        in_two(torch._foreach_copy_, self.dsts, self.srcs, cut=self.cut)
+        self._copies.run()
         if not self._stage.numel():
             return
         if self._whole:
