@@ -37,7 +37,7 @@ from titan_lora.transfer.protocol import EngineLimits
 
 def test_limits_are_the_smaller_slot_count_and_the_served_modules() -> None:
     limits = check_server(info(), URL, keep_versions=2)
-    assert limits == EngineLimits(16, 3, frozenset({"q_proj", "k_proj", "v_proj", "qkv_proj"}))
+    assert limits == EngineLimits(16, 3, frozenset({"q_proj", "k_proj", "v_proj", "qkv_proj"}), expert_lora=False)
     assert check_server(info(max_loaded_loras=None), URL, 2).max_loras == 3
     assert check_server(info(lora_target_modules=frozenset({"all"})), URL, 2).target_modules is None
 

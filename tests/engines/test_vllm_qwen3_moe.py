@@ -57,6 +57,8 @@ def test_the_engine_serves_an_moe_base_checked_per_expert_and_its_synced_attenti
         before = max_abs_diff(rollouts.score(SEQUENCES, None), ours)
         assert before > 1e-3, f"the changed expert barely moves the log-probs ({before:.2e}): proves nothing"
 
+        # The CPU engine's experts are not LoRA layers: it says so, and an adapter on them is refused at start.
+        assert emitter.engine_limits().expert_lora is False
         syncer.sync(1)
         digests = syncer.our_base_digests(None)
         assert {f"model.layers.0.mlp.experts.{e}.{p}.weight" for e in range(4)

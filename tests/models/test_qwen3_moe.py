@@ -72,12 +72,19 @@ def test_the_router_and_dense_mlps_of_an_moe_are_refused_and_experts_on_a_dense_
         build_from(dense)
 
 
-def test_a_sync_of_expert_adapters_or_tp_of_an_moe_is_refused_before_the_build(tmp_path, monkeypatch) -> None:
+def test_a_sync_of_expert_adapters_into_an_engine_that_cannot_serve_them_or_tp_of_an_moe_is_refused_before_the_build(
+        tmp_path, monkeypatch) -> None:
     hf_dir = tiny_qwen3_moe(tmp_path / "hf")
     toml = _toml(hf_dir)
-    with pytest.raises(ValueError, match=r"\[weight_sync\] enabled with adapters on the experts.*drop \"experts\""):
-        job_config_from(toml, "--weight_sync.enabled")
+    for kind, url, why in (("vllm", "", "the vLLM engine titan_lora starts here runs on CPU"),
+                           ("sglang", "http://h:1", "SGLang loads no"),
+                           ("vllm-disk", "", "the disk baseline writes PEFT's fused")):
+        with pytest.raises(ValueError, match=rf"\[weight_sync\] enabled with adapters on the experts and "
+                                             rf"\[engine\] kind = '{kind}': {why}.*drop \"experts\""):
+            job_config_from(toml, "--weight_sync.enabled", f"--engine.kind={kind}", f"--engine.url={url}")
     job_config_from(_toml(hf_dir, '["q_proj", "o_proj"]'), "--weight_sync.enabled")  # attention only: synced
+    job_config_from(toml, "--weight_sync.enabled", "--engine.kind=receiver")  # bytes: tests/sync/test_expert_sync.py
+    job_config_from(toml, "--weight_sync.enabled", "--engine.url=http://gpu-host:8000")  # it says at start
     monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it for 2 ranks
     with pytest.raises(ValueError, match="TP-sharded experts is not built"):
         job_config_from(toml, "--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1")

@@ -36,6 +36,7 @@ class Source:
 
     rank = 8
     target_modules = ["q_proj", "v_proj"]
+    adapts_experts = False
 
     def __init__(self) -> None:
         self.finite = True

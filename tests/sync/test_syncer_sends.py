@@ -51,6 +51,14 @@ def test_too_few_adapter_slots_for_the_retention_window_are_refused() -> None:
                               "restart it with --max-loras >= 3")
 
 
+def test_expert_adapters_are_refused_by_an_engine_that_serves_no_expert_lora_and_only_there() -> None:
+    for says in (True, None):  # a GPU vLLM engine; the receiver, which holds bytes
+        check_engine_limits(EngineLimits(8, 3, None, expert_lora=says), 8, ["q_proj"], 2, experts=True)
+    check_engine_limits(EngineLimits(8, 3, None, expert_lora=False), 8, ["q_proj"], 2)  # attention only
+    with pytest.raises(TransferError, match=r"serves no LoRA on them .* drop \"experts\" from \[lora\] target_modules"):
+        check_engine_limits(EngineLimits(8, 3, None, expert_lora=False), 8, ["q_proj"], 2, experts=True)
+
+
 def test_several_adapters_need_a_retention_window_each_and_the_refusal_says_so() -> None:
     check_engine_limits(EngineLimits(8, 9, None), 8, ["q_proj"], 2, adapters=3)
     with pytest.raises(TransferError) as err:

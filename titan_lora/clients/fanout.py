@@ -39,10 +39,13 @@ from titan_lora.transfer.transport import BucketBuffer
 
 
 def combined_limits(limits: list[EngineLimits]) -> EngineLimits:
-    """What every replica can serve: the smallest rank and slot count, the common target modules."""
+    """What every replica can serve: the smallest rank and slot count, the common target modules, expert LoRA
+    where every replica that says serves it."""
     targets = [lim.target_modules for lim in limits if lim.target_modules is not None]
     common = frozenset.intersection(*targets) if targets else None
-    return EngineLimits(min(lim.max_lora_rank for lim in limits), min(lim.max_loras for lim in limits), common)
+    said = [lim.expert_lora for lim in limits if lim.expert_lora is not None]
+    return EngineLimits(min(lim.max_lora_rank for lim in limits), min(lim.max_loras for lim in limits), common,
+                        all(said) if said else None)
 
 
 def slowest(acks: list[Ack]) -> dict[str, float]:

@@ -127,7 +127,8 @@ def check_server(info: ServerInfo, url: str, keep_versions: int) -> EngineLimits
                        f"keep_versions + 1 = {slots}{extra}",
                        f"{flag} {need} (or lower [weight_sync] keep_versions)")
     caps = [v for v in (info.max_loaded_loras, info.max_loras_per_batch - 1) if v is not None]
-    return EngineLimits(info.max_lora_rank, min(caps), served_modules(info.lora_target_modules))
+    # SGLang loads no adapter on routed experts (sgl-project/sglang #9897)
+    return EngineLimits(info.max_lora_rank, min(caps), served_modules(info.lora_target_modules), expert_lora=False)
 
 
 def check_adapter(limits: EngineLimits, url: str, rank: int, modules: set[str]) -> None:

@@ -196,10 +196,11 @@ class VLLMBucketEmitter:
         return self.client.post(protocol.path(protocol.INFO))
 
     def engine_limits(self) -> EngineLimits:
-        """Rank, slots and target modules the engine was started with."""
+        """Rank, slots, target modules and expert LoRA of the engine as it was started."""
         info = self._info()
         targets = info["target_modules"]
-        return EngineLimits(info["max_lora_rank"], info["max_loras"], None if targets is None else frozenset(targets))
+        return EngineLimits(info["max_lora_rank"], info["max_loras"], None if targets is None else frozenset(targets),
+                            info.get("expert_lora"))
 
     def engine_incarnation(self) -> str:
         """The engine's id, suffixed while it holds no base from us."""

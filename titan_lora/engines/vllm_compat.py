@@ -169,7 +169,15 @@ def lora_limits(manager: Any) -> dict:
         "max_loras": models.lora_slots,
         "max_cpu_loras": models.capacity,
         "target_modules": sorted(targets),
+        "expert_lora": adapts_experts(manager),
     }
+
+
+def adapts_experts(manager: Any) -> bool:
+    """Whether the engine's routed experts are LoRA layers: vLLM 0.32 wraps them only for its Triton GPU kernels
+    (on its CPU backend `vllm_cpu_moe` keeps them plain), and only in a mixture-of-experts model."""
+    classes = cpu_moe_classes()
+    return classes is not None and any(isinstance(m, classes[3]) for m in adapter_manager(manager).modules.values())
 
 
 def reload_base(worker: Any, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -32,6 +32,7 @@ from titan_lora.engines import vllm_compat as compat
 from titan_lora.engines.transfers import BucketRequest, Slab, SlabPool, Staged, TransferStore, receive
 from titan_lora.engines.vllm_compat import LoRAModel, LoRARequest
 from titan_lora.transfer.buckets import LayoutCache
+from titan_lora.transfer.moe_layout import per_expert_adapter
 from titan_lora.transfer.transport import BufferCache
 from titan_lora.transfer.transports.base import transport_named
 
@@ -121,7 +122,13 @@ class TitanLoRAWorkerExtension:
         self, lora_int_id: int, peft_config: dict, tensors: dict[str, torch.Tensor]
     ) -> tuple[LoRAModel, bool]:
         """The adapter as vLLM's LoRA manager takes it, and whether a recorded plan built it (vLLM
-        builds the first one with these names, and every one off the fast path)."""
+        builds the first one with these names, and every one off the fast path). Expert adapters arrive as PEFT
+        fuses them and are built per expert (`transfer/moe_layout.py`)."""
+        if peft_config.get("target_parameters"):  # routed experts, fused as PEFT has them: vLLM takes them per expert
+            if not compat.adapts_experts(compat.lora_manager(self)):
+                raise ValueError("this engine's routed experts are not LoRA layers (vLLM 0.32 runs expert LoRA only "
+                                 "with its Triton GPU kernels): send adapters without \"experts\" in their targets")
+            tensors, peft_config = per_expert_adapter(tensors, peft_config)
         plans = self._titan_state().plans
         key = json.dumps(peft_config, sort_keys=True) + "\n" + "\n".join(tensors)
         plan = plans.get(key)

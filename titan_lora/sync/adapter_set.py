@@ -42,6 +42,7 @@ class AdapterSetSource:
                                             base_model_path))
         self.ranks = [lora.rank for _, lora in adapters]
         self.rank = max(self.ranks)
+        self.adapts_experts = False  # several adapters do not target routed experts (lora/converter.py)
         self.target_modules = sorted({t for config in self.configs for t in config["target_modules"]})
         views = self.gatherer.views
         counts = [len(part) for part in by_adapter]

@@ -60,6 +60,8 @@ class AdapterSource:
         adapted = [n for n, m in modules if not isinstance(m, LoRAExperts)]
         self.target_modules = hf_leaf_names(adapted, leaf_names_of(layout.hf_modules))
         experts = len(adapted) < len(modules)
+        self.adapts_experts = experts
+        """Whether the adapter is on routed experts too (the engine must serve expert LoRA)."""
         self.config: dict[str, Any] = peft_config(lora, self.target_modules, base_model_path, experts=experts)
         self.rank = lora.rank
 

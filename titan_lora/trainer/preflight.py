@@ -55,11 +55,25 @@ def check_moe(job_config: JobConfig, shape: DecoderShape) -> None:
                          "([parallelism] data_parallel_shard_degree)")
     targets = job_config.lora.target_modules
     if job_config.weight_sync.enabled and isinstance(targets, list) and EXPERTS in targets:
-        raise ValueError("[weight_sync] enabled with adapters on the experts: the engine side takes adapters on "
-                         "attention (and the dense layers) of a mixture-of-experts model, not on its experts "
-                         "(vLLM 0.32 serves expert LoRA only with its Triton GPU kernels, not run here); drop "
-                         '"experts" from [lora] target_modules, or set [weight_sync] enabled = false and export '
-                         "the adapter (`python -m titan_lora.export.vllm_moe` rewrites it for vLLM)")
+        check_expert_sync(job_config.engine)
+
+
+def check_expert_sync(engine: Engine) -> None:
+    """Refuse a sync of adapters on routed experts into an engine that cannot serve them, where that is known
+    before the build; an attached vLLM engine says so at start (`EngineLimits.expert_lora`)."""
+    fix = ('drop "experts" from [lora] target_modules, or set [weight_sync] enabled = false and export the '
+           "adapter (`python -m titan_lora.export.vllm_moe` rewrites it for vLLM)")
+    why = None
+    if engine.kind == "sglang":
+        why = "SGLang loads no adapter on routed experts"
+    elif engine.kind == "vllm-disk":
+        why = "the disk baseline writes PEFT's fused expert layout, which vLLM 0.32 loads only per expert"
+    elif engine.kind == "vllm" and not attached_urls(engine) and not torch.cuda.is_available():
+        why = ("the vLLM engine titan_lora starts here runs on CPU, and vLLM 0.32 runs expert LoRA only with its "
+               "Triton GPU kernels")
+    if why is not None:
+        raise ValueError(f"[weight_sync] enabled with adapters on the experts and [engine] kind = {engine.kind!r}: "
+                         f"{why}; {fix}")
 
 
 def linear_dims(shape: DecoderShape) -> dict[str, tuple[int, int]]:

@@ -129,6 +129,8 @@ class EngineLimits:
     max_lora_rank: int
     max_loras: int
     target_modules: frozenset[str] | None  # HF leaf names (q_proj, ...); None: any linear
+    expert_lora: bool | None = None
+    """Whether it serves adapters on routed experts; None: it does not say (it holds bytes, as the receiver)."""
 
 
 @dataclasses.dataclass(frozen=True)
