@@ -167,6 +167,21 @@ def test_tensors_already_in_shared_memory_go_in_place_with_their_checksum(emitte
     assert all(torch.equal(engine.adapters["policy-v6"][n], t) for n, t in tensors.items())
 
 
+def test_several_adapters_in_the_lent_buffer_are_planned_as_one_bucket_whatever_bucket_mb(emitter_for: Make) -> None:
+    """Several adapters gathered together into the lent buffer (`send_adapters`): one bucket from where they lie,
+    though each tensor would fill a bucket of `bucket_mb` (no copy to bound; one checksum pass, one engine round
+    trip); one adapter keeps `bucket_mb`'s buckets, and so do tensors elsewhere."""
+    flat, buf = lend_buffer(4 * 64 * 1024, torch.float32, torch.device("cpu"))
+    tensors = {f"t{i}": flat[i * 65536 : (i + 1) * 65536] for i in range(4)}
+    emitter = emitter_for(ReadingEngine(delay_s=0))
+    assert emitter.bucket_bytes < 2 * TENSOR_BYTES
+    (bucket,) = emitter._plan_for(tensors, buf, whole=True)
+    assert bucket.home == (buf, 0) and bucket.size == 4 * TENSOR_BYTES
+    assert [b.home for b in emitter._plan_for(tensors, buf)] == [(buf, k * TENSOR_BYTES) for k in range(4)]
+    elsewhere = {n: t.clone() for n, t in tensors.items()}
+    assert len(emitter._plan_for(elsewhere, buf, whole=True)) == 4
+
+
 def test_a_bucket_of_exactly_the_bytes_the_gather_checksummed_goes_with_that_checksum(emitter_for: Make) -> None:
     from titan_lora.transfer.buckets import bucket_checksum
 

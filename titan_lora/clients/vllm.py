@@ -186,7 +186,7 @@ class VLLMBucketEmitter:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="titan-bucket")
         self._sent_layouts: set[str] = set()
         self._plan_key: tuple = ()
-        self._plan_of: tuple[Mapping[str, torch.Tensor], BucketBuffer | None] | None = None
+        self._plan_of: tuple[Mapping[str, torch.Tensor], BucketBuffer | None, bool] | None = None
         self._plan: list[_PlannedBucket] = []
         # One transfer at a time: two would pack into the same two buffers (a replica's revival can start
         # a base send while a fan-out call is still running on this emitter).
@@ -235,19 +235,20 @@ class VLLMBucketEmitter:
             self._buffers = []
             raise TransferError(str(err)) from err
 
-    def _plan_for(self, tensors: Mapping[str, torch.Tensor], shared: BucketBuffer | None) -> list[_PlannedBucket]:
+    def _plan_for(self, tensors: Mapping[str, torch.Tensor], shared: BucketBuffer | None,
+                  whole: bool = False) -> list[_PlannedBucket]:
         """Buckets for `tensors`, reused while names, shapes, dtypes and storage stay the same (the
         gatherer hands out the same views every sync); a run that lies in `shared` goes from there.
         The same read-only mapping again (`AdapterSource` gives one per run) is recognised without
         a look at its 448 tensors; any other mapping is keyed by every tensor."""
-        if self._plan_of is not None and self._plan_of[0] is tensors and self._plan_of[1] is shared:
+        if self._plan_of is not None and self._plan_of[0] is tensors and self._plan_of[1:] == (shared, whole):
             return self._plan
-        key = (id(shared), *((name, t.data_ptr(), t.shape, t.dtype) for name, t in tensors.items()))
+        key = (id(shared), whole, *((name, t.data_ptr(), t.shape, t.dtype) for name, t in tensors.items()))
         # Held, so no other mapping can take its id; a plain dict may change in place, so it is not kept.
-        self._plan_of = (tensors, shared) if isinstance(tensors, types.MappingProxyType) else None
+        self._plan_of = (tensors, shared, whole) if isinstance(tensors, types.MappingProxyType) else None
         if key != self._plan_key:
             self._plan = []
-            for entries in plan_buckets(tensors, self.bucket_bytes):
+            for entries in self._bucket_entries(tensors, shared if whole else None):
                 run = one_run(entries, tensors)
                 offset = None if run is None or shared is None else offset_in(shared, run)
                 home = None if offset is None else (shared, offset)
@@ -255,6 +256,16 @@ class VLLMBucketEmitter:
                     _PlannedBucket(entries, run, layout_id(entries), bucket_size(entries), home))
             self._plan_key = key
         return self._plan
+
+    def _bucket_entries(self, tensors: Mapping[str, torch.Tensor], shared: BucketBuffer | None) -> list[list]:
+        """The tensors' buckets: one when they all lie back to back in `shared` (several adapters gathered
+        together: no copy, the gather's own checksum of those bytes serves and one engine round trip, however
+        many MiB: measured, four adapters' sync 36.9 -> 31.8 ms), else `bucket_mb` each."""
+        if shared is not None:
+            whole = plan_buckets(tensors, sum(t.numel() * t.element_size() for t in tensors.values()) * 2 + 2**20)
+            if len(whole) == 1 and (run := one_run(whole[0], tensors)) is not None and offset_in(shared, run) is not None:
+                return whole
+        return plan_buckets(tensors, self.bucket_bytes)
 
     def _transfer(self, kind: str, fill: Callable[[_Transfer], T]) -> tuple[T, _Streamed]:
         """Run `fill` to post a transfer's buckets, then collect the acks; on any failure, abandon it. A
@@ -270,11 +281,11 @@ class VLLMBucketEmitter:
 
     def _post_planned(
         self, transfer: _Transfer, tensors: Mapping[str, torch.Tensor], shared: BucketBuffer | None,
-        commit: dict | None, shared_checksum: tuple[int, int, str] | None = None,
+        commit: dict | None, shared_checksum: tuple[int, int, str] | None = None, whole: bool = False,
     ) -> None:
         """Post `tensors` in planned buckets; `commit` rides on the last one. `shared_checksum`: (offset,
         size, checksum) of bytes in `shared` already checksummed; a bucket of exactly them reuses it."""
-        buckets = self._plan_for(tensors, shared)
+        buckets = self._plan_for(tensors, shared, whole)
         to_pack = [b for b in buckets if b.home is None]
         if to_pack:
             self._ensure_buffers(max(b.size for b in to_pack), next(iter(tensors.values())).device)
@@ -389,10 +400,12 @@ class VLLMBucketEmitter:
     def remember_base_digests(self, ours: dict[str, Any], version: int) -> None:
         """Nothing to keep: this engine's revival goes through the syncer, which holds the digests."""
 
-    def _stream_payload(self, payload: AdapterPayload, commit: dict) -> tuple[dict, dict[str, float]]:
-        """Stream `payload`'s tensors, `commit` riding on the last bucket; the commit's ack and the phases."""
+    def _stream_payload(self, payload: AdapterPayload, commit: dict, whole: bool = False
+                        ) -> tuple[dict, dict[str, float]]:
+        """Stream `payload`'s tensors, `commit` riding on the last bucket; the commit's ack and the phases.
+        `whole`: in one bucket where they lie in the lent buffer (`_bucket_entries`)."""
         _, streamed = self._transfer("adapter", lambda tr: self._post_planned(
-            tr, payload.tensors, payload.home, commit, payload.home_checksum))
+            tr, payload.tensors, payload.home, commit, payload.home_checksum, whole))
         self._check(f"adapter {payload.name}", payload.num_tensors, payload.nbytes, streamed)
         ack = streamed.commit
         if ack is None:
@@ -410,11 +423,12 @@ class VLLMBucketEmitter:
         return Ack(ack["version"], ack["tensors"], ack["bytes"], phases, incarnation)
 
     def send_adapters(self, adapters: AdapterSet) -> list[Ack]:
-        """Stream every part in one transfer (its buckets planned over all of them: one bucket when they fit);
-        the last bucket's commit registers each under its own name. The phases go with the first ack."""
+        """Stream every part in one transfer (one bucket from the lent buffer the gather wrote them into, else
+        planned over all of them); the last bucket's commit registers each under its own name. The phases go
+        with the first ack."""
         commit = {"adapters": [{"name": p.name, "version": p.version, "peft_config": dict(p.peft_config)}
                                for p in adapters.parts]}
-        ack, phases = self._stream_payload(adapters.together, commit)
+        ack, phases = self._stream_payload(adapters.together, commit, whole=True)
         parts = ack.get("adapters")
         if not isinstance(parts, list) or len(parts) != len(adapters.parts):
             raise TransferError(f"the engine acknowledged {len(parts or [])} of the {len(adapters.parts)} adapters "
