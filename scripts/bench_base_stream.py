@@ -10,10 +10,10 @@ Figures: the job's load time and its base stream (from its log), every process's
 sampled until it exits: each rank and the receiver), the steps' sync and step times (TensorBoard).
 Floor for the stream: one NCCL (gloo on CPU) all-gather of the base's bytes into rank 0, the link bound
 of moving every shard there, measured in the same run on fresh ranks.
-Baseline (what titan_lora did before issue 33, and what a trainer that keeps the base to re-feed engines
+Baseline (what titan_lora did before it streamed the base, and what a trainer that keeps the base to re-feed engines
 does): the whole state dict gathered into rank 0's host memory (`get_model_state_dict(full_state_dict=True,
 cpu_offload=True)`), its time and the peak RSS it costs.
-Goal (issue 33): streaming holds at most two tensors' buckets on the host at once, so rank 0's peak RSS
+Goal: streaming holds at most two tensors' buckets on the host at once, so rank 0's peak RSS
 stays about its own share, not the base.
 
 `--shape tiny --device cpu` is the smoke test (tests/test_bench_base_stream.py).

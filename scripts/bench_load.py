@@ -13,7 +13,7 @@ includes the model's own shard (fp32, printed as "RSS before"), on GPU the model
 page cache is dropped before each measurement where /proc/sys/vm/drop_caches accepts it (the header says
 whether it did); else every read is from a warm cache.
 
-Goals (issue 33): peak RSS per rank <= 1.25 x checkpoint bytes / ranks + 2 GiB; load time <= 1.5 x floor.
+Goals: peak RSS per rank <= 1.25 x checkpoint bytes / ranks + 2 GiB; load time <= 1.5 x floor.
 """
 
 from __future__ import annotations

@@ -59,8 +59,9 @@ from titan_lora.trainer.build import build_model
 from titan_lora.trainer.distributed import device_for_rank, init_distributed
 from titan_lora.trainer.job_config import job_from_toml
 
-# Issue 14's step probe: 2 x H200, Llama-3-8B (32 layers), seq 2048, batch 1 per GPU.
-BASELINE = "LoRA 0.266 s vs full 0.310 s = 0.86x; peak 29.9 vs 78.4 GiB (issue 14: 2 x H200, 8B, 32 layers)"
+# The step probe the goal was set from (docs/benchmarks-log.md, 2026-11-29): 2 x H200, Llama-3-8B (32 layers),
+# seq 2048, batch 1 per GPU.
+BASELINE = "LoRA 0.266 s vs full 0.310 s = 0.86x; peak 29.9 vs 78.4 GiB (2 x H200, 8B, 32 layers, 2026-11-29)"
 TARGET = 0.70
 VARIANTS = {
     "floor": "floor: frozen base fwd+bwd, no optimizer",

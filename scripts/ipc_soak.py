@@ -1,4 +1,4 @@
-"""IPC soak: many bucket posts into a receiver process, every checksum verified (issue 9).
+"""IPC soak: many bucket posts into a receiver process, every checksum verified.
 
 GPU (CUDA IPC; the receiver maps the trainer's buffers on the same GPU):
     python scripts/ipc_soak.py --device cuda:0                 # 20,000 posts, 256 MiB buckets

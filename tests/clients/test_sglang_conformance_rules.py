@@ -1,4 +1,4 @@
-"""The nine ways a real SGLang 0.5.23 differs from a lenient stand-in (issue 16), one test or more each.
+"""The nine ways a real SGLang 0.5.23 differs from a lenient stand-in, one test or more each.
 
 The conformance server now dies where SGLang dies (an exception in a control request), skips what SGLang
 skips, stalls where SGLang stalls; each test checks that titan_lora never sends what would do that.

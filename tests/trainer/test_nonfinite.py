@@ -1,4 +1,4 @@
-"""A NaN adapter never spreads (issue 9, defect 4): the collective check after every optimizer step,
+"""A NaN adapter never spreads: the collective check after every optimizer step,
 `on_nonfinite = "stop" | "rollback"`, the explicit sync call, and checkpoints that refuse NaN."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Rank 0's longest wait between collectives fits inside the process-group timeout (issue 9, defect 10)."""
+"""Rank 0's longest wait between collectives fits inside the process-group timeout."""
 
 from __future__ import annotations
 
