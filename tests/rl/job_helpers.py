@@ -128,6 +128,18 @@ def kill_tree(pid: int) -> None:
             pass
 
 
+def kill_and_resume(job: subprocess.Popen, config: Path, log: Path, env: dict[str, str],
+                    segments_before: set[str]) -> tuple[str, subprocess.Popen]:
+    """`kill_job_but_its_engine`, then the shared-memory buffers the killed job could not unlink, then the
+    same job launched again (it resumes from its newest checkpoint): (the first run's log, the new job)."""
+    from shm_helpers import shm_segments, unlink_orphaned
+
+    kill_job_but_its_engine(job)
+    first = log.read_text()
+    unlink_orphaned({n for n in shm_segments() - segments_before if n.startswith("psm_")})
+    return first, launch(config, log, env=env)
+
+
 def kill_job_but_its_engine(job: subprocess.Popen) -> None:
     """SIGKILL every process of the job but its engine (torchrun, ranks), as an OOM killer or a lost node
     would; the engine (vLLM's API server and engine core, in their own session, maybe decoding) must end by

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 from dist_helpers import free_port
-from job_helpers import (in_flight, kill_job_but_its_engine, kill_tree, launch, on_tiny_model, scalars, shipped_config,
+from job_helpers import (in_flight, kill_and_resume, kill_tree, launch, on_tiny_model, scalars, shipped_config,
                          wait_for, watched_engine)
 from process_helpers import engine_core_pid, engine_pid
-from shm_helpers import shm_segments, unlink_orphaned
+from shm_helpers import shm_segments
 from test_grpo_replicas import server_ports
 
 API_KEY = "async-test-key"
@@ -65,10 +65,7 @@ def test_async_job_survives_a_killed_and_a_wedged_engine_and_a_resume_without_re
         wait_for(lambda: progress(5), "step 5", job, log)  # step 4's checkpoint is written
         # All but the engine, which must end by itself within 5 s (test_grpo_faults.py's resume test, long,
         # does the same in rollouts); then the buffers the killed job could not unlink.
-        kill_job_but_its_engine(job)
-        unlink_orphaned({n for n in shm_segments() - segments_before if n.startswith("psm_")})
-        first = log.read_text()
-        job = launch(config, log, env=env)
+        first, job = kill_and_resume(job, config, log, env, segments_before)
         assert job.wait(timeout=900) == 0, log.read_text()[-4000:]
     finally:
         if job.poll() is None:

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 from dist_helpers import free_port
-from job_helpers import (REPO, in_flight, kill_job_but_its_engine, kill_tree, launch, on_tiny_model, scalars,
-                         shipped_config, wait_for, watched_engine)
+from job_helpers import (REPO, in_flight, kill_and_resume, kill_tree, launch, on_tiny_model, scalars, shipped_config,
+                         wait_for, watched_engine)
 from process_helpers import engine_pid
-from shm_helpers import shm_segments, unlink_orphaned
+from shm_helpers import shm_segments
 from test_grpo_async import trained_groups
 
 CONFIG = REPO / "train_configs/smollm2_grpo_arith_4_adapters.toml"
@@ -49,12 +49,9 @@ def test_four_adapters_in_the_async_loop_resume_each_at_its_own_data_position(tm
         wait_for(lambda: in_flight(port, API_KEY) > 0, "groups in flight", job, log, poll_s=0.01)
         os.kill(engine_pid(job.pid), signal.SIGKILL)
         wait_for(lambda: progress(3), "step 3", job, log)
-        kill_job_but_its_engine(job)
-        first = log.read_text()
-        unlink_orphaned({n for n in shm_segments() - segments_before if n.startswith("psm_")})
+        first, job = kill_and_resume(job, config, log, env, segments_before)
         kept = json.loads((tmp_path / "run/checkpoint/step-2/titan_lora_data.json").read_text())
         assert sorted(kept) == sorted(NAMES), f"the checkpoint keeps no data position per adapter: {kept}"
-        job = launch(config, log, env=env)
         assert job.wait(timeout=900) == 0, log.read_text()[-4000:]
     finally:
         if job.poll() is None:

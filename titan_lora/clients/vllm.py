@@ -14,6 +14,7 @@ collective), so rank 0 holds at most two buckets of it. The engine side is `tita
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 import time
 import types
@@ -241,7 +242,8 @@ class VLLMBucketEmitter:
         gatherer hands out the same views every sync); a run that lies in `shared` goes from there.
         The same read-only mapping again (`AdapterSource` gives one per run) is recognised without
         a look at its 448 tensors; any other mapping is keyed by every tensor."""
-        if self._plan_of is not None and self._plan_of[0] is tensors and self._plan_of[1:] == (shared, whole):
+        held = self._plan_of
+        if held is not None and held[0] is tensors and held[1] is shared and held[2] == whole:
             return self._plan
         key = (id(shared), whole, *((name, t.data_ptr(), t.shape, t.dtype) for name, t in tensors.items()))
         # Held, so no other mapping can take its id; a plain dict may change in place, so it is not kept.
@@ -260,11 +262,12 @@ class VLLMBucketEmitter:
     def _bucket_entries(self, tensors: Mapping[str, torch.Tensor], shared: BucketBuffer | None) -> list[list]:
         """The tensors' buckets: one when they all lie back to back in `shared` (several adapters gathered
         together: no copy, the gather's own checksum of those bytes serves and one engine round trip, however
-        many MiB: measured, four adapters' sync 36.9 -> 31.8 ms), else `bucket_mb` each."""
+        many MiB: docs/benchmarks.md row 22), else `bucket_mb` each."""
         if shared is not None:
-            whole = plan_buckets(tensors, sum(t.numel() * t.element_size() for t in tensors.values()) * 2 + 2**20)
-            if len(whole) == 1 and (run := one_run(whole[0], tensors)) is not None and offset_in(shared, run) is not None:
-                return whole
+            (whole,) = plan_buckets(tensors, sys.maxsize)
+            run = one_run(whole, tensors)
+            if run is not None and offset_in(shared, run) is not None:
+                return [whole]
         return plan_buckets(tensors, self.bucket_bytes)
 
     def _transfer(self, kind: str, fill: Callable[[_Transfer], T]) -> tuple[T, _Streamed]:

@@ -77,6 +77,7 @@ class _State:
     adapters: dict[int, _Stored] = dataclasses.field(default_factory=dict)
     # Recorded by the fast path only.
     plans: dict[str, vllm_fastpath.AdapterPlan | None] = dataclasses.field(default_factory=dict)
+    expert_lora: bool | None = None  # whether vLLM made the routed experts LoRA layers; read at the first need
 
     def __post_init__(self) -> None:
         self.transfers = TransferStore(on_drop=self.give_back)
@@ -124,12 +125,15 @@ class TitanLoRAWorkerExtension:
         """The adapter as vLLM's LoRA manager takes it, and whether a recorded plan built it (vLLM
         builds the first one with these names, and every one off the fast path). Expert adapters arrive as PEFT
         fuses them and are built per expert (`transfer/moe_layout.py`)."""
+        state = self._titan_state()
         if peft_config.get("target_parameters"):  # routed experts, fused as PEFT has them: vLLM takes them per expert
-            if not compat.adapts_experts(compat.lora_manager(self)):
+            if state.expert_lora is None:
+                state.expert_lora = compat.adapts_experts(compat.lora_manager(self))
+            if not state.expert_lora:
                 raise ValueError("this engine's routed experts are not LoRA layers (vLLM 0.32 runs expert LoRA only "
                                  "with its Triton GPU kernels): send adapters without \"experts\" in their targets")
             tensors, peft_config = per_expert_adapter(tensors, peft_config)
-        plans = self._titan_state().plans
+        plans = state.plans
         key = json.dumps(peft_config, sort_keys=True) + "\n" + "\n".join(tensors)
         plan = plans.get(key)
         if plan is not None:

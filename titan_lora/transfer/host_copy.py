@@ -99,11 +99,9 @@ class HostCopies:
     calling thread, in one torch call."""
 
     def __init__(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
-        pairs = [_numpy_pair(d, s) for d, s in zip(dsts, srcs)] if balanced_cut(list(dsts)) else []
+        pairs = [_numpy_pair(d, s) for d, s in zip(dsts, srcs)]
         movable = [i for i, pair in enumerate(pairs) if pair is not None]
-        sizes = list(itertools.accumulate(dsts[i].numel() * dsts[i].element_size() for i in movable))
-        half = sizes[-1] / 2 if sizes else 0
-        helper = set(movable[: bisect.bisect_left(sizes, half)]) if half * 2 >= MIN_SPLIT_BYTES else set()
+        helper = set(movable[: balanced_cut([dsts[i] for i in movable])])
         self._helper_pairs = [pairs[i] for i in sorted(helper)]
         self._dsts = [d for i, d in enumerate(dsts) if i not in helper]
         self._srcs = [s for i, s in enumerate(srcs) if i not in helper]
