@@ -52,7 +52,7 @@ def in_process_ms(steps: int) -> float:
     cpu = torch.device("cpu")
     init_distributed(cpu)
     cfg, resolved = load_job(["--job.config_file", str(ROOT / "train_configs/smollm2_service.toml")])
-    built, slots = build_slots(service_job(cfg), resolved, cpu)
+    built, slots, _ = build_slots(service_job(cfg), resolved, cpu)
     slots.claim(0, SlotSpec(rank=8))
     tokens, targets, weights = datum_arrays()
     request = ForwardBackward("m", 1, "cross_entropy", {}, False, [Datum(

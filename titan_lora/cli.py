@@ -220,7 +220,7 @@ def _parser() -> argparse.ArgumentParser:
     serve_p = sub.add_parser("serve", help="serve the Tinker API (the tinker SDK's training calls) over a "
                                            "config's model", epilog="Any other --section.key value is an override.")
     serve_p.add_argument("config", metavar="CONFIG")
-    serve_p.add_argument("--nproc", type=int, default=1, help="ranks (1 in this release)")
+    serve_p.add_argument("--nproc", type=int, default=1, help="trainer ranks: torchrun --nproc_per_node (default 1)")
     return parser
 
 

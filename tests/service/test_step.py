@@ -41,7 +41,7 @@ def _request(seed: int, rows: int = 2, length: int = 12, vocab: int = 2000) -> F
 def service():
     init_distributed(CPU)
     cfg, resolved = job_from_toml(SERVICE)
-    built, slots = build_slots(service_job(cfg), resolved, CPU)
+    built, slots, _ = build_slots(service_job(cfg), resolved, CPU)
     limits = Limits(resolved.shape.vocab_size, 64, 4096)
     return built.model, slots, limits
 

@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import uvicorn
 
 from titan_lora.compose import adapter_source, build_sync, engine_side
@@ -24,13 +25,14 @@ from titan_lora.config_adapters import Adapter
 from titan_lora.models.resolve import ResolvedModel
 from titan_lora.service.futures import FutureStore
 from titan_lora.service.ledger import Ledger
+from titan_lora.service.rounds import DroppedFutures, Round, mirror, rank0_round, share_round
 from titan_lora.service.routes import Api, ServedModel
 from titan_lora.service.sampling import Publisher, Sampling
 from titan_lora.service.slots import AdapterSlots
 from titan_lora.service.step import Limits
 from titan_lora.service.worker import Worker
 from titan_lora.sync.syncer import WeightSyncer
-from titan_lora.titan.parallel import build_parallel_dims
+from titan_lora.titan.parallel import DataParallelInfo, build_parallel_dims, data_parallel_info
 from titan_lora.trainer.build import BuiltModel, build_model
 from titan_lora.trainer.distributed import device_for_rank, init_distributed, leave_distributed
 from titan_lora.trainer.job_config import load_job
@@ -60,8 +62,6 @@ def service_errors(job_config: JobConfig, nproc: int) -> list[str]:
     if job_config.adapters:
         errors.append("[[adapters]] tables are for training jobs; the service makes [service] max_adapters "
                       "slots itself: remove the tables")
-    if nproc != 1:
-        errors.append(f"titan-lora serve runs on one rank in this release (--nproc {nproc}): use --nproc 1")
     return errors
 
 
@@ -71,15 +71,21 @@ def slot_adapters(job_config: JobConfig) -> list[Adapter]:
     return [Adapter(name=f"slot{k}", rank=svc.max_rank, alpha=svc.lora_alpha) for k in range(svc.max_adapters)]
 
 
-def service_job(job_config: JobConfig) -> JobConfig:
-    """The config as the service builds it: `[service] max_adapters` adapter tables (`slot_adapters`)."""
-    return dataclasses.replace(job_config, adapters=slot_adapters(job_config))
+def service_job(job_config: JobConfig, world_size: int = 1) -> JobConfig:
+    """The config as the service builds it: `[service] max_adapters` adapter tables (`slot_adapters`); on
+    several ranks the adapters sharded by FSDP (a client's forward_backward calls accumulate gradients over
+    several backwards until its optim_step, which replicated adapters refuse)."""
+    lora = job_config.lora if world_size == 1 else dataclasses.replace(job_config.lora, replicate_adapters=False)
+    return dataclasses.replace(job_config, adapters=slot_adapters(job_config), lora=lora)
 
 
-def build_slots(job_config: JobConfig, resolved: ResolvedModel, device: torch.device) -> tuple[BuiltModel, AdapterSlots]:
-    """The model of `service_job(job_config)`, and the slots over it."""
-    built = build_model(job_config, build_parallel_dims(job_config.parallelism, 1, device), device, resolved)
-    return built, AdapterSlots(built.model, job_config.service.lora_alpha)
+def build_slots(job_config: JobConfig, resolved: ResolvedModel,
+                device: torch.device) -> tuple[BuiltModel, AdapterSlots, DataParallelInfo]:
+    """Collective: the model of `service_job(job_config)` on this process group's ranks, the slots over it, and
+    its data-parallel ranks (which split a mixed step's rows)."""
+    dims = build_parallel_dims(job_config.parallelism, dist.get_world_size(), device)
+    built = build_model(job_config, dims, device, resolved)
+    return built, AdapterSlots(built.model, job_config.service.lora_alpha), data_parallel_info(dims)
 
 
 @dataclasses.dataclass
@@ -90,8 +96,9 @@ class Service:
     ledger: Ledger
     futures: FutureStore
     worker: Worker
-    api: Api
+    api: Api | None  # rank 0's; None on the other ranks
     syncer: WeightSyncer | None
+    device: torch.device
 
     def close(self) -> None:
         """Stop the engine (if the service started one)."""
@@ -102,13 +109,14 @@ class Service:
 def build_service(job_config: JobConfig, resolved: ResolvedModel, device: torch.device) -> Service:
     """Collective: the model with its slots; with `[weight_sync] enabled`, the engine, the syncer over every
     slot and sampling; the ledger, the worker and the API."""
-    job_config, svc = service_job(job_config), job_config.service
-    built, slots = build_slots(job_config, resolved, device)
+    job_config, svc = service_job(job_config, dist.get_world_size()), job_config.service
+    built, slots, data_parallel = build_slots(job_config, resolved, device)
+    lead = dist.get_rank() == 0  # serves the API and the engine; the other ranks follow its rounds
     limits = Limits(resolved.shape.vocab_size, min(resolved.shape.max_seq_len, job_config.training.seq_len),
                     svc.max_request_tokens)
     served = ServedModel(svc.base_model or Path(built.hf_dir).name, built.hf_dir, svc.max_rank, limits.max_seq_len,
                          svc.max_queued)
-    ledger, futures = Ledger(slots.count, svc.session_timeout_s), FutureStore()
+    ledger, futures = Ledger(slots.count, svc.session_timeout_s), FutureStore() if lead else DroppedFutures()
     syncer, sampling, publisher = None, None, None
     if job_config.weight_sync.enabled:
         side = engine_side(job_config, built, device)
@@ -120,13 +128,14 @@ def build_service(job_config: JobConfig, resolved: ResolvedModel, device: torch.
         except BaseException:
             side.stop()
             raise
-        sampling = Sampling(syncer.families, side.rollouts, futures, served.name, limits.vocab_size)
+        if lead:
+            sampling = Sampling(syncer.families, side.rollouts, futures, served.name, limits.vocab_size)
         publisher = Publisher(syncer, source, sampling)
         publisher.start()
     worker = Worker(built.model, slots, limits, device, str(Path(job_config.job.dump_folder) / svc.state_dir),
-                    ledger, futures, publisher)
-    return Service(job_config, ledger, futures, worker, Api(served, api_keys(job_config), ledger, futures, sampling),
-                   syncer)
+                    ledger, futures, publisher, data_parallel.group)
+    api = Api(served, api_keys(job_config), ledger, futures, sampling) if lead else None
+    return Service(job_config, ledger, futures, worker, api, syncer, device)
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:
@@ -136,7 +145,9 @@ def _exit_on_signal(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Build the model, serve the API, run calls until stopped."""
     signal.signal(signal.SIGTERM, _exit_on_signal)
-    logging.basicConfig(level=logging.INFO, format="[titan_lora %(asctime)s] %(message)s", datefmt="%H:%M:%S")
+    lead = int(os.environ.get("RANK", "0")) == 0  # the other ranks' lines would repeat rank 0's
+    logging.basicConfig(level=logging.INFO if lead else logging.WARNING, format="[titan_lora %(asctime)s] %(message)s",
+                        datefmt="%H:%M:%S")
     for client_log in ("httpx", "httpx2"):  # the openai client's one line per engine request
         logging.getLogger(client_log).setLevel(logging.WARNING)
     job_config, resolved = load_job(sys.argv[1:] if argv is None else argv)
@@ -150,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     service = None
     try:
         service = build_service(job_config, resolved, device)
-        serve(service)
+        serve(service) if service.api is not None else follow(service)
     finally:
         if service is not None:
             service.close()
@@ -160,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
 def serve(service: Service) -> None:
     """Run the API in a thread and the worker here until SIGTERM/SIGINT."""
     job_config, api, ledger = service.job_config, service.api, service.ledger
+    assert api is not None, "serve runs on rank 0; the other ranks follow()"
     server = uvicorn.Server(uvicorn.Config(api.app(), host=job_config.service.host, port=job_config.service.port,
                                            log_level="warning", timeout_keep_alive=75))
     thread = threading.Thread(target=server.run, name="tinker-api", daemon=True)
@@ -174,15 +186,28 @@ def serve(service: Service) -> None:
     logger.info("serving the Tinker API for %s on http://%s:%d (%d adapter slots of rank <= %d, sampling %s); "
                 "point the SDK at it: TINKER_BASE_URL=http://%s:%d", api.served.name, svc.host, port,
                 svc.max_adapters, svc.max_rank, "on" if api.sampling else "off", svc.host, port)
+    several = dist.get_world_size() > 1
     try:
         while thread.is_alive():
             ops = ledger.take(1.0)
+            if several:  # every second, calls or none: the other ranks wait in this broadcast
+                share_round(rank0_round(ledger, ops), service.device)
             if ops:
                 service.worker.run(ops)
+        if several:
+            share_round(Round([], {}, stop=True), service.device)
     finally:
         ledger.close()
         server.should_exit = True
         thread.join(10)
+
+
+def follow(service: Service) -> None:
+    """A rank other than 0: run the rounds rank 0 shares until it stops."""
+    while not (round_ := share_round(None, service.device)).stop:
+        mirror(service.ledger, round_)
+        if round_.ops:
+            service.worker.run(round_.ops)
 
 
 if __name__ == "__main__":

@@ -163,7 +163,8 @@ def sample_spec(params: dict, prompt_logprobs: bool) -> SampleSpec:
 class Publisher:
     """The trainer side of sampling: each save puts one client's slot into the engine as a new version."""
 
-    def __init__(self, syncer: WeightSyncer, source: AdapterSetSource, sampling: Sampling) -> None:
+    def __init__(self, syncer: WeightSyncer, source: AdapterSetSource, sampling: Sampling | None) -> None:
+        """`sampling`: rank 0's sampler paths (None on the other ranks, which only join the sync)."""
         self.syncer, self.source, self.sampling = syncer, source, sampling
         self.version = 0
 
@@ -175,10 +176,13 @@ class Publisher:
         """The engine scales `slot`'s adapter by `scale` (its config keeps the slot's padded rank)."""
         self.source.set_scale(slot, scale)
 
-    def publish(self, key: str, model_id: str, slot: int, name: str) -> tuple[str, SamplerWeights, dict]:
-        """Collective: `slot` into the engine as the next version, published once acknowledged; its path."""
+    def publish(self, key: str, model_id: str, slot: int, name: str) -> tuple[str, SamplerWeights | None, dict]:
+        """Collective: `slot` into the engine as the next version, published once acknowledged; its path
+        (rank 0; "" on the other ranks, which only take part in the gather)."""
         self.version += 1
         metrics = self.syncer.sync(self.version, only=[slot])
+        if self.sampling is None:
+            return "", None, metrics
         active = self.syncer.families[slot].active
         if active is None or active.version != self.version:
             raise RuntimeError(f"version {self.version} of {model_id} was not published (parity "

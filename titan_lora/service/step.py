@@ -5,6 +5,9 @@ Gradients accumulate in each slot's parameters until that client's `optim_step`,
 `forward_backward` calls accumulate. A request whose datums are wrong (tokens outside the vocabulary, a
 sequence over the model's length, loss inputs of the wrong shape, an unknown loss) is refused before the
 forward and changes nothing; the others of the step go on.
+
+On several ranks every rank is given the same requests and runs its own share of the rows (the service's
+rounds, `rounds.py`); FSDP sums the ranks' gradients, so the step is the one-rank step.
 """
 
 from __future__ import annotations
@@ -14,12 +17,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from titan_lora.lora.multi_rows import group_rows, route
 from titan_lora.rl.logprobs import LOGPROB_CHUNK_TOKENS, chunk_count, chunked_token_logprobs
 from titan_lora.service.losses import LossInputError, check_loss, datum_loss
-from titan_lora.service.wire import ForwardBackward
+from titan_lora.service.wire import Datum, ForwardBackward
 
 
 @dataclass(frozen=True)
@@ -71,50 +75,79 @@ def request_error(request: ForwardBackward, limits: Limits) -> str | None:
     return None
 
 
-def run_step(model: nn.Module, works: Sequence[Work], slots: int, limits: Limits,
-             device: torch.device) -> list[Outcome]:
+def run_step(model: nn.Module, works: Sequence[Work], slots: int, limits: Limits, device: torch.device,
+             group: dist.ProcessGroup | None = None) -> list[Outcome]:
     """Collective under FSDP: every valid request's datums in one forward (and one backward if any request
-    trains); one outcome per work, in order."""
+    trains); one outcome per work, in order, on every rank. With a data-parallel `group`, every rank is
+    given the same works and takes its own share of the rows (FSDP sums the ranks' gradients)."""
     outcomes = [Outcome(error=request_error(w.request, limits)) for w in works]
     valid = [i for i, o in enumerate(outcomes) if o.error is None]
     rows = [(i, datum) for i in valid for datum in works[i].request.data]
     if not rows:
         return outcomes
-    order, segments = group_rows([works[i].slot for i, _ in rows], slots)
+    order, _ = group_rows([works[i].slot for i, _ in rows], slots)
     ordered = [rows[j] for j in order.tolist()]
-    width = max(len(d.tokens) for _, d in ordered)
-    tokens = torch.zeros(len(ordered), width, dtype=torch.int64)
-    labels = torch.zeros_like(tokens)
-    mask = torch.zeros(len(ordered), width, dtype=torch.bool)
-    for r, (_, datum) in enumerate(ordered):
-        n = len(datum.tokens)
-        tokens[r, :n] = torch.from_numpy(datum.tokens)
-        labels[r, :n] = torch.from_numpy(datum.inputs["target_tokens"].astype(np.int64))
-        mask[r, :n] = True
-    tokens, labels, mask = tokens.to(device), labels.to(device), mask.to(device)
+    rank, size = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+    share = -(-len(ordered) // size)  # every rank runs as many rows: padding where the rows run out
+    mine = list(enumerate(ordered))[rank * share:(rank + 1) * share]
     trains = any(not works[i].request.forward_only for i in valid)
+    logprobs, losses = _run_rows(model, works, mine, share, slots, device, trains, group)
+    if group is not None:  # every rank ends with every row's log-probs and every request's loss
+        shared: list = [None] * size
+        dist.all_gather_object(shared, (logprobs, losses), group=group)
+        logprobs = {r: lp for part, _ in shared for r, lp in part.items()}
+        losses = {i: sum(part.get(i, 0.0) for _, part in shared) for i in valid}
+    for i in valid:
+        own = [r for r, (work, _) in enumerate(ordered) if work == i]
+        by_datum = {id(ordered[r][1]): logprobs[r] for r in own}
+        outcomes[i] = Outcome(logprobs=[by_datum[id(d)] for d in works[i].request.data],
+                              metrics={"loss:sum": losses[i]})
+    return outcomes
+
+
+def _run_rows(model: nn.Module, works: Sequence[Work], mine: list[tuple[int, tuple[int, Datum]]], share: int,
+              slots: int, device: torch.device, trains: bool,
+              group: dist.ProcessGroup | None) -> tuple[dict[int, np.ndarray], dict[int, float]]:
+    """This rank's rows (index in the step, (work, datum)), padded to `share` rows of one masked token, in
+    one forward and (with `trains`) one backward; each real row's log-probs and each work's loss here."""
+    pad = share - len(mine)
+    local_slots = [works[i].slot for _, (i, _) in mine] + [0] * pad
+    order, segments = group_rows(local_slots, slots)  # a rank's share is sorted already but for the padding
+    placed = [(mine[j] if j < len(mine) else None) for j in order.tolist()]
+    width = max([len(d.tokens) for _, (_, d) in mine] or [1])
+    tokens = torch.zeros(share, width, dtype=torch.int64)
+    labels = torch.zeros_like(tokens)
+    mask = torch.zeros(share, width, dtype=torch.bool)
+    for r, row in enumerate(placed):
+        if row is not None:
+            datum = row[1][1]
+            n = len(datum.tokens)
+            tokens[r, :n] = torch.from_numpy(datum.tokens)
+            labels[r, :n] = torch.from_numpy(datum.inputs["target_tokens"].astype(np.int64))
+            mask[r, :n] = True
+    tokens, labels, mask = tokens.to(device), labels.to(device), mask.to(device)
+    logprobs: dict[int, np.ndarray] = {}
+    losses = {i: 0.0 for _, (i, _) in mine}
     try:
         with torch.set_grad_enabled(trains):
-            logp = chunked_token_logprobs(model, tokens, labels, mask, chunk_count(mask, LOGPROB_CHUNK_TOKENS),
-                                          segments)
-            total, per_work = None, {i: [] for i in valid}
-            losses = {i: 0.0 for i in valid}
-            for r, (i, datum) in enumerate(ordered):
+            logp = chunked_token_logprobs(model, tokens, labels, mask,
+                                          chunk_count(mask, LOGPROB_CHUNK_TOKENS, group), segments)
+            total = None
+            for r, row in enumerate(placed):
+                if row is None:
+                    continue
+                index, (i, datum) = row
                 n = len(datum.tokens)
                 request = works[i].request
                 inputs = {k: torch.as_tensor(v, device=device).float() for k, v in datum.inputs.items()
                           if k != "target_tokens"}
                 loss = datum_loss(request.loss_fn, logp[r, :n], inputs, request.config)
                 losses[i] += float(loss.detach())
-                per_work[i].append((datum, logp[r, :n].detach().float().cpu().numpy()))
+                logprobs[index] = logp[r, :n].detach().float().cpu().numpy()
                 if not request.forward_only:
                     total = loss if total is None else total + loss
-            if total is not None:
-                total.backward()
+            if trains:  # every rank runs the backward, with rows to train or none: FSDP's is collective
+                (torch.where(mask, logp, 0.0).sum() * 0.0 if total is None else total).backward()
     finally:
         route(model, None)
-    for i in valid:
-        by_datum = {id(d): lp for d, lp in per_work[i]}
-        outcomes[i] = Outcome(logprobs=[by_datum[id(d)] for d in works[i].request.data],
-                              metrics={"loss:sum": losses[i]})
-    return outcomes
+    return logprobs, losses

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from titan_lora.service.futures import FutureStore, Result
@@ -36,12 +37,16 @@ class Worker:
     """Runs calls on the trainer's model and finishes their futures."""
 
     def __init__(self, model: nn.Module, slots: AdapterSlots, limits: Limits, device: torch.device,
-                 state_dir: str, ledger: Ledger, futures: FutureStore, publisher: Publisher | None = None) -> None:
-        """`publisher`: puts a client's adapter into the engine for sampling (None: sampling is not served)."""
+                 state_dir: str, ledger: Ledger, futures: FutureStore, publisher: Publisher | None = None,
+                 group: dist.ProcessGroup | None = None) -> None:
+        """`publisher`: puts a client's adapter into the engine for sampling (None: sampling is not served).
+        `group`: the data-parallel ranks a mixed step splits its rows over (None: one)."""
         self.model, self.slots, self.limits, self.device = model, slots, limits, device
         self.state_dir = Path(state_dir)
         self.ledger, self.futures = ledger, futures
         self.publisher = publisher
+        self.group = group
+        self.writes = not dist.is_initialized() or dist.get_rank() == 0  # one rank writes each saved state
 
     def run(self, ops: list[Op]) -> None:
         """One round: creates, then one mixed step of the forward/forward_backward calls, then the rest."""
@@ -99,7 +104,7 @@ class Worker:
     def _mixed_step(self, ops: list[Op]) -> None:
         works = [Work(self.ledger.models[o.model_id].slot, o.args) for o in ops]
         try:
-            outcomes = run_step(self.model, works, self.slots.count, self.limits, self.device)
+            outcomes = run_step(self.model, works, self.slots.count, self.limits, self.device, self.group)
         except Exception as err:  # the step's fault fails its calls, not the service
             logger.exception("a mixed step of %d calls failed", len(ops))
             for op in ops:
@@ -129,7 +134,7 @@ class Worker:
         logger.info("model %s: %s published (sync %.0f ms, parity max |trainer - engine| %.2g)", op.model_id, path,
                     metrics.get("sync/total_ms", 0.0), metrics.get("sync/parity_max_abs", float("nan")))
         answer = {"path": path, "type": "save_weights_for_sampler"}
-        if open_session:
+        if open_session and self.publisher.sampling is not None:
             answer["sampling_session_id"] = self.publisher.sampling.open(model.key, path)
         return Result(json=answer)
 
@@ -143,9 +148,10 @@ class Worker:
         model = self.ledger.models[op.model_id]
         state = self.slots.state(model.slot) | {"key": key_digest(model.key)}
         path = self._state_file(op.model_id, name)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(state, f"{path}.tmp")
-        os.replace(f"{path}.tmp", path)  # a crash mid-write leaves the last whole state
+        if self.writes:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(state, f"{path}.tmp")
+            os.replace(f"{path}.tmp", path)  # a crash mid-write leaves the last whole state
         return Result(json={"path": f"tinker://{op.model_id}/weights/{name}", "type": "save_weights"})
 
     def _load_into(self, slot: int, key: str, path: str, with_optimizer: bool) -> None:

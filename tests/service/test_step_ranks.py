@@ -1,0 +1,78 @@
+"""The service's mixed step on 2 FSDP ranks (gloo) splits its rows over them and gives what 1 rank gives:
+every datum's log-probs, every request's loss and every slot's weights after its optim_steps, with a rank
+left only padding, forward-only requests beside training ones, and a bad request failing alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from dist_helpers import run_ranks
+from tiny_checkpoints import hf_toml, tiny_llama
+
+from titan_lora.service.main import build_slots, service_job
+from titan_lora.service.slots import AdamStep, SlotSpec
+from titan_lora.service.step import Limits, Work, run_step
+from titan_lora.service.wire import Datum, ForwardBackward
+from titan_lora.trainer.job_config import job_from_toml
+
+ADAM = AdamStep(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, grad_clip_norm=1.0)
+VOCAB = 256
+
+
+def _request(seed: int, rows: int, length: int = 12, forward_only: bool = False) -> ForwardBackward:
+    rng = np.random.default_rng(seed)
+    data = []
+    for r in range(rows):
+        n = length + r  # rows of several lengths: the padding differs per rank
+        tokens = rng.integers(3, VOCAB, n + 1)
+        weights = rng.uniform(0.5, 1.5, n).astype(np.float32)
+        data.append(Datum(tokens[:-1], {"target_tokens": tokens[1:], "weights": weights}))
+    return ForwardBackward("m", 1, "cross_entropy", {}, forward_only, data)
+
+
+ROUNDS = [
+    [(0, _request(1, 3)), (1, _request(2, 2))],  # 5 rows over 2 ranks: 3 and 2 (+1 padding)
+    [(1, _request(3, 1))],  # one row: rank 1 runs padding only
+    [(0, _request(4, 2)), (1, _request(5, 3, forward_only=True))],  # rank 1's rows are forward-only
+    [(0, _request(6, 1)), (1, _request(7, 2))],
+]
+
+
+def _serve_rounds(rank: int, world: int, hf_dir: str, out: str) -> None:
+    cfg, resolved = job_from_toml(hf_toml("llama3", hf_dir) + "[service]\nmax_adapters = 3\nmax_rank = 8\n")
+    built, slots, data_parallel = build_slots(service_job(cfg, world), resolved, torch.device("cpu"))
+    assert data_parallel.size == world
+    limits = Limits(VOCAB, 64, 4096)
+    slots.claim(0, SlotSpec(rank=4, seed=1))
+    slots.claim(1, SlotSpec(rank=8, seed=2))
+    bad = _request(9, 2)
+    bad.data[1].tokens[0] = VOCAB + 1
+    seen = []
+    for works in ROUNDS:
+        outcomes = run_step(built.model, [Work(s, r) for s, r in works] + [Work(0, bad)], slots.count, limits,
+                            torch.device("cpu"), data_parallel.group)
+        assert f"token id {VOCAB + 1} outside the vocabulary" in outcomes[-1].error
+        seen.append([(o.metrics["loss:sum"], o.logprobs) for o in outcomes[:-1]])
+        for slot in sorted({s for s, r in works if not r.forward_only}):
+            slots.step(slot, ADAM)
+    weights = {slot: slots.state(slot, with_optimizer=False)["params"] for slot in (0, 1)}  # collective
+    if rank == 0:
+        torch.save({"seen": seen, "weights": weights}, out)
+
+
+def test_two_ranks_split_the_rows_and_give_what_one_rank_gives(tmp_path) -> None:
+    hf_dir = str(tiny_llama(tmp_path / "tiny", vocab=VOCAB))
+    run_ranks(1, _serve_rounds, hf_dir, str(tmp_path / "one.pt"))
+    run_ranks(2, _serve_rounds, hf_dir, str(tmp_path / "two.pt"))
+    one, two = (torch.load(tmp_path / f"{n}.pt", weights_only=False) for n in ("one", "two"))
+    for round_one, round_two in zip(one["seen"], two["seen"], strict=True):
+        for (loss_one, lp_one), (loss_two, lp_two) in zip(round_one, round_two, strict=True):
+            assert abs(loss_one - loss_two) <= 1e-5 * abs(loss_one), (loss_one, loss_two)
+            for a, b in zip(lp_one, lp_two, strict=True):
+                np.testing.assert_allclose(b, a, rtol=0, atol=1e-5)
+    moved = 0.0
+    for slot in (0, 1):
+        for name, value in one["weights"][slot].items():
+            torch.testing.assert_close(two["weights"][slot][name], value, rtol=0, atol=1e-5)
+            moved = max(moved, float(value.abs().max()))
+    assert moved > 1e-3  # the slots trained: the comparison is not of untouched zeros
