@@ -74,3 +74,18 @@ def test_request_ids_are_kept_for_the_resend_window_only() -> None:
     assert ledger.sent("s:train:0", RESEND_WINDOW + 10) == f"r{RESEND_WINDOW + 10}"
     assert ledger.sent("s:train:0", 10) is None
     assert len(ledger.models["s:train:0"].requests) <= RESEND_WINDOW
+
+
+def test_a_reload_borrows_a_free_slot_until_given_back_and_waits_for_none() -> None:
+    ledger = _ledger_with_model()  # slot 0 taken, slot 1 free
+    ledger.borrow("reload-1", "tinker://m/sampler_weights/a", "tml-a")
+    (op,) = ledger.take(0)
+    assert (op.kind, op.request_id, op.args) == ("restore_sampler", "reload-1", ("tinker://m/sampler_weights/a",
+                                                                                 "tml-a", 1))
+    with pytest.raises(RequestError, match="every adapter slot is taken.*needs one for a moment"):
+        ledger.borrow("reload-2", "tinker://m/sampler_weights/b", "tml-a")
+    with pytest.raises(RequestError, match="every adapter slot is taken"):
+        ledger.create("tml-a", "s", "s:train:1", SlotSpec(rank=4), "create-1")
+    ledger.give_back(1)
+    ledger.create("tml-a", "s", "s:train:1", SlotSpec(rank=4), "create-1")
+    assert ledger.models["s:train:1"].slot == 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from dist_helpers import run_ranks
+from dist_helpers import needs_gpus, rank_device, run_ranks
 from tiny_checkpoints import hf_toml, tiny_llama
 
 from titan_lora.service.main import build_slots, service_job
@@ -40,7 +40,8 @@ ROUNDS = [
 
 def _serve_rounds(rank: int, world: int, hf_dir: str, out: str) -> None:
     cfg, resolved = job_from_toml(hf_toml("llama3", hf_dir) + "[service]\nmax_adapters = 3\nmax_rank = 8\n")
-    built, slots, data_parallel = build_slots(service_job(cfg, world), resolved, torch.device("cpu"))
+    device = rank_device()
+    built, slots, data_parallel = build_slots(service_job(cfg, world), resolved, device)
     assert data_parallel.size == world
     limits = Limits(VOCAB, 64, 4096)
     slots.claim(0, SlotSpec(rank=4, seed=1))
@@ -50,7 +51,7 @@ def _serve_rounds(rank: int, world: int, hf_dir: str, out: str) -> None:
     seen = []
     for works in ROUNDS:
         outcomes = run_step(built.model, [Work(s, r) for s, r in works] + [Work(0, bad)], slots.count, limits,
-                            torch.device("cpu"), data_parallel.group)
+                            device, data_parallel.group)
         assert f"token id {VOCAB + 1} outside the vocabulary" in outcomes[-1].error
         seen.append([(o.metrics["loss:sum"], o.logprobs) for o in outcomes[:-1]])
         for slot in sorted({s for s, r in works if not r.forward_only}):
@@ -64,15 +65,35 @@ def test_two_ranks_split_the_rows_and_give_what_one_rank_gives(tmp_path) -> None
     hf_dir = str(tiny_llama(tmp_path / "tiny", vocab=VOCAB))
     run_ranks(1, _serve_rounds, hf_dir, str(tmp_path / "one.pt"))
     run_ranks(2, _serve_rounds, hf_dir, str(tmp_path / "two.pt"))
-    one, two = (torch.load(tmp_path / f"{n}.pt", weights_only=False) for n in ("one", "two"))
+    _same(*(torch.load(tmp_path / f"{n}.pt", weights_only=False) for n in ("one", "two")), 1e-5)
+
+
+@needs_gpus(2)
+def test_two_nccl_ranks_give_what_one_cpu_rank_gives(tmp_path) -> None:
+    hf_dir = str(tiny_llama(tmp_path / "tiny", vocab=VOCAB))
+    run_ranks(1, _serve_rounds, hf_dir, str(tmp_path / "cpu.pt"))
+    run_ranks(2, _serve_rounds, hf_dir, str(tmp_path / "gpu.pt"), backend="nccl")
+    _same(*(torch.load(tmp_path / f"{n}.pt", weights_only=False) for n in ("cpu", "gpu")), 1e-4)
+
+
+@needs_gpus(1)
+def test_one_gpu_gives_what_one_cpu_rank_gives(tmp_path) -> None:
+    hf_dir = str(tiny_llama(tmp_path / "tiny", vocab=VOCAB))
+    run_ranks(1, _serve_rounds, hf_dir, str(tmp_path / "cpu.pt"))
+    run_ranks(1, _serve_rounds, hf_dir, str(tmp_path / "gpu.pt"), backend="nccl")
+    _same(*(torch.load(tmp_path / f"{n}.pt", weights_only=False) for n in ("cpu", "gpu")), 1e-4)
+
+
+def _same(one: dict, two: dict, atol: float) -> None:
+    """Every loss (relative), log-prob and adapter weight of two runs of the rounds within `atol`."""
     for round_one, round_two in zip(one["seen"], two["seen"], strict=True):
         for (loss_one, lp_one), (loss_two, lp_two) in zip(round_one, round_two, strict=True):
-            assert abs(loss_one - loss_two) <= 1e-5 * abs(loss_one), (loss_one, loss_two)
+            assert abs(loss_one - loss_two) <= atol * abs(loss_one), (loss_one, loss_two)
             for a, b in zip(lp_one, lp_two, strict=True):
-                np.testing.assert_allclose(b, a, rtol=0, atol=1e-5)
+                np.testing.assert_allclose(b, a, rtol=0, atol=atol)
     moved = 0.0
     for slot in (0, 1):
         for name, value in one["weights"][slot].items():
-            torch.testing.assert_close(two["weights"][slot][name], value, rtol=0, atol=1e-5)
+            torch.testing.assert_close(two["weights"][slot][name].cpu(), value.cpu(), rtol=0, atol=atol)
             moved = max(moved, float(value.abs().max()))
     assert moved > 1e-3  # the slots trained: the comparison is not of untouched zeros

@@ -288,12 +288,23 @@ def test_a_saved_state_survives_a_restart_and_gives_the_identical_next_step(serv
         _step(client, data)
     path = client.save_state("after-3").result().path
     assert path.endswith("/weights/after-3")
+    sampler_path = client.save_weights_for_sampler("after-3").result().path
+    tokens = probe[0].model_input.to_ints()
+    sampled = np.asarray(client.create_sampling_client(sampler_path).compute_logprobs(
+        types.ModelInput.from_ints(tokens)).result()[1:])
     expected_loss = _step(client, data)
     expected = _logprobs(client.forward(probe, "cross_entropy").result())
     service.stop()
-    # Back on 2 trainer ranks (FSDP, the rows of each step split over them); training alone: no engine.
-    again = Service(dump, "--weight_sync.no-enabled", nproc=2)
+    # Back on 2 trainer ranks (FSDP, the rows of each step split over them), with a new engine.
+    again = Service(dump, nproc=2)
     try:
+        # The named sampler weights, saved before the restart, go back into the new engine when asked for.
+        reloaded = tinker.ServiceClient(base_url=again.url, api_key=KEY).create_sampling_client(sampler_path)
+        ours = np.asarray(reloaded.compute_logprobs(types.ModelInput.from_ints(tokens)).result()[1:])
+        np.testing.assert_allclose(ours, sampled, rtol=0, atol=1e-5)
+        base = tinker.ServiceClient(base_url=again.url, api_key=KEY).create_sampling_client(base_model=NAME)
+        assert np.abs(np.asarray(base.compute_logprobs(types.ModelInput.from_ints(tokens)).result()[1:])
+                      - sampled).max() > 0.1  # the trained adapter, not the base
         resumed = tinker.ServiceClient(base_url=again.url, api_key=KEY).create_training_client_from_state_with_optimizer(
             path)
         assert resumed.get_info().lora_rank == 8
@@ -307,5 +318,7 @@ def test_a_saved_state_survives_a_restart_and_gives_the_identical_next_step(serv
         stranger = tinker.ServiceClient(base_url=again.url, api_key=OTHER_KEY)
         with pytest.raises(tinker.RequestFailedError, match="no saved state"):
             stranger.create_training_client_from_state(path).result()
+        with pytest.raises(tinker.NotFoundError, match="no sampler weights"):
+            stranger.create_sampling_client(model_path=sampler_path).result()
     finally:
         again.stop()

@@ -31,7 +31,8 @@ class RequestError(ValueError):
 @dataclass
 class Op:
     """One call to run on the trainer: `kind` (forward_backward, optim_step, save_state, load_state, create,
-    release), its model, its request id (the future it finishes) and its decoded arguments."""
+    release, restore_sampler), its model ("" for a reload), its request id (the future it finishes) and its
+    decoded arguments."""
 
     kind: str
     model_id: str
@@ -114,6 +115,22 @@ class Ledger:
             self._unordered.append(Op("create", model_id, request_id, args))
             self._lock.notify_all()
             return model
+
+    def borrow(self, request_id: str, path: str, key: str) -> None:
+        """Queue the reload of `key`'s saved sampler weights `path` into the engine through a free slot, which
+        the worker gives back (`give_back`) once they are published (refused when every slot is taken)."""
+        with self._lock:
+            if not self._free:
+                raise RequestError(f"every adapter slot is taken ([service] max_adapters = {self._slots}), and "
+                                   f"reloading {path} into the engine needs one for a moment: try again later")
+            self._unordered.append(Op("restore_sampler", "", request_id, (path, key, self._free.pop(0))))
+            self._lock.notify_all()
+
+    def give_back(self, slot: int) -> None:
+        """A slot borrowed for a reload is free again."""
+        with self._lock:
+            if slot not in self._free:
+                self._free.append(slot)
 
     def sent(self, model_id: str, seq_id: int) -> str | None:
         """The request id of call `seq_id` of the model if it was sent already (None: it was not)."""

@@ -224,8 +224,24 @@ class Api:
         if path is None and body.get("base_model") != self.served.name:
             raise RequestError(f"base_model {body.get('base_model')!r} is not served; this service serves "
                                f"{self.served.name!r}", 404)
+        if path is not None and not self._sampling().has(key, path):
+            await self._reload(key, path)
         session = self._sampling().open(key, path)
         return JSONResponse({"sampling_session_id": session, "type": "create_sampling_session"})
+
+    async def _reload(self, key: str, path: str) -> None:
+        """Named sampler weights the engine does not hold (saved before a restart of the service) back into it
+        by the worker; what `open` then finds, or not."""
+        request_id = self.futures.new(key)
+        try:
+            self.ledger.borrow(request_id, path, key)
+        except RequestError as err:
+            self.futures.finish(request_id, Result(error=str(err)))  # not left pending
+            raise
+        while (result := await self.futures.wait(request_id, POLL_HOLD_S)) is None:
+            pass
+        if result.error is not None and "no saved state" not in result.error:
+            raise RequestError(f"{path} could not be reloaded into the engine: {result.error}")
 
     async def sampler_info(self, request: Request, key: str) -> Response:
         """What a sampling session samples from."""

@@ -75,6 +75,12 @@ class Sampling:
         with self._lock:
             self._paths[path] = weights
 
+    def has(self, key: str, path: str) -> bool:
+        """Whether `path` names sampler weights of `key` published since the service started."""
+        with self._lock:
+            weights = self._paths.get(path)
+        return weights is not None and weights.key == key
+
     def open(self, key: str, path: str | None) -> str:
         """A sampling session of `key` on `path` (None: the base model); its id."""
         weights = None

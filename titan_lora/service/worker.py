@@ -25,6 +25,9 @@ logger = logging.getLogger(__name__)
 
 STATE_PATH = re.compile(r"tinker://(?P<model>[^/]+)/weights/(?P<name>[^/]+)")
 """A state's `tinker://` path: the model that saved it and the name it was saved under."""
+SAMPLER_PATH = re.compile(r"tinker://(?P<model>[^/]+)/sampler_weights/(?P<name>[^/]+)")
+"""A named sampler save's `tinker://` path (an unnamed one, `save_weights_and_get_sampling_client`'s, is kept
+only in the engine, as Tinker keeps it only for the session)."""
 STATE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 
 
@@ -130,6 +133,9 @@ class Worker:
         if name and not STATE_NAME.fullmatch(name):
             raise ValueError(f"sampler weights name {name!r}: use 1-128 letters, digits, '_', '.' or '-'")
         model = self.ledger.models[op.model_id]
+        if name:  # a named save outlives the engine and the service: reloaded when sampled after a restart
+            self._write(self._state_file(op.model_id, name, "sampler_weights"),
+                        self.slots.state(model.slot, with_optimizer=False) | {"key": key_digest(model.key)})
         path, _, metrics = self.publisher.publish(model.key, op.model_id, model.slot, name)
         logger.info("model %s: %s published (sync %.0f ms, parity max |trainer - engine| %.2g)", op.model_id, path,
                     metrics.get("sync/total_ms", 0.0), metrics.get("sync/parity_max_abs", float("nan")))
@@ -138,8 +144,27 @@ class Worker:
             answer["sampling_session_id"] = self.publisher.sampling.open(model.key, path)
         return Result(json=answer)
 
-    def _state_file(self, model_id: str, name: str) -> Path:
-        return self.state_dir / model_id.replace(":", "_") / f"{name}.pt"
+    def _state_file(self, model_id: str, name: str, kind: str = "weights") -> Path:
+        """Where a model's saved state (`kind` "weights") or named sampler weights ("sampler_weights") lie."""
+        folder = self.state_dir / model_id.replace(":", "_")
+        return folder / f"{name}.pt" if kind == "weights" else folder / kind / f"{name}.pt"
+
+    def _write(self, path: Path, state: dict) -> None:
+        """Save `state` at `path` from one rank, whole or not at all (a crash mid-write leaves the last)."""
+        if self.writes:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(state, f"{path}.tmp")
+            os.replace(f"{path}.tmp", path)
+
+    def _read(self, file: Path, path: str, key: str) -> dict:
+        """The state saved at `file` for `path`, if `key` saved it; else "no saved state", as for none."""
+        state = torch.load(file, weights_only=True) if file.is_file() else None
+        if state is None or state.get("key") != key_digest(key):  # another key's: not told apart from none
+            raise FileNotFoundError(f"no saved state {path}")
+        if state["spec"]["rank"] > self.slots.max_rank:
+            raise ValueError(f"{path} has rank {state['spec']['rank']}; this service's max_rank is "
+                             f"{self.slots.max_rank}")
+        return state
 
     def _save_state(self, op: Op) -> Result:
         name = op.args
@@ -147,30 +172,35 @@ class Worker:
             raise ValueError(f"state name {name!r}: use 1-128 letters, digits, '_', '.' or '-'")
         model = self.ledger.models[op.model_id]
         state = self.slots.state(model.slot) | {"key": key_digest(model.key)}
-        path = self._state_file(op.model_id, name)
-        if self.writes:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(state, f"{path}.tmp")
-            os.replace(f"{path}.tmp", path)  # a crash mid-write leaves the last whole state
+        self._write(self._state_file(op.model_id, name), state)
         return Result(json={"path": f"tinker://{op.model_id}/weights/{name}", "type": "save_weights"})
 
     def _load_into(self, slot: int, key: str, path: str, with_optimizer: bool) -> None:
         match = STATE_PATH.fullmatch(path)
         if match is None:
             raise ValueError(f"{path!r} is not a state path: save_state returns tinker://<model>/weights/<name>")
-        file = self._state_file(match["model"], match["name"])
-        if not file.is_file():
-            raise FileNotFoundError(f"no saved state {path}")
-        state = torch.load(file, weights_only=True)
-        if state.get("key") != key_digest(key):
-            raise FileNotFoundError(f"no saved state {path}")  # another key's: not told apart from none
-        if state["spec"]["rank"] > self.slots.max_rank:
-            raise ValueError(f"{path} has rank {state['spec']['rank']}; this service's max_rank is "
-                             f"{self.slots.max_rank}")
-        self.slots.load(slot, state, with_optimizer)
+        self.slots.load(slot, self._read(self._state_file(match["model"], match["name"]), path, key), with_optimizer)
 
     def _load_state(self, op: Op) -> Result:
         model = self.ledger.models[op.model_id]
         self._load_into(model.slot, model.key, *op.args)
         self._adopt(model)  # the state's rank and parts
         return Result(json={"path": op.args[0], "type": "load_weights"})
+
+    def _restore_sampler(self, op: Op) -> Result:
+        """Collective: named sampler weights saved before a restart back into the engine, through a borrowed
+        slot (loaded, published as a new version of its family, freed), under their own path."""
+        path, key, slot = op.args
+        try:
+            match = SAMPLER_PATH.fullmatch(path)
+            if match is None or self.publisher is None:
+                raise FileNotFoundError(f"no saved state {path}")
+            state = self._read(self._state_file(match["model"], match["name"], "sampler_weights"), path, key)
+            self.slots.load(slot, state, with_optimizer=False)
+            self.publisher.scale(slot, self.slots.alpha / state["spec"]["rank"])
+            self.publisher.publish(key, match["model"], slot, match["name"])
+        finally:
+            self.slots.release(slot)
+            self.ledger.give_back(slot)
+        logger.info("%s reloaded into the engine from %s", path, self.state_dir)
+        return Result(json={"path": path})
