@@ -262,8 +262,24 @@ def test_a_sampler_serves_exactly_the_version_saved(service: Service) -> None:
                              prompt_logprobs_last_n=3).result().prompt_logprobs
         assert tail[:-3] == [None] * (len(tokens) - 3), tail
         np.testing.assert_allclose(tail[-3:], untrained[-3:], atol=1e-5)
-        with pytest.raises(tinker.BadRequestError, match="topk_prompt_logprobs not served"):
-            before.sample(types.ModelInput.from_ints(tokens), 1, one, topk_prompt_logprobs=2).result()
+        # Top-k: greedy's token is the likeliest, with its own log-prob; a prompt token among its position's
+        # top 3 has the log-prob prompt_logprobs gives it, and the others are at least as likely as it.
+        top = before.sample(types.ModelInput.from_ints(tokens), 1, one, include_prompt_logprobs=True,
+                            topk_prompt_logprobs=3, topk_sample_logprobs=3).result()
+        (sampled,) = top.sequences
+        assert [row[0][0] for row in sampled.topk_logprobs] == sampled.tokens
+        np.testing.assert_allclose([row[0][1] for row in sampled.topk_logprobs], sampled.logprobs, atol=1e-6)
+        rows = top.topk_prompt_logprobs
+        assert rows[0] is None and len(rows) == len(tokens) and all(len(row) == 3 for row in rows[1:])
+        for token, own, row in zip(tokens[1:], top.prompt_logprobs[1:], rows[1:]):
+            assert [lp for _, lp in row] == sorted((lp for _, lp in row), reverse=True)
+            if token in dict(row):
+                assert dict(row)[token] == pytest.approx(own, abs=1e-6)
+            else:
+                assert row[-1][1] >= own - 1e-6
+        assert sum(token in dict(row) for token, row in zip(tokens[1:], rows[1:])) > 0
+        with pytest.raises(tinker.BadRequestError, match="topk_sample_logprobs = 21: ask for 0 to 20"):
+            before.sample(types.ModelInput.from_ints(tokens), 1, one, topk_sample_logprobs=21).result()
         # The engine keeps 4 versions of a client (the shipped keep_versions): those last saved or sampled.
         # `before`, sampled between saves, outlives 4 newer saves; `after`, left alone since, is retired.
         for k in range(4):

@@ -7,9 +7,10 @@ import pytest
 import torch
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
-from tinker.proto.response_conv import deserialize_forward_backward_output
+from tinker.proto.response_conv import deserialize_forward_backward_output, deserialize_sample_response
 
-from titan_lora.service.wire import WireError, read_forward_backward, write_forward_backward
+from titan_lora.service.wire import (SampledTokens, WireError, read_forward_backward, write_forward_backward,
+                                    write_sample)
 
 
 def _sdk_request(data: list[types.Datum], loss_fn: str = "cross_entropy", config: dict | None = None) -> bytes:
@@ -52,3 +53,14 @@ def test_results_decode_in_the_sdk_per_datum_in_order() -> None:
 def test_a_body_that_is_not_the_protobuf_is_refused() -> None:
     with pytest.raises(WireError, match="not a ForwardBackwardRequest protobuf"):
         read_forward_backward(b"\xff\xff\xff not protobuf")
+
+
+def test_top_k_log_probs_decode_in_the_sdk_padded_to_k_with_none_where_not_computed() -> None:
+    sequence = SampledTokens([7, 9], [-0.5, -1.25], True, topk=[[(7, -0.5), (3, -2.0)], [(9, -1.25), (1, -1.5)]])
+    prompt = [None, [(4, -0.25), (5, -3.0)], [(6, -1.0)]]  # the last position: fewer than k tokens
+    out = deserialize_sample_response(write_sample([sequence], [None, -0.25, -1.0], prompt, 2, 2))
+    assert out.sequences[0].topk_logprobs == [[(7, -0.5), (3, -2.0)], [(9, -1.25), (1, -1.5)]]
+    assert out.topk_prompt_logprobs == prompt
+    assert out.prompt_logprobs == [None, -0.25, -1.0]
+    plain = deserialize_sample_response(write_sample([SampledTokens([7], [-0.5], False)]))
+    assert plain.sequences[0].topk_logprobs is None and plain.topk_prompt_logprobs is None

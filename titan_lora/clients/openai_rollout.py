@@ -39,6 +39,20 @@ KEEPALIVE_EXPIRY_S = 2.0
 """How long an idle connection to the engine is kept for reuse: under every server's keep-alive (vLLM: 5 s)."""
 
 
+def prompt_topk(position: dict[str, dict], k: int) -> list[tuple[int, float]]:
+    """A prompt position's k likeliest (token id, log-prob), from vLLM's `prompt_logprobs` entry (keyed by id,
+    ranked; the prompt token itself is there too, at its own rank)."""
+    ranked = sorted((entry["rank"], int(token), entry["logprob"]) for token, entry in position.items())
+    return [(token, logprob) for rank, token, logprob in ranked if rank <= k]
+
+
+def sampled_topk(positions: list[dict[str, float]], k: int) -> list[list[tuple[int, float]]]:
+    """Each sampled token's k likeliest (token id, log-prob), from vLLM's `top_logprobs` keyed "token_id:<id>"
+    (the sampled token is added when it is not among them: it is then the least likely, and left out)."""
+    return [sorted(((int(key.removeprefix("token_id:")), value) for key, value in position.items()),
+                   key=lambda pair: -pair[1])[:k] for position in positions]
+
+
 @dataclasses.dataclass(frozen=True)
 class ChatReply:
     """One chat turn's text and the model name that served it (`<lora_name>-v<step>` for an adapter)."""
@@ -187,23 +201,30 @@ class OpenAIRolloutClient:
                                  "stop_token_ids": list(spec.stop_token_ids)}
         if spec.stop == ():
             extra["ignore_eos"] = True
-        if spec.prompt_logprobs:
-            extra["prompt_logprobs"] = 0
+        if spec.prompt_logprobs or spec.prompt_topk:
+            extra["prompt_logprobs"] = spec.prompt_topk  # the prompt token's own, and the k likeliest
+        if spec.sample_topk:
+            extra["return_tokens_as_token_ids"] = True  # top-k keyed "token_id:<id>", not by text
         reply = self._call(self.client.completions.create, model=model, prompt=prompt, n=1 if greedy else n,
                            seed=spec.seed, max_tokens=spec.max_tokens, temperature=spec.temperature,
-                           top_p=spec.top_p, logprobs=0, stop=list(spec.stop or []) or None, extra_body=extra)
+                           top_p=spec.top_p, logprobs=spec.sample_topk, stop=list(spec.stop or []) or None,
+                           extra_body=extra)
         if reply.model != model:
             raise TransferError(f"asked for model {model!r}, the engine answered with {reply.model!r}")
         if len(reply.choices) != (1 if greedy else n):
             raise TransferError(f"asked for {n} completions, the engine returned {len(reply.choices)}")
         choices = sorted(reply.choices, key=lambda c: c.index)
         completions = [Completion(list(c.token_ids), c.text, list(c.logprobs.token_logprobs),
-                                  "length" if c.finish_reason == "length" else "stop") for c in choices]
-        scored = None
-        if spec.prompt_logprobs:
+                                  "length" if c.finish_reason == "length" else "stop",
+                                  sampled_topk(c.logprobs.top_logprobs, spec.sample_topk) if spec.sample_topk else None)
+                       for c in choices]
+        scored, topk = None, None
+        if spec.prompt_logprobs or spec.prompt_topk:
             per_token = choices[0].prompt_logprobs
             scored = [None] + [per_token[j][str(prompt[j])]["logprob"] for j in range(1, len(prompt))]
-        return Samples(completions * n if greedy else completions, scored)
+            if spec.prompt_topk:
+                topk = [None] + [prompt_topk(per_token[j], spec.prompt_topk) for j in range(1, len(prompt))]
+        return Samples(completions * n if greedy else completions, scored, topk)
 
     def generate(self, prompts: list[list[int]], adapter: str | None, max_tokens: int,
                  temperature: float, seed: int | None, stop_token_ids: list[int]) -> list[Completion]:

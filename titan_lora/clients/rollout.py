@@ -26,6 +26,8 @@ class Completion:
     logprobs: list[float]
     finish_reason: str = "stop"
     """"stop" (a stop string or token, or EOS) or "length" (cut at max_tokens)."""
+    topk: list[list[tuple[int, float]]] | None = None
+    """With `SampleSpec.sample_topk` k: each token's k likeliest (token id, log-prob), likeliest first."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +43,10 @@ class SampleSpec:
     """Stop strings (kept at the end of the output); None: stop at EOS; (): not even at EOS."""
     stop_token_ids: tuple[int, ...] = ()
     prompt_logprobs: bool = False
+    prompt_topk: int = 0
+    """k > 0: each prompt token's k likeliest tokens too (`Samples.prompt_topk`)."""
+    sample_topk: int = 0
+    """k > 0: each sampled token's k likeliest tokens too (`Completion.topk`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +56,9 @@ class Samples:
 
     completions: list[Completion]
     prompt_logprobs: list[float | None] | None = None
+    prompt_topk: list[list[tuple[int, float]] | None] | None = None
+    """With `SampleSpec.prompt_topk` k: each prompt position's k likeliest (token id, log-prob), likeliest
+    first (None for the first position)."""
 
 
 class RolloutClient(Protocol):

@@ -17,7 +17,7 @@ import logging
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from titan_lora.clients.rollout import RolloutClient, SampleSpec
 from titan_lora.service.futures import FutureStore, Result
@@ -29,12 +29,13 @@ from titan_lora.service.wire import SampledTokens, write_sample
 
 logger = logging.getLogger(__name__)
 
-UNSERVED_SAMPLE_FIELDS = {"topk_prompt_logprobs": 0, "topk_sample_logprobs": 0, "target_prompt_logprobs": None,
-                          "prompt_alt_tokens_k": 0, "record_stability_info": None}
+UNSERVED_SAMPLE_FIELDS = {"target_prompt_logprobs": None, "prompt_alt_tokens_k": 0, "record_stability_info": None}
 """`sample` request fields not served, at the value that asks for nothing: a request asking for one of them is
 refused, naming it, rather than answered without it."""
 MAX_SAMPLES = 128
 """Samples one `sample` call may ask for."""
+MAX_TOPK = 20
+"""The most top-k log-probs a position may ask for: vLLM's default `--max-logprobs`."""
 DEFAULT_MAX_TOKENS = 256
 """Tokens sampled when a call sets no max_tokens."""
 
@@ -119,12 +120,17 @@ class Sampling:
         if asked:
             raise RequestError(f"{', '.join(asked)} not served: titan_lora's sample returns the sampled tokens' "
                                "log-probs and, with prompt_logprobs, each prompt token's (optionally the last "
-                               "prompt_logprobs_last_n); see docs/service.md")
+                               "prompt_logprobs_last_n), and top-k log-probs of either; see docs/service.md")
         last_n = body.get("prompt_logprobs_last_n")
         if last_n is not None and not (body.get("prompt_logprobs") and 1 <= int(last_n) <= len(prompt) - 1):
             raise RequestError(f"prompt_logprobs_last_n = {last_n}: it needs prompt_logprobs and a value from 1 to "
                                f"len(prompt) - 1 = {len(prompt) - 1}")
-        spec = sample_spec(body.get("sampling_params") or {}, bool(body.get("prompt_logprobs")))
+        topk = {f: int(body.get(f) or 0) for f in ("topk_prompt_logprobs", "topk_sample_logprobs")}
+        for field, k in topk.items():
+            if not 0 <= k <= MAX_TOPK:
+                raise RequestError(f"{field} = {k}: ask for 0 to {MAX_TOPK} (the engine's --max-logprobs)")
+        spec = replace(sample_spec(body.get("sampling_params") or {}, bool(body.get("prompt_logprobs"))),
+                                   prompt_topk=topk["topk_prompt_logprobs"], sample_topk=topk["topk_sample_logprobs"])
         request_id = self.futures.new(key)
         self._pool.submit(self._sample, request_id, session, prompt, n, spec, last_n)
         return {"request_id": request_id, "sample_sequence_ids": [uuid.uuid4().hex for _ in range(n)]}
@@ -137,12 +143,14 @@ class Sampling:
             else:
                 with self.families[session.weights.slot].hold(session.weights.version) as lease:
                     samples = self.rollouts.sample(prompt, lease.name, n, spec)
-            sequences = [SampledTokens(c.token_ids, c.logprobs, c.finish_reason == "stop")
+            sequences = [SampledTokens(c.token_ids, c.logprobs, c.finish_reason == "stop", c.topk)
                          for c in samples.completions]
-            scored = samples.prompt_logprobs
-            if scored is not None and last_n is not None:  # the whole prompt was scored: keep the last n
-                scored = [None] * (len(scored) - last_n) + list(scored[-last_n:])
-            result = Result(proto=write_sample(sequences, scored))
+            scored = samples.prompt_logprobs if spec.prompt_logprobs else None
+            topk = samples.prompt_topk
+            if last_n is not None:  # the whole prompt was scored: keep the last n
+                scored, topk = (None if v is None else [None] * (len(v) - last_n) + list(v[-last_n:])
+                                for v in (scored, topk))
+            result = Result(proto=write_sample(sequences, scored, topk, spec.prompt_topk, spec.sample_topk))
         except KeyError:
             result = Result(error=f"the sampler weights {session.path} are no longer served: the engine keeps the "
                                   "[weight_sync] keep_versions versions of each training client last saved or "

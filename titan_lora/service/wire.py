@@ -111,17 +111,40 @@ class SampledTokens:
     tokens: list[int]
     logprobs: list[float]
     stopped: bool
+    topk: list[list[tuple[int, float]]] | None = None
 
 
-def write_sample(sequences: list[SampledTokens], prompt_logprobs: list[float | None] | None = None) -> bytes:
+TopK = list[list[tuple[int, float]] | None]
+"""Per position, up to k (token id, log-prob), likeliest first; None where none was computed."""
+TOPK_PAD = (0, -99999.0)
+"""The SDK's filler of a top-k matrix (`tinker.types.topk_logprobs.MASK_LOGPROB`): token 0, log-prob -99999."""
+
+
+def write_sample(sequences: list[SampledTokens], prompt_logprobs: list[float | None] | None = None,
+                 prompt_topk: TopK | None = None, prompt_k: int = 0, sample_k: int = 0) -> bytes:
     """A `SampleResponse`: the sequences in order (each with a log-prob per token, which the SDK's RL loops
-    require) and, when asked, one log-prob per prompt token (NaN for the first)."""
+    require, and its top `sample_k` when asked) and, when asked, one log-prob per prompt token (NaN for the
+    first) and the prompt's top `prompt_k`."""
     out = pb.SampleResponse()
     for seq in sequences:
-        out.sequences.add(stop_reason=pb.STOP_REASON_STOP if seq.stopped else pb.STOP_REASON_LENGTH,
-                          tokens=np.asarray(seq.tokens, dtype=np.int32).tobytes(),
-                          logprobs=np.asarray(seq.logprobs, dtype=np.float32).tobytes())
+        added = out.sequences.add(stop_reason=pb.STOP_REASON_STOP if seq.stopped else pb.STOP_REASON_LENGTH,
+                                  tokens=np.asarray(seq.tokens, dtype=np.int32).tobytes(),
+                                  logprobs=np.asarray(seq.logprobs, dtype=np.float32).tobytes())
+        if seq.topk is not None:
+            _write_topk(added.topk_sampled_logprobs, seq.topk, sample_k)
     if prompt_logprobs is not None:
         out.prompt_logprobs = np.asarray([np.nan if v is None else v for v in prompt_logprobs],
                                          dtype=np.float32).tobytes()
+    if prompt_topk is not None:
+        _write_topk(out.topk_prompt_logprobs, prompt_topk, prompt_k)
     return out.SerializeToString()
+
+
+def _write_topk(msg: pb.TopkLogprobs, rows: TopK, k: int) -> None:
+    """`rows` as the SDK's dense (length, k) matrices, short and absent rows padded with `TOPK_PAD`."""
+    token_ids = np.full((len(rows), k), TOPK_PAD[0], dtype=np.int32)
+    logprobs = np.full((len(rows), k), TOPK_PAD[1], dtype=np.float32)
+    for i, row in enumerate(rows):
+        for j, (token, logprob) in enumerate(row or []):
+            token_ids[i, j], logprobs[i, j] = token, logprob
+    msg.token_ids, msg.logprobs, msg.k, msg.length = token_ids.tobytes(), logprobs.tobytes(), k, len(rows)
