@@ -19,6 +19,7 @@ import httpx
 import numpy as np
 import pytest
 import tinker
+import torch
 from wait_helpers import waited
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
@@ -124,6 +125,28 @@ def _train_and_compare(client) -> None:
     weights = [np.asarray(d.loss_fn_inputs["weights"].data) for d in data]
     assert seen.metrics["loss:sum"] == pytest.approx(-sum((w * lp).sum() for w, lp in zip(weights, _logprobs(seen))),
                                                      rel=1e-5)
+
+
+def test_a_custom_loss_trains_exactly_as_the_built_in_loss_it_equals(service: Service) -> None:
+    """forward_backward_custom (the SDK's client-side loss: a forward, then a cross_entropy backward weighted
+    by -dC/dlogp) with C = cross_entropy's sum moves a client exactly as cross_entropy does."""
+    def custom(data, logprobs):
+        loss = sum(-(torch.as_tensor(d.loss_fn_inputs["weights"].data) * lp).sum() for d, lp in zip(data, logprobs))
+        return loss, {}
+
+    with tinker.ServiceClient(base_url=service.url, api_key=KEY) as sdk:
+        built_in, client_side = (sdk.create_lora_training_client(base_model=NAME, rank=8, seed=4) for _ in range(2))
+        data = _batch(built_in.get_tokenizer(), 20)
+        expected = built_in.forward_backward(data, "cross_entropy").result().metrics["loss:sum"]
+        assert client_side.forward_backward_custom(data, custom).result().metrics["loss:sum"] == pytest.approx(
+            expected, rel=1e-6)
+        for client in (built_in, client_side):
+            client.optim_step(ADAM).result()
+        after = [_logprobs(c.forward(data, "cross_entropy").result()) for c in (built_in, client_side)]
+        for ours, theirs in zip(*after):
+            np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-6)
+        assert not np.allclose(after[0][0], _logprobs(sdk.create_lora_training_client(
+            base_model=NAME, rank=8, seed=4).forward(data, "cross_entropy").result())[0])  # the step moved it
 
 
 def test_two_clients_at_once_each_get_what_they_get_alone(service: Service) -> None:
