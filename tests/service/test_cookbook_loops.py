@@ -1,6 +1,7 @@
 """tinker-cookbook 0.6.1's minimal loops, unchanged, against a live `titan-lora serve` (SmolLM2-135M served
 as meta-llama/Llama-3.2-1B, the hub replaced by local directories): sl_loop lowers its NLL, resumes from its
-own checkpoint record; rl_loop samples, trains with importance_sampling and saves. Long: ~4 minutes."""
+own checkpoint record; rl_loop samples, trains with importance_sampling (and gspo) and saves. Long: ~5
+minutes."""
 
 from __future__ import annotations
 
@@ -19,10 +20,10 @@ from titan_lora.models.smollm2 import pretrained_dir
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 
-def _loop(workdir: Path, url: str, recipe: str, *args: str) -> list[dict]:
+def _loop(workdir: Path, url: str, recipe: str, *args: str, run: str = "") -> list[dict]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TINKER_TELEMETRY": "0",
            "TINKER_API_KEY": KEY}
-    log = workdir / "runs" / recipe
+    log = workdir / "runs" / (run or recipe)
     done = subprocess.run([sys.executable, "-m", f"tinker_cookbook.recipes.{recipe}", f"base_url={url}",
                            f"model_name={SERVED_NAME}", "save_every=0", "lora_rank=8", f"log_path={log}", *args],
                           cwd=workdir, env=env, capture_output=True, text=True, timeout=900)
@@ -47,6 +48,9 @@ def test_the_cookbook_loops_run_unchanged(tmp_path: Path) -> None:
                    "max_steps=4", "learning_rate=5e-4", "loss_fn=importance_sampling")
         assert [m["progress/batch"] for m in rl] == [0, 1, 2, 3]
         assert all(0.0 <= m["reward/total"] <= 1.0 for m in rl)
+        gspo = _loop(tmp_path, service.url, "rl_loop", "batch_size=8", "group_size=4", "max_tokens=32",
+                     "max_steps=2", "learning_rate=5e-4", "loss_fn=gspo", run="rl_loop_gspo")
+        assert [m["progress/batch"] for m in gspo] == [0, 1]
     finally:
         service.stop()
     published = [line for line in service.lines if "published" in line]

@@ -36,9 +36,12 @@ def test_inputs_are_checked_by_name_and_length() -> None:
         check_loss("ppo", {"target_tokens": LOGP, "logprobs": OLD}, 3, 0)
     with pytest.raises(LossInputError, match="datum 2: loss_fn_inputs\\['weights'\\] has shape \\[2\\]"):
         check_loss("cross_entropy", {"target_tokens": LOGP, "weights": LOGP[:2]}, 3, 2)
-    with pytest.raises(LossInputError, match="'gspo' is not served; titan_lora serves cross_entropy, "
-                                             "importance_sampling, ppo, cispo"):
-        check_loss("gspo", {}, 3, 0)
+    with pytest.raises(LossInputError, match="'dro' is not served; titan_lora serves cross_entropy, "
+                                             "importance_sampling, ppo, cispo, gspo"):
+        check_loss("dro", {}, 3, 0)
+    with pytest.raises(LossInputError, match="datum 1: loss_fn_inputs\\['sequence_ratio_mask'\\] marks no token"):
+        check_loss("gspo", {"target_tokens": LOGP, "logprobs": OLD, "advantages": ADV,
+                            "sequence_ratio_mask": torch.zeros(3)}, 3, 1)
 
 
 def test_cispo_weights_the_log_prob_by_the_clipped_ratio_without_its_gradient() -> None:
@@ -50,3 +53,18 @@ def test_cispo_weights_the_log_prob_by_the_clipped_ratio_without_its_gradient() 
     assert logp.grad.tolist() == pytest.approx([0.0, -1.5 * 2, -float(torch.exp(torch.tensor(-1.0))) * -1])
     assert datum_loss("cispo", LOGP, {"logprobs": OLD, "advantages": ADV}, {}) == pytest.approx(
         -(1.0 * -1.0 * 0 + float(torch.exp(torch.tensor(0.5))) * -0.5 * 2 + float(torch.exp(torch.tensor(-1.0))) * -2 * -1))
+
+
+def test_gspo_gives_every_marked_token_the_sequences_ratio_with_its_own_gradient() -> None:
+    mask = torch.tensor([0.0, 1.0, 1.0])  # the prompt token is not in the sequence ratio
+    inputs = {"logprobs": OLD, "advantages": ADV, "sequence_ratio_mask": mask}
+    logp = LOGP.clone().requires_grad_()
+    loss = datum_loss("gspo", logp, inputs, {})
+    s = float(torch.exp(((LOGP - OLD)[1:]).mean()))  # exp((0.5 - 1) / 2) = 0.78, under the low bound 0.8
+    # token 1 (A = 2): min(s * 2, 0.8 * 2) = 1.56; token 2 (A = -1): min(-s, -0.8) = -0.8
+    assert float(loss) == pytest.approx(-(min(s * 2, 0.8 * 2) + min(-s, -0.8)))
+    loss.backward()
+    # d/dlogp_t of s_t = s_t (its own log-prob's gradient); token 1 unclipped: -A s; token 2 clipped: 0
+    assert logp.grad.tolist() == pytest.approx([0.0, -2 * s, 0.0])
+    wide = datum_loss("gspo", LOGP, inputs, {"clip_low_threshold": 0.5, "clip_high_threshold": 1.5})
+    assert float(wide) == pytest.approx(-(s * 2 - s))
