@@ -177,7 +177,7 @@ def serve(config: str, overrides: list[str], nproc: int) -> int:
 
     errors = config_errors(config, overrides, nproc)
     if not errors:
-        errors = service_errors(load_job(["--job.config_file", config, *overrides])[0], nproc)
+        errors = service_errors(load_job(["--job.config_file", config, *overrides])[0])
     for line in errors:
         print(f"titan_lora: config error: {line}", file=sys.stderr)
     if errors:

@@ -49,7 +49,7 @@ def api_keys(job_config: JobConfig) -> set[str]:
     return set(job_config.service.api_keys) | set(extra)
 
 
-def service_errors(job_config: JobConfig, nproc: int) -> list[str]:
+def service_errors(job_config: JobConfig) -> list[str]:
     """What `titan-lora serve` refuses in a config that training would accept, one line each."""
     errors = []
     keys = api_keys(job_config)
@@ -75,7 +75,11 @@ def service_job(job_config: JobConfig, world_size: int = 1) -> JobConfig:
     """The config as the service builds it: `[service] max_adapters` adapter tables (`slot_adapters`); on
     several ranks the adapters sharded by FSDP (a client's forward_backward calls accumulate gradients over
     several backwards until its optim_step, which replicated adapters refuse)."""
-    lora = job_config.lora if world_size == 1 else dataclasses.replace(job_config.lora, replicate_adapters=False)
+    lora = job_config.lora
+    if world_size > 1 and lora.replicate_adapters:
+        logger.info("[lora] replicate_adapters = true is set false on %d ranks: a client's forward_backward calls "
+                    "accumulate gradients until its optim_step, which FSDP-sharded adapters do", world_size)
+        lora = dataclasses.replace(lora, replicate_adapters=False)
     return dataclasses.replace(job_config, adapters=slot_adapters(job_config), lora=lora)
 
 
@@ -151,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     for client_log in ("httpx", "httpx2"):  # the openai client's one line per engine request
         logging.getLogger(client_log).setLevel(logging.WARNING)
     job_config, resolved = load_job(sys.argv[1:] if argv is None else argv)
-    errors = service_errors(job_config, int(os.environ.get("WORLD_SIZE", "1")))
+    errors = service_errors(job_config)
     if errors:
         for line in errors:
             print(f"titan_lora: config error: {line}", file=sys.stderr)
@@ -161,7 +165,10 @@ def main(argv: list[str] | None = None) -> None:
     service = None
     try:
         service = build_service(job_config, resolved, device)
-        serve(service) if service.api is not None else follow(service)
+        if service.api is not None:
+            serve(service)
+        else:
+            follow(service)
     finally:
         if service is not None:
             service.close()
