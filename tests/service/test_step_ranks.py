@@ -1,4 +1,5 @@
-"""The service's mixed step on 2 FSDP ranks (gloo) splits its rows over them and gives what 1 rank gives:
+"""The service's mixed step on 2 FSDP ranks (gloo) splits its rows over them and gives what 1 rank gives (and
+on 2 TP ranks, which run every row):
 every datum's log-probs, every request's loss and every slot's weights after its optim_steps, with a rank
 left only padding, forward-only requests beside training ones, and a bad request failing alone."""
 
@@ -38,11 +39,12 @@ ROUNDS = [
 ]
 
 
-def _serve_rounds(rank: int, world: int, hf_dir: str, out: str) -> None:
-    cfg, resolved = job_from_toml(hf_toml("llama3", hf_dir) + "[service]\nmax_adapters = 3\nmax_rank = 8\n")
+def _serve_rounds(rank: int, world: int, hf_dir: str, out: str, tp: int = 1) -> None:
+    cfg, resolved = job_from_toml(hf_toml("llama3", hf_dir) + "[service]\nmax_adapters = 3\nmax_rank = 8\n"
+                                  f"[parallelism]\ntensor_parallel_degree = {tp}\n")
     device = rank_device()
     built, slots, data_parallel = build_slots(service_job(cfg, world), resolved, device)
-    assert data_parallel.size == world
+    assert data_parallel.size == world // tp  # TP ranks run the same rows
     limits = Limits(VOCAB, 64, 4096)
     slots.claim(0, SlotSpec(rank=4, seed=1))
     slots.claim(1, SlotSpec(rank=8, seed=2))
@@ -66,6 +68,13 @@ def test_two_ranks_split_the_rows_and_give_what_one_rank_gives(tmp_path) -> None
     run_ranks(1, _serve_rounds, hf_dir, str(tmp_path / "one.pt"))
     run_ranks(2, _serve_rounds, hf_dir, str(tmp_path / "two.pt"))
     _same(*(torch.load(tmp_path / f"{n}.pt", weights_only=False) for n in ("one", "two")), 1e-5)
+
+
+def test_two_tensor_parallel_ranks_give_what_one_rank_gives(tmp_path) -> None:
+    hf_dir = str(tiny_llama(tmp_path / "tiny", vocab=VOCAB))
+    run_ranks(1, _serve_rounds, hf_dir, str(tmp_path / "one.pt"))
+    run_ranks(2, _serve_rounds, hf_dir, str(tmp_path / "tp.pt"), 2)
+    _same(*(torch.load(tmp_path / f"{n}.pt", weights_only=False) for n in ("one", "tp")), 1e-5)
 
 
 @needs_gpus(2)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from titan_lora.lora.multi_rows import AdapterRows, ReadsAdapterRows
 
@@ -69,6 +70,11 @@ class MultiLoRALayer(ReadsAdapterRows):
         for k, scale in self.adapter_scales.items():
             start, end = offsets[k], offsets[k + 1]
             a, b = getattr(self, f"lora_A_{k}"), getattr(self, f"lora_B_{k}")
+            if start == end and isinstance(x, DTensor):
+                # DTensor (torch 2.11) fails F.linear on an empty slice whose sequence length is uneven over the
+                # TP mesh ("Cannot unflatten unevenly sharded tensor"). One real row, added times zero, keeps the
+                # adapter in the graph: its gradients must exist (zero) on every rank, as FSDP reduce-scatters them.
+                start, end, scale = 0, 1, 0.0
             update = F.linear(F.linear(dropped[start:end], a.to(x.dtype)), b.to(x.dtype))
             # In place on the segment, as the single-adapter path adds to the whole output.
             base[start:end].add_(update, alpha=scale)
