@@ -5,7 +5,10 @@ left only padding, forward-only requests beside training ones, and a bad request
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
+import pytest
 import torch
 from dist_helpers import needs_gpus, rank_device, run_ranks
 from tiny_checkpoints import hf_toml, tiny_llama
@@ -63,34 +66,38 @@ def _serve_rounds(rank: int, world: int, hf_dir: str, out: str, tp: int = 1) -> 
         torch.save({"seen": seen, "weights": weights}, out)
 
 
-def test_two_ranks_split_the_rows_and_give_what_one_rank_gives(tmp_path) -> None:
-    hf_dir = str(tiny_llama(tmp_path / "tiny", vocab=VOCAB))
-    run_ranks(1, _serve_rounds, hf_dir, str(tmp_path / "one.pt"))
-    run_ranks(2, _serve_rounds, hf_dir, str(tmp_path / "two.pt"))
-    _same(*(torch.load(tmp_path / f"{n}.pt", weights_only=False) for n in ("one", "two")), 1e-5)
+@pytest.fixture(scope="module")
+def one_cpu_rank(tmp_path_factory) -> tuple[str, dict]:
+    """The tiny checkpoint, and what 1 CPU rank gives for the rounds."""
+    root = tmp_path_factory.mktemp("rounds")
+    hf_dir = str(tiny_llama(root / "tiny", vocab=VOCAB))
+    run_ranks(1, _serve_rounds, hf_dir, str(root / "one.pt"))
+    return hf_dir, torch.load(root / "one.pt", weights_only=False)
 
 
-def test_two_tensor_parallel_ranks_give_what_one_rank_gives(tmp_path) -> None:
-    hf_dir = str(tiny_llama(tmp_path / "tiny", vocab=VOCAB))
-    run_ranks(1, _serve_rounds, hf_dir, str(tmp_path / "one.pt"))
-    run_ranks(2, _serve_rounds, hf_dir, str(tmp_path / "tp.pt"), 2)
-    _same(*(torch.load(tmp_path / f"{n}.pt", weights_only=False) for n in ("one", "tp")), 1e-5)
+def _as_one_cpu_rank(one_cpu_rank: tuple[str, dict], out: Path, world: int, atol: float, tp: int = 1,
+                     backend: str = "gloo") -> None:
+    hf_dir, expected = one_cpu_rank
+    run_ranks(world, _serve_rounds, hf_dir, str(out), tp, backend=backend)
+    _same(expected, torch.load(out, weights_only=False), atol)
+
+
+def test_two_ranks_split_the_rows_and_give_what_one_rank_gives(one_cpu_rank, tmp_path) -> None:
+    _as_one_cpu_rank(one_cpu_rank, tmp_path / "fsdp.pt", 2, 1e-5)
+
+
+def test_two_tensor_parallel_ranks_give_what_one_rank_gives(one_cpu_rank, tmp_path) -> None:
+    _as_one_cpu_rank(one_cpu_rank, tmp_path / "tp.pt", 2, 1e-5, tp=2)
 
 
 @needs_gpus(2)
-def test_two_nccl_ranks_give_what_one_cpu_rank_gives(tmp_path) -> None:
-    hf_dir = str(tiny_llama(tmp_path / "tiny", vocab=VOCAB))
-    run_ranks(1, _serve_rounds, hf_dir, str(tmp_path / "cpu.pt"))
-    run_ranks(2, _serve_rounds, hf_dir, str(tmp_path / "gpu.pt"), backend="nccl")
-    _same(*(torch.load(tmp_path / f"{n}.pt", weights_only=False) for n in ("cpu", "gpu")), 1e-4)
+def test_two_nccl_ranks_give_what_one_cpu_rank_gives(one_cpu_rank, tmp_path) -> None:
+    _as_one_cpu_rank(one_cpu_rank, tmp_path / "nccl.pt", 2, 1e-4, backend="nccl")
 
 
 @needs_gpus(1)
-def test_one_gpu_gives_what_one_cpu_rank_gives(tmp_path) -> None:
-    hf_dir = str(tiny_llama(tmp_path / "tiny", vocab=VOCAB))
-    run_ranks(1, _serve_rounds, hf_dir, str(tmp_path / "cpu.pt"))
-    run_ranks(1, _serve_rounds, hf_dir, str(tmp_path / "gpu.pt"), backend="nccl")
-    _same(*(torch.load(tmp_path / f"{n}.pt", weights_only=False) for n in ("cpu", "gpu")), 1e-4)
+def test_one_gpu_gives_what_one_cpu_rank_gives(one_cpu_rank, tmp_path) -> None:
+    _as_one_cpu_rank(one_cpu_rank, tmp_path / "gpu.pt", 1, 1e-4, backend="nccl")
 
 
 def _same(one: dict, two: dict, atol: float) -> None:
