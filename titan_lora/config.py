@@ -218,6 +218,9 @@ class Service:
     environment's TITAN_LORA_API_KEYS (comma-separated). Each key sees only its own models."""
     max_adapters: int = 4
     """LoRA training clients live at once (adapter slots built into the model; each client takes one)."""
+    max_adapters_per_key: int = 0
+    """Training clients one API key may hold at once, so that one user cannot take every slot; 0: up to
+    max_adapters."""
     max_rank: int = 32
     """The largest LoRA rank a client may ask for (each slot is built at this rank; a smaller one is exact)."""
     lora_alpha: float = 32.0

@@ -58,6 +58,7 @@ RANGES: dict[tuple[str, str], Range] = {
     ("engine", "port"): _PORT,
     ("service", "port"): _PORT,
     ("service", "max_adapters"): Range(2, fix="a service trains at least 2 adapters; raise it"),
+    ("service", "max_adapters_per_key"): Range(0, fix="0 lets one key hold up to max_adapters"),
     ("service", "max_rank"): _AT_LEAST_1,
     ("service", "lora_alpha"): _POSITIVE,
     ("service", "max_request_tokens"): _AT_LEAST_1,

@@ -89,3 +89,15 @@ def test_a_reload_borrows_a_free_slot_until_given_back_and_waits_for_none() -> N
     ledger.give_back(1)
     ledger.create("tml-a", "s", "s:train:1", SlotSpec(rank=4), "create-1")
     assert ledger.models["s:train:1"].slot == 1
+
+
+def test_a_key_holds_at_most_its_share_of_the_slots() -> None:
+    ledger = Ledger(slots=4, per_key=2)
+    for i in range(2):
+        ledger.create("tml-a", "s", f"s:train:{i}", SlotSpec(rank=4), f"c{i}")
+    with pytest.raises(RequestError, match="this API key holds 2 training clients \\(\\[service\\] "
+                                           "max_adapters_per_key = 2\\): close one's ServiceClient first"):
+        ledger.create("tml-a", "s", "s:train:2", SlotSpec(rank=4), "c2")
+    ledger.create("tml-b", "t", "t:train:0", SlotSpec(rank=4), "c3")  # another key still gets a slot
+    ledger.forget("s:train:0")
+    ledger.create("tml-a", "s", "s:train:2", SlotSpec(rank=4), "c4")

@@ -69,7 +69,8 @@ CHANGED_AT_030 = {"parallelism.disable_loss_parallel": ["bool", True]}
 gathered), so the key is always true."""
 ADDED_SINCE = {"engine.cpu_threads": ["int", 0], "engine.standby": ["str", "auto"], "adapters": [],
                "service.host": ["str", "127.0.0.1"], "service.port": ["int", 8000], "service.base_model": ["str", ""],
-               "service.api_keys": [], "service.max_adapters": ["int", 4], "service.max_rank": ["int", 32],
+               "service.api_keys": [], "service.max_adapters": ["int", 4], "service.max_adapters_per_key": ["int", 0],
+               "service.max_rank": ["int", 32],
                "service.lora_alpha": ["float", 32.0], "service.state_dir": ["str", "service_states"],
                "service.max_request_tokens": ["int", 65536], "service.max_queued": ["int", 256],
                "service.session_timeout_s": ["float", 120.0], "grpo.adapter_batches": ["str", "auto"]}

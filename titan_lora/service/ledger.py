@@ -66,7 +66,8 @@ class Session:
 class Ledger:
     """Sessions, models and queues, shared by the HTTP routes (which add) and the worker (which takes)."""
 
-    def __init__(self, slots: int, session_timeout_s: float = 120.0) -> None:
+    def __init__(self, slots: int, session_timeout_s: float = 120.0, per_key: int = 0) -> None:
+        """`per_key`: the training clients one API key may hold at once (0: as many as there are slots)."""
         self._lock = threading.Condition()
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, Model] = {}
@@ -74,6 +75,7 @@ class Ledger:
         self._slots = slots
         self._unordered: list[Op] = []  # creates and releases: no seq_id
         self.session_timeout_s = session_timeout_s
+        self.per_key = per_key or slots
         self.closed = False
 
     def new_session(self, key: str) -> str:
@@ -107,6 +109,10 @@ class Ledger:
         with self._lock:
             if model_id in self.models:
                 raise RequestError(f"model {model_id!r} exists already", 409)
+            held = sum(1 for m in self.models.values() if m.key == key and not m.released)
+            if held >= self.per_key:
+                raise RequestError(f"this API key holds {held} training clients ([service] max_adapters_per_key = "
+                                   f"{self.per_key}): close one's ServiceClient first")
             if not self._free:
                 raise RequestError(f"every adapter slot is taken ([service] max_adapters = {self._slots}); close "
                                    "a training client's ServiceClient, or restart the service with more")

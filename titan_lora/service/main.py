@@ -120,7 +120,8 @@ def build_service(job_config: JobConfig, resolved: ResolvedModel, device: torch.
                     svc.max_request_tokens)
     served = ServedModel(svc.base_model or Path(built.hf_dir).name, built.hf_dir, svc.max_rank, limits.max_seq_len,
                          svc.max_queued)
-    ledger, futures = Ledger(slots.count, svc.session_timeout_s), FutureStore() if lead else DroppedFutures()
+    ledger = Ledger(slots.count, svc.session_timeout_s, svc.max_adapters_per_key)
+    futures = FutureStore() if lead else DroppedFutures()
     syncer, sampling, publisher = None, None, None
     if job_config.weight_sync.enabled:
         side = engine_side(job_config, built, device)
