@@ -22,7 +22,7 @@ from titan_lora.titan.parallel import build_parallel_dims
 from titan_lora.trainer.distributed import init_distributed
 from titan_lora.trainer.job_config import job_from_toml
 
-SERVICE = DEBUG_LORA + "[service]\nmax_adapters = 3\nmax_rank = 16\nlora_alpha = 32\n"
+SERVICE = DEBUG_LORA + "[service]\nmax_adapters = 4\nmax_rank = 16\nlora_alpha = 32\n"
 CPU = torch.device("cpu")
 ADAM = AdamStep(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8)
 
@@ -85,6 +85,27 @@ def test_a_client_trains_the_same_alone_and_mixed_with_others(service) -> None:
     for name, value in _params(slots, 0).items():
         torch.testing.assert_close(value, after_alone[name], rtol=0, atol=1e-4)
     assert mixed[1] != mixed[0]
+
+
+def test_four_clients_mixed_in_every_step_each_train_as_alone(service) -> None:
+    """Four clients of different ranks, seeds and data (rows, lengths), every step mixing all four: each
+    one's losses and weights equal what it gets alone (1e-6 on the losses)."""
+    model, slots, limits = service
+    specs = [SlotSpec(rank=r, seed=20 + k) for k, r in enumerate((4, 8, 16, 2))]
+    plans = [[_request(100 * k, rows=1 + k % 3, length=10 + 3 * k)] * 3 for k in range(4)]  # its own data
+    alone, weights = {}, {}
+    for k, spec in enumerate(specs):
+        slots.claim(k, spec)
+        alone[k] = _train(model, slots, limits, [[(k, request)] for request in plans[k]])[k]
+        weights[k] = _params(slots, k)
+    for k, spec in enumerate(specs):
+        slots.claim(k, spec)
+    mixed = _train(model, slots, limits, [[(k, plans[k][i]) for k in (2, 0, 3, 1)] for i in range(3)])
+    for k in range(4):
+        assert alone[k][-1] < alone[k][0], (k, alone[k])  # each learns
+        np.testing.assert_allclose(mixed[k], alone[k], rtol=1e-6)
+        for name, value in _params(slots, k).items():  # Adam carries ~1e-7 of rounding to ~1e-5 (see above)
+            torch.testing.assert_close(value, weights[k][name], rtol=0, atol=1e-4)
 
 
 def test_the_padded_rank_stays_zero_and_the_other_slots_untouched(service) -> None:
