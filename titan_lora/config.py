@@ -229,6 +229,10 @@ class Service:
     """Where save_state writes (one file per state); relative: under [job] dump_folder. Kept across restarts."""
     max_request_tokens: int = 65536
     """Tokens one forward/forward_backward request may carry (all its datums)."""
+    micro_batch_tokens: int = 1024
+    """Padded tokens (datums x the longest) one forward and backward covers: the calls of a step run in
+    micro-batches of this size, so a step's memory does not grow with its size (the logits alone take
+    vocab x 4 bytes a token). Raise it on a GPU with room for more."""
     max_queued: int = 256
     """Requests one client may have waiting; more are refused until some finish."""
     session_timeout_s: float = 120.0

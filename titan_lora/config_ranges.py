@@ -62,6 +62,7 @@ RANGES: dict[tuple[str, str], Range] = {
     ("service", "max_rank"): _AT_LEAST_1,
     ("service", "lora_alpha"): _POSITIVE,
     ("service", "max_request_tokens"): _AT_LEAST_1,
+    ("service", "micro_batch_tokens"): _AT_LEAST_1,
     ("service", "max_queued"): _AT_LEAST_1,
     ("service", "session_timeout_s"): _SECONDS,
     ("engine", "tcp_port"): _PORT,

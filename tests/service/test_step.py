@@ -15,7 +15,7 @@ from titan_lora.config_adapters import Adapter
 from titan_lora.lora.multi import param_pattern
 from titan_lora.service.main import build_slots, service_job
 from titan_lora.service.slots import AdamStep, SlotSpec
-from titan_lora.service.step import Limits, Work, run_step
+from titan_lora.service.step import Limits, Work, micro_batches, run_step
 from titan_lora.service.wire import Datum, ForwardBackward
 from titan_lora.trainer.build import build_model
 from titan_lora.titan.parallel import build_parallel_dims
@@ -162,3 +162,33 @@ def test_a_bad_request_fails_alone_and_changes_nothing(service) -> None:
     # Every slot of a linear runs on every batch (FSDP's reduce-scatters must match), on no rows here: zeros.
     assert all(p.grad is None or not p.grad.any() for _, p in slots.params[0])
     assert all(torch.equal(v, before[n]) for n, v in _params(slots, 0).items())
+
+
+def test_micro_batches_cut_in_order_by_padded_tokens() -> None:
+    rows = [(r, (0, Datum(np.zeros(n, dtype=np.int64)))) for r, n in enumerate((10, 30, 20, 50, 5))]
+    cut = micro_batches(rows, 60)
+    assert [[r for r, _ in batch] for batch in cut] == [[0, 1], [2], [3], [4]]  # 2 x 30; 20 + 50 > 60; ...
+    assert [[r for r, _ in batch] for batch in micro_batches(rows, 1)] == [[0], [1], [2], [3], [4]]
+    assert micro_batches([], 60) == []
+
+
+def test_a_step_in_micro_batches_gives_what_one_forward_gives(service) -> None:
+    """Every row alone (micro_batch_tokens 1) against the whole step in one forward: the same log-probs and
+    losses, and the same accumulated gradients."""
+    model, slots, limits = service
+    works = [Work(0, _request(30, rows=3)), Work(1, _request(31, rows=2, length=20))]
+    seen = {}
+    for budget in (1, 1 << 20):
+        for k in (0, 1):
+            slots.claim(k, SlotSpec(rank=8, seed=40 + k))
+        outcomes = run_step(model, works, slots.count, dataclasses.replace(limits, micro_batch_tokens=budget), CPU)
+        grads = {n: p.grad.clone() for k in (0, 1) for n, p in slots.params[k] if p.grad is not None}
+        seen[budget] = (outcomes, grads)
+    (alone, alone_grads), (whole, whole_grads) = seen[1], seen[1 << 20]
+    for ours, theirs in zip(alone, whole):
+        assert ours.metrics["loss:sum"] == pytest.approx(theirs.metrics["loss:sum"], rel=1e-6)
+        for a, b in zip(ours.logprobs, theirs.logprobs):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+    assert whole_grads.keys() == alone_grads.keys() and whole_grads
+    for name, grad in whole_grads.items():
+        torch.testing.assert_close(alone_grads[name], grad, rtol=1e-4, atol=1e-6)

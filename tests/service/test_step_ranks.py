@@ -48,7 +48,7 @@ def _serve_rounds(rank: int, world: int, hf_dir: str, out: str, tp: int = 1) -> 
     device = rank_device()
     built, slots, data_parallel = build_slots(service_job(cfg, world), resolved, device)
     assert data_parallel.size == world // tp  # TP ranks run the same rows
-    limits = Limits(VOCAB, 64, 4096)
+    limits = Limits(VOCAB, 64, 4096, micro_batch_tokens=24)  # a row or two a forward: ranks run unequal counts
     slots.claim(0, SlotSpec(rank=4, seed=1))
     slots.claim(1, SlotSpec(rank=8, seed=2))
     bad = _request(9, 2)

@@ -72,7 +72,8 @@ ADDED_SINCE = {"engine.cpu_threads": ["int", 0], "engine.standby": ["str", "auto
                "service.api_keys": [], "service.max_adapters": ["int", 4], "service.max_adapters_per_key": ["int", 0],
                "service.max_rank": ["int", 32],
                "service.lora_alpha": ["float", 32.0], "service.state_dir": ["str", "service_states"],
-               "service.max_request_tokens": ["int", 65536], "service.max_queued": ["int", 256],
+               "service.max_request_tokens": ["int", 65536],
+               "service.micro_batch_tokens": ["int", 1024], "service.max_queued": ["int", 256],
                "service.session_timeout_s": ["float", 120.0], "grpo.adapter_batches": ["str", "auto"]}
 """Keys titan_lora added after the record, at their defaults (no shipped config sets them); each new key is named
 here, so that a key that appears or vanishes unannounced still fails."""

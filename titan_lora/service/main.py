@@ -117,7 +117,7 @@ def build_service(job_config: JobConfig, resolved: ResolvedModel, device: torch.
     built, slots, data_parallel = build_slots(job_config, resolved, device)
     lead = dist.get_rank() == 0  # serves the API and the engine; the other ranks follow its rounds
     limits = Limits(resolved.shape.vocab_size, min(resolved.shape.max_seq_len, job_config.training.seq_len),
-                    svc.max_request_tokens)
+                    svc.max_request_tokens, svc.micro_batch_tokens)
     served = ServedModel(svc.base_model or Path(built.hf_dir).name, built.hf_dir, svc.max_rank, limits.max_seq_len,
                          svc.max_queued)
     ledger = Ledger(slots.count, svc.session_timeout_s, svc.max_adapters_per_key)

@@ -21,9 +21,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from titan_lora.lora.multi_rows import group_rows, route
-from titan_lora.rl.logprobs import LOGPROB_CHUNK_TOKENS, chunk_count, chunked_token_logprobs
+from titan_lora.rl.logprobs import chunked_token_logprobs
 from titan_lora.service.losses import LossInputError, check_loss, datum_loss
 from titan_lora.service.wire import Datum, ForwardBackward
+from titan_lora.trainer.host_memory import release_freed_host_memory
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class Limits:
     vocab_size: int
     max_seq_len: int
     max_request_tokens: int
+    micro_batch_tokens: int = 1024
+    """Padded tokens one forward and backward of a step covers (a longer datum runs alone)."""
 
 
 @dataclass
@@ -77,9 +80,10 @@ def request_error(request: ForwardBackward, limits: Limits) -> str | None:
 
 def run_step(model: nn.Module, works: Sequence[Work], slots: int, limits: Limits, device: torch.device,
              group: dist.ProcessGroup | None = None) -> list[Outcome]:
-    """Collective under FSDP: every valid request's datums in one forward (and one backward if any request
-    trains); one outcome per work, in order, on every rank. With a data-parallel `group`, every rank is
-    given the same works and takes its own share of the rows (FSDP sums the ranks' gradients)."""
+    """Collective under FSDP: every valid request's datums, grouped by slot, in forwards (and backwards, if any
+    request trains) of at most `limits.micro_batch_tokens` padded tokens each; one outcome per work, in order,
+    on every rank. With a data-parallel `group`, every rank is given the same works and takes its own share of
+    the rows (FSDP sums the ranks' gradients)."""
     outcomes = [Outcome(error=request_error(w.request, limits)) for w in works]
     valid = [i for i, o in enumerate(outcomes) if o.error is None]
     rows = [(i, datum) for i in valid for datum in works[i].request.data]
@@ -88,15 +92,25 @@ def run_step(model: nn.Module, works: Sequence[Work], slots: int, limits: Limits
     order, _ = group_rows([works[i].slot for i, _ in rows], slots)
     ordered = [rows[j] for j in order.tolist()]
     rank, size = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
-    share = -(-len(ordered) // size)  # every rank runs as many rows: padding where the rows run out
-    mine = list(enumerate(ordered))[rank * share:(rank + 1) * share]
+    share = -(-len(ordered) // size)
+    batches = micro_batches(list(enumerate(ordered))[rank * share:(rank + 1) * share], limits.micro_batch_tokens)
+    count = torch.tensor(len(batches), device=device)
+    if group is not None:  # every rank runs as many forwards and backwards (FSDP's are collective)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
     trains = any(not works[i].request.forward_only for i in valid)
-    logprobs, losses = _run_rows(model, works, mine, share, slots, device, trains, group)
+    logprobs: dict[int, np.ndarray] = {}
+    losses = {i: 0.0 for i in valid}
+    try:
+        for batch in batches + [[]] * (int(count) - len(batches)):  # [] runs one padding row
+            _run_rows(model, works, batch, slots, device, trains, logprobs, losses)
+    finally:
+        route(model, None)
+    release_freed_host_memory()  # a step's activations are gone: give their pages back (CPU)
     if group is not None:  # every rank ends with every row's log-probs and every request's loss
         shared: list = [None] * size
         dist.all_gather_object(shared, (logprobs, losses), group=group)
         logprobs = {r: lp for part, _ in shared for r, lp in part.items()}
-        losses = {i: sum(part.get(i, 0.0) for _, part in shared) for i in valid}
+        losses = {i: sum(part[i] for _, part in shared) for i in valid}
     for i in valid:
         own = [r for r, (work, _) in enumerate(ordered) if work == i]
         by_datum = {id(ordered[r][1]): logprobs[r] for r in own}
@@ -105,49 +119,53 @@ def run_step(model: nn.Module, works: Sequence[Work], slots: int, limits: Limits
     return outcomes
 
 
-def _run_rows(model: nn.Module, works: Sequence[Work], mine: list[tuple[int, tuple[int, Datum]]], share: int,
-              slots: int, device: torch.device, trains: bool,
-              group: dist.ProcessGroup | None) -> tuple[dict[int, np.ndarray], dict[int, float]]:
-    """This rank's rows (index in the step, (work, datum)), padded to `share` rows of one masked token, in
-    one forward and (with `trains`) one backward; each real row's log-probs and each work's loss here."""
-    pad = share - len(mine)
-    local_slots = [works[i].slot for _, (i, _) in mine] + [0] * pad
-    order, segments = group_rows(local_slots, slots)  # a rank's share is sorted already but for the padding
-    placed = [(mine[j] if j < len(mine) else None) for j in order.tolist()]
-    width = max([len(d.tokens) for _, (_, d) in mine] or [1])
-    tokens = torch.zeros(share, width, dtype=torch.int64)
+Row = tuple[int, tuple[int, Datum]]
+"""A row of a step: its index in the step, and (its work, its datum)."""
+
+
+def micro_batches(rows: list[Row], max_tokens: int) -> list[list[Row]]:
+    """`rows` cut in order into runs of at most `max_tokens` padded tokens (rows x the longest), one row at
+    least each."""
+    batches: list[list[Row]] = []
+    width = 0
+    for row in rows:
+        n = len(row[1][1].tokens)
+        if batches and (len(batches[-1]) + 1) * max(width, n) <= max_tokens:
+            batches[-1].append(row)
+            width = max(width, n)
+        else:
+            batches.append([row])
+            width = n
+    return batches
+
+
+def _run_rows(model: nn.Module, works: Sequence[Work], rows: list[Row], slots: int, device: torch.device,
+              trains: bool, logprobs: dict[int, np.ndarray], losses: dict[int, float]) -> None:
+    """One forward of `rows` (sorted by slot; none: one masked padding row) and, with `trains`, one backward;
+    each row's log-probs into `logprobs`, each work's loss added into `losses`."""
+    _, segments = group_rows([works[i].slot for _, (i, _) in rows] or [0], slots)  # rows come sorted by slot
+    width = max([len(d.tokens) for _, (_, d) in rows] or [1])
+    tokens = torch.zeros(max(len(rows), 1), width, dtype=torch.int64)
     labels = torch.zeros_like(tokens)
-    mask = torch.zeros(share, width, dtype=torch.bool)
-    for r, row in enumerate(placed):
-        if row is not None:
-            datum = row[1][1]
-            n = len(datum.tokens)
-            tokens[r, :n] = torch.from_numpy(datum.tokens)
-            labels[r, :n] = torch.from_numpy(datum.inputs["target_tokens"].astype(np.int64))
-            mask[r, :n] = True
+    mask = torch.zeros(tokens.shape, dtype=torch.bool)
+    for r, (_, (_, datum)) in enumerate(rows):
+        n = len(datum.tokens)
+        tokens[r, :n] = torch.from_numpy(datum.tokens)
+        labels[r, :n] = torch.from_numpy(datum.inputs["target_tokens"].astype(np.int64))
+        mask[r, :n] = True
     tokens, labels, mask = tokens.to(device), labels.to(device), mask.to(device)
-    logprobs: dict[int, np.ndarray] = {}
-    losses = {i: 0.0 for _, (i, _) in mine}
-    try:
-        with torch.set_grad_enabled(trains):
-            logp = chunked_token_logprobs(model, tokens, labels, mask,
-                                          chunk_count(mask, LOGPROB_CHUNK_TOKENS, group), segments)
-            total = None
-            for r, row in enumerate(placed):
-                if row is None:
-                    continue
-                index, (i, datum) = row
-                n = len(datum.tokens)
-                request = works[i].request
-                inputs = {k: torch.as_tensor(v, device=device).float() for k, v in datum.inputs.items()
-                          if k != "target_tokens"}
-                loss = datum_loss(request.loss_fn, logp[r, :n], inputs, request.config)
-                losses[i] += float(loss.detach())
-                logprobs[index] = logp[r, :n].detach().float().cpu().numpy()
-                if not request.forward_only:
-                    total = loss if total is None else total + loss
-            if trains:  # every rank runs the backward, with rows to train or none: FSDP's is collective
-                (torch.where(mask, logp, 0.0).sum() * 0.0 if total is None else total).backward()
-    finally:
-        route(model, None)
-    return logprobs, losses
+    with torch.set_grad_enabled(trains):
+        logp = chunked_token_logprobs(model, tokens, labels, mask, 1, segments)
+        total = None
+        for r, (index, (i, datum)) in enumerate(rows):
+            n = len(datum.tokens)
+            request = works[i].request
+            inputs = {k: torch.as_tensor(v, device=device).float() for k, v in datum.inputs.items()
+                      if k != "target_tokens"}
+            loss = datum_loss(request.loss_fn, logp[r, :n], inputs, request.config)
+            losses[i] += float(loss.detach())
+            logprobs[index] = logp[r, :n].detach().float().cpu().numpy()
+            if not request.forward_only:
+                total = loss if total is None else total + loss
+        if trains:  # every rank runs the backward, with rows to train or none: FSDP's is collective
+            (torch.where(mask, logp, 0.0).sum() * 0.0 if total is None else total).backward()
