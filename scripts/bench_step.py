@@ -304,7 +304,7 @@ def profile(step: Callable[[], None], device: torch.device, variant: str) -> Non
 
 
 def report(args: argparse.Namespace, results: dict[str, Result], device: torch.device, world: int) -> None:
-    """The table: p50/p90 per variant beside the floor, the LoRA/full ratio and the issue's baseline."""
+    """The table: p50/p90 per variant beside the floor, the LoRA/full ratio and the baseline."""
     full, floor = results["full"], results["floor"]
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"\n{args.model} {args.flavor}, {full.layers} layers, {full.params / 1e9:.3f}B params, seq {args.seq_len} "
