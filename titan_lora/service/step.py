@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from titan_lora.lora.multi_rows import group_rows, route
-from titan_lora.rl.logprobs import chunked_token_logprobs
+from titan_lora.rl.logprobs import routed_token_logprobs
 from titan_lora.service.losses import LossInputError, check_loss, datum_loss
 from titan_lora.service.wire import Datum, ForwardBackward
 from titan_lora.trainer.host_memory import release_freed_host_memory
@@ -111,10 +111,11 @@ def run_step(model: nn.Module, works: Sequence[Work], slots: int, limits: Limits
         dist.all_gather_object(shared, (logprobs, losses), group=group)
         logprobs = {r: lp for part, _ in shared for r, lp in part.items()}
         losses = {i: sum(part[i] for _, part in shared) for i in valid}
+    by_datum: dict[int, dict[int, np.ndarray]] = {i: {} for i in valid}  # work -> id(datum) -> its log-probs
+    for r, (i, datum) in enumerate(ordered):
+        by_datum[i][id(datum)] = logprobs[r]
     for i in valid:
-        own = [r for r, (work, _) in enumerate(ordered) if work == i]
-        by_datum = {id(ordered[r][1]): logprobs[r] for r in own}
-        outcomes[i] = Outcome(logprobs=[by_datum[id(d)] for d in works[i].request.data],
+        outcomes[i] = Outcome(logprobs=[by_datum[i][id(d)] for d in works[i].request.data],
                               metrics={"loss:sum": losses[i]})
     return outcomes
 
@@ -155,7 +156,7 @@ def _run_rows(model: nn.Module, works: Sequence[Work], rows: list[Row], slots: i
         mask[r, :n] = True
     tokens, labels, mask = tokens.to(device), labels.to(device), mask.to(device)
     with torch.set_grad_enabled(trains):
-        logp = chunked_token_logprobs(model, tokens, labels, mask, 1, segments)
+        logp = routed_token_logprobs(model, segments, tokens, labels, mask)
         total = None
         for r, (index, (i, datum)) in enumerate(rows):
             n = len(datum.tokens)

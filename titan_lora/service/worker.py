@@ -144,10 +144,9 @@ class Worker:
             answer["sampling_session_id"] = self.publisher.sampling.open(model.key, path)
         return Result(json=answer)
 
-    def _state_file(self, model_id: str, name: str, kind: str = "weights") -> Path:
-        """Where a model's saved state (`kind` "weights") or named sampler weights ("sampler_weights") lie."""
-        folder = self.state_dir / model_id.replace(":", "_")
-        return folder / f"{name}.pt" if kind == "weights" else folder / kind / f"{name}.pt"
+    def _state_file(self, model_id: str, name: str, folder: str = "") -> Path:
+        """Where a model's saved state lies (named sampler weights: in its `folder` "sampler_weights")."""
+        return self.state_dir / model_id.replace(":", "_") / folder / f"{name}.pt"
 
     def _write(self, path: Path, state: dict) -> None:
         """Save `state` at `path` from one rank, whole or not at all (a crash mid-write leaves the last)."""
