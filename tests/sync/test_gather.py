@@ -11,6 +11,7 @@ from dist_helpers import needs_gpus, run_ranks
 from model_helpers import DEBUG_LORA, build_from, full_adapter, randomize_adapters
 from torch.distributed.tensor import DTensor
 
+from titan_lora.export.peft import RopeRows, TitanRopeOrder, hf_rope_permute
 from titan_lora.lora.layer import adapter_params
 from titan_lora.sync.gather import ShardGatherer
 from titan_lora.transfer.buckets import bucket_checksum, one_run, plan_buckets
@@ -162,3 +163,23 @@ def test_the_index_scatter_moves_8_byte_words_where_every_run_is_whole_words() -
     odd = [("k.lora_B", torch.randn(6, 3, generator=g).bfloat16())]  # rows of 3 elements: 6 bytes
     gatherer = ShardGatherer(odd, layouts=[rows], scatter="index")
     assert gatherer.word == 1 and torch.equal(gatherer.gather()["k.lora_B"], odd[0][1].flip(0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # numpy copies float32, torch the rest
+def test_a_rope_lora_b_goes_as_one_strided_copy_into_hf_order(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    rope = RopeRows(n_heads=3, head_dim=8)
+    named = [("q.lora_A", torch.randn(16, 40, generator=g).to(dtype)),
+             ("q.lora_B", torch.randn(24, 16, generator=g).to(dtype)),
+             ("v.lora_B", torch.randn(24, 16, generator=g).to(dtype))]
+    layout = [None, TitanRopeOrder(rope), None]
+    runs, index = ShardGatherer(named, layouts=layout, scatter="runs"), ShardGatherer(named, layouts=layout, scatter="index")
+    assert runs.scatter_kinds() == {"runs": 2, "strided": 1, "indexed": 0}
+    for _ in range(2):  # a step in place between: the copy reads the params each time
+        got = runs.gather()
+        assert torch.equal(got["q.lora_B"], hf_rope_permute(named[1][1], 3, 8)), "not HF's row order"
+        assert all(torch.equal(got[n], index.gather()[n]) for n, _ in named), "differs from the index scatter"
+        assert torch.equal(got["q.lora_A"], named[0][1]) and torch.equal(got["v.lora_B"], named[2][1])
+        with torch.no_grad():
+            for _, p in named:
+                p.mul_(-2).add_(1)

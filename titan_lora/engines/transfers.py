@@ -84,6 +84,20 @@ class Slab:
     holders: int = 1
     """Adapters whose tensors lie in it (several adapters sent together share slabs): it goes back to its
     pool when the last of them is dropped."""
+    parts: dict[int, list[tuple[int, dict[str, torch.Tensor], int]]] = dataclasses.field(default_factory=dict)
+    """Per adapter count of a set sent together: (adapter, its views under PEFT names, their bytes) for each
+    adapter with tensors here; made at the slab's first such commit (its views never change)."""
+
+    def split(self, count: int) -> list[tuple[int, dict[str, torch.Tensor], int]]:
+        """This slab's views by adapter, in a transfer of `count` adapters (`protocol.adapter_set_name`)."""
+        if count not in self.parts:
+            by_adapter: dict[int, dict[str, torch.Tensor]] = {}
+            for name, view in self.views.items():
+                k, tensor_name = adapter_set_part(name, count)
+                by_adapter.setdefault(k, {})[tensor_name] = view
+            self.parts[count] = [(k, views, sum(v.numel() * v.element_size() for v in views.values()))
+                                 for k, views in sorted(by_adapter.items())]
+        return self.parts[count]
 
 
 class SlabPool:
@@ -245,14 +259,11 @@ class TransferStore:
         parts = [Staged(staged.kind) for _ in range(count)]
         try:
             for layout, slab in staged.held:
-                owners = set()
-                for name, view in slab.views.items():
-                    k, tensor_name = adapter_set_part(name, count)
-                    parts[k].tensors[tensor_name] = view
-                    parts[k].nbytes += view.numel() * view.element_size()
-                    owners.add(k)
+                owners = slab.split(count)
                 slab.holders = len(owners)
-                for k in sorted(owners):
+                for k, views, nbytes in owners:
+                    parts[k].tensors.update(views)
+                    parts[k].nbytes += nbytes
                     parts[k].held.append((layout, slab))
         except ValueError:
             for layout, slab in staged.held:

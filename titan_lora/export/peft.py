@@ -70,8 +70,25 @@ def hf_rope_permute(rows: torch.Tensor, n_heads: int, head_dim: int) -> torch.Te
 
 def titan_rope_permute(rows: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
     """The inverse of `hf_rope_permute`: rotate-half (HF) rows back to interleaved (torchtitan)."""
-    _check_rows(rows, RopeRows(n_heads, head_dim))
-    return rows.view(n_heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(rows.shape)
+    return TitanRopeOrder(RopeRows(n_heads, head_dim)).strided(rows).reshape(rows.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class TitanRopeOrder:
+    """How the gather lays a RoPE lora_B into its output (`sync.gather.Layout`): HF rows, read in
+    torchtitan's order. Called on positions it permutes them; `strided` gives the same order as a view,
+    which the CPU gather copies into without an index."""
+
+    rope: RopeRows
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        """`titan_rope_permute` of `rows`."""
+        return self.strided(rows).reshape(rows.shape)
+
+    def strided(self, rows: torch.Tensor) -> torch.Tensor:
+        """`rows` (HF order) as a view whose elements, read in order, are torchtitan's order."""
+        _check_rows(rows, self.rope)
+        return rows.view(self.rope.n_heads, 2, self.rope.head_dim // 2, -1).transpose(1, 2)
 
 
 EXPERT_ADAPTER = re.compile(r"lora_([AB])_(gate_up_proj|down_proj)")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import types
 from pathlib import Path
 from typing import Any
@@ -12,7 +11,7 @@ import torch.nn as nn
 from titan_lora.clients.base import AdapterPayload
 from titan_lora.config import LoRA
 from titan_lora.export.peft import (
-    PeftLayout, expert_layout, peft_config, peft_name_and_rope, save_peft_dir, titan_rope_permute,
+    PeftLayout, expert_layout, peft_config, peft_name_and_rope, save_peft_dir, TitanRopeOrder,
 )
 from titan_lora.lora.layer import LoRAExperts, adapter_params, lora_modules
 from titan_lora.lora.targets import hf_leaf_names, leaf_names_of
@@ -29,9 +28,7 @@ def peft_names_and_layouts(names: list[str], layout: PeftLayout, shapes: list[tu
     permute."""
     named = [peft_name_and_rope(name, layout) for name in names]
     experts = [expert_layout(name, shape) for name, shape in zip(names, shapes or [()] * len(names))]
-    layouts = [expert.to_trainer if expert is not None else
-               None if rope is None else functools.partial(titan_rope_permute, n_heads=rope.n_heads,
-                                                           head_dim=rope.head_dim)
+    layouts = [expert.to_trainer if expert is not None else None if rope is None else TitanRopeOrder(rope)
                for (_, rope), expert in zip(named, experts)]
     return [peft for peft, _ in named], layouts, [None if e is None else e.peft_shape for e in experts]
 

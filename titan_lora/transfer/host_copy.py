@@ -61,6 +61,20 @@ def in_two(
         pending.result()  # never return while the helper still writes
 
 
+def on_two_threads(work: Callable[[int, int], None], count: int) -> None:
+    """`work(0, count)` as two calls over halves of the range, the first on the helper thread (numpy work:
+    see the module's note on torch ops there); done on return."""
+    cut = count // 2
+    if not cut:
+        work(0, count)
+        return
+    pending = _helper.submit(work, 0, cut)
+    try:
+        work(cut, count)
+    finally:
+        pending.result()  # never return while the helper still works
+
+
 def _copy_on_one_thread(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
     """`torch._foreach_copy_(dsts, srcs)` on the calling thread alone: numpy copies the bytes of each pair of
     contiguous host tensors of one dtype and size; any other pair takes torch's copy."""
@@ -80,9 +94,13 @@ def _numpy_bytes(t: torch.Tensor) -> np.ndarray | None:
 
 
 def _numpy_pair(dst: torch.Tensor, src: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
-    """(dst bytes, src bytes) where copying the bytes is `dst.copy_(src)`: one dtype, one size, numpy-held."""
+    """(dst, src) as numpy arrays where `np.copyto` of them is `dst.copy_(src)`: one dtype, one size, both
+    numpy-held; a strided `dst` of `src`'s shape is copied element by element in order (float32 only)."""
     if dst.dtype != src.dtype or dst.numel() != src.numel():
         return None
+    if not dst.is_contiguous() and dst.shape == src.shape and dst.dtype == torch.float32 \
+            and dst.device.type == src.device.type == "cpu" and src.is_contiguous():
+        return dst.detach().numpy(), src.detach().numpy()
     d, s = _numpy_bytes(dst), _numpy_bytes(src)
     return None if d is None or s is None else (d, s)
 

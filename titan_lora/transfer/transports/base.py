@@ -25,6 +25,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from titan_lora.transfer.host_copy import copy_flat
+from titan_lora.transfer.host_passes import host_copy_with_checksum
 from titan_lora.transfer.kernels import copy_with_checksum
 
 
@@ -167,8 +168,11 @@ class Fetcher(abc.ABC):
 
 
 def _copy_out(into: torch.Tensor, source: torch.Tensor, graphed: bool) -> str | None:
-    """Copy `source` into `into`: on one GPU with its checksum in the same pass (returned), else plainly."""
+    """Copy `source` into `into` with its checksum in the same pass (returned) on one GPU or on the host,
+    else plainly (None: the caller reads the copy for its checksum)."""
     copied = copy_with_checksum(into, source, graphed=graphed)
+    if copied is None:
+        copied = host_copy_with_checksum(into, source)
     if copied is None:
         copy_flat(into, source)
     return copied
