@@ -54,11 +54,7 @@ def in_two(
     head = [a[:cut] if isinstance(a, list) else a for a in args]
     tail = [a[cut:] if isinstance(a, list) else a for a in args]
     helper_op = _copy_on_one_thread if op is torch._foreach_copy_ else op
-    pending = _helper.submit(helper_op, dsts[:cut], *head)
-    try:
-        op(dsts[cut:], *tail)
-    finally:
-        pending.result()  # never return while the helper still writes
+    _beside(lambda: helper_op(dsts[:cut], *head), lambda: op(dsts[cut:], *tail))
 
 
 def on_two_threads(work: Callable[[int, int], None], count: int) -> None:
@@ -68,11 +64,16 @@ def on_two_threads(work: Callable[[int, int], None], count: int) -> None:
     if not cut:
         work(0, count)
         return
-    pending = _helper.submit(work, 0, cut)
+    _beside(lambda: work(0, cut), lambda: work(cut, count))
+
+
+def _beside(on_helper: Callable[[], object], here: Callable[[], object]) -> None:
+    """`on_helper()` on the helper thread while `here()` runs on this one; both done on return."""
+    pending = _helper.submit(on_helper)
     try:
-        work(cut, count)
+        here()
     finally:
-        pending.result()  # never return while the helper still works
+        pending.result()  # never return while the helper still writes
 
 
 def _copy_on_one_thread(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
@@ -86,7 +87,7 @@ def _copy_on_one_thread(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tenso
             np.copyto(*pair)
 
 
-def _numpy_bytes(t: torch.Tensor) -> np.ndarray | None:
+def numpy_bytes(t: torch.Tensor) -> np.ndarray | None:
     """The bytes of a contiguous host tensor as a numpy array (no copy); None where numpy cannot hold them."""
     if t.device.type != "cpu" or not t.dim() or not t.is_contiguous() or t.is_conj() or t.is_neg():
         return None
@@ -101,7 +102,7 @@ def _numpy_pair(dst: torch.Tensor, src: torch.Tensor) -> tuple[np.ndarray, np.nd
     if not dst.is_contiguous() and dst.shape == src.shape and dst.dtype == torch.float32 \
             and dst.device.type == src.device.type == "cpu" and src.is_contiguous():
         return dst.detach().numpy(), src.detach().numpy()
-    d, s = _numpy_bytes(dst), _numpy_bytes(src)
+    d, s = numpy_bytes(dst), numpy_bytes(src)
     return None if d is None or s is None else (d, s)
 
 
@@ -126,16 +127,14 @@ class HostCopies:
 
     def run(self) -> None:
         """Every copy, done on return."""
-        if not self._helper_pairs:
-            if self._dsts:
-                torch._foreach_copy_(self._dsts, self._srcs)
-            return
-        pending = _helper.submit(_copy_pairs, self._helper_pairs)
-        try:
-            if self._dsts:
-                torch._foreach_copy_(self._dsts, self._srcs)
-        finally:
-            pending.result()  # never return while the helper still writes
+        if self._helper_pairs:
+            _beside(lambda: _copy_pairs(self._helper_pairs), self._copy_here)
+        else:
+            self._copy_here()
+
+    def _copy_here(self) -> None:
+        if self._dsts:
+            torch._foreach_copy_(self._dsts, self._srcs)
 
 
 def copy_flat(dst: torch.Tensor, src: torch.Tensor) -> None:

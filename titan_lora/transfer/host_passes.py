@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from titan_lora.transfer.buckets import CHECKSUM_CHUNK_WORDS, checksum_words, format_checksum
-from titan_lora.transfer.host_copy import on_two_threads
+from titan_lora.transfer.host_copy import numpy_bytes, on_two_threads
 
 CHUNK_BYTES = CHECKSUM_CHUNK_WORDS * 8
 BLOCK_CHUNKS = 64
@@ -30,11 +30,9 @@ ONE_PASS_MIN_BYTES = 32 << 20
 
 
 def _host_bytes(t: torch.Tensor) -> np.ndarray | None:
-    """The bytes of a flat, 8-byte aligned host uint8 tensor as numpy (no copy), else None."""
-    if t.device.type != "cpu" or t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous() \
-            or t.data_ptr() % 8:
-        return None
-    return t.numpy()
+    """The bytes of a contiguous, 8-byte aligned host tensor as numpy (no copy; int64 views need the
+    alignment), else None."""
+    return None if t.data_ptr() % 8 else numpy_bytes(t)
 
 
 def host_copy_with_checksum(dst: torch.Tensor, src: torch.Tensor, min_bytes: int = ONE_PASS_MIN_BYTES,
@@ -44,7 +42,7 @@ def host_copy_with_checksum(dst: torch.Tensor, src: torch.Tensor, min_bytes: int
     checksum in two passes)."""
     n = src.numel()
     d, s = _host_bytes(dst), _host_bytes(src)
-    if d is None or s is None or dst.numel() != n or not n or n < min_bytes:
+    if d is None or s is None or d.size != n or not n or n < min_bytes:
         return None
     full = n // CHUNK_BYTES
     sums = np.empty(full, dtype=np.int64)
